@@ -1,0 +1,25 @@
+"""What is trained: architectures (ArchSpec + registry), datasets and federated partitions."""
+
+from model_zoo.models import example_input
+from model_zoo.spec import (
+    ArchSpec,
+    InvalidInputShape,
+    ModelZooError,
+    UnknownArchitecture,
+    build,
+    families,
+    input_dtype,
+    register,
+)
+
+__all__ = [
+    "ArchSpec",
+    "InvalidInputShape",
+    "ModelZooError",
+    "UnknownArchitecture",
+    "build",
+    "example_input",
+    "families",
+    "input_dtype",
+    "register",
+]
