@@ -34,7 +34,9 @@ class ModelZooError(ValueError):
 
 class UnknownArchitecture(ModelZooError):
     def __init__(self, family: str, known: list[str]):
-        super().__init__(f"unknown architecture family {family!r}; known families: {', '.join(known)}")
+        super().__init__(
+            f"unknown architecture family {family!r}; known families: {', '.join(known)}"
+        )
         self.family = family
         self.known = known
 
@@ -130,13 +132,15 @@ _SEEDED_BUILD = threading.Lock()
 def build(spec: ArchSpec, *, seed: int | None = None) -> nn.Module:
     """Build a freshly initialised network for `spec`.
 
-    With `seed`, initialisation is reproducible and thread-safe (torch's global RNG is forked
+    With `seed`, initialisation is reproducible and thread-safe: torch's global RNG is forked
     under a lock, so clients building models on their own threads get the same weights for the
-    same seed); without it, torch's global RNG is used as is.
+    same seed. Without it, torch's global RNG is used as is, under the same lock, so an unseeded
+    build on one thread never draws numbers from under a seeded build on another.
     """
     fam = _family(spec.family)
     if seed is None:
-        return _call(fam, spec)
+        with _SEEDED_BUILD:
+            return _call(fam, spec)
     with _SEEDED_BUILD, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return _call(fam, spec)

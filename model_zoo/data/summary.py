@@ -1,0 +1,130 @@
+"""Human-readable views of a partition: a per-client table and a label-distribution plot."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .partition import Partition
+
+__all__ = ["format_split_table", "plot_label_distribution", "split_summary"]
+
+logger = logging.getLogger(__name__)
+
+_COLUMNS = ("client", "n_train", "n_val", "n_test", "n_total", "n_classes", "top_classes")
+
+
+def _labels(labels: np.ndarray | torch.Tensor | Sequence[int]) -> np.ndarray:
+    if isinstance(labels, torch.Tensor):
+        labels = labels.detach().cpu().numpy()
+    return np.asarray(labels).astype(np.int64)
+
+
+def split_summary(
+    partition: Partition,
+    labels: np.ndarray | torch.Tensor | Sequence[int],
+    *,
+    top: int = 3,
+    class_names: Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per client: client, n_train, n_val, n_test, n_total, n_classes and top_classes
+    (the `top` most frequent classes as (class, count) pairs, by name when `class_names`)."""
+    y = _labels(labels)
+    rows = []
+    for i, c in enumerate(partition.clients):
+        classes, counts = np.unique(y[c.indices], return_counts=True)
+        order = np.lexsort((classes, -counts))[:top]
+        top_classes = [
+            (class_names[int(classes[j])] if class_names else int(classes[j]), int(counts[j]))
+            for j in order
+        ]
+        rows.append(
+            {
+                "client": i,
+                "n_train": len(c.train),
+                "n_val": len(c.val),
+                "n_test": len(c.test),
+                "n_total": len(c),
+                "n_classes": len(classes),
+                "top_classes": top_classes,
+            }
+        )
+    return rows
+
+
+def format_split_table(rows: Sequence[dict[str, Any]]) -> str:
+    """`split_summary` rows as a plain-text table: numbers right-aligned, a header rule."""
+    cells = [list(_COLUMNS)]
+    for row in rows:
+        top = ", ".join(f"{c}:{n}" for c, n in row.get("top_classes", []))
+        cells.append([str(row[k]) for k in _COLUMNS[:-1]] + [top])
+    widths = [max(len(r[j]) for r in cells) for j in range(len(_COLUMNS))]
+
+    def line(r: list[str]) -> str:
+        numbers = [v.rjust(w) for v, w in zip(r[:-1], widths[:-1], strict=True)]
+        return "  ".join([*numbers, r[-1]]).rstrip()
+
+    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+def plot_label_distribution(
+    partition: Partition,
+    labels: np.ndarray | torch.Tensor | Sequence[int],
+    path: str | Path,
+    class_names: Sequence[str] | None = None,
+) -> Path:
+    """Stacked horizontal bars, one per client, one colour per class (all of the client's
+    samples). Written to a temporary file beside `path` and renamed, so a reader never sees a
+    half-written PNG. Returns the path."""
+    # The object-oriented API with the Agg canvas: no pyplot state, no GUI backend.
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    y = _labels(labels)
+    num_classes = int(y.max()) + 1 if len(y) else 0
+    counts = np.zeros((len(partition), num_classes), dtype=np.int64)
+    for i, c in enumerate(partition.clients):
+        counts[i] = np.bincount(y[c.indices], minlength=num_classes)
+    height = min(max(2.5, 0.28 * len(partition) + 1.5), 40.0)
+    fig = Figure(figsize=(9, height))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    palette = colormaps["tab20" if num_classes > 10 else "tab10"]
+    left = np.zeros(len(partition))
+    rows = np.arange(len(partition))
+    for k in range(num_classes):
+        if counts[:, k].any():
+            name = class_names[k] if class_names else str(k)
+            ax.barh(rows, counts[:, k], left=left, color=palette(k % palette.N), label=name)
+        left += counts[:, k]
+    ax.set_yticks(rows)
+    ax.set_yticklabels([str(i) for i in rows], fontsize=7 if len(partition) > 30 else 9)
+    ax.invert_yaxis()
+    ax.set_xlabel("samples")
+    ax.set_ylabel("client")
+    ax.set_title(f"label distribution per client ({partition.scheme})")
+    if 0 < num_classes <= 20:
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, title="class")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=100)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    logger.info("wrote label distribution plot %s", path)
+    return path
