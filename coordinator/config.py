@@ -1,0 +1,160 @@
+"""One typed config for a whole run, loadable from TOML, every field overridable.
+
+Precedence, written once here: field defaults < TOML file < CLI flags < `--set key=value`
+overrides (dotted keys for nested fields, e.g. `fml.alpha=0.3`, `data.partition_params.alpha=0.1`;
+values parse as JSON when they can, e.g. `models=["mlp","lenet5"]`, else as strings).
+Every algorithm registered in `edge_sdk.algorithms` gets a section named after it, holding its
+config with the defaults from algorithms.md; adding an algorithm adds its section by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from coordinator.server import RoundConfig
+from edge_sdk.algorithms import AlgorithmConfig, algorithm_class, algorithm_names
+
+__all__ = ["ConfigError", "DataConfig", "RunConfig", "load_config", "parse_overrides"]
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not validate; the message names the field."""
+
+
+class DataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: str = "digits"
+    root: str | None = None  # directory of the dataset files (never downloaded)
+    max_samples: int | None = Field(None, ge=1)  # seeded subset of the pooled dataset
+    options: dict[str, Any] = {}  # loader keyword arguments, e.g. {"size": 8} for digits
+    partition: str = "dirichlet"
+    partition_params: dict[str, Any] = {}  # e.g. {"alpha": 0.5}
+    split: tuple[float, float, float] = (0.6, 0.2, 0.2)  # per-client train/val/test [PersFL]
+
+
+class _RunConfigBase(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    algorithm: str = "fml"
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    rounds: int = Field(5, ge=1)
+    clients: int = Field(10, ge=1)
+    clients_per_round: int | None = Field(None, ge=1)
+    models: list[str] = ["lenet5"]  # one family for all, or a list assigned round-robin
+    global_model: str | None = None  # global/meme architecture; default: the first of `models`
+    model_kwargs: dict[str, dict[str, Any]] = {}  # per family, e.g. {"vgg11": {"width": 0.25}}
+    data: DataConfig = DataConfig()
+    round: RoundConfig = RoundConfig()
+    baselines: list[str] = []  # e.g. ["local", "fedavg"]: run with the same data for the metrics
+    out: str | None = None
+    export_onnx: bool = False
+    parallel: int = Field(2, ge=1)  # simulated clients training at once
+    run_id: str = "sim"
+
+    @model_validator(mode="after")
+    def _check_names(self) -> _RunConfigBase:
+        known = algorithm_names()
+        for name in [self.algorithm, *self.baselines]:
+            if name not in known:
+                raise ValueError(f"unknown algorithm {name!r}; known: {', '.join(known)}")
+        if not self.models:
+            raise ValueError("models must name at least one architecture family")
+        return self
+
+    def algorithm_config(self, name: str | None = None) -> AlgorithmConfig:
+        return getattr(self, name or self.algorithm)
+
+    @property
+    def global_family(self) -> str:
+        return self.global_model or self.models[0]
+
+
+def _make_run_config() -> type[_RunConfigBase]:
+    sections: dict[str, Any] = {}
+    for name in algorithm_names():
+        cls = algorithm_class(name).config_cls
+        sections[name] = (cls, Field(default_factory=cls))
+    return create_model("RunConfig", __base__=_RunConfigBase, **sections)
+
+
+RunConfig = _make_run_config()
+
+
+def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
+    """`["fml.alpha=0.3", "models=[\\"mlp\\"]"]` → {"fml.alpha": 0.3, "models": ["mlp"]}."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {pair!r} is not of the form key=value")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        child = node.get(p)
+        if not isinstance(child, dict):
+            child = node[p] = {} if child is None else _as_dict(child, dotted)
+        node = child
+    node[parts[-1]] = value
+
+
+def _as_dict(value: Any, dotted: str) -> dict[str, Any]:
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    raise ConfigError(f"cannot set {dotted!r}: {value!r} is not a section")
+
+
+def load_config(
+    path: str | Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    training: Mapping[str, Any] | None = None,
+) -> RunConfig:  # type: ignore[valid-type]
+    """Defaults < TOML at `path` < `flags` (dotted keys, None = not given) < `overrides`.
+
+    `training` holds the common local-training flags (local_epochs, batch_size, lr): they apply
+    to the run's algorithm and to every baseline, so all are compared on the same budget.
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            tree = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: invalid TOML: {exc}") from exc
+    for key, value in (flags or {}).items():
+        if value is not None:
+            _set_dotted(tree, key, value)
+    algorithms = [tree.get("algorithm", "fml"), *tree.get("baselines", [])]
+    for key, value in (training or {}).items():
+        if value is not None:
+            for name in algorithms:
+                _set_dotted(tree, f"{name}.{key}", value)
+    for key, value in (overrides or {}).items():
+        _set_dotted(tree, key, value)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        msgs = "; ".join(
+            f"{'.'.join(str(x) for x in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid config: {msgs}") from exc

@@ -1,0 +1,281 @@
+"""The simulator: one Coordinator and N EdgeClients over the in-memory transport.
+
+Nothing here calls client code directly: the simulator loads and partitions the data, gives each
+EdgeClient its own split (as a device app brings its own data), starts the clients and the
+coordinator on one in-memory broker, and reads the results back from the coordinator. Baselines
+run the same way on the same split, and their per-client accuracies feed the QoI metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coordinator.config import RunConfig
+from coordinator.metrics import personalization_metrics
+from coordinator.server import Coordinator, RoundRecord, RunResult
+from edge_sdk.client import EdgeClient
+from edge_sdk.device import resolve_device
+from edge_sdk.trainer import ClientData
+from edge_sdk.transport import InMemoryBroker
+from model_zoo import ArchSpec
+from model_zoo.data import Dataset, Partition, load_dataset, partition
+
+__all__ = ["Federation", "prepare_federation", "run_federation", "simulate"]
+
+log = logging.getLogger(__name__)
+
+# Algorithms whose clients all train the global architecture (baselines in a mixed federation).
+_ONE_ARCH = {"fedavg", "fedprox", "fedavg_ft"}
+
+
+@dataclass
+class Federation:
+    """The data side of a simulated federation: the dataset, its split, each client's tensors."""
+
+    dataset: Dataset
+    partition: Partition
+    client_ids: list[str]
+    client_data: list[ClientData]
+
+
+def prepare_federation(cfg: RunConfig) -> Federation:  # type: ignore[valid-type]
+    d = cfg.data
+    # The run's seed picks the subset; a generator's own seed (Synthetic's) stays in `options`.
+    subset = {"max_samples": d.max_samples, "seed": cfg.seed} if d.max_samples else {}
+    dataset = load_dataset(d.dataset, root=d.root, **subset, **d.options)
+    part = partition(
+        dataset.y.numpy(),
+        d.partition,
+        cfg.clients,
+        seed=cfg.seed,
+        split=d.split,
+        groups=dataset.groups,
+        **d.partition_params,
+    )
+    width = len(str(len(part) - 1))
+    ids = [f"c{i:0{width}d}" for i in range(len(part))]
+    datas = []
+    for cs in part.clients:
+        x, y = dataset.x, dataset.y
+        datas.append(
+            ClientData(
+                x_train=x[cs.train],
+                y_train=y[cs.train],
+                x_val=x[cs.val],
+                y_val=y[cs.val],
+                x_test=x[cs.test],
+                y_test=y[cs.test],
+                num_classes=dataset.num_classes,
+            )
+        )
+    return Federation(dataset, part, ids, datas)
+
+
+def _spec(cfg: RunConfig, family: str, dataset: Dataset) -> ArchSpec:  # type: ignore[valid-type]
+    return ArchSpec(
+        family=family,
+        num_classes=dataset.num_classes,
+        input_shape=tuple(dataset.input_shape),
+        kwargs=cfg.model_kwargs.get(family, {}),
+    )
+
+
+def run_federation(
+    cfg: RunConfig,  # type: ignore[valid-type]
+    fed: Federation,
+    algorithm: str,
+    *,
+    models: list[str] | None = None,
+    export_dir: Path | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
+) -> RunResult:
+    """Run one algorithm: N EdgeClients and a Coordinator on a fresh in-memory broker."""
+    device = resolve_device(cfg.device)
+    families = models or cfg.models
+    broker = InMemoryBroker()
+    coordinator = Coordinator(
+        broker.connect(),
+        algorithm=algorithm,
+        config=cfg.algorithm_config(algorithm),
+        rounds=cfg.rounds,
+        expected_clients=len(fed.client_ids),
+        clients_per_round=cfg.clients_per_round,
+        global_model=cfg.global_family if algorithm not in {"local"} else None,
+        model_kwargs=cfg.model_kwargs,
+        round_config=cfg.round,
+        run_id=f"{cfg.run_id}-{algorithm}",
+        seed=cfg.seed,
+        export_onnx=export_dir is not None,
+        on_round=on_round,
+    ).open()
+    gate = threading.Semaphore(cfg.parallel)
+    clients = []
+    for i, (cid, data) in enumerate(zip(fed.client_ids, fed.client_data, strict=True)):
+        family = families[i % len(families)]
+        clients.append(
+            EdgeClient(
+                cid,
+                _spec(cfg, family, fed.dataset),
+                data,
+                broker.connect(),
+                run_id=f"{cfg.run_id}-{algorithm}",
+                device=device,
+                seed=cfg.seed * 7919 + i,
+                onnx_path=export_dir / f"{cid}.onnx" if export_dir else None,
+                class_names=fed.dataset.classes,
+                normalization=fed.dataset.normalization,
+                compute_gate=gate,
+            ).start()
+        )
+    try:
+        return coordinator.run()
+    finally:
+        for c in clients:
+            c.stop()
+
+
+def simulate(
+    cfg: RunConfig,  # type: ignore[valid-type]
+    *,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the configured algorithm and its baselines; write results, report and plots to `out`."""
+    from tqdm.auto import tqdm
+
+    fed = prepare_federation(cfg)
+    out = Path(cfg.out) if cfg.out else None
+    log.info(
+        "%s on %s (%s, %d clients): %s",
+        cfg.algorithm,
+        cfg.data.dataset,
+        cfg.data.partition,
+        len(fed.client_ids),
+        cfg.models,
+    )
+    runs: dict[str, RunResult] = {}
+    for name in [cfg.algorithm, *[b for b in cfg.baselines if b != cfg.algorithm]]:
+        bar = tqdm(total=cfg.rounds, desc=name, unit="round", disable=not progress, leave=True)
+
+        def tick(rec: RoundRecord, bar: Any = bar) -> None:
+            bar.update(1)
+            if rec.mean_personal_acc is not None:
+                bar.set_postfix(personal=f"{rec.mean_personal_acc:.3f}")
+
+        is_main = name == cfg.algorithm
+        models = [cfg.global_family] if (name in _ONE_ARCH and not is_main) else None
+        export_dir = out / "onnx" if (out and cfg.export_onnx and is_main) else None
+        runs[name] = run_federation(
+            cfg, fed, name, models=models, export_dir=export_dir, on_round=tick
+        )
+        bar.close()
+    results = build_results(cfg, runs)
+    if out is not None:
+        write_results(results, out)
+    return results
+
+
+def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:  # type: ignore[valid-type]
+    """The results.json structure: main run, per-client comparison with baselines, metrics."""
+    main = runs[cfg.algorithm]
+    local = {c.id: c.personal_acc for c in runs["local"].clients} if "local" in runs else {}
+    fedavg_run = runs.get("fedavg")
+    fedavg_global = {c.id: c.global_acc for c in fedavg_run.clients} if fedavg_run else {}
+    clients = []
+    for c in main.clients:
+        glob = c.global_acc if c.global_acc is not None else fedavg_global.get(c.id)
+        clients.append(
+            {
+                "id": c.id,
+                "arch": c.arch,
+                "n_train": c.n_train,
+                "personal_acc": c.personal_acc,
+                "global_acc": glob,
+                "local_acc": local.get(c.id),
+                **({"error": c.error} if c.error else {}),
+            }
+        )
+    personal = [c["personal_acc"] for c in clients]
+    summary: dict[str, Any] = {
+        "mean_personal_acc": _mean(personal),
+        "global_acc": main.rounds[-1].global_acc if main.rounds else None,
+        "wall_seconds": sum(r.wall_seconds for r in runs.values()),
+    }
+    g = [c["global_acc"] for c in clients]
+    loc = [c["local_acc"] for c in clients]
+    if all(v is not None for v in personal + g + loc) and clients:
+        summary["metrics"] = personalization_metrics(personal, g, loc)
+    elif cfg.baselines:
+        log.warning("metrics skipped: some client lacks a personal, global or local accuracy")
+    return {
+        "config": cfg.model_dump(mode="json"),
+        "algorithm": cfg.algorithm,
+        "rounds": [
+            {
+                "round": r.round,
+                "seconds": round(r.seconds, 4),
+                "mean_personal_acc": r.mean_personal_acc,
+                "global_acc": r.global_acc,
+                "failed": r.failed,
+                "replied": len(r.replied),
+                "trained": len(r.trained),
+            }
+            for r in main.rounds
+        ],
+        "clients": clients,
+        "summary": summary,
+        "baselines": {
+            name: {
+                "summary": {
+                    "mean_personal_acc": _mean([c.personal_acc for c in run.clients]),
+                    "global_acc": run.rounds[-1].global_acc if run.rounds else None,
+                    "wall_seconds": run.wall_seconds,
+                },
+                "clients": [
+                    {
+                        "id": c.id,
+                        "arch": c.arch,
+                        "personal_acc": c.personal_acc,
+                        "global_acc": c.global_acc,
+                    }
+                    for c in run.clients
+                ],
+            }
+            for name, run in runs.items()
+            if name != cfg.algorithm
+        },
+    }
+
+
+def write_results(results: dict[str, Any], out: Path) -> Path:
+    """results.json (atomically) plus report.md and its plots."""
+    from coordinator.report import write_report
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=".results-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(results, f, indent=2, default=_json_default)
+    os.replace(tmp, path)
+    write_report(results, out)
+    return path
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _mean(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None

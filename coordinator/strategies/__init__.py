@@ -1,0 +1,28 @@
+"""Server halves of the algorithms, one file each, registered by name on import."""
+
+from coordinator.strategies import fedavg, fedavg_ft, fedprox, fml, local, pfml  # noqa: F401
+from coordinator.strategies.base import (
+    ClientInfo,
+    FitReply,
+    GlobalModelStrategy,
+    IncompatibleClients,
+    Strategy,
+    StrategyError,
+    register_strategy,
+    strategy_class,
+    strategy_names,
+    weighted_mean,
+)
+
+__all__ = [
+    "ClientInfo",
+    "FitReply",
+    "GlobalModelStrategy",
+    "IncompatibleClients",
+    "Strategy",
+    "StrategyError",
+    "register_strategy",
+    "strategy_class",
+    "strategy_names",
+    "weighted_mean",
+]

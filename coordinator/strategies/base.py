@@ -1,0 +1,228 @@
+"""The server half of an algorithm: who trains, with what, and how replies fold into the state.
+
+The round loop lives once in `coordinator.server`; a Strategy only fills in the per-round hooks
+(`configure_fit`, `aggregate_fit`, the models sent for evaluation and finalisation) and keeps its
+whole state round-trippable through `state_dict()` / `load_state_dict()` for checkpoints.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from edge_sdk.algorithms import AlgorithmConfig, algorithm_class
+from edge_sdk.codec import WireModel
+from edge_sdk.protocol import Capabilities
+from model_zoo import ArchSpec, build
+
+__all__ = [
+    "ClientInfo",
+    "FitReply",
+    "GlobalModelStrategy",
+    "IncompatibleClients",
+    "Strategy",
+    "StrategyError",
+    "register_strategy",
+    "strategy_class",
+    "strategy_names",
+    "weighted_mean",
+]
+
+
+class StrategyError(ValueError):
+    """A reply or configuration the strategy cannot fold in."""
+
+
+class IncompatibleClients(StrategyError):
+    """The registered clients cannot run this algorithm together (e.g. FedAvg across archs)."""
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    id: str
+    spec: ArchSpec
+    capabilities: Capabilities
+
+
+@dataclass
+class FitReply:
+    client_id: str
+    models: dict[str, WireModel]
+    metrics: dict[str, float] = field(default_factory=dict)
+    n_samples: int = 0
+
+
+def weighted_mean(
+    states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
+) -> dict[str, torch.Tensor]:
+    """Σ w_i·s_i / Σ w_i per float tensor; integer buffers (BN step counters) take the max."""
+    if not states or len(states) != len(weights):
+        raise StrategyError(f"cannot average {len(states)} states with {len(weights)} weights")
+    total = float(sum(weights))
+    if total <= 0:
+        raise StrategyError(f"aggregation weights sum to {total}")
+    out: dict[str, torch.Tensor] = {}
+    for key in states[0]:
+        tensors = [s[key] for s in states]
+        if tensors[0].is_floating_point():
+            acc = torch.zeros_like(tensors[0], dtype=torch.float64)
+            for t, w in zip(tensors, weights, strict=True):
+                acc += t.to(torch.float64) * (w / total)
+            out[key] = acc.to(tensors[0].dtype)
+        else:
+            out[key] = torch.stack(tensors).max(dim=0).values
+    return out
+
+
+class Strategy(ABC):
+    name: ClassVar[str]
+
+    def __init__(
+        self,
+        config: AlgorithmConfig,
+        *,
+        clients: Mapping[str, ClientInfo],
+        global_spec: ArchSpec | None,
+        rounds: int,
+        clients_per_round: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.config = config
+        self.clients = dict(sorted(clients.items()))
+        self.global_spec = global_spec
+        self.rounds = rounds
+        self.clients_per_round = clients_per_round
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+
+    # -- hooks -----------------------------------------------------------------------------
+    def setup(self) -> None:  # noqa: B027  (optional hook: most strategies need no setup)
+        """Check the clients can run together and build the initial state."""
+
+    def sample(self, round_: int) -> list[str]:
+        """Clients that train this round: all, or `clients_per_round` drawn without replacement."""
+        ids = list(self.clients)
+        k = self.clients_per_round
+        if k is None or k >= len(ids):
+            return ids
+        return sorted(self.rng.choice(ids, size=k, replace=False).tolist())
+
+    def configure_fit(self, round_: int) -> dict[str, dict[str, WireModel]]:
+        """Per client that trains this round, the models its task carries."""
+        shared = self.eval_models()
+        return {cid: shared for cid in self.sample(round_)}
+
+    @abstractmethod
+    def aggregate_fit(self, round_: int, replies: Mapping[str, FitReply]) -> None:
+        """Fold the valid replies (sorted by client id) into the state."""
+
+    def expected_models(self, client_id: str) -> dict[str, ArchSpec]:
+        """Models (name → spec) a fit reply from this client must carry."""
+        return {}
+
+    @property
+    def partial_models(self) -> frozenset[str]:
+        """Names of reply models that may carry a subset of their tensors."""
+        return frozenset()
+
+    def eval_models(self) -> dict[str, WireModel]:
+        """Models sent with evaluation tasks (typically the global model)."""
+        return {}
+
+    def finalize_models(self) -> dict[str, WireModel]:
+        return self.eval_models()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
+
+
+class GlobalModelStrategy(Strategy):
+    """A strategy with one global model of `global_spec` (FedAvg and friends, FML, PFML)."""
+
+    def setup(self) -> None:
+        if self.global_spec is None:
+            raise StrategyError(
+                f"{self.name} needs a global model architecture: the clients run different "
+                "architectures, so name one with `global_model` (e.g. --set global_model=lenet5)"
+            )
+        self.global_weights = {
+            k: v.detach().clone()
+            for k, v in build(self.global_spec, seed=self.seed).state_dict().items()
+        }
+
+    @property
+    def global_model(self) -> WireModel:
+        assert self.global_spec is not None
+        return WireModel(self.global_spec, self.global_weights)
+
+    def eval_models(self) -> dict[str, WireModel]:
+        return {"global": self.global_model}
+
+    def _require_classes(self) -> None:
+        assert self.global_spec is not None
+        bad = {
+            c.id: c.capabilities.num_classes
+            for c in self.clients.values()
+            if c.capabilities.num_classes != self.global_spec.num_classes
+        }
+        if bad:
+            raise IncompatibleClients(
+                f"{self.name}: global model has {self.global_spec.num_classes} classes but "
+                f"clients have {bad}"
+            )
+
+    def _require_same_arch(self) -> None:
+        archs = {c.id: str(c.spec) for c in self.clients.values() if c.spec != self.global_spec}
+        if archs:
+            raise IncompatibleClients(
+                f"{self.name} averages one architecture; the global model is {self.global_spec} "
+                f"but clients registered {archs}. Use fml or pfml for heterogeneous models."
+            )
+
+    def _weights(self, replies: Mapping[str, FitReply]) -> list[float]:
+        if getattr(self.config, "weighting", "uniform") == "by_samples":
+            return [float(max(1, r.n_samples)) for r in replies.values()]
+        return [1.0] * len(replies)
+
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() | {"global": dict(self.global_weights)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.global_weights = {k: v.clone() for k, v in state["global"].items()}
+
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register_strategy(cls: type[Strategy]) -> type[Strategy]:
+    if cls.name in _REGISTRY:
+        raise ValueError(f"strategy {cls.name!r} is already registered")
+    algorithm_class(cls.name)  # every strategy has its device half under the same name
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    import coordinator.strategies  # noqa: F401  (registers every strategy)
+
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise StrategyError(
+            f"unknown algorithm {name!r}; known: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def strategy_names() -> list[str]:
+    import coordinator.strategies  # noqa: F401
+
+    return sorted(_REGISTRY)

@@ -1,0 +1,30 @@
+"""fedavg: the global model becomes the (sample-weighted or uniform) mean of client models."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from coordinator.strategies.base import (
+    FitReply,
+    GlobalModelStrategy,
+    register_strategy,
+    weighted_mean,
+)
+from model_zoo import ArchSpec
+
+
+@register_strategy
+class FedAvgStrategy(GlobalModelStrategy):
+    name = "fedavg"
+
+    def setup(self) -> None:
+        super().setup()
+        self._require_same_arch()
+
+    def expected_models(self, client_id: str) -> dict[str, ArchSpec]:
+        assert self.global_spec is not None
+        return {"model": self.global_spec}
+
+    def aggregate_fit(self, round_: int, replies: Mapping[str, FitReply]) -> None:
+        states = [r.models["model"].weights for r in replies.values()]
+        self.global_weights = weighted_mean(states, self._weights(replies))

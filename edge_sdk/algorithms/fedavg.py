@@ -1,0 +1,69 @@
+"""fedavg: train the received global model locally, send it back to be averaged (McMahan et al.)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+import torch
+from torch import nn
+
+from edge_sdk.algorithms.base import (
+    AlgorithmConfig,
+    ClientAlgorithm,
+    ClientContext,
+    FitResult,
+    register_algorithm,
+)
+from edge_sdk.codec import WireModel
+from model_zoo import ArchSpec
+
+__all__ = ["FedAvg", "FedAvgConfig"]
+
+
+class FedAvgConfig(AlgorithmConfig):
+    # Server-side: average weighted by client sample counts (McMahan) or uniformly.
+    weighting: Literal["uniform", "by_samples"] = "by_samples"
+
+
+@register_algorithm
+class FedAvg(ClientAlgorithm):
+    """The client's model is the global model: personalized accuracy = global model, own test."""
+
+    name = "fedavg"
+    config_cls = FedAvgConfig
+
+    def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
+        super().__init__(ctx, config)
+        self.model = self._build(ctx.spec)
+
+    def _load_global(self, models: Mapping[str, WireModel]) -> WireModel:
+        glob = self._require(models, "global")
+        self._require_same_arch(glob)
+        self.model.load_state_dict(glob.weights)
+        return glob
+
+    def _extra_loss(self, glob: WireModel) -> Callable[[nn.Module], torch.Tensor] | None:
+        return None  # FedProx adds its proximal term here
+
+    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        glob = self._load_global(models)
+        cfg, trainer = self.config, self.ctx.trainer
+        opt = trainer.optimizer(self.model.parameters(), cfg, lr=cfg.lr_at(round_, rounds))
+        loss = trainer.train_epochs(
+            self.model, self.ctx.data, cfg, optimizer=opt, extra_loss=self._extra_loss(glob)
+        )
+        return FitResult(
+            models={"model": WireModel.of(self.ctx.spec, self.model)},
+            metrics={"train_loss": loss},
+            n_samples=self.ctx.data.n_train,
+        )
+
+    def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
+        if "global" in models:
+            self._load_global(models)
+        scores = self._scores("personal", self.model)
+        return scores | {k.replace("personal", "global"): v for k, v in scores.items()}
+
+    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+        return self.ctx.spec, self.model

@@ -1,0 +1,50 @@
+"""fedavg_ft: FedAvg, then each client fine-tunes the final global model on its own data.
+
+The FedMe paper found this simple baseline beats most personalized methods; keep it honest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pydantic import Field
+
+from edge_sdk.algorithms.base import FitResult, register_algorithm
+from edge_sdk.algorithms.fedavg import FedAvg, FedAvgConfig
+from edge_sdk.codec import WireModel
+
+__all__ = ["FedAvgFT", "FedAvgFTConfig"]
+
+
+class FedAvgFTConfig(FedAvgConfig):
+    ft_epochs: int = Field(5, ge=0)  # [ours] fine-tuning epochs after the last round
+
+
+@register_algorithm
+class FedAvgFT(FedAvg):
+    name = "fedavg_ft"
+    config_cls = FedAvgFTConfig
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.finetuned = False
+
+    def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
+        if not self.finetuned:
+            return super().evaluate(models)
+        return self._scores("personal", self.model)  # the fine-tuned model, never overwritten
+
+    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        scores = super().evaluate(models)  # global model on the client's own test split
+        cfg, trainer = self.config, self.ctx.trainer
+        opt = trainer.optimizer(self.model.parameters(), cfg, lr=cfg.lr_at(rounds, rounds))
+        loss = trainer.train_epochs(
+            self.model,
+            self.ctx.data,
+            cfg,
+            optimizer=opt,
+            epochs=cfg.ft_epochs,  # type: ignore[attr-defined]
+        )
+        self.finetuned = True
+        scores |= self._scores("personal", self.model)
+        return FitResult(metrics=scores | {"ft_loss": loss}, n_samples=self.ctx.data.n_train)

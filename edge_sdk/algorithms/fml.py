@@ -1,0 +1,126 @@
+"""fml: Federated Mutual Learning (Shen et al., FITEE 2023; paper 001).
+
+Each client holds a personalized model (its own architecture, never leaves the device) and a meme
+model (the global architecture). Per round the meme is set to the global model with a fresh
+optimizer (the personalized optimizer keeps its momentum) and both models learn from the labels
+and from each other, stepping together on every batch:
+
+    L_personal = α·CE(z_p, y) + (1−α)·KL(z_m.detach() || z_p)
+    L_meme     = β·CE(z_m, y) + (1−β)·KL(z_p.detach() || z_m)
+
+Each loss only reaches its own model's parameters (the other side is detached), so one backward
+pass of the sum gives both gradients.
+
+Objective heterogeneity: with `shared_prefixes`, only state-dict keys under those prefixes are
+global (a shared backbone); each client's meme keeps its own head sized to its own classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from edge_sdk.algorithms.base import (
+    AlgorithmConfig,
+    ClientAlgorithm,
+    ClientContext,
+    FitResult,
+    register_algorithm,
+)
+from edge_sdk.codec import WireModel, state_of
+from edge_sdk.losses import cross_entropy, kl_distill
+from model_zoo import ArchSpec
+
+__all__ = ["FML", "FMLConfig", "shared_keys"]
+
+
+class FMLConfig(AlgorithmConfig):
+    alpha: float = Field(0.5, ge=0, le=1)  # personalized model: weight of CE vs KL [code]
+    beta: float = Field(0.5, ge=0, le=1)  # meme model: weight of CE vs KL [code]
+    lr_schedule: Literal["none", "step"] = "step"  # lr ×0.1 every ⌊R/3⌋ rounds [code]
+    # Server: meme averaging, uniform by default (the paper drops n_k/n) [paper].
+    weighting: Literal["uniform", "by_samples"] = "uniform"
+    # State-dict key prefixes that are global (e.g. ["features."]); empty = the whole model.
+    shared_prefixes: list[str] = Field(default_factory=list)
+
+
+def shared_keys(
+    weights: Mapping[str, torch.Tensor], prefixes: list[str]
+) -> dict[str, torch.Tensor]:
+    """The part of a state dict that is global under `prefixes` (all of it when empty)."""
+    if not prefixes:
+        return dict(weights)
+    return {k: v for k, v in weights.items() if any(k.startswith(p) for p in prefixes)}
+
+
+@register_algorithm
+class FML(ClientAlgorithm):
+    name = "fml"
+    config_cls = FMLConfig
+    config: FMLConfig
+
+    def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
+        super().__init__(ctx, config)
+        self.personal = self._build(ctx.spec)
+        self.opt_personal = ctx.trainer.optimizer(self.personal.parameters(), config)
+        self.meme: nn.Module | None = None
+        self.meme_spec: ArchSpec | None = None
+
+    @property
+    def partial_models(self) -> frozenset[str]:
+        return frozenset({"global"}) if self.config.shared_prefixes else frozenset()
+
+    def _meme_for(self, glob: WireModel) -> tuple[ArchSpec, nn.Module]:
+        # Partial sharing: the meme is the global backbone plus a local head for our classes.
+        spec = glob.spec
+        if self.config.shared_prefixes:
+            spec = spec.with_(num_classes=self.ctx.data.num_classes)
+        if self.meme is None or spec != self.meme_spec:
+            self.meme, self.meme_spec = self._build(spec, salt=1), spec
+        _missing, unexpected = self.meme.load_state_dict(
+            glob.weights, strict=not self.config.shared_prefixes
+        )
+        if unexpected:
+            raise ValueError(f"fml: global model has tensors the meme lacks: {unexpected[:5]}")
+        return spec, self.meme
+
+    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        cfg, trainer, data = self.config, self.ctx.trainer, self.ctx.data
+        spec, meme = self._meme_for(self._require(models, "global"))
+        lr = cfg.lr_at(round_, rounds)
+        opt_meme = trainer.optimizer(meme.parameters(), cfg, lr=lr)  # re-created each round [code]
+        trainer.set_lr(self.opt_personal, lr)
+        self.personal.train()
+        meme.train()
+        a, b = cfg.alpha, cfg.beta
+        losses_p, losses_m = [], []
+        for _ in range(cfg.local_epochs):
+            for idx in trainer.epoch(data.n_train, cfg.batch_size):
+                x, y = data.x_train[idx], data.y_train[idx]
+                with trainer.autocast():
+                    z_p, z_m = self.personal(x), meme(x)
+                loss_p = a * cross_entropy(z_p, y) + (1 - a) * kl_distill(z_p, z_m)
+                loss_m = b * cross_entropy(z_m, y) + (1 - b) * kl_distill(z_m, z_p)
+                trainer.step(loss_p + loss_m, [self.opt_personal, opt_meme])
+                losses_p.append(float(loss_p.detach()))
+                losses_m.append(float(loss_m.detach()))
+        n = max(1, len(losses_p))
+        return FitResult(
+            models={"meme": WireModel(spec, shared_keys(state_of(meme), cfg.shared_prefixes))},
+            metrics={"loss_personal": sum(losses_p) / n, "loss_meme": sum(losses_m) / n},
+            n_samples=data.n_train,
+        )
+
+    def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
+        out = self._scores("personal", self.personal)
+        glob = models.get("global")
+        if glob is not None and not self.config.shared_prefixes:
+            out |= self._scores("global", glob.build(self.ctx.device))
+        return out
+
+    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+        return self.ctx.spec, self.personal

@@ -1,0 +1,156 @@
+"""pfml: Regularized Mutual Learning for personalized FL (ACML 2021; paper 000, Algorithm 1).
+
+Client i holds a *local* model w_i (the global architecture; it is what goes to the server) and an
+*auxiliary* model m_i (its own architecture allowed; it is the personalized model and never leaves
+the device). Each local iteration draws one fresh batch and runs
+
+    θ ← argmin_m L(m) + λ/2·||m_prev − m||²      (K gradient steps from m_i, lr η)
+    ŵ ← argmin_w L(w) + λ/2·||w_global − w||²    (K gradient steps from w_i, lr η)
+    m_i ← m_i − η∇L(m_i) − ηλ(m_i − θ)
+    w_i ← w_i − η∇L(w_i) − ηλ(w_i − ŵ)
+
+with L(w) = CE(w) + KL(p_m.detach() || p_w) and L(m) = CE(m) + KL(p_w.detach() || p_m).
+m_prev is the auxiliary model as it was at the start of the round [ours, algorithms.md].
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch import nn
+
+from edge_sdk.algorithms.base import (
+    AlgorithmConfig,
+    ClientAlgorithm,
+    ClientContext,
+    FitResult,
+    register_algorithm,
+)
+from edge_sdk.codec import WireModel
+from edge_sdk.losses import cross_entropy, kl_distill, proximal
+from model_zoo import ArchSpec
+
+__all__ = ["PFML", "PFMLConfig"]
+
+
+class PFMLConfig(AlgorithmConfig):
+    local_epochs: int = Field(10, ge=0)  # E: local iterations, one fresh batch each [paper]
+    batch_size: int = Field(200, ge=1)  # D [paper captions]; pFedMe used 20
+    lr: float = Field(0.01, gt=0)  # η
+    momentum: float = Field(0.0, ge=0)  # plain gradient steps (Algorithm 1)
+    weight_decay: float = Field(0.0, ge=0)  # pFedMe's hidden L2 is not added silently
+    k_steps: int = Field(3, ge=1)  # K personalization steps
+    lam: float = Field(20.0, ge=0)  # λ, proximal strength
+    beta: float = Field(2.0, gt=0)  # server step: w ← (1−β)·w + β·mean(w_i); β = 1 is FedAvg
+    aux_init: Literal["persist", "global"] = "persist"  # [ours] keep m_i, or reset it each round
+    participation: Literal["sampled", "all"] = "sampled"  # "all": everyone trains, |U| aggregate
+    weighting: Literal["uniform", "by_samples"] = "uniform"  # [paper]; pFedMe's code: by_samples
+
+    @model_validator(mode="after")
+    def _stable(self) -> PFMLConfig:
+        # Each proximal step moves by η·λ·(w − anchor): at η·λ ≥ 2 it overshoots and diverges.
+        if self.lr * self.lam >= 2:
+            raise ValueError(
+                f"pfml diverges when lr·lam >= 2 (got {self.lr}·{self.lam}); lower lr or lam"
+            )
+        return self
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@register_algorithm
+class PFML(ClientAlgorithm):
+    name = "pfml"
+    config_cls = PFMLConfig
+    config: PFMLConfig
+
+    def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
+        super().__init__(ctx, config)
+        self.local: nn.Module | None = None
+        self.aux: nn.Module | None = None
+
+    def _prepare(self, glob: WireModel) -> None:
+        if self.local is None:
+            self.local = glob.build(self.ctx.device)
+        self.local.load_state_dict(glob.weights)  # w_i starts the round at the global model
+        same_arch = self.ctx.spec == glob.spec
+        if self.aux is None:
+            # Same architecture: start from the global model; otherwise a random init, once.
+            self.aux = copy.deepcopy(self.local) if same_arch else self._build(self.ctx.spec, 1)
+        elif same_arch and self.config.aux_init == "global":
+            self.aux.load_state_dict(glob.weights)
+
+    def _inner(
+        self,
+        start: nn.Module,
+        work: nn.Module,
+        anchor: list[torch.Tensor],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        teacher: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """K gradient steps on CE + KL(teacher||·) + λ/2·||anchor − ·||², starting from `start`."""
+        cfg = self.config
+        params = _params(work)
+        with torch.no_grad():
+            for p, q in zip(params, _params(start), strict=True):
+                p.copy_(q)
+        for _ in range(cfg.k_steps):
+            with self.ctx.trainer.autocast():
+                z = work(x)
+            loss = cross_entropy(z, y) + kl_distill(z, teacher) + proximal(params, anchor, cfg.lam)
+            grads = torch.autograd.grad(loss, params)
+            with torch.no_grad():
+                torch._foreach_add_(params, grads, alpha=-cfg.lr)
+        return [p.detach() for p in params]
+
+    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        glob = self._require(models, "global")
+        self._prepare(glob)
+        assert self.local is not None and self.aux is not None
+        cfg, trainer, data = self.config, self.ctx.trainer, self.ctx.data
+        eta, lam = cfg.lr_at(round_, rounds), cfg.lam
+        local, aux = self.local, self.aux
+        local.train()
+        aux.train()
+        w_global = [p.detach().clone() for p in _params(local)]
+        m_prev = [p.detach().clone() for p in _params(aux)]
+        theta_net, w_hat_net = copy.deepcopy(aux), copy.deepcopy(local)
+        losses = []
+        for _ in range(cfg.local_epochs):
+            idx = trainer.sample(data.n_train, cfg.batch_size)
+            x, y = data.x_train[idx], data.y_train[idx]
+            with trainer.autocast():
+                z_m, z_w = aux(x), local(x)
+            theta = self._inner(aux, theta_net, m_prev, x, y, teacher=z_w)
+            w_hat = self._inner(local, w_hat_net, w_global, x, y, teacher=z_m)
+            loss_m = cross_entropy(z_m, y) + kl_distill(z_m, z_w)
+            loss_w = cross_entropy(z_w, y) + kl_distill(z_w, z_m)
+            params_m, params_w = _params(aux), _params(local)
+            grads = torch.autograd.grad(loss_m + loss_w, params_m + params_w)
+            with torch.no_grad():
+                for p, g, anchor in zip(params_m + params_w, grads, theta + w_hat, strict=True):
+                    p.sub_(eta * (g + lam * (p - anchor)))
+            losses.append(float((loss_m + loss_w).detach()))
+        return FitResult(
+            models={"local": WireModel.of(glob.spec, local)},
+            metrics={"train_loss": sum(losses) / max(1, len(losses))},
+            n_samples=data.n_train,
+        )
+
+    def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
+        if self.aux is None:  # not trained yet: the personalized model is the global one
+            glob = self._require(models, "global")
+            self._prepare(glob)
+        return super().evaluate(models)
+
+    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+        if self.aux is None:
+            raise RuntimeError("pfml: no auxiliary model before the first round")
+        return self.ctx.spec, self.aux

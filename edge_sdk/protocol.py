@@ -1,0 +1,138 @@
+"""Typed, versioned control messages between the coordinator and edge clients.
+
+Every message is a frozen pydantic model with a `kind` discriminator, the protocol version, the
+run id and the sender. Model weights never ride inside a message: a message names them through
+`ModelRef`s (ArchSpec + a blob reference with its sha256) and the blobs travel separately.
+`decode` is the one entry point for bytes from the network and raises `ProtocolError`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from model_zoo import ArchSpec
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "BlobRef",
+    "Capabilities",
+    "Message",
+    "ModelRef",
+    "ProtocolError",
+    "Register",
+    "Registered",
+    "Reply",
+    "Shutdown",
+    "Task",
+    "decode",
+    "encode",
+]
+
+PROTOCOL_VERSION = 1
+
+Phase = Literal["fit", "evaluate", "finalize"]
+
+
+class ProtocolError(ValueError):
+    """Bytes that are not a valid message of this protocol version."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class BlobRef(_Frozen):
+    id: str = Field(min_length=1, max_length=128)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+
+
+class ModelRef(_Frozen):
+    spec: ArchSpec
+    blob: BlobRef
+
+
+class Capabilities(_Frozen):
+    device: str = "cpu"
+    n_train: int = Field(ge=0)
+    n_val: int = Field(ge=0, default=0)
+    n_test: int = Field(ge=0, default=0)
+    num_classes: int = Field(ge=1)
+    algorithms: list[str] = []
+
+
+class _Message(_Frozen):
+    v: Literal[1] = PROTOCOL_VERSION
+    run: str = Field(min_length=1, max_length=128)
+    sender: str = Field(min_length=1, max_length=128)
+
+
+class Register(_Message):
+    """Client → coordinator: here I am, this is my architecture and what I can do."""
+
+    kind: Literal["register"] = "register"
+    spec: ArchSpec
+    capabilities: Capabilities
+
+
+class Registered(_Message):
+    """Coordinator → client: registration accepted or refused (with the reason)."""
+
+    kind: Literal["registered"] = "registered"
+    accepted: bool
+    reason: str | None = None
+
+
+class Task(_Message):
+    """Coordinator → client: run one phase of the algorithm on these models."""
+
+    kind: Literal["task"] = "task"
+    task_id: str
+    round: int = Field(ge=0)
+    rounds: int = Field(ge=1)
+    phase: Phase
+    algorithm: str
+    config: dict[str, Any] = {}
+    models: dict[str, ModelRef] = {}
+    export_onnx: bool = False
+
+
+class Reply(_Message):
+    """Client → coordinator: the outcome of a task; models ride as blobs."""
+
+    kind: Literal["reply"] = "reply"
+    task_id: str
+    round: int = Field(ge=0)
+    phase: Phase
+    ok: bool
+    error: str | None = None
+    n_samples: int = Field(ge=0, default=0)
+    metrics: dict[str, float] = {}
+    models: dict[str, ModelRef] = {}
+
+
+class Shutdown(_Message):
+    """Coordinator → client: the run is over."""
+
+    kind: Literal["shutdown"] = "shutdown"
+    reason: str = "run finished"
+
+
+Message = Annotated[Register | Registered | Task | Reply | Shutdown, Field(discriminator="kind")]
+_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
+
+
+def encode(msg: BaseModel) -> bytes:
+    return msg.model_dump_json().encode()
+
+
+def decode(data: bytes) -> Message:
+    """Parse and validate one message; anything else raises ProtocolError."""
+    try:
+        return _ADAPTER.validate_json(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise ProtocolError(f"invalid message: {where}: {first.get('msg')}") from exc

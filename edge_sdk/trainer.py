@@ -1,0 +1,215 @@
+"""The one place where batches are drawn and optimizers step, shared by every algorithm.
+
+Data is moved to the device once (`ClientData.to`); batches are index tensors drawn on the device
+from the trainer's own seeded generator (no DataLoader for in-memory tensors); optimizers and
+learning-rate schedules come from config; mixed precision (bf16 autocast) on CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from edge_sdk.losses import cross_entropy
+
+__all__ = ["ClientData", "EvalResult", "OptimConfig", "Trainer"]
+
+
+class OptimConfig(BaseModel):
+    """Local-training hyperparameters every algorithm has (defaults: FML's, algorithms.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    local_epochs: int = Field(5, ge=0)
+    batch_size: int = Field(128, ge=1)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(0.01, gt=0)
+    momentum: float = Field(0.9, ge=0)
+    weight_decay: float = Field(5e-4, ge=0)
+    # "step": lr × lr_gamma every max(1, ⌊rounds/3⌋) rounds (FML's schedule); "none": constant.
+    lr_schedule: Literal["none", "step"] = "none"
+    lr_gamma: float = Field(0.1, gt=0)
+
+    def lr_at(self, round_: int, rounds: int) -> float:
+        if self.lr_schedule == "none":
+            return self.lr
+        step = max(1, rounds // 3)
+        return self.lr * self.lr_gamma ** ((max(1, round_) - 1) // step)
+
+
+@dataclass
+class ClientData:
+    """A client's own train/validation/test tensors (x: inputs, y: int64 class ids)."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+
+    def __post_init__(self) -> None:
+        for split in ("train", "val", "test"):
+            x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
+            if len(x) != len(y):
+                raise ValueError(f"{split}: {len(x)} inputs but {len(y)} labels")
+        if len(self.x_train) == 0:
+            raise ValueError("a client needs at least one training sample")
+
+    def to(self, device: torch.device) -> ClientData:
+        moved = {k: getattr(self, k).to(device) for k in self._tensor_fields()}
+        return ClientData(**moved, num_classes=self.num_classes)
+
+    @staticmethod
+    def _tensor_fields() -> tuple[str, ...]:
+        return ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test")
+
+    @property
+    def n_train(self) -> int:
+        return len(self.y_train)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    correct: int
+    total: int
+    loss_sum: float
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else float("nan")
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.total if self.total else float("nan")
+
+
+class Trainer:
+    """Batches, optimizers, mixed precision and evaluation for one client on one device."""
+
+    def __init__(self, device: torch.device, *, seed: int = 0, amp: bool = True) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.amp = amp and device.type == "cuda"
+        self._amp_dtype = (
+            torch.bfloat16 if self.amp and torch.cuda.is_bf16_supported() else torch.float16
+        )
+        # fp16 needs loss scaling; bf16 does not.
+        self._scaler = (
+            torch.amp.GradScaler("cuda") if self.amp and self._amp_dtype == torch.float16 else None
+        )
+
+    # -- batches ---------------------------------------------------------------------------
+    def epoch(self, n: int, batch_size: int) -> Iterator[torch.Tensor]:
+        """Index batches over one random permutation of range(n) (the last may be short)."""
+        perm = torch.randperm(n, generator=self.generator, device=self.device)
+        for start in range(0, n, batch_size):
+            yield perm[start : start + batch_size]
+
+    def sample(self, n: int, batch_size: int) -> torch.Tensor:
+        """One fresh batch of min(batch_size, n) distinct indices."""
+        perm = torch.randperm(n, generator=self.generator, device=self.device)
+        return perm[: min(batch_size, n)]
+
+    # -- optimisation ----------------------------------------------------------------------
+    def optimizer(
+        self, params: Iterable[nn.Parameter], cfg: OptimConfig, lr: float | None = None
+    ) -> torch.optim.Optimizer:
+        lr = cfg.lr if lr is None else lr
+        if cfg.optimizer == "adam":
+            return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+    @staticmethod
+    def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+    def autocast(self) -> contextlib.AbstractContextManager[object]:
+        if self.amp:
+            return torch.autocast(device_type="cuda", dtype=self._amp_dtype)
+        return contextlib.nullcontext()
+
+    def step(
+        self,
+        loss: torch.Tensor,
+        optimizers: Iterable[torch.optim.Optimizer],
+        *,
+        clip: tuple[Iterable[nn.Parameter], float] | None = None,
+    ) -> float:
+        """zero_grad → backward (scaled under fp16) → optional clip → step; returns the loss."""
+        optimizers = list(optimizers)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"training loss became {loss.item()}; lower the learning rate")
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        if self._scaler is not None:
+            self._scaler.scale(loss).backward()
+            for opt in optimizers:
+                self._scaler.unscale_(opt)
+        else:
+            loss.backward()
+        if clip is not None:
+            nn.utils.clip_grad_norm_(clip[0], clip[1])
+        for opt in optimizers:
+            if self._scaler is not None:
+                self._scaler.step(opt)
+            else:
+                opt.step()
+        if self._scaler is not None:
+            self._scaler.update()
+        return float(loss.detach())
+
+    def train_epochs(
+        self,
+        model: nn.Module,
+        data: ClientData,
+        cfg: OptimConfig,
+        *,
+        epochs: int | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra_loss: object | None = None,
+    ) -> float:
+        """Plain supervised training (CE + optional `extra_loss(model)` term); mean batch loss."""
+        model.train()
+        opt = optimizer or self.optimizer(model.parameters(), cfg)
+        losses = []
+        for _ in range(cfg.local_epochs if epochs is None else epochs):
+            for idx in self.epoch(data.n_train, cfg.batch_size):
+                with self.autocast():
+                    loss = cross_entropy(model(data.x_train[idx]), data.y_train[idx])
+                if extra_loss is not None:
+                    loss = loss + extra_loss(model)  # type: ignore[operator]
+                losses.append(self.step(loss, [opt]))
+        return sum(losses) / len(losses) if losses else math.nan
+
+    # -- evaluation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def logits(self, model: nn.Module, x: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
+        was_training = model.training
+        model.eval()
+        outs = []
+        for start in range(0, len(x), batch_size):
+            with self.autocast():
+                outs.append(model(x[start : start + batch_size]).float())
+        model.train(was_training)
+        if not outs:
+            return torch.empty(0, device=self.device)
+        return torch.cat(outs)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> EvalResult:
+        if len(y) == 0:
+            return EvalResult(0, 0, 0.0)
+        z = self.logits(model, x)
+        loss = torch.nn.functional.cross_entropy(z, y, reduction="sum")
+        return EvalResult(int((z.argmax(1) == y).sum()), len(y), float(loss))

@@ -1,0 +1,91 @@
+"""The `edgefl` command line, run in-process with typer's runner."""
+
+import json
+
+import numpy as np
+from typer.testing import CliRunner
+
+from coordinator.cli import app
+from edge_sdk.inference import OnnxPredictor
+
+runner = CliRunner()
+
+
+def test_simulate_writes_results_report_plots_and_onnx(tmp_path):
+    # Prepare / Execute
+    out = tmp_path / "run"
+    res = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--algorithm",
+            "fml",
+            "--dataset",
+            "digits",
+            "--partition",
+            "dirichlet",
+            "--models",
+            "mlr,mlp",
+            "--global-model",
+            "mlr",
+            "--clients",
+            "3",
+            "--rounds",
+            "2",
+            "--local-epochs",
+            "1",
+            "--batch-size",
+            "32",
+            "--lr",
+            "0.1",
+            "--baselines",
+            "local,fedavg",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--export-onnx",
+            "--quiet",
+            "--set",
+            'data.options={"size": 8}',
+            "--set",
+            "fml.lr_schedule=none",
+        ],
+    )
+
+    # Assert
+    assert res.exit_code == 0, res.output
+    results = json.loads((out / "results.json").read_text())
+    assert results["algorithm"] == "fml"
+    assert results["config"]["fml"]["lr"] == 0.1 and results["config"]["local"]["lr"] == 0.1
+    assert [r["round"] for r in results["rounds"]] == [1, 2]
+    assert {"PUI", "JI"} <= set(results["summary"]["metrics"])
+    for c in results["clients"]:
+        assert {"id", "arch", "n_train", "personal_acc", "global_acc", "local_acc"} <= set(c)
+    for name in ("report.md", "personal_acc_per_round.png", "client_accuracy.png"):
+        assert (out / name).stat().st_size > 0
+    # Every client's personalized model is on disk and predicts on its own.
+    onnx_files = sorted((out / "onnx").glob("*.onnx"))
+    assert [p.stem for p in onnx_files] == ["c0", "c1", "c2"]
+    predictor = OnnxPredictor(onnx_files[1])
+    assert predictor.spec.family == "mlp"
+    probs = predictor.predict_proba(np.zeros((2, 1, 8, 8), dtype=np.float32))
+    assert probs.shape == (2, 10)
+    assert "mean personalized accuracy" in res.output
+
+
+def test_simulate_reports_bad_input_cleanly(tmp_path):
+    res = runner.invoke(app, ["simulate", "--algorithm", "fedsgd", "--quiet"])
+    assert res.exit_code == 2
+    assert "unknown algorithm 'fedsgd'" in res.output
+    res = runner.invoke(
+        app, ["simulate", "--dataset", "mnist", "--data-root", str(tmp_path), "--quiet"]
+    )
+    assert res.exit_code == 2
+    assert "train-images-idx3-ubyte" in res.output
+
+
+def test_zoo_lists_families_and_algorithms():
+    res = runner.invoke(app, ["zoo"])
+    assert res.exit_code == 0
+    assert "lenet5" in res.output and "pfml" in res.output

@@ -1,0 +1,67 @@
+import pytest
+
+from coordinator.config import ConfigError, load_config, parse_overrides
+
+
+def test_every_algorithm_has_a_section_with_the_documented_defaults():
+    cfg = load_config()
+    assert cfg.fml.alpha == 0.5 and cfg.fml.beta == 0.5 and cfg.fml.lr == 0.01
+    assert cfg.fml.momentum == 0.9 and cfg.fml.weight_decay == 5e-4 and cfg.fml.batch_size == 128
+    assert cfg.fml.local_epochs == 5 and cfg.fml.lr_schedule == "step"
+    p = cfg.pfml
+    assert (p.k_steps, p.lam, p.beta, p.local_epochs, p.batch_size) == (3, 20.0, 2.0, 10, 200)
+    assert p.aux_init == "persist" and p.participation == "sampled"
+    assert cfg.fedprox.mu == 0.01 and cfg.fedavg.weighting == "by_samples"
+
+
+def test_precedence_defaults_toml_flags_overrides(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        'algorithm = "fml"\nrounds = 7\nclients = 3\n[fml]\nalpha = 0.2\nbeta = 0.4\n'
+        '[data]\ndataset = "synthetic"\n'
+    )
+    cfg = load_config(toml, {"rounds": 9, "clients": None}, parse_overrides(["fml.alpha=0.3"]))
+    assert cfg.rounds == 9  # flag beats file
+    assert cfg.clients == 3  # a flag left unset does not
+    assert cfg.fml.alpha == 0.3  # --set beats everything
+    assert cfg.fml.beta == 0.4  # file beats default
+    assert cfg.data.dataset == "synthetic"
+
+
+def test_common_training_flags_apply_to_the_algorithm_and_every_baseline():
+    cfg = load_config(
+        None, {"algorithm": "pfml", "baselines": ["local", "fedavg"]}, training={"lr": 0.5}
+    )
+    assert cfg.pfml.lr == cfg.local.lr == cfg.fedavg.lr == 0.5
+    assert cfg.fml.lr == 0.01  # not part of this run
+
+
+def test_overrides_parse_json_values_and_nested_keys():
+    got = parse_overrides(['models=["mlp","lenet5"]', "data.partition_params.alpha=0.1", "x=abc"])
+    assert got == {"models": ["mlp", "lenet5"], "data.partition_params.alpha": 0.1, "x": "abc"}
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_overrides(["novalue"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"fml.alpha": 2.0}, "fml.alpha"),
+        ({"fml.nonsense": 1}, "fml.nonsense"),
+        ({"algorithm": "fedsgd"}, "unknown algorithm 'fedsgd'"),
+        ({"rounds": 0}, "rounds"),
+        ({"device": "tpu"}, "device"),
+    ],
+)
+def test_invalid_values_name_the_field(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, None, overrides)
+
+
+def test_bad_toml_and_missing_file_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rounds = = 3")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(bad)

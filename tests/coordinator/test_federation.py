@@ -1,0 +1,218 @@
+"""End to end over the in-memory transport: a coordinator plus N EdgeClients, per algorithm."""
+
+import threading
+
+import pytest
+import torch
+from tests_helpers import tiny_config
+
+from coordinator.server import Coordinator, CoordinatorError, RoundConfig
+from coordinator.simulator import prepare_federation, run_federation, simulate
+from edge_sdk.algorithms import algorithm_class
+from edge_sdk.client import EdgeClient
+from edge_sdk.transport import InMemoryBroker
+from model_zoo import ArchSpec
+
+CHANCE = 0.1  # ten digit classes
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "flags"),
+    [
+        ("local", {}),
+        ("fedavg", {}),
+        ("fedprox", {"overrides": {"fedprox.mu": 0.1}}),
+        ("fedavg_ft", {"overrides": {"fedavg_ft.ft_epochs": 1}}),
+        ("fml", {"overrides": {"fml.lr_schedule": "none"}}),
+        ("pfml", {"lr": 0.05, "local_epochs": 20, "overrides": {"pfml.lam": 1.0}}),
+    ],
+)
+def test_tiny_federation_learns(algorithm, flags):
+    # Prepare: 4 clients on 8×8 digits, IID, mlr everywhere.
+    cfg = tiny_config(algorithm=algorithm, **flags)
+
+    # Execute
+    results = simulate(cfg, progress=False)
+
+    # Assert: well above chance on each client's own test split, every round recorded.
+    assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
+    assert not any(r["failed"] for r in results["rounds"])
+    assert results["summary"]["mean_personal_acc"] > 4 * CHANCE
+    assert all(c["personal_acc"] > 3 * CHANCE for c in results["clients"])
+    if algorithm != "local":
+        assert results["summary"]["global_acc"] > 3 * CHANCE
+
+
+def test_fml_with_six_architectures_runs_end_to_end():
+    cfg = tiny_config(
+        algorithm="fml",
+        models=["mlr", "mlp", "lenet5", "cnn1", "vgg11", "lstm"],
+        global_model="mlp",
+        clients=6,
+        rounds=2,
+        local_epochs=1,
+        **{"data.options": {"size": 28}, "data.max_samples": 600},
+        model_kwargs={"vgg11": {"width": 0.125}},
+        overrides={"fml.lr_schedule": "none"},
+    )
+    results = simulate(cfg, progress=False)
+    archs = [c["arch"] for c in results["clients"]]
+    assert archs == ["mlr", "mlp", "lenet5", "cnn1", "vgg11", "lstm"]
+    assert all(c["personal_acc"] is not None for c in results["clients"])
+    assert results["summary"]["mean_personal_acc"] > 2 * CHANCE
+
+
+def test_same_seed_gives_same_results():
+    def run(seed):
+        cfg = tiny_config(
+            algorithm="fml",
+            seed=seed,
+            rounds=2,
+            clients_per_round=3,
+            models=["mlr", "mlp"],
+            global_model="mlr",
+            parallel=3,
+        )
+        res = simulate(cfg, progress=False)
+        return [c["personal_acc"] for c in res["clients"]], [r["global_acc"] for r in res["rounds"]]
+
+    assert run(0) == run(0)
+    assert run(0) != run(1)
+
+
+def test_fedavg_across_architectures_is_refused_with_a_clear_error():
+    cfg = tiny_config(algorithm="fedavg", models=["mlr", "mlp"], rounds=1)
+    fed = prepare_federation(cfg)
+    with pytest.raises(ValueError, match="one architecture"):
+        run_federation(cfg, fed, "fedavg", models=["mlr", "mlp"])
+
+
+def test_baselines_feed_the_personalization_metrics(tmp_path):
+    cfg = tiny_config(
+        algorithm="fml",
+        baselines=["local", "fedavg"],
+        out=str(tmp_path),
+        models=["mlr", "mlp"],
+        global_model="mlr",
+        rounds=2,
+    )
+    results = simulate(cfg, progress=False)
+    metrics = results["summary"]["metrics"]
+    assert {"PUI", "PUD", "MPI", "API", "MPD", "APD", "AV", "CS", "Entropy", "JI"} <= set(metrics)
+    assert all(
+        c["local_acc"] is not None and c["global_acc"] is not None for c in results["clients"]
+    )
+    assert (tmp_path / "results.json").is_file() and (tmp_path / "report.md").is_file()
+    assert set(results["baselines"]) == {"local", "fedavg"}
+
+
+# -- resilience: clients that fail, stall or never come ------------------------------------
+def _federation(n=3, algorithm="fedavg", **round_kw):
+    cfg = tiny_config(algorithm=algorithm, clients=n, rounds=2)
+    fed = prepare_federation(cfg)
+    broker = InMemoryBroker()
+    spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
+    coordinator = Coordinator(
+        broker.connect(),
+        algorithm=algorithm,
+        config=algorithm_class(algorithm).config_cls(local_epochs=1),
+        rounds=2,
+        expected_clients=n,
+        round_config=RoundConfig(**{"deadline_s": 5, "register_timeout_s": 5, **round_kw}),
+    ).open()
+    clients = [
+        EdgeClient(cid, spec, data, broker.connect(), seed=i)
+        for i, (cid, data) in enumerate(zip(fed.client_ids, fed.client_data, strict=True))
+    ]
+    return coordinator, clients
+
+
+def test_a_failing_client_is_reported_and_the_round_goes_on_with_quorum():
+    coordinator, clients = _federation(quorum=0.5)
+
+    def broken(*a, **k):
+        raise RuntimeError("battery died")
+
+    clients[0].run_task = broken  # this device's training blows up every time
+    for c in clients:
+        c.start()
+    result = coordinator.run()
+    assert all(not r.failed for r in result.rounds)
+    assert all(r.replied == ["c1", "c2"] for r in result.rounds)
+    assert "battery died" in clients[0].errors[0]
+    assert result.clients[0].error is not None and result.clients[1].personal_acc is not None
+
+
+def test_below_quorum_the_round_fails_and_state_is_unchanged():
+    coordinator, clients = _federation(quorum=1.0)
+    clients[0].run_task = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no"))
+    for c in clients:
+        c.start()
+    rounds = []
+    coordinator.on_round = lambda rec: rounds.append(
+        {k: v.clone() for k, v in coordinator.strategy.global_weights.items()}
+    )
+    result = coordinator.run()
+    assert all(r.failed for r in result.rounds)
+    assert all(torch.equal(rounds[0][k], rounds[1][k]) for k in rounds[0])
+
+
+def test_a_stalled_client_does_not_block_the_round_past_its_deadline():
+    coordinator, clients = _federation(quorum=0.5, deadline_s=1.0)
+    release = threading.Event()
+    original = clients[2].run_task
+
+    def stall(*a, **k):
+        release.wait(10)
+        return original(*a, **k)
+
+    clients[2].run_task = stall
+    for c in clients:
+        c.start()
+    try:
+        result = coordinator.run()
+    finally:
+        release.set()
+    assert all("c2" not in r.replied for r in result.rounds)
+    assert result.rounds[-1].mean_personal_acc is not None
+
+
+def test_too_few_registrations_is_a_clear_error():
+    coordinator, clients = _federation(register_timeout_s=0.5)
+    clients[0].start()
+    with pytest.raises(CoordinatorError, match="1 of 3 clients registered"):
+        coordinator.run()
+
+
+def test_nan_weights_from_a_client_are_dropped_not_aggregated():
+    coordinator, clients = _federation(quorum=0.5)
+    original = clients[0].run_task
+
+    def poisoned(task, blobs):
+        result = original(task, blobs)
+        for w in result.models.values():
+            next(iter(w.weights.values())).fill_(float("nan"))
+        return result
+
+    clients[0].run_task = poisoned
+    for c in clients:
+        c.start()
+    result = coordinator.run()
+    assert all(r.replied == ["c1", "c2"] for r in result.rounds)
+    assert all(torch.isfinite(v).all() for v in coordinator.strategy.global_weights.values())
+
+
+def test_a_task_with_nan_weights_gets_an_error_reply_and_the_client_keeps_serving():
+    coordinator, clients = _federation(quorum=0.5)
+
+    def poison(rec):  # after round 1, corrupt the global model the coordinator will send
+        if rec.round == 1:
+            next(iter(coordinator.strategy.global_weights.values())).fill_(float("nan"))
+
+    coordinator.on_round = poison
+    for c in clients:
+        c.start()
+    result = coordinator.run()
+    assert result.rounds[1].failed  # nobody could train on NaN weights
+    assert all("NaN" in c.errors[0] for c in clients)
+    assert all(c.tasks_done >= 4 for c in clients)  # and they kept answering tasks

@@ -1,0 +1,181 @@
+"""Server halves: aggregation against hand-computed weights, refusals with clear errors."""
+
+import pytest
+import torch
+
+from coordinator.strategies import (
+    ClientInfo,
+    FitReply,
+    IncompatibleClients,
+    StrategyError,
+    strategy_class,
+    weighted_mean,
+)
+from edge_sdk.algorithms import algorithm_class
+from edge_sdk.codec import WireModel
+from edge_sdk.protocol import Capabilities
+from model_zoo import ArchSpec
+
+MLR = ArchSpec(family="mlr", num_classes=2, input_shape=(2,))
+
+
+def _clients(*specs: ArchSpec, n=(10, 30, 60)) -> dict[str, ClientInfo]:
+    return {
+        f"c{i}": ClientInfo(f"c{i}", s, Capabilities(n_train=n[i], num_classes=s.num_classes))
+        for i, s in enumerate(specs)
+    }
+
+
+def _strategy(name, clients, global_spec=MLR, **cfg):
+    config = algorithm_class(name).config_cls(**cfg)
+    s = strategy_class(name)(config, clients=clients, global_spec=global_spec, rounds=3, seed=0)
+    s.setup()
+    return s
+
+
+def _state(value: float) -> dict[str, torch.Tensor]:
+    from model_zoo import build
+
+    return {k: torch.full_like(v, value) for k, v in build(MLR).state_dict().items()}
+
+
+def test_weighted_mean_by_hand():
+    states = [
+        {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(3)},
+        {"w": torch.tensor([3.0, 6.0]), "n": torch.tensor(5)},
+    ]
+    out = weighted_mean(states, [1.0, 3.0])
+    assert torch.allclose(out["w"], torch.tensor([2.5, 5.0]))  # (1·1 + 3·3)/4, (2 + 18)/4
+    assert out["n"].item() == 5  # integer buffers take the max
+    with pytest.raises(StrategyError):
+        weighted_mean(states, [0.0, 0.0])
+
+
+def test_fedavg_weights_by_samples_or_uniformly():
+    clients = _clients(MLR, MLR, MLR)
+    replies = {
+        cid: FitReply(cid, {"model": WireModel(MLR, _state(v))}, n_samples=c.capabilities.n_train)
+        for (cid, c), v in zip(clients.items(), [1.0, 2.0, 4.0], strict=True)
+    }
+    s = _strategy("fedavg", clients, weighting="by_samples")
+    s.aggregate_fit(1, replies)
+    expected = (10 * 1.0 + 30 * 2.0 + 60 * 4.0) / 100  # 3.1
+    assert all(torch.allclose(v, torch.full_like(v, expected)) for v in s.global_weights.values())
+    u = _strategy("fedavg", clients, weighting="uniform")
+    u.aggregate_fit(1, replies)
+    assert all(torch.allclose(v, torch.full_like(v, 7 / 3)) for v in u.global_weights.values())
+
+
+def test_fedavg_refuses_different_architectures():
+    mlp = ArchSpec(family="mlp", num_classes=2, input_shape=(2,))
+    with pytest.raises(IncompatibleClients, match="fml or pfml"):
+        _strategy("fedavg", _clients(MLR, mlp))
+
+
+def test_pfml_server_step_with_beta_by_hand():
+    clients = _clients(MLR, MLR, MLR)
+    s = _strategy("pfml", clients, beta=2.0)
+    s.global_weights = _state(1.0)
+    s.configure_fit(1)  # everyone sampled (clients_per_round=None)
+    replies = {
+        cid: FitReply(cid, {"local": WireModel(MLR, _state(v))}, n_samples=5)
+        for cid, v in zip(clients, [2.0, 3.0, 4.0], strict=True)
+    }
+    s.aggregate_fit(1, replies)
+    # w ← (1 − β)·w + β·mean = (1 − 2)·1 + 2·3 = 5
+    assert all(torch.allclose(v, torch.full_like(v, 5.0)) for v in s.global_weights.values())
+
+
+def test_pfml_aggregates_only_the_sampled_clients_when_all_train():
+    clients = _clients(MLR, MLR, MLR)
+    config = algorithm_class("pfml").config_cls(beta=1.0, participation="all")
+    s = strategy_class("pfml")(
+        config, clients=clients, global_spec=MLR, rounds=3, clients_per_round=1, seed=0
+    )
+    s.setup()
+    plan = s.configure_fit(1)
+    assert set(plan) == set(clients)  # all train...
+    (chosen,) = s._aggregate_ids
+    replies = {
+        cid: FitReply(cid, {"local": WireModel(MLR, _state(float(i)))}, n_samples=5)
+        for i, cid in enumerate(clients)
+    }
+    s.aggregate_fit(1, replies)
+    value = float(list(clients).index(chosen))  # ...but only the sampled one is averaged
+    assert all(torch.allclose(v, torch.full_like(v, value)) for v in s.global_weights.values())
+
+
+def test_fml_averages_memes_uniformly_by_default():
+    lenet = ArchSpec(family="lenet5", num_classes=2, input_shape=(1, 28, 28))
+    clients = _clients(MLR.with_(input_shape=(1, 28, 28)), lenet)
+    g = ArchSpec(family="mlr", num_classes=2, input_shape=(1, 28, 28))
+    s = _strategy("fml", clients, global_spec=g)
+    from model_zoo import build
+
+    base = build(g).state_dict()
+    replies = {
+        cid: FitReply(
+            cid,
+            {"meme": WireModel(g, {k: torch.full_like(t, v) for k, t in base.items()})},
+            n_samples=n,
+        )
+        for cid, v, n in zip(clients, [1.0, 5.0], [1, 99], strict=True)
+    }
+    s.aggregate_fit(1, replies)
+    assert all(torch.allclose(v, torch.full_like(v, 3.0)) for v in s.global_weights.values())
+
+
+def test_fml_shared_backbone_aggregates_only_shared_keys_across_class_counts():
+    # Two clients with different numbers of classes share only the conv backbone.
+    g = ArchSpec(family="cnn1", num_classes=10, input_shape=(1, 28, 28))
+    a, b = g.with_(num_classes=3), g.with_(num_classes=5)
+    clients = _clients(a, b)
+    from model_zoo import build
+
+    prefix = next(iter(build(g).state_dict())).split(".")[0] + "."
+    s = _strategy("fml", clients, global_spec=g, shared_prefixes=[prefix])
+    assert all(k.startswith(prefix) for k in s.global_weights)
+    assert s.expected_models("c0")["meme"].num_classes == 3
+    replies = {}
+    for (cid, info), v in zip(clients.items(), [2.0, 4.0], strict=True):
+        full = build(info.spec).state_dict()
+        meme = {k: torch.full_like(t, v) for k, t in full.items() if k.startswith(prefix)}
+        replies[cid] = FitReply(cid, {"meme": WireModel(info.spec, meme)}, n_samples=1)
+    s.aggregate_fit(1, replies)
+    assert all(torch.allclose(v, torch.full_like(v, 3.0)) for v in s.global_weights.values())
+
+
+def test_fml_without_shared_prefixes_needs_equal_class_counts():
+    a = ArchSpec(family="mlr", num_classes=3, input_shape=(2,))
+    with pytest.raises(IncompatibleClients, match="classes"):
+        _strategy("fml", _clients(a, MLR), global_spec=MLR)
+
+
+def test_sampling_is_seeded_and_without_replacement():
+    clients = _clients(MLR, MLR, MLR)
+    config = algorithm_class("fedavg").config_cls()
+
+    def plan(seed):
+        s = strategy_class("fedavg")(
+            config, clients=clients, global_spec=MLR, rounds=5, clients_per_round=2, seed=seed
+        )
+        s.setup()
+        return [sorted(s.configure_fit(r)) for r in range(1, 6)]
+
+    assert plan(0) == plan(0)
+    assert all(len(set(p)) == 2 for p in plan(0))
+
+
+def test_strategy_state_round_trips():
+    clients = _clients(MLR, MLR, MLR)
+    s = _strategy("fedavg", clients)
+    s.global_weights = _state(7.0)
+    state = s.state_dict()
+    t = _strategy("fedavg", clients)
+    t.load_state_dict(state)
+    assert all(torch.equal(t.global_weights[k], s.global_weights[k]) for k in s.global_weights)
+
+
+def test_unknown_algorithm_names_the_known_ones():
+    with pytest.raises(StrategyError, match="fedavg"):
+        strategy_class("fedsgd")

@@ -1,0 +1,164 @@
+"""Device halves, driven directly (the runtime tests drive them through the transport)."""
+
+import copy
+
+import pytest
+import torch
+
+from edge_sdk.algorithms import AlgorithmError, ClientContext, algorithm_class
+from edge_sdk.codec import WireModel
+from edge_sdk.losses import cross_entropy, kl_distill
+from edge_sdk.trainer import ClientData, Trainer
+from model_zoo import ArchSpec, build
+
+IMG = (1, 8, 8)
+
+
+def _data(n=64, classes=4, seed=0) -> ClientData:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % classes
+    x = torch.randn(n, *IMG, generator=g) * 0.3 + y.view(-1, 1, 1, 1).float()
+    return ClientData(x, y, x[:8], y[:8], x[:16], y[:16], num_classes=classes)
+
+
+def _algo(name, spec, classes=4, **cfg):
+    cls = algorithm_class(name)
+    data = _data(classes=classes)
+    ctx = ClientContext("c0", spec, data, torch.device("cpu"), 0, Trainer(torch.device("cpu")))
+    return cls(ctx, cls.config_cls(**cfg))
+
+
+def _spec(family="mlr", classes=4, **kw):
+    return ArchSpec(family=family, num_classes=classes, input_shape=IMG, kwargs=kw)
+
+
+def _global(spec, seed=1):
+    return WireModel.of(spec, build(spec, seed=seed))
+
+
+def test_fml_single_backward_equals_two_separate_backward_passes():
+    # The summed loss reaches each model only through its own term: same gradients.
+    p, m = build(_spec("mlp"), seed=0), build(_spec("mlr"), seed=1)
+    x, y = torch.randn(8, *IMG), torch.randint(0, 4, (8,))
+
+    def losses(p, m):
+        zp, zm = p(x), m(x)
+        lp = 0.3 * cross_entropy(zp, y) + 0.7 * kl_distill(zp, zm)
+        lm = 0.6 * cross_entropy(zm, y) + 0.4 * kl_distill(zm, zp)
+        return lp, lm
+
+    lp, lm = losses(p, m)
+    (lp + lm).backward()
+    joint = [q.grad.clone() for q in [*p.parameters(), *m.parameters()]]
+    p2, m2 = copy.deepcopy(p), copy.deepcopy(m)
+    for q in [*p2.parameters(), *m2.parameters()]:
+        q.grad = None
+    lp, _ = losses(p2, m2)
+    lp.backward()
+    _, lm = losses(p2, m2)
+    for q in p2.parameters():  # keep p2's grads from the first pass only
+        q.requires_grad_(False)
+    lm.backward()
+    separate = [q.grad for q in [*p2.parameters(), *m2.parameters()]]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(joint, separate, strict=True))
+
+
+def test_fml_resets_the_meme_optimizer_but_keeps_personal_momentum():
+    algo = _algo("fml", _spec("mlp"), local_epochs=1, batch_size=16)
+    g = _global(_spec("mlr"))
+    out = algo.fit(1, 3, {"global": g})
+    opt = algo.opt_personal
+    assert opt.state  # momentum buffers exist after round 1...
+    algo.fit(2, 3, {"global": g})
+    assert algo.opt_personal is opt  # ...and the same optimizer carries them into round 2
+    meme = out.models["meme"]
+    assert meme.spec == g.spec and set(meme.weights) == set(g.weights)
+    assert any(not torch.equal(meme.weights[k], g.weights[k]) for k in g.weights)
+
+
+def test_fml_partial_global_keeps_a_local_head_for_its_own_classes():
+    g_spec = ArchSpec(family="cnn1", num_classes=10, input_shape=IMG)
+    prefix = next(iter(build(g_spec).state_dict())).split(".")[0] + "."
+    algo = _algo(
+        "fml", _spec("mlr", classes=3), classes=3, local_epochs=1, shared_prefixes=[prefix]
+    )
+    full = build(g_spec, seed=1).state_dict()
+    backbone = {k: v for k, v in full.items() if k.startswith(prefix)}
+    out = algo.fit(1, 2, {"global": WireModel(g_spec, backbone)})
+    meme = out.models["meme"]
+    assert meme.spec.num_classes == 3 and set(meme.weights) == set(backbone)
+    head = {k: v.clone() for k, v in algo.meme.state_dict().items() if k not in backbone}
+    algo.fit(2, 2, {"global": WireModel(g_spec, backbone)})
+    # The head trained on (it was not reset from anywhere) and never left the device.
+    assert any(not torch.equal(head[k], algo.meme.state_dict()[k]) for k in head)
+    assert "global_total" not in algo.evaluate({"global": WireModel(g_spec, backbone)})
+
+
+def test_pfml_keeps_the_auxiliary_model_across_rounds_unless_told_to_reset():
+    spec = _spec("mlr")
+    g = _global(spec)
+    persist = _algo("pfml", spec, local_epochs=2, batch_size=16)
+    persist.fit(1, 3, {"global": g})
+    aux_after_1 = {k: v.clone() for k, v in persist.aux.state_dict().items()}
+    persist._prepare(g)  # the start of round 2
+    assert all(torch.equal(aux_after_1[k], v) for k, v in persist.aux.state_dict().items())
+    reset = _algo("pfml", spec, local_epochs=2, batch_size=16, aux_init="global")
+    reset.fit(1, 3, {"global": g})
+    reset._prepare(g)
+    assert all(torch.equal(g.weights[k], v) for k, v in reset.aux.state_dict().items())
+
+
+def test_pfml_auxiliary_may_have_its_own_architecture():
+    algo = _algo("pfml", _spec("mlp", hidden=[16]), local_epochs=3, batch_size=16, lam=1.0)
+    g = _global(_spec("mlr"))
+    out = algo.fit(1, 2, {"global": g})
+    assert out.models["local"].spec == g.spec  # w_i has the global architecture
+    spec, aux = algo.personalized_model()
+    assert spec.family == "mlp" and isinstance(aux, torch.nn.Module)
+    scores = algo.evaluate({"global": g})
+    assert scores["personal_total"] == 16 and scores["global_total"] == 16
+
+
+def test_pfml_proximal_pull_keeps_the_local_model_near_the_global_one():
+    spec = _spec("mlr")
+    g = _global(spec)
+
+    def drift(lam):
+        algo = _algo("pfml", spec, local_epochs=5, batch_size=16, lam=lam, lr=0.05)
+        w = algo.fit(1, 1, {"global": g}).models["local"].weights
+        return sum((w[k] - g.weights[k]).pow(2).sum().item() for k in w)
+
+    assert drift(15.0) < drift(0.0)
+    with pytest.raises(ValueError, match="diverges"):
+        _algo("pfml", spec, lam=50.0, lr=0.05)
+
+
+def test_fedavg_refuses_a_global_model_of_another_architecture():
+    algo = _algo("fedavg", _spec("mlp"))
+    with pytest.raises(AlgorithmError, match="one architecture"):
+        algo.fit(1, 1, {"global": _global(_spec("mlr"))})
+    with pytest.raises(AlgorithmError, match="no 'global' model"):
+        algo.fit(1, 1, {})
+
+
+def test_fedavg_ft_fine_tunes_after_the_last_round():
+    spec = _spec("mlr")
+    algo = _algo("fedavg_ft", spec, ft_epochs=3, lr=0.1, batch_size=16)
+    g = _global(spec)
+    result = algo.finalize(1, 1, {"global": g})
+    assert result.metrics["global_total"] == 16
+    assert any(not torch.equal(algo.model.state_dict()[k], g.weights[k]) for k in g.weights)
+    again = algo.evaluate({"global": g})  # the fine-tuned model is not overwritten
+    assert again["personal_correct"] == result.metrics["personal_correct"]
+
+
+def test_fedprox_with_large_mu_drifts_less_than_fedavg():
+    spec = _spec("mlr")
+    g = _global(spec)
+
+    def drift(name, **cfg):
+        algo = _algo(name, spec, local_epochs=3, batch_size=16, lr=0.1, **cfg)
+        w = algo.fit(1, 1, {"global": g}).models["model"].weights
+        return sum((w[k] - g.weights[k]).pow(2).sum().item() for k in w)
+
+    assert drift("fedprox", mu=5.0) < drift("fedavg")

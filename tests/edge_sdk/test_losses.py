@@ -1,0 +1,78 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from edge_sdk.losses import cross_entropy, kl_distill, proximal, soft_cross_entropy
+
+
+def _kl(p: list[float], q: list[float]) -> float:
+    return sum(a * math.log(a / b) for a, b in zip(p, q, strict=True))
+
+
+def test_kl_distill_is_teacher_to_student_batchmean_by_hand():
+    # Prepare: two samples, 3 classes; softmax by hand.
+    student = torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0]])
+    teacher = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    ps = [F.softmax(student[i], 0).tolist() for i in range(2)]
+    pt = [F.softmax(teacher[i], 0).tolist() for i in range(2)]
+    expected = (_kl(pt[0], ps[0]) + _kl(pt[1], ps[1])) / 2  # KL(teacher || student), / batch
+
+    # Execute
+    got = kl_distill(student, teacher).item()
+
+    # Assert: batchmean (not divided by the class count) and the right direction
+    assert got == pytest.approx(expected, rel=1e-6)
+    reverse = (_kl(ps[0], pt[0]) + _kl(ps[1], pt[1])) / 2
+    assert abs(got - reverse) > 1e-3
+    assert got != pytest.approx(expected / 3, rel=1e-3)
+
+
+def test_kl_distill_scales_by_temperature_squared():
+    student = torch.tensor([[2.0, -1.0, 0.5]])
+    teacher = torch.tensor([[0.0, 1.0, 3.0]])
+    t = 4.0
+    soft_s = F.softmax(student[0] / t, 0).tolist()
+    soft_t = F.softmax(teacher[0] / t, 0).tolist()
+    assert kl_distill(student, teacher, t).item() == pytest.approx(
+        t * t * _kl(soft_t, soft_s), rel=1e-6
+    )
+
+
+def test_kl_distill_sends_no_gradient_to_the_teacher():
+    student = torch.randn(4, 5, requires_grad=True)
+    teacher = torch.randn(4, 5, requires_grad=True)
+    kl_distill(student, teacher).backward()
+    assert student.grad is not None and teacher.grad is None
+
+
+def test_kl_distill_is_zero_for_identical_logits():
+    z = torch.randn(3, 7)
+    assert kl_distill(z, z.clone()).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_soft_cross_entropy_equals_kl_plus_teacher_entropy():
+    student, teacher = torch.randn(5, 4), torch.randn(5, 4)
+    p_t = F.softmax(teacher, 1)
+    entropy = -(p_t * p_t.log()).sum(1).mean()
+    assert soft_cross_entropy(student, teacher).item() == pytest.approx(
+        (kl_distill(student, teacher) + entropy).item(), rel=1e-5
+    )
+
+
+def test_cross_entropy_matches_negative_log_likelihood():
+    logits = torch.tensor([[0.0, math.log(3.0)]])  # p = (1/4, 3/4)
+    assert cross_entropy(logits, torch.tensor([1])).item() == pytest.approx(-math.log(0.75))
+
+
+def test_proximal_term_by_hand():
+    w = [torch.tensor([1.0, 2.0]), torch.tensor([[3.0]])]
+    anchor = [torch.tensor([0.0, 0.0]), torch.tensor([[1.0]])]
+    # mu/2 * (1 + 4 + 4) with mu = 0.5
+    assert proximal(w, anchor, 0.5).item() == pytest.approx(0.25 * 9)
+
+
+def test_proximal_rejects_mismatched_lists():
+    with pytest.raises(ValueError):
+        proximal([torch.zeros(1)], [torch.zeros(1), torch.zeros(1)], 1.0)

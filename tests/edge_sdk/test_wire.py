@@ -1,0 +1,214 @@
+"""Codec, protocol and framing: bad input gets a specific error and the endpoint keeps serving."""
+
+import json
+
+import pytest
+import torch
+
+from edge_sdk import topics
+from edge_sdk.codec import (
+    PayloadError,
+    WeightsError,
+    WireModel,
+    check_weights,
+    decode_weights,
+    encode_weights,
+)
+from edge_sdk.protocol import ProtocolError, Register, Reply, Shutdown, decode, encode
+from edge_sdk.transport import InMemoryBroker, PayloadTooLarge
+from edge_sdk.wire import Endpoint, pack_models, unpack_models
+from model_zoo import ArchSpec, build
+
+SPEC = ArchSpec(family="mlp", num_classes=3, input_shape=(4,), kwargs={"hidden": [5]})
+
+
+def _model() -> WireModel:
+    return WireModel.of(SPEC, build(SPEC, seed=0))
+
+
+def _reply(refs=None) -> Reply:
+    return Reply(
+        run="r", sender="c0", task_id="t", round=1, phase="fit", ok=True, models=refs or {}
+    )
+
+
+# -- codec ---------------------------------------------------------------------------------
+def test_weights_round_trip_exactly():
+    m = _model()
+    back = decode_weights(encode_weights(m.weights))
+    assert back.keys() == m.weights.keys()
+    assert all(torch.equal(back[k], m.weights[k]) for k in back)
+
+
+def test_fp16_transfer_halves_size_and_returns_float32():
+    spec = SPEC.with_(input_shape=(64,), kwargs={"hidden": [200]})
+    m = WireModel.of(spec, build(spec, seed=0))
+    full, half = encode_weights(m.weights), encode_weights(m.weights, fp16=True)
+    back = decode_weights(half)
+    assert len(half) < 0.75 * len(full)
+    assert all(v.dtype == torch.float32 for v in back.values())
+    assert all(torch.allclose(back[k], m.weights[k], atol=1e-3) for k in back)
+
+
+def test_corrupt_and_oversized_blobs_are_refused():
+    data = encode_weights(_model().weights)
+    with pytest.raises(PayloadError, match="corrupt"):
+        decode_weights(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(PayloadError, match="over the limit"):
+        decode_weights(data, max_bytes=10)
+    with pytest.raises(PayloadError, match="over the limit"):
+        encode_weights(_model().weights, max_bytes=10)
+
+
+def test_nan_weights_and_wrong_shapes_are_refused():
+    m = _model()
+    bad = dict(m.weights)
+    key = next(iter(bad))
+    bad[key] = bad[key].clone().fill_(float("nan"))
+    with pytest.raises(WeightsError, match="NaN"):
+        check_weights(bad)
+    wrong = dict(m.weights)
+    wrong[key] = torch.zeros(2, 2)
+    with pytest.raises(WeightsError, match="shape"):
+        check_weights(wrong, m.weights)
+    missing = dict(m.weights)
+    del missing[key]
+    with pytest.raises(WeightsError, match="missing"):
+        check_weights(missing, m.weights)
+    check_weights(missing, m.weights, partial=True)  # a subset is fine when partial
+
+
+def test_unpack_checks_weights_against_the_arch_spec():
+    refs, blobs = pack_models({"global": _model()})
+    assert unpack_models(refs, blobs)["global"].spec == SPEC
+    other = SPEC.with_(num_classes=4)  # claims a spec the weights do not fit
+    refs2 = {"global": refs["global"].model_copy(update={"spec": other})}
+    with pytest.raises(WeightsError):
+        unpack_models(refs2, blobs)
+
+
+# -- protocol ------------------------------------------------------------------------------
+def test_messages_round_trip_through_decode():
+    msg = Shutdown(run="r", sender="coordinator")
+    assert decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"not json",
+        b'{"kind": "nope", "run": "r", "sender": "s"}',
+        b'{"kind": "shutdown", "run": "r", "sender": "s", "v": 2}',
+        b'{"kind": "shutdown", "run": "r", "sender": "s", "surprise": 1}',
+        b'{"kind": "register", "run": "r", "sender": "s"}',
+    ],
+)
+def test_decode_refuses_malformed_messages(payload):
+    with pytest.raises(ProtocolError):
+        decode(payload)
+
+
+def test_ids_that_would_break_topics_are_refused():
+    with pytest.raises(ValueError, match="client id"):
+        topics.client_inbox("run", "a/b")
+    assert topics.topic_matches("edgefl/+/client/#", "edgefl/r/client/c0")
+    assert not topics.topic_matches("edgefl/+/client", "edgefl/r/client/c0")
+
+
+# -- endpoint framing ----------------------------------------------------------------------
+def _pair(chunk_bytes=64, **kw):
+    broker = InMemoryBroker()
+    rx = Endpoint(broker.connect(), "in", chunk_bytes=chunk_bytes, **kw).open()
+    tx = Endpoint(broker.connect(), "out", chunk_bytes=chunk_bytes)
+    return broker, tx, rx
+
+
+def test_models_cross_an_endpoint_in_many_chunks():
+    _, tx, rx = _pair(chunk_bytes=100)
+    refs, blobs = pack_models({"model": _model()})
+    tx.send("in", _reply(refs), blobs)
+    env = rx.receive(timeout=1)
+    assert env is not None and env.message.task_id == "t"
+    got = unpack_models(env.message.models, env.blobs)["model"]
+    assert all(torch.equal(got.weights[k], _model().weights[k]) for k in got.weights)
+
+
+def test_reassembly_tolerates_duplicates_and_any_order():
+    broker, tx, rx = _pair()
+    captured = []
+    broker.connect().subscribe("cap", lambda t, p: captured.append(p))
+    refs, blobs = pack_models({"model": _model()})
+    tx.send("cap", _reply(refs), blobs)
+    *chunks, message = captured
+    sink = broker.connect()
+    for p in [message, *reversed(chunks), *chunks[:3]]:  # message first, chunks reversed, dupes
+        sink.publish("in", p)
+    env = rx.receive(timeout=1)
+    assert env is not None and set(env.blobs) == {refs["model"].blob.id}
+    assert rx.receive(timeout=0.05) is None  # duplicates produce nothing more
+
+
+def test_bad_frames_are_dropped_and_the_endpoint_keeps_serving():
+    broker, tx, rx = _pair()
+    sink = broker.connect()
+    sink.publish("in", b"garbage")
+    sink.publish("in", b'EF1M{"kind": "nope"}')
+    header = json.dumps({"blob": "b", "index": 5, "count": 2, "size": 10}).encode()
+    sink.publish("in", b"EF1C" + len(header).to_bytes(4, "big") + header + b"x")
+    assert rx.rejected == 3
+    tx.send("in", Shutdown(run="r", sender="c"))
+    env = rx.receive(timeout=1)
+    assert env is not None and env.message.kind == "shutdown"
+
+
+def test_blob_with_wrong_checksum_drops_its_message():
+    _broker, tx, rx = _pair()
+    refs, blobs = pack_models({"model": _model()})
+    blob_id = refs["model"].blob.id
+    tampered = {blob_id: blobs[blob_id][:-1] + bytes([blobs[blob_id][-1] ^ 1])}
+    tx.send("in", _reply(refs), tampered)
+    assert rx.receive(timeout=0.1) is None
+    assert rx.rejected == 1
+
+
+def test_oversized_blob_is_refused_before_reassembly():
+    _broker, tx, rx = _pair(max_blob_bytes=100)
+    refs, blobs = pack_models({"model": _model()})
+    tx.send("in", _reply(refs), blobs)
+    assert rx.receive(timeout=0.1) is None
+    assert rx.rejected >= 1
+
+
+def test_message_whose_blobs_never_arrive_expires():
+    _broker, tx, rx = _pair(blob_timeout_s=0.05)
+    refs, _ = pack_models({"model": _model()})
+    tx.send("in", _reply(refs), {})  # blobs withheld
+    assert rx.receive(timeout=0.1) is None
+    assert rx.receive(timeout=0.01) is None
+    assert rx._parked == []
+
+
+# -- in-memory transport contract ----------------------------------------------------------
+def test_memory_transport_routes_by_filter_and_enforces_size():
+    broker = InMemoryBroker()
+    a, b = broker.connect(max_payload_bytes=10), broker.connect()
+    got = []
+    b.subscribe("x/+", lambda t, p: got.append((t, p)))
+    a.publish("x/1", b"hi")
+    a.publish("y/1", b"no")
+    with pytest.raises(PayloadTooLarge):
+        a.publish("x/1", b"0123456789abc")
+    b.unsubscribe("x/+")
+    a.publish("x/2", b"gone")
+    assert got == [("x/1", b"hi")]
+
+
+def test_register_carries_spec_and_capabilities():
+    msg = Register(
+        run="r",
+        sender="c0",
+        spec=SPEC,
+        capabilities={"n_train": 3, "num_classes": 3, "algorithms": ["fml"]},
+    )
+    back = decode(encode(msg))
+    assert back.spec == SPEC and back.capabilities.n_train == 3
