@@ -121,8 +121,7 @@ def demo(
         "export_onnx": True,
     }
     training = {"local_epochs": 5, "batch_size": 32, "lr": 0.05}
-    # Five rounds are too few for FML's step schedule (lr ×0.1 every ⌊R/3⌋ = 1 round).
-    _run(None, flags, training, ["fml.lr_schedule=none"], quiet=quiet, verbose=False)
+    _run(None, flags, training, [], quiet=quiet, verbose=False)
 
 
 def _run(

@@ -251,6 +251,9 @@ def _clients_section(clients: Sequence[Mapping[str, Any]]) -> list[str]:
     for index, record in enumerate(clients):
         where = f"results['clients'][{index}]"
         personal, local, global_ = (_number(record, key, where) for key, _ in _SERIES)
+        fedavg = _number(record, "fedavg_acc", where)
+        # PersFL's G_i is the global FedAvg model: use the fedavg baseline when it ran.
+        reference = fedavg if fedavg is not None else global_
         rows.append(
             [
                 _plain(record.get("id", index)),
@@ -259,11 +262,16 @@ def _clients_section(clients: Sequence[Mapping[str, Any]]) -> list[str]:
                 _pct(personal),
                 _pct(local),
                 _pct(global_),
-                _client_qoi(personal, local, global_),
+                _pct(fedavg),
+                _client_qoi(personal, local, reference),
             ]
         )
-    header = ["Client", "Arch", "n_train", "Personalized", "Local", "Global", "QoI"]
-    note = "QoI = personalized − max(local, global), in percentage points (pp)."
+    header = ["Client", "Arch", "n_train", "Personalized", "Local", "Global", "FedAvg", "QoI"]
+    note = (
+        "Global: this run's global model on the client's test split. QoI = personalized − "
+        "max(local, FedAvg global) in percentage points (pp); this run's global model stands in "
+        "when no fedavg baseline ran."
+    )
     return [*lines, *_table(header, rows), "", note, ""]
 
 

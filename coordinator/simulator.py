@@ -188,11 +188,11 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
     """The results.json structure: main run, per-client comparison with baselines, metrics."""
     main = runs[cfg.algorithm]
     local = {c.id: c.personal_acc for c in runs["local"].clients} if "local" in runs else {}
-    fedavg_run = runs.get("fedavg")
-    fedavg_global = {c.id: c.global_acc for c in fedavg_run.clients} if fedavg_run else {}
+    # QoI compares against the global *FedAvg* model (PersFL's G_i) when that baseline ran.
+    fedavg = {c.id: c.global_acc for c in runs["fedavg"].clients} if "fedavg" in runs else {}
     clients = []
     for c in main.clients:
-        glob = c.global_acc if c.global_acc is not None else fedavg_global.get(c.id)
+        glob = c.global_acc if c.global_acc is not None else fedavg.get(c.id)
         clients.append(
             {
                 "id": c.id,
@@ -201,19 +201,28 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
                 "personal_acc": c.personal_acc,
                 "global_acc": glob,
                 "local_acc": local.get(c.id),
+                "fedavg_acc": fedavg.get(c.id),
                 **({"error": c.error} if c.error else {}),
             }
         )
     personal = [c["personal_acc"] for c in clients]
+    curve = [r.mean_personal_acc for r in main.rounds if r.mean_personal_acc is not None]
+    globals_ = [r.global_acc for r in main.rounds if r.global_acc is not None]
     summary: dict[str, Any] = {
         "mean_personal_acc": _mean(personal),
         "global_acc": main.rounds[-1].global_acc if main.rounds else None,
+        # pFedMe-style reporting takes the best round; we report both final and best.
+        "best_mean_personal_acc": max(curve, default=None),
+        "best_global_acc": max(globals_, default=None),
+        "failed_rounds": sum(r.failed for r in main.rounds),
         "wall_seconds": sum(r.wall_seconds for r in runs.values()),
     }
-    g = [c["global_acc"] for c in clients]
+    source = "fedavg" if fedavg else cfg.algorithm
+    g = [c["fedavg_acc"] if fedavg else c["global_acc"] for c in clients]
     loc = [c["local_acc"] for c in clients]
-    if all(v is not None for v in personal + g + loc) and clients:
+    if clients and all(v is not None for v in personal + g + loc):
         summary["metrics"] = personalization_metrics(personal, g, loc)
+        summary["metrics_global_from"] = source
     elif cfg.baselines:
         log.warning("metrics skipped: some client lacks a personal, global or local accuracy")
     return {

@@ -151,36 +151,32 @@ class EdgeClient:
             log.warning("%s: ignoring unexpected %s message", self.client_id, msg.kind)
 
     def _handle(self, task: Task, blobs: dict[str, bytes]) -> None:
+        out_blobs: dict[str, bytes] = {}
         try:
             with self._gate or nullcontext():
                 result = self.run_task(task, blobs)
             refs, out_blobs = pack_models(
                 result.models, fp16=self.fp16_upload, max_bytes=self.max_blob_bytes
             )
-            reply = Reply(
-                run=self.run_id,
-                sender=self.client_id,
-                task_id=task.task_id,
-                round=task.round,
-                phase=task.phase,
-                ok=True,
-                n_samples=result.n_samples,
-                metrics=result.metrics,
-                models=refs,
-            )
+            outcome = {
+                "ok": True,
+                "n_samples": result.n_samples,
+                "metrics": result.metrics,
+                "models": refs,
+            }
         except Exception as exc:  # the client reports and keeps serving
             log.exception("%s: task %s (%s) failed", self.client_id, task.task_id, task.phase)
             self.errors.append(f"{type(exc).__name__}: {exc}")
             out_blobs = {}
-            reply = Reply(
-                run=self.run_id,
-                sender=self.client_id,
-                task_id=task.task_id,
-                round=task.round,
-                phase=task.phase,
-                ok=False,
-                error=f"{type(exc).__name__}: {exc}"[:2000],
-            )
+            outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        reply = Reply(
+            run=self.run_id,
+            sender=self.client_id,
+            task_id=task.task_id,
+            round=task.round,
+            phase=task.phase,
+            **outcome,
+        )
         self.endpoint.send(topics.coordinator_inbox(self.run_id), reply, out_blobs)
         self.tasks_done += 1
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from coordinator.config import load_config
+from model_zoo import ArchSpec, families
 
 
 def tiny_config(**flags: Any) -> Any:
@@ -29,3 +30,28 @@ def tiny_config(**flags: Any) -> Any:
     overrides = flags.pop("overrides", {})
     base.update(flags)
     return load_config(None, base, overrides, training=training)
+
+
+IMAGE = (1, 28, 28)
+# Small enough for 2 CPU cores: one spec per registered family, plus the char LSTM.
+_SMALL_KWARGS: dict[str, dict] = {
+    "vgg11": {"width": 0.125},
+    "vgg13": {"width": 0.125},
+    "vgg16": {"width": 0.125},
+    "vgg19": {"width": 0.125},
+    "cnn2": {"width": 32},
+}
+CHAR_SPEC = ArchSpec(
+    family="lstm",
+    num_classes=20,
+    input_shape=(12,),
+    kwargs={"mode": "char", "vocab_size": 20, "embed": 8, "hidden": 64, "layers": 2},
+)
+ZOO_SPECS = [
+    ArchSpec(family=f, num_classes=10, input_shape=IMAGE, kwargs=_SMALL_KWARGS.get(f, {}))
+    for f in families()
+] + [CHAR_SPEC]
+
+
+def spec_id(spec: ArchSpec) -> str:
+    return f"{spec.family}-{spec.kwargs['mode']}" if "mode" in spec.kwargs else spec.family

@@ -41,7 +41,10 @@ __all__ = ["FML", "FMLConfig", "shared_keys"]
 class FMLConfig(AlgorithmConfig):
     alpha: float = Field(0.5, ge=0, le=1)  # personalized model: weight of CE vs KL [code]
     beta: float = Field(0.5, ge=0, le=1)  # meme model: weight of CE vs KL [code]
-    lr_schedule: Literal["none", "step"] = "step"  # lr ×0.1 every ⌊R/3⌋ rounds [code]
+    # [code] decays lr ×0.1 every ⌊R/3⌋ rounds ("step"). Our default is a constant lr, like the
+    # baselines it is compared with: at the short runs of a simulation (R = 5 → a decay every
+    # round) the step schedule freezes FML after two rounds and it falls below local training.
+    lr_schedule: Literal["none", "step"] = "none"
     # Server: meme averaging, uniform by default (the paper drops n_k/n) [paper].
     weighting: Literal["uniform", "by_samples"] = "uniform"
     # State-dict key prefixes that are global (e.g. ["features."]); empty = the whole model.

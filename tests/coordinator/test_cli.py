@@ -48,8 +48,6 @@ def test_simulate_writes_results_report_plots_and_onnx(tmp_path):
             "--quiet",
             "--set",
             'data.options={"size": 8}',
-            "--set",
-            "fml.lr_schedule=none",
         ],
     )
 

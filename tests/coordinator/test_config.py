@@ -7,7 +7,7 @@ def test_every_algorithm_has_a_section_with_the_documented_defaults():
     cfg = load_config()
     assert cfg.fml.alpha == 0.5 and cfg.fml.beta == 0.5 and cfg.fml.lr == 0.01
     assert cfg.fml.momentum == 0.9 and cfg.fml.weight_decay == 5e-4 and cfg.fml.batch_size == 128
-    assert cfg.fml.local_epochs == 5 and cfg.fml.lr_schedule == "step"
+    assert cfg.fml.local_epochs == 5 and cfg.fml.lr_schedule == "none"  # see FMLConfig
     p = cfg.pfml
     assert (p.k_steps, p.lam, p.beta, p.local_epochs, p.batch_size) == (3, 20.0, 2.0, 10, 200)
     assert p.aux_init == "persist" and p.participation == "sampled"
@@ -30,9 +30,9 @@ def test_precedence_defaults_toml_flags_overrides(tmp_path):
 
 def test_common_training_flags_apply_to_the_algorithm_and_every_baseline():
     cfg = load_config(
-        None, {"algorithm": "pfml", "baselines": ["local", "fedavg"]}, training={"lr": 0.5}
+        None, {"algorithm": "pfml", "baselines": ["local", "fedavg"]}, training={"lr": 0.05}
     )
-    assert cfg.pfml.lr == cfg.local.lr == cfg.fedavg.lr == 0.5
+    assert cfg.pfml.lr == cfg.local.lr == cfg.fedavg.lr == 0.05
     assert cfg.fml.lr == 0.01  # not part of this run
 
 

@@ -23,7 +23,7 @@ CHANCE = 0.1  # ten digit classes
         ("fedavg", {}),
         ("fedprox", {"overrides": {"fedprox.mu": 0.1}}),
         ("fedavg_ft", {"overrides": {"fedavg_ft.ft_epochs": 1}}),
-        ("fml", {"overrides": {"fml.lr_schedule": "none"}}),
+        ("fml", {}),
         ("pfml", {"lr": 0.05, "local_epochs": 20, "overrides": {"pfml.lam": 1.0}}),
     ],
 )
@@ -53,7 +53,6 @@ def test_fml_with_six_architectures_runs_end_to_end():
         local_epochs=1,
         **{"data.options": {"size": 28}, "data.max_samples": 600},
         model_kwargs={"vgg11": {"width": 0.125}},
-        overrides={"fml.lr_schedule": "none"},
     )
     results = simulate(cfg, progress=False)
     archs = [c["arch"] for c in results["clients"]]
@@ -118,7 +117,7 @@ def _federation(n=3, algorithm="fedavg", **round_kw):
         config=algorithm_class(algorithm).config_cls(local_epochs=1),
         rounds=2,
         expected_clients=n,
-        round_config=RoundConfig(**{"deadline_s": 5, "register_timeout_s": 5, **round_kw}),
+        round_config=RoundConfig(**{"deadline_s": 30, "register_timeout_s": 30, **round_kw}),
     ).open()
     clients = [
         EdgeClient(cid, spec, data, broker.connect(), seed=i)
@@ -216,3 +215,20 @@ def test_a_task_with_nan_weights_gets_an_error_reply_and_the_client_keeps_servin
     assert result.rounds[1].failed  # nobody could train on NaN weights
     assert all("NaN" in c.errors[0] for c in clients)
     assert all(c.tasks_done >= 4 for c in clients)  # and they kept answering tasks
+
+
+def test_checkpoint_hook_receives_a_restorable_state_after_each_aggregation():
+    coordinator, clients = _federation()
+    saved = []
+    coordinator.checkpoint = lambda r, state: saved.append((r, state))
+    for c in clients:
+        c.start()
+    coordinator.run()
+    assert [r for r, _ in saved] == [1, 2]
+    strategy = coordinator.strategy
+    fresh = type(strategy)(
+        strategy.config, clients=strategy.clients, global_spec=strategy.global_spec, rounds=2
+    )
+    fresh.setup()
+    fresh.load_state_dict(saved[-1][1]["strategy"])
+    assert all(torch.equal(fresh.global_weights[k], v) for k, v in strategy.global_weights.items())

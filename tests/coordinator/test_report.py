@@ -119,9 +119,9 @@ def test_write_report_with_baselines_writes_report_and_plots(tmp_path: Path) -> 
     # Assert
     text = _assert_outputs(report, tmp_path)
     assert text.startswith("# Results report: fml")
-    assert "| c0 | lenet5 | 812 | 93.00% | 88.00% | 61.00% | +5.00 pp |" in text
-    assert "| c1 | mlp | 640 | 71.00% | 52.00% | 75.00% | -4.00 pp |" in text
-    assert "| c2 | cnn1 | 455 | 80.00% | 80.00% | 66.00% | +0.00 pp |" in text
+    assert "| c0 | lenet5 | 812 | 93.00% | 88.00% | 61.00% | — | +5.00 pp |" in text
+    assert "| c1 | mlp | 640 | 71.00% | 52.00% | 75.00% | — | -4.00 pp |" in text
+    assert "| c2 | cnn1 | 455 | 80.00% | 80.00% | 66.00% | — | +0.00 pp |" in text
     for key in METRIC_KEYS:
         assert f"| {key} |" in text
     assert "| PUI | 33.33% |" in text
@@ -221,3 +221,15 @@ def test_write_report_rejects_malformed_results(tmp_path: Path, mutate, message)
 def test_write_report_rejects_non_mapping(tmp_path: Path) -> None:
     with pytest.raises(ReportError, match="must be a dict"):
         write_report([], tmp_path)  # type: ignore[arg-type]
+
+
+def test_client_qoi_uses_the_fedavg_baseline_when_it_ran(tmp_path: Path) -> None:
+    # Prepare: this run's global model is poor, FedAvg's is strong: QoI must compare to FedAvg.
+    results = _results_with_baselines()
+    results["clients"][0]["fedavg_acc"] = 0.95
+
+    # Execute
+    text = write_report(results, tmp_path).read_text()
+
+    # Assert
+    assert "| c0 | lenet5 | 812 | 93.00% | 88.00% | 61.00% | 95.00% | -2.00 pp |" in text

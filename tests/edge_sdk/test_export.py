@@ -10,6 +10,9 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from tests_helpers import CHAR_SPEC, IMAGE
+from tests_helpers import ZOO_SPECS as SPECS
+from tests_helpers import spec_id as _ids
 from torch import nn
 
 from edge_sdk.export import (
@@ -27,30 +30,7 @@ from edge_sdk.export import (
 )
 from edge_sdk.inference import OnnxPredictor
 from model_zoo.models import example_input
-from model_zoo.spec import ArchSpec, build, families
-
-IMAGE = (1, 28, 28)
-_KWARGS: dict[str, dict] = {
-    "vgg11": {"width": 0.125},
-    "vgg13": {"width": 0.125},
-    "vgg16": {"width": 0.125},
-    "vgg19": {"width": 0.125},
-    "cnn2": {"width": 32},
-}
-CHAR_SPEC = ArchSpec(
-    family="lstm",
-    num_classes=20,
-    input_shape=(12,),
-    kwargs={"mode": "char", "vocab_size": 20, "embed": 8, "hidden": 32, "layers": 2},
-)
-SPECS = [
-    ArchSpec(family=f, num_classes=10, input_shape=IMAGE, kwargs=_KWARGS.get(f, {}))
-    for f in families()
-] + [CHAR_SPEC]
-
-
-def _ids(spec: ArchSpec) -> str:
-    return f"{spec.family}-{spec.kwargs['mode']}" if "mode" in spec.kwargs else spec.family
+from model_zoo.spec import ArchSpec, build
 
 
 def _model(spec: ArchSpec, seed: int = 0) -> nn.Module:

@@ -1,0 +1,51 @@
+import pytest
+import torch
+
+from edge_sdk.trainer import ClientData, OptimConfig, Trainer
+
+
+def test_step_schedule_decays_every_third_of_the_run():
+    cfg = OptimConfig(lr=1.0, lr_schedule="step", lr_gamma=0.1)
+    # R = 9 → step 3: rounds 1-3 at 1.0, 4-6 at 0.1, 7-9 at 0.01
+    assert [round(cfg.lr_at(r, 9), 6) for r in range(1, 10)] == [1, 1, 1, 0.1, 0.1, 0.1] + [
+        0.01
+    ] * 3
+    assert OptimConfig(lr=0.3).lr_at(7, 9) == 0.3  # "none" keeps it constant
+
+
+def test_epoch_visits_every_sample_once_and_is_seeded():
+    t = Trainer(torch.device("cpu"), seed=3)
+    batches = list(t.epoch(10, 4))
+    assert [len(b) for b in batches] == [4, 4, 2]
+    assert sorted(torch.cat(batches).tolist()) == list(range(10))
+    again = list(Trainer(torch.device("cpu"), seed=3).epoch(10, 4))
+    assert all(torch.equal(a, b) for a, b in zip(batches, again, strict=True))
+    assert len(set(t.sample(10, 20).tolist())) == 10  # capped at n, distinct
+
+
+def test_evaluate_counts_correct_predictions_and_sums_the_loss():
+    model = torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(2))
+    x = torch.tensor([[2.0, 0.0], [0.0, 2.0], [2.0, 0.0]])
+    y = torch.tensor([0, 1, 1])
+    r = Trainer(torch.device("cpu")).evaluate(model, x, y)
+    assert (r.correct, r.total) == (2, 3)
+    expected = torch.nn.functional.cross_entropy(model(x), y, reduction="sum").item()
+    assert r.loss == pytest.approx(expected / 3)
+
+
+def test_a_non_finite_loss_stops_training_with_a_clear_error():
+    model = torch.nn.Linear(2, 2)
+    t = Trainer(torch.device("cpu"))
+    opt = t.optimizer(model.parameters(), OptimConfig())
+    with pytest.raises(FloatingPointError, match="lower the learning rate"):
+        t.step(model(torch.full((1, 2), float("nan"))).sum(), [opt])
+
+
+def test_client_data_checks_lengths_and_needs_training_samples():
+    x, y = torch.zeros(3, 2), torch.zeros(3, dtype=torch.long)
+    with pytest.raises(ValueError, match="train: 3 inputs but 2 labels"):
+        ClientData(x, y[:2], x, y, x, y, num_classes=2)
+    with pytest.raises(ValueError, match="at least one training sample"):
+        ClientData(x[:0], y[:0], x, y, x, y, num_classes=2)
