@@ -56,7 +56,7 @@ class _RunConfigBase(BaseModel):
     baselines: list[str] = []  # e.g. ["local", "fedavg"]: run with the same data for the metrics
     out: str | None = None
     export_onnx: bool = False
-    parallel: int = Field(2, ge=1)  # simulated clients training at once
+    parallel: int | None = Field(None, ge=1)  # simulated clients training at once; None = cores
     run_id: str = "sim"
 
     @model_validator(mode="after")
