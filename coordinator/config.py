@@ -39,7 +39,9 @@ class DataConfig(BaseModel):
     split: tuple[float, float, float] = (0.6, 0.2, 0.2)  # per-client train/val/test [PersFL]
 
 
-class _RunConfigBase(BaseModel):
+class RunConfig(BaseModel):
+    """Everything a run needs. `load_config` returns it with a validated section per algorithm."""
+
     model_config = ConfigDict(extra="forbid")
 
     algorithm: str = "fml"
@@ -60,7 +62,7 @@ class _RunConfigBase(BaseModel):
     run_id: str = "sim"
 
     @model_validator(mode="after")
-    def _check_names(self) -> _RunConfigBase:
+    def _check_names(self) -> RunConfig:
         known = algorithm_names()
         for name in [self.algorithm, *self.baselines]:
             if name not in known:
@@ -70,22 +72,26 @@ class _RunConfigBase(BaseModel):
         return self
 
     def algorithm_config(self, name: str | None = None) -> AlgorithmConfig:
-        return getattr(self, name or self.algorithm)
+        """The config section of `name` (default: this run's algorithm)."""
+        name = name or self.algorithm
+        section = getattr(self, name, None)
+        return section if section is not None else algorithm_class(name).config_cls()
 
     @property
     def global_family(self) -> str:
         return self.global_model or self.models[0]
 
 
-def _make_run_config() -> type[_RunConfigBase]:
+def _with_sections() -> type[RunConfig]:
     sections: dict[str, Any] = {}
     for name in algorithm_names():
         cls = algorithm_class(name).config_cls
         sections[name] = (cls, Field(default_factory=cls))
-    return create_model("RunConfig", __base__=_RunConfigBase, **sections)
+    return create_model("RunConfig", __base__=RunConfig, **sections)
 
 
-RunConfig = _make_run_config()
+# The model load_config validates with: RunConfig plus one section per registered algorithm.
+_RUN_CONFIG_WITH_SECTIONS = _with_sections()
 
 
 def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
@@ -126,7 +132,7 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
     *,
     training: Mapping[str, Any] | None = None,
-) -> RunConfig:  # type: ignore[valid-type]
+) -> RunConfig:
     """Defaults < TOML at `path` < `flags` (dotted keys, None = not given) < `overrides`.
 
     `training` holds the common local-training flags (local_epochs, batch_size, lr): they apply
@@ -152,7 +158,7 @@ def load_config(
     for key, value in (overrides or {}).items():
         _set_dotted(tree, key, value)
     try:
-        return RunConfig.model_validate(tree)
+        return _RUN_CONFIG_WITH_SECTIONS.model_validate(tree)
     except ValidationError as exc:
         msgs = "; ".join(
             f"{'.'.join(str(x) for x in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()

@@ -25,7 +25,7 @@ from coordinator.strategies import ClientInfo, FitReply, Strategy, strategy_clas
 from edge_sdk import topics
 from edge_sdk.algorithms import AlgorithmConfig
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
-from edge_sdk.protocol import Register, Registered, Reply, Shutdown, Task
+from edge_sdk.protocol import Phase, Register, Registered, Reply, Shutdown, Task
 from edge_sdk.transport.base import Transport
 from edge_sdk.wire import Endpoint, pack_models, unpack_models
 from model_zoo import ArchSpec, ModelZooError, build
@@ -313,7 +313,7 @@ class Coordinator:
         return {cid: models for cid in self.clients}
 
     def _run_phase(
-        self, r: int, phase: str, plan: Mapping[str, Mapping[str, WireModel]]
+        self, r: int, phase: Phase, plan: Mapping[str, Mapping[str, WireModel]]
     ) -> dict[str, _Collected | None]:
         """Send one task per planned client, collect replies until all or the deadline."""
         config = self.config.model_dump(mode="json")
@@ -330,7 +330,7 @@ class Coordinator:
                 task_id=f"{phase}-{r}-{cid}-{uuid.uuid4().hex[:8]}",
                 round=r,
                 rounds=self.rounds,
-                phase=phase,  # type: ignore[arg-type]
+                phase=phase,
                 algorithm=self.algorithm,
                 config=config,
                 models=refs,
@@ -355,12 +355,12 @@ class Coordinator:
             if not isinstance(msg, Reply):
                 self._dispatch_control(msg)
                 continue
-            cid = pending.get(msg.task_id)
-            if cid is None or cid != msg.sender or msg.round != r:
+            owner = pending.get(msg.task_id)
+            if owner is None or owner != msg.sender or msg.round != r:
                 log.warning("dropping stale or unknown reply %s from %s", msg.task_id, msg.sender)
                 continue
             del pending[msg.task_id]
-            results[cid] = self._validate(cid, phase, msg, env.blobs)
+            results[owner] = self._validate(owner, phase, msg, env.blobs)
         return results
 
     def _validate(

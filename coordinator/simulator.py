@@ -49,7 +49,7 @@ class Federation:
     client_data: list[ClientData]
 
 
-def prepare_federation(cfg: RunConfig) -> Federation:  # type: ignore[valid-type]
+def prepare_federation(cfg: RunConfig) -> Federation:
     d = cfg.data
     # The run's seed picks the subset; a generator's own seed (Synthetic's) stays in `options`.
     subset = {"max_samples": d.max_samples, "seed": cfg.seed} if d.max_samples else {}
@@ -82,7 +82,7 @@ def prepare_federation(cfg: RunConfig) -> Federation:  # type: ignore[valid-type
     return Federation(dataset, part, ids, datas)
 
 
-def _spec(cfg: RunConfig, family: str, dataset: Dataset) -> ArchSpec:  # type: ignore[valid-type]
+def _spec(cfg: RunConfig, family: str, dataset: Dataset) -> ArchSpec:
     return ArchSpec(
         family=family,
         num_classes=dataset.num_classes,
@@ -92,7 +92,7 @@ def _spec(cfg: RunConfig, family: str, dataset: Dataset) -> ArchSpec:  # type: i
 
 
 def run_federation(
-    cfg: RunConfig,  # type: ignore[valid-type]
+    cfg: RunConfig,
     fed: Federation,
     algorithm: str,
     *,
@@ -154,7 +154,7 @@ def run_federation(
 
 
 def simulate(
-    cfg: RunConfig,  # type: ignore[valid-type]
+    cfg: RunConfig,
     *,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -193,13 +193,13 @@ def simulate(
     return results
 
 
-def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:  # type: ignore[valid-type]
+def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
     """The results.json structure: main run, per-client comparison with baselines, metrics."""
     main = runs[cfg.algorithm]
     local = {c.id: c.personal_acc for c in runs["local"].clients} if "local" in runs else {}
     # QoI compares against the global *FedAvg* model (PersFL's G_i) when that baseline ran.
     fedavg = {c.id: c.global_acc for c in runs["fedavg"].clients} if "fedavg" in runs else {}
-    clients = []
+    clients: list[dict[str, Any]] = []
     for c in main.clients:
         glob = c.global_acc if c.global_acc is not None else fedavg.get(c.id)
         clients.append(
@@ -214,7 +214,7 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
                 **({"error": c.error} if c.error else {}),
             }
         )
-    personal = [c["personal_acc"] for c in clients]
+    personal = [c.personal_acc for c in main.clients]
     curve = [r.mean_personal_acc for r in main.rounds if r.mean_personal_acc is not None]
     globals_ = [r.global_acc for r in main.rounds if r.global_acc is not None]
     summary: dict[str, Any] = {
@@ -227,10 +227,12 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
         "wall_seconds": sum(r.wall_seconds for r in runs.values()),
     }
     source = "fedavg" if fedavg else cfg.algorithm
-    g = [c["fedavg_acc"] if fedavg else c["global_acc"] for c in clients]
-    loc = [c["local_acc"] for c in clients]
+    g: list[float | None] = [c["fedavg_acc"] if fedavg else c["global_acc"] for c in clients]
+    loc: list[float | None] = [c["local_acc"] for c in clients]
     if clients and all(v is not None for v in personal + g + loc):
-        summary["metrics"] = personalization_metrics(personal, g, loc)
+        summary["metrics"] = personalization_metrics(
+            np.array(personal, dtype=float), np.array(g, dtype=float), np.array(loc, dtype=float)
+        )
         summary["metrics_global_from"] = source
     elif cfg.baselines:
         log.warning("metrics skipped: some client lacks a personal, global or local accuracy")

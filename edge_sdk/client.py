@@ -158,7 +158,7 @@ class EdgeClient:
             refs, out_blobs = pack_models(
                 result.models, fp16=self.fp16_upload, max_bytes=self.max_blob_bytes
             )
-            outcome = {
+            outcome: dict[str, Any] = {
                 "ok": True,
                 "n_samples": result.n_samples,
                 "metrics": result.metrics,
@@ -169,13 +169,15 @@ class EdgeClient:
             self.errors.append(f"{type(exc).__name__}: {exc}")
             out_blobs = {}
             outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-        reply = Reply(
-            run=self.run_id,
-            sender=self.client_id,
-            task_id=task.task_id,
-            round=task.round,
-            phase=task.phase,
-            **outcome,
+        reply = Reply.model_validate(
+            {
+                "run": self.run_id,
+                "sender": self.client_id,
+                "task_id": task.task_id,
+                "round": task.round,
+                "phase": task.phase,
+                **outcome,
+            }
         )
         self.endpoint.send(topics.coordinator_inbox(self.run_id), reply, out_blobs)
         self.tasks_done += 1

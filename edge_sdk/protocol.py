@@ -8,7 +8,7 @@ run id and the sender. Model weights never ride inside a message: a message name
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -20,6 +20,7 @@ __all__ = [
     "Capabilities",
     "Message",
     "ModelRef",
+    "Phase",
     "ProtocolError",
     "Register",
     "Registered",
@@ -30,7 +31,7 @@ __all__ = [
     "encode",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION: Final = 1
 
 Phase = Literal["fit", "evaluate", "finalize"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -177,7 +177,7 @@ class Trainer:
         *,
         epochs: int | None = None,
         optimizer: torch.optim.Optimizer | None = None,
-        extra_loss: object | None = None,
+        extra_loss: Callable[[nn.Module], torch.Tensor] | None = None,
     ) -> float:
         """Plain supervised training (CE + optional `extra_loss(model)` term); mean batch loss."""
         model.train()
@@ -188,7 +188,7 @@ class Trainer:
                 with self.autocast():
                     loss = cross_entropy(model(data.x_train[idx]), data.y_train[idx])
                 if extra_loss is not None:
-                    loss = loss + extra_loss(model)  # type: ignore[operator]
+                    loss = loss + extra_loss(model)
                 losses.append(self.step(loss, [opt]))
         return sum(losses) / len(losses) if losses else math.nan
 

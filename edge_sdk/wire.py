@@ -21,6 +21,8 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import torch
+
 from edge_sdk.codec import (
     DEFAULT_MAX_BLOB_BYTES,
     PayloadError,
@@ -255,9 +257,7 @@ def unpack_models(
 
 
 @functools.lru_cache(maxsize=64)
-def _reference_shapes(spec_json: str) -> Mapping[str, object]:
-    import torch
-
+def _reference_shapes(spec_json: str) -> Mapping[str, torch.Tensor]:
     with torch.device("meta"):  # shapes only: no memory, no draws from the global RNG
         model = build(ArchSpec.from_json(spec_json))
     return dict(model.state_dict())

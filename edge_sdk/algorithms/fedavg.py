@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
@@ -31,7 +31,8 @@ class FedAvg(ClientAlgorithm):
     """The client's model is the global model: personalized accuracy = global model, own test."""
 
     name = "fedavg"
-    config_cls = FedAvgConfig
+    config_cls: ClassVar[type[AlgorithmConfig]] = FedAvgConfig
+    config: FedAvgConfig
 
     def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
         super().__init__(ctx, config)

@@ -9,7 +9,12 @@ from collections.abc import Mapping
 
 from pydantic import Field
 
-from edge_sdk.algorithms.base import FitResult, register_algorithm
+from edge_sdk.algorithms.base import (
+    AlgorithmConfig,
+    ClientContext,
+    FitResult,
+    register_algorithm,
+)
 from edge_sdk.algorithms.fedavg import FedAvg, FedAvgConfig
 from edge_sdk.codec import WireModel
 
@@ -24,9 +29,10 @@ class FedAvgFTConfig(FedAvgConfig):
 class FedAvgFT(FedAvg):
     name = "fedavg_ft"
     config_cls = FedAvgFTConfig
+    config: FedAvgFTConfig
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
+        super().__init__(ctx, config)
         self.finetuned = False
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
@@ -43,7 +49,7 @@ class FedAvgFT(FedAvg):
             self.ctx.data,
             cfg,
             optimizer=opt,
-            epochs=cfg.ft_epochs,  # type: ignore[attr-defined]
+            epochs=cfg.ft_epochs,
         )
         self.finetuned = True
         scores |= self._scores("personal", self.model)

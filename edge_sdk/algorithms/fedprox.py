@@ -24,9 +24,10 @@ class FedProxConfig(FedAvgConfig):
 class FedProx(FedAvg):
     name = "fedprox"
     config_cls = FedProxConfig
+    config: FedProxConfig
 
     def _extra_loss(self, glob: WireModel) -> Callable[[nn.Module], torch.Tensor] | None:
-        mu = self.config.mu  # type: ignore[attr-defined]
+        mu = self.config.mu
         if mu == 0:
             return None
         anchor = [p.detach().clone() for p in self.model.parameters()]  # = global, just loaded
