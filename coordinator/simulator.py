@@ -29,7 +29,15 @@ from edge_sdk.device import resolve_device
 from edge_sdk.trainer import ClientData
 from edge_sdk.transport import InMemoryBroker
 from model_zoo import ArchSpec
-from model_zoo.data import Dataset, Partition, load_dataset, partition
+from model_zoo.data import (
+    Dataset,
+    Partition,
+    format_split_table,
+    load_dataset,
+    partition,
+    plot_label_distribution,
+    split_summary,
+)
 
 __all__ = ["Federation", "prepare_federation", "run_federation", "simulate"]
 
@@ -190,7 +198,24 @@ def simulate(
     results = build_results(cfg, runs)
     if out is not None:
         write_results(results, out)
+        write_split(fed, out)
     return results
+
+
+def write_split(fed: Federation, out: Path) -> None:
+    """split.txt (samples and top classes per client) and label_distribution.png."""
+    labels = fed.dataset.y.numpy()
+    rows = split_summary(fed.partition, labels, class_names=fed.dataset.classes)
+    for row, cid in zip(rows, fed.client_ids, strict=True):
+        row["client"] = cid  # the ids the results use, not partition indices
+    text = format_split_table(rows)
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=".split-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, out / "split.txt")
+    plot_label_distribution(
+        fed.partition, labels, out / "label_distribution.png", class_names=fed.dataset.classes
+    )
 
 
 def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:

@@ -60,7 +60,13 @@ def test_simulate_writes_results_report_plots_and_onnx(tmp_path):
     assert {"PUI", "JI"} <= set(results["summary"]["metrics"])
     for c in results["clients"]:
         assert {"id", "arch", "n_train", "personal_acc", "global_acc", "local_acc"} <= set(c)
-    for name in ("report.md", "personal_acc_per_round.png", "client_accuracy.png"):
+    assert "c2" in (out / "split.txt").read_text()
+    for name in (
+        "report.md",
+        "personal_acc_per_round.png",
+        "client_accuracy.png",
+        "label_distribution.png",
+    ):
         assert (out / name).stat().st_size > 0
     # Every client's personalized model is on disk and predicts on its own.
     onnx_files = sorted((out / "onnx").glob("*.onnx"))
