@@ -27,8 +27,8 @@ from edge_sdk.algorithms import AlgorithmConfig
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
 from edge_sdk.protocol import Phase, Register, Registered, Reply, Shutdown, Task
 from edge_sdk.transport.base import Transport
-from edge_sdk.wire import Endpoint, pack_models, unpack_models
-from model_zoo import ArchSpec, ModelZooError, build
+from edge_sdk.wire import Endpoint, pack_models, reference_shapes, unpack_models
+from model_zoo import ArchSpec, ModelZooError
 
 __all__ = [
     "ClientResult",
@@ -117,8 +117,10 @@ class Coordinator:
         on_round: Callable[[RoundRecord], None] | None = None,
         checkpoint: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> None:
-        if rounds < 1:
-            raise ValueError(f"rounds must be >= 1, got {rounds}")
+        if rounds < 1 or expected_clients < 1:
+            raise ValueError(
+                f"need rounds >= 1 and expected_clients >= 1, got {rounds}, {expected_clients}"
+            )
         self.algorithm = algorithm
         self.strategy_cls = strategy_class(algorithm)
         self.config = config
@@ -213,11 +215,13 @@ class Coordinator:
             reason = f"run id {msg.run!r} is not this run ({self.run_id!r})"
         elif self._started and msg.sender not in self.clients:
             reason = "the run has already started"
+        elif self._started and msg.spec != self.clients[msg.sender].spec:
+            reason = "a client cannot change its architecture during a run"
         elif self.algorithm not in msg.capabilities.algorithms:
             reason = f"client does not support algorithm {self.algorithm!r}"
         else:
-            try:
-                build(msg.spec)  # the coordinator must be able to rebuild what the client runs
+            try:  # the coordinator must be able to rebuild what the client runs
+                reference_shapes(msg.spec)
             except ModelZooError as exc:
                 reason = str(exc)
         if reason is None:

@@ -36,7 +36,7 @@ from edge_sdk.protocol import BlobRef, Message, ModelRef, ProtocolError, decode,
 from edge_sdk.transport.base import Transport
 from model_zoo import ArchSpec, build
 
-__all__ = ["Endpoint", "Envelope", "pack_models", "unpack_models"]
+__all__ = ["Endpoint", "Envelope", "pack_models", "reference_shapes", "unpack_models"]
 
 log = logging.getLogger(__name__)
 
@@ -249,11 +249,18 @@ def unpack_models(
     out: dict[str, WireModel] = {}
     for name, ref in refs.items():
         weights = decode_weights(blobs[ref.blob.id], max_bytes=max_bytes)
-        check_weights(
-            weights, _reference_shapes(ref.spec.to_json()), what=name, partial=name in partial
-        )
+        check_weights(weights, reference_shapes(ref.spec), what=name, partial=name in partial)
         out[name] = WireModel(ref.spec, weights)
     return out
+
+
+def reference_shapes(spec: ArchSpec) -> Mapping[str, torch.Tensor]:
+    """The state dict an ArchSpec implies, as meta tensors (names and shapes, no memory).
+
+    Raises the zoo's errors for an unknown family or an impossible shape, so it also serves
+    to check that a spec received from the network can be built, without building it.
+    """
+    return _reference_shapes(spec.to_json())
 
 
 @functools.lru_cache(maxsize=64)

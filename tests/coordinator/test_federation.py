@@ -1,6 +1,7 @@
 """End to end over the in-memory transport: a coordinator plus N EdgeClients, per algorithm."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -232,3 +233,29 @@ def test_checkpoint_hook_receives_a_restorable_state_after_each_aggregation():
     fresh.setup()
     fresh.load_state_dict(saved[-1][1]["strategy"])
     assert all(torch.equal(fresh.global_weights[k], v) for k, v in strategy.global_weights.items())
+
+
+def test_a_client_with_an_unknown_architecture_is_refused_and_told_why():
+    cfg = tiny_config(clients=2, rounds=1)
+    fed = prepare_federation(cfg)
+    broker = InMemoryBroker()
+    coordinator = Coordinator(
+        broker.connect(),
+        algorithm="local",
+        config=algorithm_class("local").config_cls(local_epochs=1),
+        rounds=1,
+        expected_clients=1,
+        round_config=RoundConfig(deadline_s=30, register_timeout_s=30),
+    ).open()
+    bogus = ArchSpec(family="transformer9000", num_classes=10, input_shape=(1, 8, 8))
+    good = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
+    bad_client = EdgeClient("bad", bogus, fed.client_data[0], broker.connect()).start()
+    good_client = EdgeClient("good", good, fed.client_data[1], broker.connect()).start()
+    result = coordinator.run()
+    deadline = time.monotonic() + 5
+    while bad_client.accepted is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the refusal is handled on the client's own thread
+    assert [c.id for c in result.clients] == ["good"]
+    assert bad_client.accepted is False and good_client.accepted is True
+    bad_client.stop()
+    good_client.stop()
