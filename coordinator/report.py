@@ -213,6 +213,12 @@ def _config_section(
         if value is None:
             value = fallback.get(label)
         rows.append([label, _plain(value)])
+    # The run's own algorithm section (every hyperparameter it ran with).
+    section = config.get(str(config.get("algorithm")))
+    if isinstance(section, Mapping):
+        rows.append(
+            [f"{config['algorithm']} settings", ", ".join(f"{k}={v}" for k, v in section.items())]
+        )
     return ["## Configuration", "", *_table(["Setting", "Value"], rows), ""]
 
 

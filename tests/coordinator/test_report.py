@@ -233,3 +233,10 @@ def test_client_qoi_uses_the_fedavg_baseline_when_it_ran(tmp_path: Path) -> None
 
     # Assert
     assert "| c0 | lenet5 | 812 | 93.00% | 88.00% | 61.00% | 95.00% | -2.00 pp |" in text
+
+
+def test_report_lists_the_algorithms_hyperparameters(tmp_path: Path) -> None:
+    results = _results_with_baselines()
+    results["config"] = {"algorithm": "fml", "fml": {"alpha": 0.5, "beta": 0.3}}
+    text = write_report(results, tmp_path).read_text()
+    assert "| fml settings | alpha=0.5, beta=0.3 |" in text
