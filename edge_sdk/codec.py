@@ -49,8 +49,15 @@ def sha256_hex(data: bytes) -> str:
 
 
 def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A detached CPU copy of a model's state dict (what goes on the wire or into a checkpoint)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    """A detached, contiguous CPU copy of a model's state dict (for the wire or a checkpoint).
+
+    Contiguous in the standard layout even when the model runs channels_last: safetensors and
+    every reader of the weights expect it.
+    """
+    return {
+        k: torch.empty(v.shape, dtype=v.dtype).copy_(v.detach())
+        for k, v in model.state_dict().items()
+    }
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,12 @@ def kl_distill(
 ) -> torch.Tensor:
     """T² · KL(softmax(teacher/T) || softmax(student/T)), batch-mean; the teacher is detached."""
     t = float(temperature)
+    if t == 1.0:  # skip the no-op scaling: it costs four extra ops per call in the hot loop
+        return F.kl_div(
+            F.log_softmax(student_logits.float(), dim=1),
+            F.softmax(teacher_logits.detach().float(), dim=1),
+            reduction="batchmean",
+        )
     log_p_student = F.log_softmax(student_logits.float() / t, dim=1)
     p_teacher = F.softmax(teacher_logits.detach().float() / t, dim=1)
     return F.kl_div(log_p_student, p_teacher, reduction="batchmean") * (t * t)

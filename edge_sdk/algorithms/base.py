@@ -87,7 +87,7 @@ class ClientAlgorithm(ABC):
         out = self._scores("personal", model)
         glob = models.get("global")
         if glob is not None and glob.spec.num_classes == self.ctx.data.num_classes:
-            out |= self._scores("global", glob.build(self.ctx.device))
+            out |= self._scores("global", self._materialize(glob))
         return out
 
     def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
@@ -105,7 +105,11 @@ class ClientAlgorithm(ABC):
         }
 
     def _build(self, spec: ArchSpec, salt: int = 0) -> nn.Module:
-        return build(spec, seed=self.ctx.seed * 1009 + salt).to(self.ctx.device)
+        return self.ctx.trainer.prepare(build(spec, seed=self.ctx.seed * 1009 + salt))
+
+    def _materialize(self, model: WireModel) -> nn.Module:
+        """A received model as a network on this client's device."""
+        return self.ctx.trainer.prepare(model.build())
 
     def _require(self, models: Mapping[str, WireModel], name: str) -> WireModel:
         if name not in models:

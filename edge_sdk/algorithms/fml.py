@@ -100,21 +100,24 @@ class FML(ClientAlgorithm):
         self.personal.train()
         meme.train()
         a, b = cfg.alpha, cfg.beta
-        losses_p, losses_m = [], []
+        # Loss sums stay on the device; one host sync per batch (in trainer.step), not three.
+        sum_p = torch.zeros((), device=self.ctx.device)
+        sum_m = torch.zeros((), device=self.ctx.device)
+        steps = 0
         for _ in range(cfg.local_epochs):
-            for idx in trainer.epoch(data.n_train, cfg.batch_size):
-                x, y = data.x_train[idx], data.y_train[idx]
+            for x, y in trainer.batches(data.x_train, data.y_train, cfg.batch_size):
                 with trainer.autocast():
                     z_p, z_m = self.personal(x), meme(x)
                 loss_p = a * cross_entropy(z_p, y) + (1 - a) * kl_distill(z_p, z_m)
                 loss_m = b * cross_entropy(z_m, y) + (1 - b) * kl_distill(z_m, z_p)
                 trainer.step(loss_p + loss_m, [self.opt_personal, opt_meme])
-                losses_p.append(float(loss_p.detach()))
-                losses_m.append(float(loss_m.detach()))
-        n = max(1, len(losses_p))
+                sum_p += loss_p.detach()
+                sum_m += loss_m.detach()
+                steps += 1
+        n = max(1, steps)
         return FitResult(
             models={"meme": WireModel(spec, shared_keys(state_of(meme), cfg.shared_prefixes))},
-            metrics={"loss_personal": sum(losses_p) / n, "loss_meme": sum(losses_m) / n},
+            metrics={"loss_personal": float(sum_p) / n, "loss_meme": float(sum_m) / n},
             n_samples=data.n_train,
         )
 
@@ -122,7 +125,7 @@ class FML(ClientAlgorithm):
         out = self._scores("personal", self.personal)
         glob = models.get("global")
         if glob is not None and not self.config.shared_prefixes:
-            out |= self._scores("global", glob.build(self.ctx.device))
+            out |= self._scores("global", self._materialize(glob))
         return out
 
     def personalized_model(self) -> tuple[ArchSpec, nn.Module]:

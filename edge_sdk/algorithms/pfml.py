@@ -77,7 +77,7 @@ class PFML(ClientAlgorithm):
 
     def _prepare(self, glob: WireModel) -> None:
         if self.local is None:
-            self.local = glob.build(self.ctx.device)
+            self.local = self._materialize(glob)
         self.local.load_state_dict(glob.weights)  # w_i starts the round at the global model
         same_arch = self.ctx.spec == glob.spec
         if self.aux is None:
@@ -124,8 +124,7 @@ class PFML(ClientAlgorithm):
         theta_net, w_hat_net = copy.deepcopy(aux), copy.deepcopy(local)
         losses = []
         for _ in range(cfg.local_epochs):
-            idx = trainer.sample(data.n_train, cfg.batch_size)
-            x, y = data.x_train[idx], data.y_train[idx]
+            x, y = trainer.sample_batch(data.x_train, data.y_train, cfg.batch_size)
             with trainer.autocast():
                 z_m, z_w = aux(x), local(x)
             theta = self._inner(aux, theta_net, m_prev, x, y, teacher=z_w)
