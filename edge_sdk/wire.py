@@ -60,10 +60,6 @@ class _Partial:
     started: float
     parts: dict[int, bytes] = field(default_factory=dict)
 
-    @property
-    def received(self) -> int:
-        return sum(len(p) for p in self.parts.values())
-
 
 class Endpoint:
     """One participant's mailbox on a transport: send messages with blobs, receive envelopes."""
@@ -88,6 +84,7 @@ class Endpoint:
         self._lock = threading.Lock()
         self._partials: dict[str, _Partial] = {}
         self._complete: dict[str, tuple[bytes, float]] = {}
+        self._consumed: dict[str, float] = {}  # recently delivered blob ids: late duplicates
         self._parked: list[tuple[Message, float]] = []
         self._queue: queue.Queue[Envelope] = queue.Queue()
         self._open = False
@@ -154,7 +151,7 @@ class Endpoint:
         if not 0 <= index < count or count > max(1, size):
             raise ProtocolError(f"blob {blob_id}: chunk {index} of {count} is inconsistent")
         with self._lock:
-            if blob_id in self._complete:
+            if blob_id in self._complete or blob_id in self._consumed:
                 return  # a duplicate of a finished blob (QoS 1 redelivery)
             part = self._partials.get(blob_id)
             if part is None:
@@ -180,12 +177,14 @@ class Endpoint:
                 self._parked.append((msg, time.monotonic()))
 
     def _try_deliver(self, msg: Message) -> bool:
-        refs = [m.blob for m in getattr(msg, "models", {}).values()]
+        refs = {m.blob.id: m.blob for m in getattr(msg, "models", {}).values()}.values()
         if any(r.id not in self._complete for r in refs):
             return False
         blobs = {}
+        now = time.monotonic()
         for r in refs:
             data, _ = self._complete.pop(r.id)
+            self._consumed[r.id] = now
             if len(data) != r.size or sha256_hex(data) != r.sha256:
                 self.rejected += 1
                 log.warning("%s: blob %s failed its checksum; message dropped", self.inbox, r.id)
@@ -207,6 +206,9 @@ class Endpoint:
             for blob_id, (_, t) in list(self._complete.items()):
                 if now - t > self.blob_timeout_s:
                     del self._complete[blob_id]
+            for blob_id, t in list(self._consumed.items()):
+                if now - t > self.blob_timeout_s:
+                    del self._consumed[blob_id]
             kept = []
             for m, t in self._parked:
                 if now - t > self.blob_timeout_s:

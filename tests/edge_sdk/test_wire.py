@@ -212,3 +212,27 @@ def test_register_carries_spec_and_capabilities():
     )
     back = decode(encode(msg))
     assert back.spec == SPEC and back.capabilities.n_train == 3
+
+
+def test_late_duplicate_chunks_of_a_delivered_blob_are_ignored():
+    broker, tx, rx = _pair()
+    captured = []
+    broker.connect().subscribe("cap", lambda t, p: captured.append(p))
+    refs, blobs = pack_models({"model": _model()})
+    tx.send("cap", _reply(refs), blobs)
+    sink = broker.connect()
+    for p in captured:
+        sink.publish("in", p)
+    assert rx.receive(timeout=1) is not None
+    for p in captured[:-1]:  # QoS 1 redelivers chunks after the message was consumed
+        sink.publish("in", p)
+    assert rx._partials == {} and rx.rejected == 0
+
+
+def test_a_message_naming_one_blob_twice_is_delivered_once_with_it():
+    _broker, tx, rx = _pair()
+    refs, blobs = pack_models({"a": _model()})
+    twice = {"a": refs["a"], "b": refs["a"]}
+    tx.send("in", _reply(twice), blobs)
+    env = rx.receive(timeout=1)
+    assert env is not None and set(env.blobs) == {refs["a"].blob.id}
