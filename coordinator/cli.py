@@ -134,13 +134,14 @@ def _run(
     verbose: bool,
 ) -> None:
     from coordinator.config import ConfigError, load_config, parse_overrides
+    from coordinator.server import CoordinatorError
     from coordinator.simulator import simulate as run_simulation
 
     _setup_logging(verbose)
     try:
         cfg = load_config(config, flags, parse_overrides(sets), training=training)
         results = run_simulation(cfg, progress=not quiet)
-    except (ConfigError, ValueError, FileNotFoundError, KeyError) as exc:
+    except (ConfigError, CoordinatorError, ValueError, FileNotFoundError, KeyError) as exc:
         raise _fail(str(exc)) from exc
     _print_summary(results, cfg.out)
 

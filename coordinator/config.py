@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from coordinator.server import RoundConfig
 from edge_sdk.algorithms import AlgorithmConfig, algorithm_class, algorithm_names
+from model_zoo import families
+from model_zoo.data import dataset_names, partition_schemes
 
 __all__ = ["ConfigError", "DataConfig", "RunConfig", "load_config", "parse_overrides"]
 
@@ -69,6 +71,21 @@ class RunConfig(BaseModel):
                 raise ValueError(f"unknown algorithm {name!r}; known: {', '.join(known)}")
         if not self.models:
             raise ValueError("models must name at least one architecture family")
+        known_families = families()
+        for family in [*self.models, *([self.global_model] if self.global_model else [])]:
+            if family not in known_families:
+                raise ValueError(
+                    f"unknown architecture family {family!r}; known: {', '.join(known_families)}"
+                )
+        if self.data.dataset.lower().replace("-", "_") not in dataset_names():
+            raise ValueError(
+                f"unknown dataset {self.data.dataset!r}; known: {', '.join(dataset_names())}"
+            )
+        if self.data.partition not in partition_schemes():
+            raise ValueError(
+                f"unknown partition {self.data.partition!r}; "
+                f"known: {', '.join(partition_schemes())}"
+            )
         return self
 
     def algorithm_config(self, name: str | None = None) -> AlgorithmConfig:

@@ -28,6 +28,7 @@ from edge_sdk.client import EdgeClient
 from edge_sdk.device import resolve_device
 from edge_sdk.trainer import ClientData
 from edge_sdk.transport import InMemoryBroker
+from edge_sdk.wire import reference_shapes
 from model_zoo import ArchSpec
 from model_zoo.data import (
     Dataset,
@@ -91,12 +92,14 @@ def prepare_federation(cfg: RunConfig) -> Federation:
 
 
 def _spec(cfg: RunConfig, family: str, dataset: Dataset) -> ArchSpec:
-    return ArchSpec(
+    spec = ArchSpec(
         family=family,
         num_classes=dataset.num_classes,
         input_shape=tuple(dataset.input_shape),
         kwargs=cfg.model_kwargs.get(family, {}),
     )
+    reference_shapes(spec)  # fail now (e.g. lenet5 on 60 features), not at registration
+    return spec
 
 
 def run_federation(

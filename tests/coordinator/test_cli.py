@@ -89,6 +89,28 @@ def test_simulate_reports_bad_input_cleanly(tmp_path):
     assert "train-images-idx3-ubyte" in res.output
 
 
+def test_an_architecture_that_cannot_take_the_data_fails_before_any_round():
+    res = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--dataset",
+            "synthetic",
+            "--models",
+            "lenet5",
+            "--rounds",
+            "1",
+            "--set",
+            'data.options={"num_users": 3}',
+            "--clients",
+            "3",
+            "--quiet",
+        ],
+    )
+    assert res.exit_code == 2
+    assert "lenet5" in res.output and "registered" not in res.output
+
+
 def test_zoo_lists_families_and_algorithms():
     res = runner.invoke(app, ["zoo"])
     assert res.exit_code == 0

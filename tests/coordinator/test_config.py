@@ -51,6 +51,10 @@ def test_overrides_parse_json_values_and_nested_keys():
         ({"algorithm": "fedsgd"}, "unknown algorithm 'fedsgd'"),
         ({"rounds": 0}, "rounds"),
         ({"device": "tpu"}, "device"),
+        ({"models": ["lenet5", "resnet"]}, "unknown architecture family 'resnet'"),
+        ({"global_model": "vit"}, "unknown architecture family 'vit'"),
+        ({"data.dataset": "imagenet"}, "unknown dataset 'imagenet'"),
+        ({"data.partition": "zipf"}, "unknown partition 'zipf'"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, needle):
