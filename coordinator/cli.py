@@ -151,11 +151,13 @@ def _print_summary(results: dict[str, Any], out: str | None) -> None:
         return "—" if v is None else f"{100 * v:6.2f}"
 
     typer.echo(f"\n{results['algorithm']}: per-client accuracy on each client's own test split (%)")
-    typer.echo(f"{'client':<8}{'arch':<10}{'personal':>10}{'local':>10}{'global':>10}")
+    typer.echo(
+        f"{'client':<8}{'arch':<10}{'personal':>10}{'local':>10}{'global':>10}{'fedavg':>10}"
+    )
     for c in results["clients"]:
         typer.echo(
             f"{c['id']:<8}{c['arch']:<10}{pct(c['personal_acc']):>10}"
-            f"{pct(c['local_acc']):>10}{pct(c['global_acc']):>10}"
+            f"{pct(c['local_acc']):>10}{pct(c['global_acc']):>10}{pct(c.get('fedavg_acc')):>10}"
         )
     s = results["summary"]
     typer.echo(f"mean personalized accuracy: {pct(s['mean_personal_acc']).strip()}%")
