@@ -21,7 +21,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from coordinator.strategies import ClientInfo, FitReply, Strategy, strategy_class
+from coordinator.strategies import (
+    ClientInfo,
+    FitReply,
+    Strategy,
+    StrategyError,
+    strategy_class,
+)
 from edge_sdk import topics
 from edge_sdk.algorithms import AlgorithmConfig
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
@@ -270,11 +276,15 @@ class Coordinator:
                 need,
             )
         else:
-            self.strategy.aggregate_fit(
-                r,
-                {cid: FitReply(cid, v.models, v.metrics, v.n_samples) for cid, v in valid.items()},
-            )
-            if self.checkpoint is not None:
+            replies_in = {
+                cid: FitReply(cid, v.models, v.metrics, v.n_samples) for cid, v in valid.items()
+            }
+            try:
+                self.strategy.aggregate_fit(r, replies_in)
+            except (StrategyError, ValueError) as exc:  # bad replies cost the round, not the run
+                failed = True
+                log.error("round %d: aggregation refused the replies: %s", r, exc)
+            if not failed and self.checkpoint is not None:
                 self.checkpoint(r, {"round": r, "strategy": self.strategy.state_dict()})
         personal = glob = None
         if r % self.rc.eval_every == 0 or r == self.rounds:

@@ -259,3 +259,19 @@ def test_a_client_with_an_unknown_architecture_is_refused_and_told_why():
     assert bad_client.accepted is False and good_client.accepted is True
     bad_client.stop()
     good_client.stop()
+
+
+def test_an_aggregation_that_refuses_the_replies_fails_the_round_not_the_run(monkeypatch):
+    coordinator, clients = _federation()
+    calls = []
+
+    def refuse(self, r, replies):
+        calls.append(r)
+        raise ValueError("inconsistent replies")
+
+    monkeypatch.setattr(coordinator.strategy_cls, "aggregate_fit", refuse)
+    for c in clients:
+        c.start()
+    result = coordinator.run()
+    assert calls == [1, 2] and all(r.failed for r in result.rounds)
+    assert all(c.personal_acc is not None for c in result.clients)
