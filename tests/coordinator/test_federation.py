@@ -11,6 +11,7 @@ from coordinator.server import Coordinator, CoordinatorError, RoundConfig
 from coordinator.simulator import prepare_federation, run_federation, simulate
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.client import EdgeClient
+from edge_sdk.trainer import ClientData
 from edge_sdk.transport import InMemoryBroker
 from model_zoo import ArchSpec
 
@@ -275,3 +276,50 @@ def test_an_aggregation_that_refuses_the_replies_fails_the_round_not_the_run(mon
     result = coordinator.run()
     assert calls == [1, 2] and all(r.failed for r in result.rounds)
     assert all(c.personal_acc is not None for c in result.clients)
+
+
+def test_fml_federates_clients_with_different_numbers_of_classes_through_a_shared_backbone():
+    # Prepare: two devices on different tasks (3 vs 5 digit classes), one conv backbone shared.
+    from model_zoo.data import load_dataset
+
+    digits = load_dataset("digits", size=8)
+    x, y = digits.x, digits.y
+    broker = InMemoryBroker()
+    config = algorithm_class("fml").config_cls(
+        local_epochs=2, batch_size=32, lr=0.05, shared_prefixes=["features."]
+    )
+    coordinator = Coordinator(
+        broker.connect(),
+        algorithm="fml",
+        config=config,
+        rounds=2,
+        expected_clients=2,
+        global_model="cnn1",
+        round_config=RoundConfig(deadline_s=60, register_timeout_s=30),
+    ).open()
+    clients = []
+    for cid, labels in (("three", [0, 1, 2]), ("five", [3, 4, 5, 6, 7])):
+        keep = torch.isin(y, torch.tensor(labels))
+        xi = x[keep]
+        yi = torch.searchsorted(torch.tensor(labels), y[keep])  # remap to 0..k-1
+        n = len(yi)
+        tr, te = slice(0, int(0.7 * n)), slice(int(0.7 * n), n)
+        data = ClientData(xi[tr], yi[tr], xi[:0], yi[:0], xi[te], yi[te], num_classes=len(labels))
+        spec = ArchSpec(family="mlr", num_classes=len(labels), input_shape=(1, 8, 8))
+        clients.append(EdgeClient(cid, spec, data, broker.connect()).start())
+
+    # Execute
+    result = coordinator.run()
+
+    # Assert: both learn their own task; only backbone tensors are global.
+    assert all(not r.failed for r in result.rounds)
+    accs = {c.id: c.personal_acc for c in result.clients}
+    assert accs["three"] > 0.8 and accs["five"] > 0.6
+    assert set(coordinator.strategy.global_weights) == {
+        "features.0.weight",
+        "features.0.bias",
+        "features.3.weight",
+        "features.3.bias",
+    }
+    for c in clients:
+        c.stop()
