@@ -171,6 +171,47 @@ def _print_summary(results: dict[str, Any], out: str | None) -> None:
 
 
 @app.command()
+def split(
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML run config")] = None,
+    dataset: Annotated[str | None, typer.Option(help="dataset name")] = None,
+    data_root: Annotated[
+        str | None, typer.Option(help="directory holding the dataset files")
+    ] = None,
+    max_samples: Annotated[int | None, typer.Option(help="use a seeded subset of the data")] = None,
+    partition: Annotated[str | None, typer.Option(help="partition scheme")] = None,
+    clients: Annotated[int | None, typer.Option(help="number of clients")] = None,
+    seed: Annotated[int | None, typer.Option(help="partition seed")] = None,
+    plot: Annotated[Path | None, typer.Option(help="write the label distribution PNG here")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="override any field: key=value")
+    ] = None,
+) -> None:
+    """Show how a dataset would be split across clients (no training)."""
+    from coordinator.config import ConfigError, load_config, parse_overrides
+    from coordinator.simulator import prepare_federation, split_table
+    from model_zoo.data import plot_label_distribution
+
+    flags = {
+        "data.dataset": dataset,
+        "data.root": data_root,
+        "data.max_samples": max_samples,
+        "data.partition": partition,
+        "clients": clients,
+        "seed": seed,
+    }
+    try:
+        cfg = load_config(config, flags, parse_overrides(set_ or []))
+        fed = prepare_federation(cfg)
+    except (ConfigError, ValueError, FileNotFoundError, KeyError) as exc:
+        raise _fail(str(exc)) from exc
+    typer.echo(split_table(fed))
+    if plot is not None:
+        labels = fed.dataset.y.numpy()
+        plot_label_distribution(fed.partition, labels, plot, class_names=fed.dataset.classes)
+        typer.echo(f"label distribution: {plot}")
+
+
+@app.command()
 def zoo() -> None:
     """List the model families and algorithms."""
     from edge_sdk.algorithms import algorithm_names

@@ -205,19 +205,25 @@ def simulate(
     return results
 
 
-def write_split(fed: Federation, out: Path) -> None:
-    """split.txt (samples and top classes per client) and label_distribution.png."""
-    labels = fed.dataset.y.numpy()
-    rows = split_summary(fed.partition, labels, class_names=fed.dataset.classes)
+def split_table(fed: Federation) -> str:
+    """Samples and top classes per client, as a plain-text table keyed by client id."""
+    rows = split_summary(fed.partition, fed.dataset.y.numpy(), class_names=fed.dataset.classes)
     for row, cid in zip(rows, fed.client_ids, strict=True):
         row["client"] = cid  # the ids the results use, not partition indices
-    text = format_split_table(rows)
+    return format_split_table(rows)
+
+
+def write_split(fed: Federation, out: Path) -> None:
+    """split.txt (samples and top classes per client) and label_distribution.png."""
     fd, tmp = tempfile.mkstemp(dir=out, prefix=".split-", suffix=".txt")
     with os.fdopen(fd, "w") as f:
-        f.write(text + "\n")
+        f.write(split_table(fed) + "\n")
     os.replace(tmp, out / "split.txt")
     plot_label_distribution(
-        fed.partition, labels, out / "label_distribution.png", class_names=fed.dataset.classes
+        fed.partition,
+        fed.dataset.y.numpy(),
+        out / "label_distribution.png",
+        class_names=fed.dataset.classes,
     )
 
 

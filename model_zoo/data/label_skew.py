@@ -64,6 +64,8 @@ def _shards(
     parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     for c, pool in pools.items():
         holders = [i for i, cls in enumerate(dealt) if c in cls]
+        if not holders:  # fewer shards than classes: this class goes unused (logged below)
+            continue
         if len(pool) < len(holders):
             raise PartitionError(
                 f"shards: class {c} has {len(pool)} samples for {len(holders)} clients; use "

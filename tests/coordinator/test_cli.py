@@ -115,3 +115,26 @@ def test_zoo_lists_families_and_algorithms():
     res = runner.invoke(app, ["zoo"])
     assert res.exit_code == 0
     assert "lenet5" in res.output and "pfml" in res.output
+
+
+def test_split_shows_the_partition_without_training(tmp_path):
+    png = tmp_path / "labels.png"
+    res = runner.invoke(
+        app,
+        [
+            "split",
+            "--dataset",
+            "digits",
+            "--partition",
+            "shards",
+            "--clients",
+            "4",
+            "--set",
+            "data.partition_params.classes_per_client=2",
+            "--plot",
+            str(png),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert "c3" in res.output and "n_train" in res.output
+    assert png.read_bytes().startswith(b"\x89PNG")

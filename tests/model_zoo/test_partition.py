@@ -313,3 +313,11 @@ def test_plot_label_distribution_writes_a_png(labels, tmp_path):
     assert path == tmp_path / "plots" / "labels.png"
     assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
     assert [f.name for f in path.parent.iterdir()] == ["labels.png"]  # no temp file left
+
+
+def test_shards_with_fewer_shards_than_classes_leaves_classes_unused():
+    labels = np.repeat(np.arange(10), 30)
+    part = partition(labels, "shards", 3, seed=0, classes_per_client=2)  # 6 shards, 10 classes
+    used = {int(c) for cs in part.clients for c in labels[cs.indices]}
+    assert len(used) == 6
+    assert all(len(set(labels[cs.indices].tolist())) == 2 for cs in part.clients)
