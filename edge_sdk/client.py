@@ -66,6 +66,12 @@ class EdgeClient:
     ) -> None:
         self.client_id = topics.check_id(client_id, "client id")
         self.run_id = topics.check_id(run_id, "run id")
+        shape = tuple(data.x_train.shape[1:])
+        if shape != tuple(spec.input_shape) or spec.num_classes != data.num_classes:
+            raise ValueError(
+                f"{client_id}: the model {spec} does not fit the data: inputs {shape} with "
+                f"{data.num_classes} classes"
+            )
         self.spec = spec
         self.device = torch.device(device)
         self.data = data.to(self.device)  # moved to the device once
