@@ -75,19 +75,20 @@ def prepare_federation(cfg: RunConfig) -> Federation:
     width = len(str(len(part) - 1))
     ids = [f"c{i:0{width}d}" for i in range(len(part))]
     datas = []
+    x, y = dataset.x, dataset.y
     for cs in part.clients:
-        x, y = dataset.x, dataset.y
-        datas.append(
-            ClientData(
-                x_train=x[cs.train],
-                y_train=y[cs.train],
-                x_val=x[cs.val],
-                y_val=y[cs.val],
-                x_test=x[cs.test],
-                y_test=y[cs.test],
-                num_classes=dataset.num_classes,
-            )
+        data = ClientData(
+            x_train=x[cs.train],
+            y_train=y[cs.train],
+            x_val=x[cs.val],
+            y_val=y[cs.val],
+            x_test=x[cs.test],
+            y_test=y[cs.test],
+            num_classes=dataset.num_classes,
         )
+        # In the training layout already, so CPU clients (and every baseline run) share these
+        # tensors instead of each making its own copy.
+        datas.append(data.to(torch.device("cpu")))
     return Federation(dataset, part, ids, datas)
 
 
