@@ -11,7 +11,6 @@ from coordinator.strategies.base import (
     weighted_mean,
 )
 from edge_sdk.algorithms.fml import FMLConfig, shared_keys
-from edge_sdk.codec import WireModel
 from model_zoo import ArchSpec
 
 
@@ -43,9 +42,6 @@ class FMLStrategy(GlobalModelStrategy):
         if self.config.shared_prefixes:
             spec = spec.with_(num_classes=self.clients[client_id].capabilities.num_classes)
         return {"meme": spec}
-
-    def eval_models(self) -> dict[str, WireModel]:
-        return {"global": self.global_model}
 
     def aggregate_fit(self, round_: int, replies: Mapping[str, FitReply]) -> None:
         memes = [
