@@ -8,8 +8,9 @@ Shakespeare speaker). Splitting it across clients is the partitioner's job (`par
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ __all__ = [
     "image_dataset_from_uint8",
     "normalize_uint8",
     "stratified_indices",
+    "unknown_keywords",
 ]
 
 logger = logging.getLogger(__name__)
@@ -250,3 +252,13 @@ def image_dataset_from_uint8(
         input_shape=tuple(x.shape[1:]),
         normalization=norm,
     )
+
+
+def unknown_keywords(fn: Callable[..., Any], given: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(given names `fn` does not take as keyword-only arguments, the ones it takes)."""
+    accepted = [
+        p.name
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    return sorted(set(given) - set(accepted)), accepted

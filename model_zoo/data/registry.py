@@ -7,12 +7,11 @@ Default roots: Fashion-MNIST where the Debian package `dataset-fashion-mnist` in
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .base import Dataset, DatasetError, UnknownDataset
+from .base import Dataset, DatasetError, UnknownDataset, unknown_keywords
 from .cifar import load_cifar10, load_cifar100
 from .generated import load_digits, load_synthetic
 from .idx import FASHION_MNIST_DEFAULT_ROOT, load_fashion_mnist, load_mnist
@@ -66,12 +65,7 @@ def load_dataset(name: str, root: str | Path | None = None, **kwargs: Any) -> Da
     if key not in _REGISTRY:
         raise UnknownDataset(name, dataset_names())
     loader, needs_root = _REGISTRY[key]
-    accepted = [
-        p.name
-        for p in inspect.signature(loader).parameters.values()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY
-    ]
-    unknown = sorted(set(kwargs) - set(accepted))
+    unknown, accepted = unknown_keywords(loader, kwargs)
     if unknown:
         raise DatasetError(
             f"{key}: unknown option(s) {', '.join(unknown)}; accepted: {', '.join(accepted)}"

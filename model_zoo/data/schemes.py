@@ -9,12 +9,13 @@ docstring says, per scheme, whether every sample ends up with some client.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from .base import unknown_keywords
 
 __all__ = [
     "PartitionError",
@@ -72,12 +73,7 @@ def run_scheme(
             f"unknown partition scheme {name!r}; known schemes: {', '.join(scheme_names())}"
         )
     fn = _SCHEMES[name]
-    accepted = [
-        p.name
-        for p in inspect.signature(fn).parameters.values()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY
-    ]
-    unknown = sorted(set(params) - set(accepted))
+    unknown, accepted = unknown_keywords(fn, params)
     if unknown:
         raise PartitionError(
             f"scheme {name!r} takes no parameter(s) {', '.join(unknown)}; "
