@@ -24,12 +24,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from coordinator.strategies import (
     ClientInfo,
     FitReply,
+    ServerData,
     Strategy,
     StrategyError,
     strategy_class,
 )
 from edge_sdk import topics
-from edge_sdk.algorithms import AlgorithmConfig
+from edge_sdk.algorithms import AlgorithmConfig, Detail
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
 from edge_sdk.protocol import Phase, Register, Registered, Reply, Shutdown, Task
 from edge_sdk.transport.base import Transport
@@ -71,6 +72,7 @@ class RoundRecord:
     replied: list[str]
     failed: bool = False
     train_metrics: dict[str, float] = field(default_factory=dict)
+    client_details: dict[str, dict[str, Detail]] = field(default_factory=dict)  # from fit replies
 
 
 @dataclass
@@ -82,6 +84,7 @@ class ClientResult:
     personal_acc: float | None
     global_acc: float | None
     error: str | None = None
+    details: dict[str, Detail] = field(default_factory=dict)  # from the finalize reply
 
 
 @dataclass
@@ -101,6 +104,7 @@ class _Collected:
     models: dict[str, WireModel]
     metrics: dict[str, float]
     n_samples: int
+    details: dict[str, Detail] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -122,6 +126,7 @@ class Coordinator:
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
         on_round: Callable[[RoundRecord], None] | None = None,
         checkpoint: Callable[[int, dict[str, Any]], None] | None = None,
+        server_data: ServerData | None = None,
     ) -> None:
         if rounds < 1 or expected_clients < 1:
             raise ValueError(
@@ -142,6 +147,7 @@ class Coordinator:
         self.max_blob_bytes = max_blob_bytes
         self.on_round = on_round
         self.checkpoint = checkpoint
+        self.server_data = server_data
         self.endpoint = Endpoint(
             transport, topics.coordinator_inbox(run_id), max_blob_bytes=max_blob_bytes
         )
@@ -169,6 +175,7 @@ class Coordinator:
                 rounds=self.rounds,
                 clients_per_round=self.clients_per_round,
                 seed=self.seed,
+                server_data=self.server_data,
             )
             self.strategy.setup()
             records = []
@@ -288,7 +295,7 @@ class Coordinator:
                 self.checkpoint(r, {"round": r, "strategy": self.strategy.state_dict()})
         personal = glob = None
         if r % self.rc.eval_every == 0 or r == self.rounds:
-            scores = self._run_phase(r, "evaluate", self._broadcast(self.strategy.eval_models()))
+            scores = self._run_phase(r, "evaluate", self.strategy.configure_evaluate(r))
             personal, glob, _ = _accuracies(scores)
         return RoundRecord(
             round=r,
@@ -299,17 +306,17 @@ class Coordinator:
             replied=sorted(valid),
             failed=failed,
             train_metrics=_mean_metrics(valid),
+            client_details={cid: v.details for cid, v in valid.items() if v.details},
         )
 
     def _finalize(self) -> list[ClientResult]:
         assert self.strategy is not None
-        scores = self._run_phase(
-            self.rounds, "finalize", self._broadcast(self.strategy.finalize_models())
-        )
+        scores = self._run_phase(self.rounds, "finalize", self.strategy.configure_finalize())
         _, _, per_client = _accuracies(scores)
         out = []
         for cid, info in self.clients.items():
             p, g = per_client.get(cid, (None, None))
+            reply = scores.get(cid)
             out.append(
                 ClientResult(
                     id=cid,
@@ -318,13 +325,11 @@ class Coordinator:
                     n_train=info.capabilities.n_train,
                     personal_acc=p,
                     global_acc=g,
-                    error=None if scores.get(cid) else "no valid finalize reply",
+                    error=None if reply else "no valid finalize reply",
+                    details=reply.details if reply else {},
                 )
             )
         return out
-
-    def _broadcast(self, models: dict[str, WireModel]) -> dict[str, dict[str, WireModel]]:
-        return {cid: models for cid in self.clients}
 
     def _run_phase(
         self, r: int, phase: Phase, plan: Mapping[str, Mapping[str, WireModel]]
@@ -399,7 +404,7 @@ class Coordinator:
         except (ValueError, KeyError) as exc:
             log.error("invalid %s reply from %s dropped: %s", phase, cid, exc)
             return None
-        return _Collected(models, msg.metrics, msg.n_samples)
+        return _Collected(models, msg.metrics, msg.n_samples, dict(msg.details))
 
     def _send(self, cid: str, msg: Any, blobs: Mapping[str, bytes] | None = None) -> None:
         self.endpoint.send(topics.client_inbox(self.run_id, cid), msg, blobs)

@@ -14,7 +14,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,8 @@ import torch
 from coordinator.config import RunConfig
 from coordinator.metrics import personalization_metrics
 from coordinator.server import Coordinator, RoundRecord, RunResult
+from coordinator.server_data import ServerData
+from coordinator.strategies import GlobalModelStrategy, strategy_class
 from edge_sdk.client import EdgeClient
 from edge_sdk.device import resolve_device
 from edge_sdk.trainer import ClientData
@@ -39,6 +41,7 @@ from model_zoo.data import (
     plot_label_distribution,
     split_summary,
 )
+from model_zoo.data.base import stratified_indices
 
 __all__ = ["Federation", "prepare_federation", "run_federation", "simulate"]
 
@@ -50,12 +53,17 @@ _ONE_ARCH = {"fedavg", "fedprox", "fedavg_ft"}
 
 @dataclass
 class Federation:
-    """The data side of a simulated federation: the dataset, its split, each client's tensors."""
+    """The data side of a simulated federation: the dataset, its split, each client's tensors.
+
+    `server_data` holds what the coordinator keeps for itself (samples held out of `dataset`
+    before it was partitioned, for strategies that need an unlabeled set).
+    """
 
     dataset: Dataset
     partition: Partition
     client_ids: list[str]
     client_data: list[ClientData]
+    server_data: ServerData = field(default_factory=ServerData)
 
 
 def prepare_federation(cfg: RunConfig) -> Federation:
@@ -63,6 +71,7 @@ def prepare_federation(cfg: RunConfig) -> Federation:
     # The run's seed picks the subset; a generator's own seed (Synthetic's) stays in `options`.
     subset = {"max_samples": d.max_samples, "seed": cfg.seed} if d.max_samples else {}
     dataset = load_dataset(d.dataset, root=d.root, **subset, **d.options)
+    dataset, server_data = _hold_out(cfg, dataset)
     part = partition(
         dataset.y.numpy(),
         d.partition,
@@ -89,7 +98,22 @@ def prepare_federation(cfg: RunConfig) -> Federation:
         # In the training layout already, so CPU clients (and every baseline run) share these
         # tensors instead of each making its own copy.
         datas.append(data.to(torch.device("cpu")))
-    return Federation(dataset, part, ids, datas)
+    return Federation(dataset, part, ids, datas, server_data)
+
+
+def _hold_out(cfg: RunConfig, dataset: Dataset) -> tuple[Dataset, ServerData]:
+    """Remove the strategy's unlabeled set (stratified, seeded) from the data clients get."""
+    n = strategy_class(cfg.algorithm).unlabeled_holdout(cfg.algorithm_config())
+    if n <= 0:
+        return dataset, ServerData()
+    if n >= len(dataset):
+        raise ValueError(
+            f"{cfg.algorithm} holds out {n} unlabeled samples for the coordinator but the dataset "
+            f"has only {len(dataset)}; lower {cfg.algorithm}.unlabeled_size"
+        )
+    held = stratified_indices(dataset.y.numpy(), n, cfg.seed + 1)
+    rest = np.setdiff1d(np.arange(len(dataset)), held)
+    return dataset.subset(rest), ServerData(unlabeled=dataset.x[torch.from_numpy(held)])
 
 
 def _spec(cfg: RunConfig, family: str, dataset: Dataset) -> ArchSpec:
@@ -123,13 +147,18 @@ def run_federation(
         rounds=cfg.rounds,
         expected_clients=len(fed.client_ids),
         clients_per_round=cfg.clients_per_round,
-        global_model=cfg.global_family if algorithm not in {"local"} else None,
+        global_model=(
+            cfg.global_family
+            if issubclass(strategy_class(algorithm), GlobalModelStrategy)
+            else None
+        ),
         model_kwargs=cfg.model_kwargs,
         round_config=cfg.round,
         run_id=f"{cfg.run_id}-{algorithm}",
         seed=cfg.seed,
         export_onnx=export_dir is not None,
         on_round=on_round,
+        server_data=fed.server_data,
     ).open()
     parallel = cfg.parallel or os.cpu_count() or 1
     gate = threading.Semaphore(parallel)
@@ -237,18 +266,24 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
     clients: list[dict[str, Any]] = []
     for c in main.clients:
         glob = c.global_acc if c.global_acc is not None else fedavg.get(c.id)
-        clients.append(
-            {
-                "id": c.id,
-                "arch": c.arch,
-                "n_train": c.n_train,
-                "personal_acc": c.personal_acc,
-                "global_acc": glob,
-                "local_acc": local.get(c.id),
-                "fedavg_acc": fedavg.get(c.id),
-                **({"error": c.error} if c.error else {}),
-            }
-        )
+        entry: dict[str, Any] = {
+            "id": c.id,
+            "arch": c.arch,
+            "n_train": c.n_train,
+            "personal_acc": c.personal_acc,
+            "global_acc": glob,
+            "local_acc": local.get(c.id),
+            "fedavg_acc": fedavg.get(c.id),
+            **({"error": c.error} if c.error else {}),
+        }
+        # What the algorithm reported about this client at the end (teacher round, λ, T, the
+        # architecture it ended with...); it never overrides the fields above.
+        for key, value in c.details.items():
+            if key in entry:
+                log.warning("%s: detail %r collides with a results field; dropped", c.id, key)
+            else:
+                entry[key] = value
+        clients.append(entry)
     personal = [c.personal_acc for c in main.clients]
     curve = [r.mean_personal_acc for r in main.rounds if r.mean_personal_acc is not None]
     globals_ = [r.global_acc for r in main.rounds if r.global_acc is not None]
@@ -283,6 +318,8 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
                 "failed": r.failed,
                 "replied": len(r.replied),
                 "trained": len(r.trained),
+                # per client, what its fit reply reported (e.g. the architecture it chose)
+                **({"clients": r.client_details} if r.client_details else {}),
             }
             for r in main.rounds
         ],

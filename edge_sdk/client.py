@@ -168,6 +168,7 @@ class EdgeClient:
                 "ok": True,
                 "n_samples": result.n_samples,
                 "metrics": result.metrics,
+                "details": result.details,
                 "models": refs,
             }
         except Exception as exc:  # the client reports and keeps serving

@@ -111,6 +111,11 @@ class Reply(_Message):
     error: str | None = None
     n_samples: int = Field(ge=0, default=0)
     metrics: dict[str, float] = {}
+    # Per-client facts reported as they are (e.g. a chosen teacher round, an architecture name).
+    details: dict[
+        Annotated[str, Field(max_length=64)],
+        Annotated[str, Field(max_length=256)] | bool | int | float | None,
+    ] = Field(default_factory=dict, max_length=64)
     models: dict[str, ModelRef] = {}
 
 

@@ -175,9 +175,13 @@ class Trainer:
         loss: torch.Tensor,
         optimizers: Iterable[torch.optim.Optimizer],
         *,
-        clip: tuple[Iterable[nn.Parameter], float] | None = None,
+        clip: Iterable[tuple[Iterable[nn.Parameter], float]] = (),
     ) -> float:
-        """zero_grad → backward (scaled under fp16) → optional clip → step; returns the loss."""
+        """zero_grad → backward (scaled under fp16) → clip → step; returns the loss.
+
+        `clip` lists (parameters, max_norm) groups, each clipped to its own total gradient norm
+        (one group per model when several models step together).
+        """
         optimizers = list(optimizers)
         value = float(loss.detach())  # one host sync per step, shared by the check and the caller
         if not math.isfinite(value):
@@ -190,8 +194,8 @@ class Trainer:
                 self._scaler.unscale_(opt)
         else:
             loss.backward()
-        if clip is not None:
-            nn.utils.clip_grad_norm_(clip[0], clip[1])
+        for params, max_norm in clip:
+            nn.utils.clip_grad_norm_(params, max_norm)
         for opt in optimizers:
             if self._scaler is not None:
                 self._scaler.step(opt)
