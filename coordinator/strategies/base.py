@@ -210,7 +210,8 @@ class GlobalModelStrategy(Strategy):
         if archs:
             raise IncompatibleClients(
                 f"{self.name} averages one architecture; the global model is {self.global_spec} "
-                f"but clients registered {archs}. Use fml or pfml for heterogeneous models."
+                f"but clients registered {archs}. Use fml, pfml, persfl or fedme for heterogeneous "
+                "models."
             )
 
     def _weights(self, replies: Mapping[str, FitReply]) -> list[float]:

@@ -1,8 +1,11 @@
 """persfl: distillation from a per-client optimal teacher (PersFL thesis, paper 002, Algorithm 1).
 
-Stage 1 is plain FedAvg on the global architecture. Every global model a client receives is
-scored on its validation split; the one with the lowest validation cross-entropy so far is kept
-as the client's *optimal teacher* (no extra communication).
+Stage 1 is plain FedAvg on the global architecture. Every global model a client receives after
+an aggregation is scored on its validation split; the one with the lowest validation
+cross-entropy so far is kept as the client's *optimal teacher* (no extra communication). The
+thesis picks among "the FedAvg model learned in each global aggregation round", so the untrained
+initial model is never a candidate: on a skewed split its near-uniform outputs can have a lower
+CE than every trained global model, and distilling it teaches nothing.
 
 Stage 2 runs on the device in the finalize phase, after the last round: the teacher is distilled
 into a student of the client's own architecture, for every (λ, T) of a grid, and the student
@@ -184,8 +187,9 @@ class PersFL(ClientAlgorithm):
 
     def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         glob = self._require(models, "global")
-        # The task of round r carries the global model after r−1 aggregations.
-        self.consider_teacher(round_ - 1, glob)
+        # The task of round r carries the global model after r−1 aggregations (none in round 1).
+        if round_ > 1:
+            self.consider_teacher(round_ - 1, glob)
         if self.model is None or glob.spec != self.model_spec:
             self.model, self.model_spec = self._materialize(glob), glob.spec
         else:

@@ -35,7 +35,7 @@ def test_persfl_federation_with_mixed_architectures_learns(loss, tmp_path):
     assert results["summary"]["mean_personal_acc"] > 4 * CHANCE
     for c in results["clients"]:
         assert c["personal_acc"] > 3 * CHANCE
-        assert 0 <= c["teacher_round"] <= 3
+        assert 1 <= c["teacher_round"] <= 3  # a trained global model, never the initial one
         assert (c["distill_lambda"], c["distill_T"]) in {(0.0, 1.0), (0.5, 1.0), (0.5, 4.0)}
         assert c["student_init"] == ("teacher" if c["arch"] == "mlr" else "scratch")
     saved = json.loads((tmp_path / "results.json").read_text())

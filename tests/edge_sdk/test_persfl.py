@@ -93,12 +93,23 @@ def test_persfl_fit_scores_the_received_model_as_the_previous_rounds_global_mode
     assert client.teacher_round == 3  # round 4's task carries the global model of round 3
 
 
+def test_persfl_never_takes_the_untrained_initial_model_as_its_teacher():
+    # Round 1 carries the initial model: however low its validation loss, it is not a candidate.
+    client = _client(local_epochs=1, batch_size=8)
+    uniform = _mlr(torch.zeros(CLASSES, FEATURES), torch.zeros(CLASSES))  # CE = ln 3
+    client.fit(1, 3, {"global": uniform})
+    assert client.teacher is None
+    confident_wrong = _mlr(torch.zeros(CLASSES, FEATURES), torch.tensor([9.0, 0.0, 0.0]))
+    client.fit(2, 3, {"global": confident_wrong})
+    assert client.teacher_round == 1  # the only trained global model so far, although worse
+
+
 def test_persfl_without_validation_data_is_a_clear_error():
     d = _data()
     no_val = ClientData(d.x_train, d.y_train, d.x_val[:0], d.y_val[:0], d.x_test, d.y_test, CLASSES)
     client = _client(data=no_val)
     with pytest.raises(AlgorithmError, match="validation split"):
-        client.fit(1, 2, {"global": WireModel.of(MLR, build(MLR))})
+        client.fit(2, 2, {"global": WireModel.of(MLR, build(MLR))})
 
 
 # -- the two distillation losses ---------------------------------------------------------------
