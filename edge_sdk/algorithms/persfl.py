@@ -25,6 +25,7 @@ stage 2 against them (`personalize`).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ __all__ = [
     "archive_round",
     "distillation_loss",
 ]
+
+log = logging.getLogger(__name__)
 
 ARCHIVE_PREFIX = "global@"
 
@@ -157,6 +160,7 @@ class PersFL(ClientAlgorithm):
         self.student: nn.Module | None = None
         self.choice: GridPoint | None = None
         self.grid: list[GridPoint] = []
+        self.diverged: list[tuple[float, float]] = []  # (λ, T) whose training loss went NaN/inf
         self.student_init: Literal["teacher", "scratch"] | None = None
 
     # -- stage 1 ---------------------------------------------------------------------------
@@ -240,6 +244,7 @@ class PersFL(ClientAlgorithm):
                 "distill_lambda": self.choice.lam,
                 "distill_T": self.choice.temperature,
                 "student_init": self.student_init,
+                "diverged_points": len(self.diverged),
             },
         )
 
@@ -268,17 +273,28 @@ class PersFL(ClientAlgorithm):
         batch_order = trainer.generator.get_state()
         best: GridPoint | None = None
         best_state: dict[str, torch.Tensor] = init
-        self.grid = []
+        self.grid, self.diverged = [], []
         for lam, t in self._grid():
             student.load_state_dict(init)
             trainer.generator.set_state(batch_order)
-            self.distill(student, z_teacher, lam, t)
+            try:
+                self.distill(student, z_teacher, lam, t)
+            except FloatingPointError as exc:  # a bad (λ, T) for this lr: not a candidate
+                log.warning(
+                    "%s: distillation at λ=%g, T=%g diverged (%s)", self.ctx.client_id, lam, t, exc
+                )
+                self.diverged.append((lam, t))
+                continue
             r = trainer.evaluate(student, d.x_val, d.y_val)
             point = GridPoint(lam, t, r.correct, r.total, r.loss)
             self.grid.append(point)
             if point.beats(best):
                 best, best_state = point, state_of(student)
-        assert best is not None
+        if best is None:
+            raise AlgorithmError(
+                f"persfl: distillation diverged at every (λ, T) of the grid {self.diverged}; "
+                "lower the learning rate"
+            )
         student.load_state_dict(best_state)
         return student, best
 

@@ -212,6 +212,32 @@ def test_persfl_each_grid_point_starts_from_the_same_student_and_batch_order():
     assert after_others.grid[-1] == alone.grid[0]
 
 
+class _DivergesAtHalf(PersFL):
+    """A client whose distillation blows up at λ = 0.5 (as a too-large λ·T step would)."""
+
+    def distill(self, student, z_teacher, lam, temperature):
+        if lam == 0.5:
+            raise FloatingPointError("training loss became nan; lower the learning rate")
+        return super().distill(student, z_teacher, lam, temperature)
+
+
+def test_persfl_grid_search_skips_a_point_that_diverges():
+    data = _data()
+    ctx = ClientContext("c0", MLR, data, torch.device("cpu"), 0, Trainer(torch.device("cpu")))
+    client = _DivergesAtHalf(
+        ctx, PersFLConfig(distill_lambdas=[0.0, 0.5, 0.9], distill_temperatures=[2.0])
+    )
+    out = client.personalize([(1, _mlr(torch.randn(CLASSES, FEATURES), torch.zeros(CLASSES)))])
+    assert [p.lam for p in client.grid] == [0.0, 0.9]
+    assert out.details["diverged_points"] == 1 and out.details["distill_lambda"] in (0.0, 0.9)
+
+
+def test_persfl_grid_search_where_every_point_diverges_says_to_lower_the_lr():
+    client = _client(lr=1e30, distill_lambdas=[0.5], distill_temperatures=[2.0])
+    with pytest.raises(AlgorithmError, match="lower the learning rate"):
+        client.personalize([(1, _mlr(torch.randn(CLASSES, FEATURES), torch.zeros(CLASSES)))])
+
+
 def test_persfl_student_starts_from_the_teacher_when_the_architecture_matches():
     # λ = 1, T = 1 and no weight decay: a student equal to its teacher has zero loss and zero
     # gradient, so it stays the teacher exactly. A random start would move.
