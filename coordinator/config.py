@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from coordinator.server import RoundConfig
 from edge_sdk.algorithms import AlgorithmConfig, algorithm_class, algorithm_names
+from edge_sdk.transport.mqtt import BrokerSettings
 from model_zoo import families
 from model_zoo.data import dataset_names, partition_schemes
 
@@ -60,6 +61,7 @@ class RunConfig(BaseModel):
     baselines: list[str] = []  # e.g. ["local", "fedavg"]: run with the same data for the metrics
     out: str | None = None
     export_onnx: bool = False
+    broker: BrokerSettings | None = None  # run over this MQTT broker instead of in memory
     parallel: int | None = Field(None, ge=1)  # simulated clients training at once; None = cores
     run_id: str = "sim"
 
