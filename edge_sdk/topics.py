@@ -28,6 +28,7 @@ __all__ = [
     "bcast",
     "check_id",
     "down",
+    "filters_overlap",
     "origin_of",
     "peer_inbox",
     "peer_message",
@@ -144,3 +145,14 @@ def topic_matches(pattern: str, topic: str) -> bool:
         if i >= len(top) or (p != "+" and p != top[i]):
             return False
     return len(pat) == len(top)
+
+
+def filters_overlap(a: str, b: str) -> bool:
+    """Whether some topic matches both filters (brokers may deliver it once or twice)."""
+    pa, pb = a.split("/"), b.split("/")
+    for x, y in zip(pa, pb, strict=False):
+        if x == "#" or y == "#":
+            return True
+        if x != y and "+" not in (x, y):
+            return False
+    return len(pa) == len(pb) or "#" in (pa[len(pb)] if len(pa) > len(pb) else pb[len(pa)])

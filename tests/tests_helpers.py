@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from coordinator.config import load_config
@@ -55,3 +57,13 @@ ZOO_SPECS = [
 
 def spec_id(spec: ArchSpec) -> str:
     return f"{spec.family}-{spec.kwargs['mode']}" if "mode" in spec.kwargs else spec.family
+
+
+def eventually(check: Callable[[], object], timeout: float = 10.0, step: float = 0.02) -> None:
+    """Wait until `check()` is truthy (asserting it at the end): a bounded wait, no sleep-and-hope."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(step)
+    assert check(), f"condition not met within {timeout} s"

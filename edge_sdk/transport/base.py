@@ -2,7 +2,8 @@
 
 Semantics every implementation keeps (the contract tests in tests/edge_sdk/ check them against
 the in-memory transport, a real mosquitto and the embedded amqtt broker):
-- QoS 1, in order per topic; subscriptions survive reconnects (persistent session), and what was
+- QoS 1, in order per topic; one transport's filters never overlap (brokers disagree on whether
+  a topic matching two of them arrives once or twice); subscriptions survive reconnects (persistent session), and what was
   published to a subscription while its transport was disconnected arrives after `connect()`.
 - `publish(..., retain=True)` keeps the last payload of a topic for later subscribers; an empty
   retained payload clears it.
@@ -19,8 +20,10 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from edge_sdk.topics import filters_overlap
 
 __all__ = [
     "ConnectError",
@@ -135,6 +138,15 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Leave cleanly for good; the transport cannot be used afterwards."""
+
+    @staticmethod
+    def _check_overlap(existing: Iterable[str], topic_filter: str) -> None:
+        for other in existing:
+            if other != topic_filter and filters_overlap(other, topic_filter):
+                raise ValueError(
+                    f"filter {topic_filter!r} overlaps {other!r} on the same transport; "
+                    "subscribe to disjoint filters (or use a second transport)"
+                )
 
     def _check_size(self, payload: bytes) -> None:
         if len(payload) > self.max_payload_bytes:

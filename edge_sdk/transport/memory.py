@@ -91,6 +91,7 @@ class InMemoryBroker:
         with self._lock:
             retained = [(k, v) for k, v in self._retained.items() if topic_matches(flt, k)]
         with s.lock:
+            t._check_overlap(s.subs, flt)
             s.subs[flt] = cb
             for topic, payload in retained:
                 if s.connected:

@@ -40,6 +40,7 @@ from edge_sdk.transport.base import (
     Callback,
     ConnectError,
     Delivery,
+    DeliveryTimeout,
     NotAuthorized,
     PublishRejected,
     Transport,
@@ -156,6 +157,8 @@ class MqttTransport(Transport):
         self._lock = threading.Lock()  # subscriptions and ack bookkeeping; never held into paho
         self._pending: dict[int, Delivery] = {}
         self._early: dict[int, tuple[int, str] | None] = {}  # acks that beat their registration
+        self._subacks: dict[int, threading.Event] = {}
+        self._early_subacks: set[int] = set()
         self._will: tuple[str, bytes, bool] | None = None
         self._connected = threading.Event()
         self._refused: ConnectError | None = None
@@ -198,6 +201,8 @@ class MqttTransport(Transport):
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
         client.on_publish = self._on_publish
+        client.on_subscribe = self._on_suback
+        client.on_unsubscribe = self._on_suback
         return client
 
     def _open_socket(self) -> None:
@@ -434,18 +439,46 @@ class MqttTransport(Transport):
         return delivery
 
     def subscribe(self, topic_filter: str, callback: Callback) -> None:
+        """Subscribe and, when connected, wait for the SUBACK: what anyone publishes after
+        this returns reaches `callback`."""
         if self._closed:
             raise ConnectError("transport is closed")
         with self._lock:
+            self._check_overlap(self._subs, topic_filter)
             self._subs[topic_filter] = callback
         if self._connected.is_set():
-            self._client.subscribe(topic_filter, qos=1)
+            rc, mid = self._client.subscribe(topic_filter, qos=1)
+            self._await_ack(rc, mid, f"subscribe to {topic_filter!r}")
 
     def unsubscribe(self, topic_filter: str) -> None:
         with self._lock:
             known = self._subs.pop(topic_filter, None) is not None
         if known and self._connected.is_set():
-            self._client.unsubscribe(topic_filter)
+            rc, mid = self._client.unsubscribe(topic_filter)
+            self._await_ack(rc, mid, f"unsubscribe from {topic_filter!r}")
+
+    def _await_ack(self, rc: int, mid: int | None, what: str) -> None:
+        if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
+            log.info("%s: %s is queued until we reconnect (%s)", self.client_id, what, rc)
+            return
+        done = threading.Event()
+        with self._lock:
+            if mid in self._early_subacks:
+                self._early_subacks.discard(mid)
+                return
+            self._subacks[mid] = done
+        if not done.wait(self.settings.ack_timeout_s):
+            with self._lock:
+                self._subacks.pop(mid, None)
+            raise DeliveryTimeout(f"{self.client_id}: no acknowledgement to {what}")
+
+    def _on_suback(self, client: Any, userdata: Any, mid: int, *rest: Any) -> None:
+        with self._lock:
+            done = self._subacks.pop(mid, None)
+            if done is None:
+                self._early_subacks.add(mid)
+        if done is not None:
+            done.set()
 
 
 def _refusal_error(topic: str, refusal: tuple[int, str] | None) -> TransportError | None:
