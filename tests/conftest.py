@@ -8,9 +8,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests_helpers
 
-from coordinator.broker import EmbeddedBroker, MosquittoBroker, mosquitto_path  # noqa: E402
-from edge_sdk.transport import InMemoryBroker, Transport  # noqa: E402
-from edge_sdk.transport.mqtt import MqttTransport  # noqa: E402
+from coordinator.broker import EmbeddedBroker, MosquittoBroker, mosquitto_path
+from edge_sdk.transport import InMemoryBroker, Transport
+from edge_sdk.transport.mqtt import MqttTransport
 
 needs_mosquitto = pytest.mark.skipif(
     mosquitto_path() is None, reason="mosquitto is not installed (make test installs it as root)"

@@ -60,7 +60,7 @@ def spec_id(spec: ArchSpec) -> str:
 
 
 def eventually(check: Callable[[], object], timeout: float = 10.0, step: float = 0.02) -> None:
-    """Wait until `check()` is truthy (asserting it at the end): a bounded wait, no sleep-and-hope."""
+    """Wait until `check()` is truthy (asserting it at the end): bounded, no sleep-and-hope."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():

@@ -2,9 +2,10 @@
 
 Semantics every implementation keeps (the contract tests in tests/edge_sdk/ check them against
 the in-memory transport, a real mosquitto and the embedded amqtt broker):
-- QoS 1, in order per topic; one transport's filters never overlap (brokers disagree on whether
-  a topic matching two of them arrives once or twice); subscriptions survive reconnects (persistent session), and what was
-  published to a subscription while its transport was disconnected arrives after `connect()`.
+- QoS 1, in order per topic. One transport's filters never overlap (brokers disagree on whether
+  a topic matching two of them arrives once or twice). `subscribe` returns once the broker
+  acknowledged it. Subscriptions survive reconnects (persistent session), and what was published
+  to a subscription while its transport was disconnected arrives after `connect()`.
 - `publish(..., retain=True)` keeps the last payload of a topic for later subscribers; an empty
   retained payload clears it.
 - `publish` refuses payloads over `max_payload_bytes` before sending anything (`PayloadTooLarge`)
