@@ -261,7 +261,7 @@ class Endpoint:
             raise ProtocolError("chunk header names no valid blob id")
         if size > self.max_blob_bytes:
             raise PayloadError(f"blob {blob_id} of {size} bytes is over {self.max_blob_bytes}")
-        if not 0 <= index < count or count > max(1, size) or len(data) > size:
+        if not 0 <= index < count or count > max(1, size):
             raise ProtocolError(f"blob {blob_id}: chunk {index} of {count} is inconsistent")
         key = (topic, blob_id)
         with self._lock:
