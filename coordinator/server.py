@@ -193,7 +193,9 @@ class Coordinator:
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> Coordinator:
-        """Connect and start listening (before clients register)."""
+        """Connect and start listening (before clients register); idempotent."""
+        if self.endpoint.is_open:
+            return self
         self.transport.set_will(
             topics.status(self.run_id), message_frame(self._status("offline")), retain=True
         )
@@ -434,7 +436,7 @@ class Coordinator:
         )
         _, _, per_client = _accuracies(scores)
         out = []
-        for cid, info in self.clients.items():
+        for cid, info in sorted(self.clients.items()):
             p, g = per_client.get(cid, (None, None))
             out.append(
                 ClientResult(

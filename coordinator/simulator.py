@@ -121,7 +121,7 @@ def client_seed(seed: int, index: int) -> int:
 
 def transport_factory(cfg: RunConfig, run_id: str) -> Callable[[str], Transport]:
     """A transport per participant: on one fresh in-memory broker, or to `cfg.broker`."""
-    if cfg.broker is None:
+    if cfg.broker.url is None:
         broker = InMemoryBroker()
         return lambda who: broker.connect(f"{run_id}-{who}")
     settings = cfg.broker

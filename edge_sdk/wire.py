@@ -136,6 +136,10 @@ class Endpoint:
         self._janitor_stop = threading.Event()
 
     @property
+    def is_open(self) -> bool:
+        return self._open
+
+    @property
     def rejected(self) -> int:
         return sum(self.rejections.values())
 

@@ -64,7 +64,7 @@ class BrokerSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    url: str = "mqtt://127.0.0.1:1883"
+    url: str | None = None  # mqtt[s]://[user@]host[:port]; None: no broker (simulate in memory)
     username: str | None = None
     password: SecretStr | None = None
     password_file: Path | None = None
@@ -89,7 +89,7 @@ class BrokerSettings(BaseModel):
                 return self.password_file.read_text().rstrip("\r\n")
             except OSError as exc:
                 raise ConnectError(f"cannot read the broker password file: {exc}") from exc
-        return parse_broker_url(self.url).password
+        return parse_broker_url(self.url).password if self.url else None
 
 
 class BrokerAddress(BaseModel):
@@ -148,6 +148,8 @@ class MqttTransport(Transport):
 
     def __init__(self, broker: BrokerSettings | str, client_id: str) -> None:
         self.settings = broker if isinstance(broker, BrokerSettings) else BrokerSettings(url=broker)
+        if self.settings.url is None:
+            raise ValueError("no broker URL: set --broker mqtt://host:port (or broker.url)")
         self.address = parse_broker_url(self.settings.url)
         self.client_id = client_id
         self.max_payload_bytes = self.settings.max_payload_bytes

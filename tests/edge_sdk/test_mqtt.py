@@ -181,7 +181,8 @@ def test_clients_reconnect_after_a_broker_restart_and_nothing_is_lost(tmp_path):
 
 
 def test_reconnect_backoff_doubles_up_to_its_cap():
-    t = MqttTransport(BrokerSettings(reconnect_min_s=0.25, reconnect_max_s=1.0), "backoff")
+    settings = BrokerSettings(url="mqtt://127.0.0.1", reconnect_min_s=0.25, reconnect_max_s=1.0)
+    t = MqttTransport(settings, "backoff")
     client = t._client
     client.stop_waiting.set()  # no real sleeping in this test
     seen = []
