@@ -26,45 +26,23 @@ def _deploy(url, tmp_path, run_id):
     """`edgefl coordinator` and three `edgefl client` processes; returns their outcomes."""
     common = ["--broker", url, "--run-id", run_id]
     out = tmp_path / "out"
-    coordinator = subprocess.Popen(
-        [EDGEFL, "coordinator", *common, "--algorithm", "fml", "--clients", "3", "--rounds", "2",
-         "--global-model", "mlr", "--local-epochs", "2", "--batch-size", "32", "--lr", "0.1",
-         "--out", str(out), "--set", "round.register_timeout_s=120", *SETS],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    clients = [
-        subprocess.Popen(
-            [
-                EDGEFL,
-                "client",
-                *common,
-                "--id",
-                f"c{i}",
-                "--model",
-                arch,
-                *DATA,
-                "--index",
-                str(i),
-                "--seed",
-                "0",
-                "--threads",
-                "1",
-                "--state-dir",
-                str(tmp_path / f"state{i}"),
-                *SETS,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for i, arch in enumerate(ARCHS)
+    run = ["--algorithm", "fml", "--clients", "3", "--rounds", "2", "--global-model", "mlr"]
+    training = ["--local-epochs", "2", "--batch-size", "32", "--lr", "0.1"]
+    commands = [[EDGEFL, "coordinator", *common, *run, *training, "--out", str(out), *SETS]]
+    for i, arch in enumerate(ARCHS):
+        me = ["--id", f"c{i}", "--model", arch, "--index", str(i), "--seed", "0", "--threads", "1"]
+        state = ["--state-dir", str(tmp_path / f"state{i}")]
+        commands.append([EDGEFL, "client", *common, *me, *DATA, *state, *SETS])
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd in commands
     ]
     try:
-        logs = [p.communicate(timeout=240)[0] for p in [coordinator, *clients]]
+        logs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
-        for p in [coordinator, *clients]:
+        for p in procs:
             p.kill()
-    codes = [p.returncode for p in [coordinator, *clients]]
+    codes = [p.returncode for p in procs]
     assert codes == [0, 0, 0, 0], "\n\n".join(logs)
     return out, logs
 
