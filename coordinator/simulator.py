@@ -26,10 +26,12 @@ from coordinator.metrics import personalization_metrics
 from coordinator.server import Coordinator, RoundRecord, RunResult
 from coordinator.server_data import ServerData
 from coordinator.strategies import GlobalModelStrategy, strategy_class
+from edge_sdk import topics
 from edge_sdk.client import EdgeClient
 from edge_sdk.device import resolve_device
 from edge_sdk.trainer import ClientData
-from edge_sdk.transport import InMemoryBroker
+from edge_sdk.transport import InMemoryBroker, Transport
+from edge_sdk.transport.mqtt import MqttTransport
 from edge_sdk.wire import reference_shapes
 from model_zoo import ArchSpec
 from model_zoo.data import (
@@ -43,7 +45,15 @@ from model_zoo.data import (
 )
 from model_zoo.data.base import stratified_indices
 
-__all__ = ["Federation", "prepare_federation", "run_federation", "simulate"]
+__all__ = [
+    "Federation",
+    "client_seed",
+    "client_spec",
+    "prepare_federation",
+    "run_federation",
+    "simulate",
+    "transport_factory",
+]
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +126,8 @@ def _hold_out(cfg: RunConfig, dataset: Dataset) -> tuple[Dataset, ServerData]:
     return dataset.subset(rest), ServerData(unlabeled=dataset.x[torch.from_numpy(held)])
 
 
-def _spec(cfg: RunConfig, family: str, dataset: Dataset) -> ArchSpec:
+def client_spec(cfg: RunConfig, family: str, dataset: Dataset) -> ArchSpec:
+    """The ArchSpec of a `family` model on `dataset` under the run's model_kwargs."""
     spec = ArchSpec(
         family=family,
         num_classes=dataset.num_classes,
@@ -125,6 +136,20 @@ def _spec(cfg: RunConfig, family: str, dataset: Dataset) -> ArchSpec:
     )
     reference_shapes(spec)  # fail now (e.g. lenet5 on 60 features), not at registration
     return spec
+
+
+def client_seed(seed: int, index: int) -> int:
+    """The seed of client `index` of a federation seeded `seed` (simulated or deployed alike)."""
+    return seed * 7919 + index
+
+
+def transport_factory(cfg: RunConfig, run_id: str) -> Callable[[str], Transport]:
+    """A transport per participant: on one fresh in-memory broker, or to `cfg.broker`."""
+    if cfg.broker.url is None:
+        broker = InMemoryBroker()
+        return lambda who: broker.connect(f"{run_id}-{who}")
+    settings = cfg.broker
+    return lambda who: MqttTransport(settings, f"edgefl-{run_id}-{who}")
 
 
 def run_federation(
@@ -136,12 +161,15 @@ def run_federation(
     export_dir: Path | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
 ) -> RunResult:
-    """Run one algorithm: N EdgeClients and a Coordinator on a fresh in-memory broker."""
+    """Run one algorithm: N EdgeClients and a Coordinator over the in-memory transport, or over
+    the broker `cfg.broker` names (the same code path a deployment takes)."""
     device = resolve_device(cfg.device)
     families = models or cfg.models
-    broker = InMemoryBroker()
+    run_id = f"{cfg.run_id}-{algorithm}"
+    connect = transport_factory(cfg, run_id)
+    transports = [connect(topics.COORDINATOR)]
     coordinator = Coordinator(
-        broker.connect(),
+        transports[0],
         algorithm=algorithm,
         config=cfg.algorithm_config(algorithm),
         rounds=cfg.rounds,
@@ -154,12 +182,11 @@ def run_federation(
         ),
         model_kwargs=cfg.model_kwargs,
         round_config=cfg.round,
-        run_id=f"{cfg.run_id}-{algorithm}",
+        run_id=run_id,
         seed=cfg.seed,
-        export_onnx=export_dir is not None,
         on_round=on_round,
         server_data=fed.server_data,
-    ).open()
+    )
     parallel = cfg.parallel or os.cpu_count() or 1
     gate = threading.Semaphore(parallel)
     # Clients train on their own threads: give each an equal share of the cores instead of
@@ -170,17 +197,19 @@ def run_federation(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel))
     clients: list[EdgeClient] = []
     try:
+        coordinator.open()
         for i, (cid, data) in enumerate(zip(fed.client_ids, fed.client_data, strict=True)):
             family = families[i % len(families)]
+            transports.append(connect(cid))
             clients.append(
                 EdgeClient(
                     cid,
-                    _spec(cfg, family, fed.dataset),
+                    client_spec(cfg, family, fed.dataset),
                     data,
-                    broker.connect(),
-                    run_id=f"{cfg.run_id}-{algorithm}",
+                    transports[-1],
+                    run_id=run_id,
                     device=device,
-                    seed=cfg.seed * 7919 + i,
+                    seed=client_seed(cfg.seed, i),
                     onnx_path=export_dir / f"{cid}.onnx" if export_dir else None,
                     class_names=fed.dataset.classes,
                     normalization=fed.dataset.normalization,
@@ -191,6 +220,8 @@ def run_federation(
     finally:
         for c in clients:
             c.stop()
+        for t in transports:
+            t.close()
         torch.set_num_threads(threads)
 
 

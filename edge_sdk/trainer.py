@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
+from torch.utils.data import Dataset as TorchDataset
 
 from edge_sdk.losses import cross_entropy
 
@@ -64,6 +65,26 @@ class ClientData:
         if len(self.x_train) == 0:
             raise ValueError("a client needs at least one training sample")
 
+    @classmethod
+    def from_datasets(
+        cls,
+        train: TorchDataset,
+        val: TorchDataset | None = None,
+        test: TorchDataset | None = None,
+        *,
+        num_classes: int,
+    ) -> ClientData:
+        """Materialise map-style `torch.utils.data.Dataset`s of (input, label) pairs as tensors.
+
+        A device app's own datasets become the tensors the trainer batches on the device; an
+        omitted split is empty (no validation-based selection, no test score).
+        """
+        x_train, y_train = _stack(train)
+        none_x, none_y = x_train[:0], torch.empty(0, dtype=torch.int64)
+        x_val, y_val = _stack(val) if val is not None else (none_x, none_y)
+        x_test, y_test = _stack(test) if test is not None else (none_x, none_y)
+        return cls(x_train, y_train, x_val, y_val, x_test, y_test, num_classes=num_classes)
+
     def to(self, device: torch.device) -> ClientData:
         """Move every split to `device` once; image batches go channels_last (see Trainer)."""
         moved = {k: _layout(getattr(self, k).to(device)) for k in self._tensor_fields()}
@@ -76,6 +97,21 @@ class ClientData:
     @property
     def n_train(self) -> int:
         return len(self.y_train)
+
+
+def _stack(ds: TorchDataset) -> tuple[torch.Tensor, torch.Tensor]:
+    n = len(ds)  # type: ignore[arg-type]
+    if n == 0:
+        raise ValueError("an empty dataset cannot be stacked; pass None for an empty split")
+    pairs = [ds[i] for i in range(n)]
+    try:
+        x = torch.stack([torch.as_tensor(p[0]) for p in pairs])
+        y = torch.as_tensor([int(p[1]) for p in pairs], dtype=torch.int64)
+    except (TypeError, IndexError, RuntimeError, ValueError) as exc:
+        raise ValueError(
+            f"a dataset item must be an (input, label) pair of equal-shaped inputs: {exc}"
+        ) from exc
+    return x, y
 
 
 def _layout(t: torch.Tensor) -> torch.Tensor:
