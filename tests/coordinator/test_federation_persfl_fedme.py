@@ -70,3 +70,37 @@ def test_fedme_federation_with_mixed_architectures_learns(tmp_path):
     assert all(set(r["clients"]) == {"c0", "c1", "c2", "c3"} for r in results["rounds"])
     report = (tmp_path / "report.md").read_text()
     assert "## Architectures over rounds" in report and "arch_end" in report
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "overrides"),
+    [
+        (
+            "persfl",
+            {
+                "persfl.distill_epochs": 2,
+                "persfl.distill_lambdas": [0.0, 0.5],
+                "persfl.distill_temperatures": [2.0],
+            },
+        ),
+        ("fedme", {"fedme.unlabeled_size": 100, "fedme.lr": 0.05}),
+    ],
+)
+def test_over_mosquitto_gives_the_in_memory_simulators_results(algorithm, overrides, mosquitto):
+    # Per-client tasks, per-client details and FedMe's shared (exchanged) models over a real broker.
+    def run(**kw):
+        cfg = tiny_config(
+            algorithm=algorithm,
+            models=["mlr", "mlp"],
+            global_model="mlr",
+            rounds=2,
+            overrides=overrides,
+            **kw,
+        )
+        res = simulate(cfg, progress=False)
+        details = [{k: v for k, v in c.items() if k != "n_train"} for c in res["clients"]]
+        return details, [r.get("clients") for r in res["rounds"]]
+
+    over_mqtt = run(**{"broker.url": mosquitto.url})
+    assert over_mqtt == run()
+    assert all(c["personal_acc"] > 3 * CHANCE for c in over_mqtt[0])
