@@ -73,11 +73,11 @@ def main() -> None:
     # 3. A per-round callback: the app's progress bar, a notification, a log line.
     def on_task(t: TaskOutcome) -> None:
         m = t.metrics
-        acc = (
-            f" {100 * m['personal_correct'] / m['personal_total']:.1f}%"
-            if "personal_total" in m
-            else ""
-        )
+        acc = ""
+        if m.get("personal_total"):
+            acc = (
+                f", personalized accuracy {100 * m['personal_correct'] / m['personal_total']:.1f}%"
+            )
         print(f"[{args.id}] round {t.round}/{t.rounds} {t.phase}: {'ok' if t.ok else t.error}{acc}")
 
     # 4. Join the federation and block until it ends; the model is exported (and verified) then.
@@ -98,10 +98,8 @@ def main() -> None:
 
     # 5. On-device inference needs nothing but onnxruntime and the file.
     predictor = OnnxPredictor(onnx_path)
-    sample = digits.x[test[:5]].numpy()
-    print(
-        f"[{args.id}] predicts {predictor.predict(sample).tolist()}, truth {digits.y[test[:5]].tolist()}"
-    )
+    sample, truth = digits.x[test[:5]].numpy(), digits.y[test[:5]].tolist()
+    print(f"[{args.id}] predicts {predictor.predict(sample).tolist()}, truth {truth}")
 
 
 if __name__ == "__main__":

@@ -45,10 +45,10 @@ def test_the_embedded_device_app_runs_against_a_real_broker(mosquitto, tmp_path)
     runner = threading.Thread(target=lambda: result.update(run=coordinator.run()))
     runner.start()
     script = EXAMPLES / "embedded_client.py"
+    args = ["--broker", mosquitto.url, "--out", str(tmp_path)]
     devices = [
         subprocess.Popen(
-            [sys.executable, str(script), "--broker", mosquitto.url, "--id", f"phone{i}", "--slice"]
-            + [str(i), "--out", str(tmp_path)],
+            [sys.executable, str(script), *args, "--id", f"phone{i}", "--slice", str(i)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
