@@ -260,6 +260,29 @@ def client(
     typer.echo(f"{dev.client_id}: done; personalized model: {dev.exported}")
 
 
+@app.command("broker-acl")
+def broker_acl(
+    clients: Annotated[str, typer.Option(help=f"{_CSV} client ids (their broker user names)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="directory for the files")],
+    coordinator_user: Annotated[str, typer.Option(help="the coordinator's user")] = "coordinator",
+    run_id: Annotated[str, typer.Option(help="restrict the rules to one run ('+': any)")] = "+",
+) -> None:
+    """Write a mosquitto password file (hashed), an ACL file and per-user credentials.
+
+    Client X may publish only on its own up and peer topics and read only its own down topic, the
+    broadcast and status topics and the peer topics meant for it; the coordinator has its own user.
+    """
+    from coordinator.acl import write_broker_files
+
+    ids = _csv(clients) or []
+    paths = _guard(
+        lambda: write_broker_files(out, ids, coordinator_user=coordinator_user, run=run_id)
+    )
+    typer.echo(f"wrote {paths['passwd']}, {paths['acl']} and {paths['mosquitto.conf']}")
+    typer.echo(f"each user's password is in {paths['credentials']}/<user> (mode 600): give every")
+    typer.echo("device its own, as broker.password_file, with broker.username = its client id")
+
+
 def _load(
     config: Path | None, flags: dict[str, Any], training: dict[str, Any], sets: list[str]
 ) -> Any:

@@ -88,6 +88,10 @@ class RunConfig(BaseModel):
     out: str | None = None
     export_onnx: bool = False
     broker: BrokerSettings = BrokerSettings()  # with a url: over this MQTT broker, not in memory
+    # A model many tasks share crosses the broker once, on the broadcast topic; False sends a
+    # copy with each task (for ACLs that cannot let clients read the broadcast topic).
+    broadcast: bool = True
+    fp16_upload: bool = False  # clients send their models in fp16: half the upload bytes
     allow: list[str] | None = None  # coordinator: the client ids admitted (default: any, up to N)
     metrics_port: int | None = Field(None, ge=0, le=65535)  # coordinator: Prometheus /metrics
     client: DeviceConfig = DeviceConfig()

@@ -141,6 +141,7 @@ def run_coordinator(
         round_config=cfg.round,
         run_id=cfg.run_id,
         seed=cfg.seed,
+        share_models=cfg.broadcast,
         on_round=record,
     )
     server = None
@@ -187,6 +188,7 @@ def run_device(
         onnx_path=state_dir / f"{cid}.onnx",
         class_names=fed.dataset.classes,
         normalization=fed.dataset.normalization,
+        fp16_upload=cfg.fp16_upload,
         on_task=on_task,
     )
     client.run()

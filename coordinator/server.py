@@ -49,7 +49,7 @@ from edge_sdk.protocol import (
     Status,
     Task,
 )
-from edge_sdk.transport.base import Transport, TransportError
+from edge_sdk.transport.base import Delivery, Transport, TransportError
 from edge_sdk.wire import (
     Endpoint,
     Envelope,
@@ -131,6 +131,8 @@ class RunResult:
     clients: list[ClientResult]
     wall_seconds: float
     global_spec: dict[str, Any] | None
+    bytes_out: int = 0  # payload bytes the coordinator sent and received over the whole run
+    bytes_in: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -162,10 +164,13 @@ class Coordinator:
         seed: int = 0,
         incarnation: int | None = None,
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
+        share_models: bool = True,
         on_round: Callable[[RoundRecord], None] | None = None,
         checkpoint: Callable[[int, dict[str, Any]], None] | None = None,
         server_data: ServerData | None = None,
     ) -> None:
+        """`share_models`: a model several tasks carry crosses the broker once, on the
+        broadcast topic (False: a copy rides with each task, as before the broadcast topic)."""
         if rounds < 1 or expected_clients < 1:
             raise ValueError(
                 f"need rounds >= 1 and expected_clients >= 1, got {rounds}, {expected_clients}"
@@ -185,6 +190,7 @@ class Coordinator:
         # A new number per start: clients that see it change on the status topic re-register.
         self.incarnation = incarnation if incarnation is not None else time.time_ns() // 1_000_000
         self.max_blob_bytes = max_blob_bytes
+        self.share_models = share_models
         self.on_round = on_round
         self.checkpoint = checkpoint
         self.server_data = server_data
@@ -240,6 +246,8 @@ class Coordinator:
                 clients=finals,
                 wall_seconds=time.perf_counter() - t0,
                 global_spec=global_spec.model_dump() if global_spec else None,
+                bytes_out=self.transport.stats.bytes_out,
+                bytes_in=self.transport.stats.bytes_in,
             )
         finally:
             self.shutdown()
@@ -475,8 +483,8 @@ class Coordinator:
             own: dict[str, bytes] = {}
             for name, m in models.items():
                 key = _model_key(m)
-                if key not in packed:
-                    shared = uses[key] > 1
+                if key not in packed or not self.share_models:
+                    shared = uses[key] > 1 and self.share_models
                     one_ref, one_blob = pack_models(
                         {name: m}, max_bytes=self.max_blob_bytes, shared=shared
                     )
@@ -505,6 +513,7 @@ class Coordinator:
         self._publish_status(phase)
         config = self.config.model_dump(mode="json")
         pending: dict[str, str] = {}
+        sent: dict[str, list[Delivery]] = {}
         for cid, (refs, blobs) in self._pack(plan).items():
             task = Task(
                 run=self.run_id,
@@ -518,7 +527,12 @@ class Coordinator:
                 models=refs,
             )
             pending[task.task_id] = cid
-            self._send(cid, task, blobs)
+            sent[cid] = self._send(cid, task, blobs, wait=False)
+        for cid, deliveries in sent.items():  # acks come back while the others are still sent
+            try:
+                self.endpoint.wait(deliveries)
+            except TransportError as exc:
+                log.error("the %s task to %s was not delivered: %s", phase, cid, exc)
         results: dict[str, _Collected | None] = {cid: None for cid in plan}
         deadline = time.monotonic() + self.rc.deadline_s
         while pending:
@@ -586,11 +600,14 @@ class Coordinator:
             return None
         return _Collected(models, msg.metrics, msg.n_samples, dict(msg.details))
 
-    def _send(self, cid: str, msg: Any, blobs: Mapping[str, bytes] | None = None) -> None:
+    def _send(
+        self, cid: str, msg: Any, blobs: Mapping[str, bytes] | None = None, *, wait: bool = True
+    ) -> list[Delivery]:
         try:
-            self.endpoint.send(topics.down(self.run_id, cid), msg, blobs)
+            return self.endpoint.send(topics.down(self.run_id, cid), msg, blobs, wait=wait)
         except (TransportError, ValueError) as exc:  # one unreachable client costs its reply
             log.error("could not send %s to %s: %s", msg.kind, cid, exc)
+            return []
 
 
 def _model_key(m: WireModel) -> tuple[str, int]:

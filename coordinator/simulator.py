@@ -184,6 +184,7 @@ def run_federation(
         round_config=cfg.round,
         run_id=run_id,
         seed=cfg.seed,
+        share_models=cfg.broadcast,
         on_round=on_round,
         server_data=fed.server_data,
     )
@@ -213,6 +214,7 @@ def run_federation(
                     onnx_path=export_dir / f"{cid}.onnx" if export_dir else None,
                     class_names=fed.dataset.classes,
                     normalization=fed.dataset.normalization,
+                    fp16_upload=cfg.fp16_upload,
                     compute_gate=gate,
                 ).start()
             )
@@ -326,6 +328,9 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
         "best_global_acc": max(globals_, default=None),
         "failed_rounds": sum(r.failed for r in main.rounds),
         "wall_seconds": sum(r.wall_seconds for r in runs.values()),
+        # what crossed the coordinator's connection (payload bytes, the whole run)
+        "coordinator_bytes_out": main.bytes_out,
+        "coordinator_bytes_in": main.bytes_in,
     }
     source = "fedavg" if fedavg else cfg.algorithm
     g: list[float | None] = [c["fedavg_acc"] if fedavg else c["global_acc"] for c in clients]

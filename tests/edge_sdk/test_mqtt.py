@@ -1,14 +1,13 @@
 """What only the MQTT transport does: URLs, protocol fallback, typed refusals, TLS, reconnects."""
 
-import subprocess
 import uuid
 
 import pytest
 import trustme
 from tests_helpers import eventually
 
+from coordinator.acl import mosquitto_hash, write_broker_files
 from coordinator.broker import MosquittoBroker
-from edge_sdk import topics
 from edge_sdk.transport import ConnectError
 from edge_sdk.transport.base import NotAuthorized
 from edge_sdk.transport.mqtt import BrokerSettings, MqttTransport, parse_broker_url
@@ -78,32 +77,26 @@ def test_an_unreachable_broker_fails_connect_with_a_clear_error():
 # -- ACLs: typed refusals ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
-    """mosquitto with a password file and the SDK's ACL patterns; users alice, bob, coord."""
+    """mosquitto with the files `edgefl broker-acl` writes: clients alice and bob, coordinator."""
     d = tmp_path_factory.mktemp("acl")
-    pw = d / "passwd"
-    for i, user in enumerate(["alice", "bob", "coord"]):
-        flags = ["-c"] if i == 0 else []
-        subprocess.run(["mosquitto_passwd", "-b", *flags, str(pw), user, f"{user}-pw"], check=True)
-    rules = topics.acl_patterns()
-    acl = d / "acl"
-    acl.write_text(
-        "user coord\ntopic readwrite edgefl/#\n\n"
-        + "".join(f"pattern write {t}\n" for t in rules["write"])
-        + "".join(f"pattern read {t}\n" for t in rules["read"])
-    )
-    extra = f"password_file {pw}\nacl_file {acl}\n"
+    files = write_broker_files(d, ["alice", "bob"])
+    extra = f"password_file {files['passwd']}\nacl_file {files['acl']}\n"
     with MosquittoBroker(anonymous=False, extra_config=extra) as broker:
+        broker.credentials = files["credentials"]
         yield broker
 
 
 def _as(broker, user, password=None):
     url = f"mqtt://{user}@127.0.0.1:{broker.port}"
-    settings = BrokerSettings(url=url, password=password or f"{user}-pw")
+    if password is None:
+        settings = BrokerSettings(url=url, password_file=broker.credentials / user)
+    else:
+        settings = BrokerSettings(url=url, password=password)
     return MqttTransport(settings, f"{user}-{uuid.uuid4().hex[:6]}")
 
 
 def test_a_publish_the_acl_denies_raises_not_authorized_and_delivers_nothing(secured):
-    coord, alice = _as(secured, "coord").connect(10), _as(secured, "alice").connect(10)
+    coord, alice = _as(secured, "coordinator").connect(10), _as(secured, "alice").connect(10)
     got = []
     coord.subscribe("edgefl/r/up/+", lambda t, p: got.append(t))
     try:
@@ -123,6 +116,31 @@ def test_a_publish_the_acl_denies_raises_not_authorized_and_delivers_nothing(sec
 def test_a_wrong_password_is_refused_at_connect(secured):
     with pytest.raises(ConnectError, match="credentials"):
         _as(secured, "alice", password="wrong").connect(10)
+
+
+def test_a_client_cannot_read_another_clients_down_topic(secured):
+    coord, alice, bob = (_as(secured, u).connect(10) for u in ("coordinator", "alice", "bob"))
+    snooped, mine = [], []
+    bob.subscribe("edgefl/r/down/alice", lambda t, p: snooped.append(p))  # granted, then filtered
+    bob.subscribe("edgefl/r/down/bob", lambda t, p: mine.append(p))
+    try:
+        coord.publish("edgefl/r/down/alice", b"for alice").wait(10)
+        coord.publish("edgefl/r/down/bob", b"for bob").wait(10)
+        eventually(lambda: mine)
+        assert snooped == [] and mine == [b"for bob"]
+    finally:
+        for t in (coord, alice, bob):
+            t.close()
+
+
+def test_password_hashes_are_what_mosquitto_passwd_writes(tmp_path):
+    import base64
+    import subprocess
+
+    subprocess.run(["mosquitto_passwd", "-b", "-c", str(tmp_path / "p"), "u", "pw"], check=True)
+    theirs = (tmp_path / "p").read_text().strip().split(":", 1)[1]
+    salt = base64.b64decode(theirs.split("$")[3])
+    assert mosquitto_hash("pw", salt) == theirs
 
 
 # -- TLS -------------------------------------------------------------------------------------
