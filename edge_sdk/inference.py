@@ -92,8 +92,14 @@ class OnnxPredictor:
 
     @property
     def quantization(self) -> str | None:
-        """ "dynamic-int8" for a file from `quantize_dynamic_int8`, else None."""
+        """ "dynamic-int8" or "static-int8-qdq" for a file from `edge_sdk.quantization`, else
+        None (fp32)."""
         return self._meta.quantization
+
+    @property
+    def exporter(self) -> str | None:
+        """ "dynamo" or "legacy": the torch exporter that wrote the graph (None if unrecorded)."""
+        return self._meta.exporter
 
     @property
     def providers(self) -> list[str]:
