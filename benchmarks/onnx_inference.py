@@ -2,7 +2,7 @@
 
 The same as `edgefl bench onnx` (same options); see benchmarks/README.md for what it measures.
 
-    python benchmarks/onnx_inference.py                          # every family, ~N min on 2 cores
+    python benchmarks/onnx_inference.py                          # every family, ~16 min on 2 cores
     python benchmarks/onnx_inference.py --quick --families mlr,lenet5 --json-out out.json
 
 Prints one JSON object, then plain-text tables.
