@@ -248,8 +248,11 @@ def bench_onnx(
     json_out: Annotated[Path | None, typer.Option(help="also write the JSON report here")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log INFO messages")] = False,
 ) -> None:
-    """PyTorch eager vs onnxruntime fp32 / int8 for every zoo family: latency, throughput,
-    size and accuracy of briefly trained models on real data. Prints JSON, then tables."""
+    """PyTorch eager vs onnxruntime fp32 and int8, for every zoo family.
+
+    Latency, throughput, size and accuracy of briefly trained models on real data, measured side
+    by side. Prints JSON, then tables.
+    """
     from coordinator.bench import (
         OnnxBenchConfig,
         bench_family_names,

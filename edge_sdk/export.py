@@ -16,20 +16,15 @@ Int8 quantization of the exported file lives in `edge_sdk.quantization`.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
 import logging
 import math
 import os
 import re
-import tempfile
 import threading
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -39,6 +34,27 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
+# The file format's names are re-exported here, where users have always imported them from.
+from edge_sdk.onnx_format import (
+    FORMAT_VERSION,
+    INPUT_NAME,
+    META_ARCH_SPEC,
+    META_CLASS_NAMES,
+    META_EXPORTER,
+    META_EXPORTER_FALLBACK,
+    META_FORMAT_VERSION,
+    META_NORMALIZATION,
+    META_QUANTIZATION,
+    OUTPUT_NAME,
+    OnnxMetadata,
+    OnnxMetadataError,
+    atomic_target,
+    check_class_names,
+    check_normalization,
+    metadata_from_props,
+    read_metadata,
+    set_metadata_props,
+)
 from model_zoo.models import example_input
 from model_zoo.spec import ArchSpec, input_dtype
 
@@ -68,17 +84,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 _EXPORT_LOCK = threading.Lock()
 
-FORMAT_VERSION = "1"
-INPUT_NAME = "input"
-OUTPUT_NAME = "logits"
-META_ARCH_SPEC = "edgefl.arch_spec"
-META_CLASS_NAMES = "edgefl.class_names"
-META_NORMALIZATION = "edgefl.normalization"
-META_FORMAT_VERSION = "edgefl.format_version"
-META_QUANTIZATION = "edgefl.quantization"
-META_EXPORTER = "edgefl.exporter"  # "dynamo" or "legacy": which torch exporter wrote the graph
-META_EXPORTER_FALLBACK = "edgefl.exporter_fallback"  # why "auto" fell back to "legacy"
-
 Exporter = Literal["auto", "dynamo", "legacy"]
 EXPORTERS: tuple[str, ...] = ("auto", "dynamo", "legacy")
 # The dynamo exporter's operator library starts at opset 18; asking for less makes it convert
@@ -95,124 +100,8 @@ class OnnxVerificationError(RuntimeError):
         self.atol = atol
 
 
-class OnnxMetadataError(ValueError):
-    """An ONNX file lacks the edgefl metadata, or carries a version this code cannot read."""
-
-
-@dataclass(frozen=True)
-class OnnxMetadata:
-    """What `export_onnx` stores in an ONNX file besides the graph."""
-
-    spec: ArchSpec
-    class_names: list[str]
-    normalization: dict[str, list[float]] | None
-    quantization: str | None = None
-    # "dynamo" or "legacy"; None for files written before the exporter was recorded.
-    exporter: str | None = None
-
-
 # --------------------------------------------------------------------------------------------
-# metadata
-
-
-def _check_class_names(spec: ArchSpec, class_names: Sequence[str] | None) -> list[str]:
-    if class_names is None:
-        return [str(i) for i in range(spec.num_classes)]
-    names = list(class_names)
-    if len(names) != spec.num_classes or not all(isinstance(n, str) for n in names):
-        raise ValueError(
-            f"class_names must be {spec.num_classes} strings (spec.num_classes), "
-            f"got {len(names)} items: {names[:5]!r}..."
-        )
-    return names
-
-
-def _check_normalization(
-    spec: ArchSpec, normalization: Mapping[str, Sequence[float]] | None
-) -> dict[str, list[float]] | None:
-    if normalization is None:
-        return None
-    if set(normalization) != {"mean", "std"}:
-        raise ValueError(
-            f"normalization must be a mapping with exactly the keys 'mean' and 'std', "
-            f"got keys {sorted(normalization)}"
-        )
-    if input_dtype(spec) != torch.float32:
-        raise ValueError(f"normalization makes no sense for the integer inputs of {spec}")
-    mean = [float(v) for v in normalization["mean"]]
-    std = [float(v) for v in normalization["std"]]
-    channels = spec.input_shape[0] if len(spec.input_shape) == 3 else 1
-    allowed = {1, channels}
-    if len(mean) != len(std) or len(mean) not in allowed:
-        raise ValueError(
-            f"normalization mean and std need one value per channel ({channels}) or a single "
-            f"value for input_shape {spec.input_shape}; got {len(mean)} means, {len(std)} stds"
-        )
-    if not all(math.isfinite(v) for v in mean) or not all(math.isfinite(s) and s > 0 for s in std):
-        raise ValueError(f"normalization needs finite means and positive stds, got {mean}, {std}")
-    return {"mean": mean, "std": std}
-
-
-def metadata_from_props(props: Mapping[str, str], *, source: str = "model") -> OnnxMetadata:
-    """Parse the `edgefl.*` metadata_props of an ONNX model (a key -> value mapping)."""
-    if META_ARCH_SPEC not in props:
-        raise OnnxMetadataError(
-            f"{source} has no {META_ARCH_SPEC!r} metadata: it was not written by "
-            "edge_sdk.export.export_onnx; re-export it from its ArchSpec and weights"
-        )
-    version = props.get(META_FORMAT_VERSION)
-    if version != FORMAT_VERSION:
-        raise OnnxMetadataError(
-            f"{source} has edgefl format version {version!r}; this SDK reads version "
-            f"{FORMAT_VERSION!r}: re-export it with this SDK"
-        )
-    try:
-        spec = ArchSpec.from_json(props[META_ARCH_SPEC])
-        class_names = json.loads(props.get(META_CLASS_NAMES, "null"))
-        normalization = json.loads(props.get(META_NORMALIZATION, "null"))
-    except ValueError as exc:
-        raise OnnxMetadataError(f"{source} has malformed edgefl metadata: {exc}") from exc
-    if class_names is None:
-        class_names = [str(i) for i in range(spec.num_classes)]
-    return OnnxMetadata(
-        spec=spec,
-        class_names=list(class_names),
-        normalization=normalization,
-        quantization=props.get(META_QUANTIZATION),
-        exporter=props.get(META_EXPORTER),
-    )
-
-
-def read_metadata(path: str | os.PathLike[str]) -> OnnxMetadata:
-    """Read the edgefl metadata of an ONNX file without loading its weights."""
-    proto = onnx.load(os.fspath(path), load_external_data=False)
-    return metadata_from_props({p.key: p.value for p in proto.metadata_props}, source=str(path))
-
-
-def set_metadata_props(proto: onnx.ModelProto, props: Mapping[str, str]) -> None:
-    kept = {p.key: p.value for p in proto.metadata_props if p.key not in props}
-    onnx.helper.set_model_props(proto, {**kept, **props})
-
-
-# --------------------------------------------------------------------------------------------
-# export and verification
-
-
-@contextmanager
-def atomic_target(path: Path) -> Iterator[Path]:
-    """A temporary file next to `path` that replaces it on success and is removed on failure."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
-    # mkstemp creates the file 0600; give the result the usual permissions of a data file.
-    os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        with suppress(FileNotFoundError):
-            tmp.unlink()
+# verification
 
 
 def _eval_copy(model: nn.Module) -> nn.Module:
@@ -293,23 +182,25 @@ def verify_onnx(
     return _verify(Path(path), _eval_copy(model), spec, sample_inputs, atol)
 
 
+# --------------------------------------------------------------------------------------------
+# export
+
+
 def _dynamo_graph(model: nn.Module, dummy: torch.Tensor, opset: int) -> onnx.ModelProto:
     import onnxscript.optimizer  # the dynamo exporter's own dependency
 
-    # `verbose=False` keeps the exporter quiet; anything it still prints goes nowhere.
-    with contextlib.redirect_stdout(io.StringIO()):
-        program = torch.onnx.export(
-            model,
-            (dummy,),
-            None,
-            input_names=[INPUT_NAME],
-            output_names=[OUTPUT_NAME],
-            dynamic_shapes=({0: torch.export.Dim("batch")},),
-            opset_version=opset,
-            dynamo=True,
-            optimize=False,
-            verbose=False,
-        )
+    program = torch.onnx.export(
+        model,
+        (dummy,),
+        None,
+        input_names=[INPUT_NAME],
+        output_names=[OUTPUT_NAME],
+        dynamic_shapes=({0: torch.export.Dim("batch")},),
+        opset_version=opset,
+        dynamo=True,
+        optimize=False,
+        verbose=False,  # else it prints its progress on stdout
+    )
     if program is None:  # only None when torch falls back to TorchScript itself
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNX program")
     # Fold every constant subgraph, however large: the exporter computes the LSTM's gate-reordered
@@ -415,8 +306,8 @@ def export_onnx(
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
     path = Path(path)
-    names = _check_class_names(spec, class_names)
-    norm = _check_normalization(spec, normalization)
+    names = check_class_names(spec, class_names)
+    norm = check_normalization(spec, normalization)
     cpu_model = _eval_copy(model)
 
     dummy = example_input(spec, 2, torch.Generator().manual_seed(0))

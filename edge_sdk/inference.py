@@ -16,7 +16,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from edge_sdk.export import INPUT_NAME, OUTPUT_NAME, OnnxMetadata, metadata_from_props
+from edge_sdk.onnx_format import INPUT_NAME, OUTPUT_NAME, OnnxMetadata, metadata_from_props
 from model_zoo.spec import ArchSpec
 
 __all__ = ["OnnxPredictor", "default_providers", "softmax"]

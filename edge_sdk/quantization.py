@@ -36,13 +36,13 @@ from onnxruntime.quantization import (
 )
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
-from edge_sdk.export import (
+from edge_sdk.export import cpu_session
+from edge_sdk.onnx_format import (
     INPUT_NAME,
     META_QUANTIZATION,
     OUTPUT_NAME,
     OnnxMetadata,
     atomic_target,
-    cpu_session,
     metadata_from_props,
     set_metadata_props,
 )

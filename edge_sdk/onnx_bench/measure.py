@@ -1,47 +1,23 @@
-"""Inference benchmark: PyTorch eager against onnxruntime (fp32, int8 dynamic, int8 static).
-
-`benchmark_onnx` measures already-exported edgefl ONNX files (and, optionally, the PyTorch model
-they came from) side by side on labelled evaluation data:
-
-* latency at batch 1: p50 and p99 over every timed call, in milliseconds;
-* throughput at batch 64, in samples per second (median over rounds);
-* size: the file's bytes, or for PyTorch the bytes of its safetensors state_dict (what the SDK
-  sends over the wire);
-* accuracy on the evaluation data, its difference to PyTorch's, and the fraction of samples on
-  which the variant predicts the same class as PyTorch.
-
-Side by side means: every variant is warmed up first (warm-up calls are not timed), then timed in
-`rounds` rounds, each round timing every variant in turn (the order rotates from round to round),
-so a noisy machine slows all variants alike. Thread counts are fixed: PyTorch's intra-op threads
-and onnxruntime's intra-op threads are both `threads` (inter-op: 1, sequential execution).
-
-A timed call is one forward pass on a batch already where the runtime reads it, on the device:
-PyTorch eager on a ready tensor (under `torch.inference_mode`, synchronised on CUDA),
-onnxruntime through IO binding with pre-bound input and output buffers (its lowest-overhead
-call). Moving numpy data in and out is not timed for either; `benchmarks/onnx_session_overhead.py`
-shows what it and onnxruntime's other ways of calling cost for the smallest models.
-"""
+"""Timing and scoring of runners side by side: `benchmark_onnx` and its settings and rows."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
-import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 import torch
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
-from edge_sdk.export import INPUT_NAME, OUTPUT_NAME, read_metadata
+from edge_sdk.onnx_bench.runners import OrtRunner, Runner, TorchRunner, onnx_providers
+from edge_sdk.onnx_format import read_metadata
 from edge_sdk.quantization import DYNAMIC_INT8, STATIC_INT8
 from model_zoo.spec import ArchSpec, input_dtype
 
@@ -52,9 +28,6 @@ __all__ = [
     "BenchSettings",
     "benchmark_onnx",
     "family_label",
-    "format_rows",
-    "machine_info",
-    "onnx_providers",
     "torch_threads",
     "variant_of",
 ]
@@ -66,8 +39,6 @@ _VARIANT_OF_QUANTIZATION = {
     DYNAMIC_INT8: "ort_int8_dynamic",
     STATIC_INT8: "ort_int8_static",
 }
-_CUDA_EP = "CUDAExecutionProvider"
-_CPU_EP = "CPUExecutionProvider"
 
 
 @dataclass(frozen=True)
@@ -142,101 +113,6 @@ def variant_of(quantization: str | None) -> str:
         raise ValueError(f"unknown quantization {quantization!r} in the file's metadata") from None
 
 
-def onnx_providers(device: str) -> list[str]:
-    """onnxruntime providers for `device`: CUDA first when asked for and available."""
-    if device == "cuda" and _CUDA_EP in ort.get_available_providers():
-        return [_CUDA_EP, _CPU_EP]
-    return [_CPU_EP]
-
-
-# --------------------------------------------------------------------------------------------
-# the things being timed
-
-
-class _Runner(Protocol):
-    """One variant: `prepare` puts a batch where the runtime reads it (untimed); a call runs one
-    forward on it (timed); `logits` is the plain numpy-in, numpy-out path (accuracy)."""
-
-    name: str
-    provider: str
-
-    def prepare(self, x: np.ndarray) -> Any: ...
-
-    def __call__(self, prepared: Any, /) -> Any: ...
-
-    def logits(self, x: np.ndarray) -> np.ndarray: ...
-
-
-class _TorchRunner:
-    name = "torch"
-
-    def __init__(self, model: nn.Module, device: torch.device):
-        # A copy in the standard layout: the caller's model keeps its device and mode.
-        self.model = copy.deepcopy(model).to(device).to(memory_format=torch.contiguous_format)
-        self.model.eval()
-        self.device = device
-        self.provider = f"torch:{device.type}"
-
-    def prepare(self, x: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
-
-    def __call__(self, x: torch.Tensor) -> Any:
-        out = self.model(x)  # the caller holds torch.inference_mode() around the timed loop
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return out
-
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        with torch.inference_mode():
-            return self.model(self.prepare(x)).float().cpu().numpy()
-
-
-class _OrtRunner:
-    """An onnxruntime session; timed calls go through IO binding with pre-bound buffers."""
-
-    def __init__(
-        self, name: str, path: Path, spec: ArchSpec, threads: int, providers: Sequence[str]
-    ):
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3  # no per-node placement warnings on CUDA
-        self.session = ort.InferenceSession(
-            os.fspath(path), sess_options=options, providers=list(providers)
-        )
-        self.name = name
-        self.provider = self.session.get_providers()[0]
-        self._device = "cuda" if self.provider == _CUDA_EP else "cpu"
-        self._classes = spec.num_classes
-
-    def prepare(self, x: np.ndarray) -> tuple[ort.IOBinding, ort.OrtValue, ort.OrtValue]:
-        # Input and output buffers live on the session's device and stay bound: a call is the
-        # forward pass alone, as for PyTorch on a ready tensor. (Passing a RunOptions to
-        # run_with_iobinding would add ~40 us a call in onnxruntime 1.32: none is passed.)
-        binding = self.session.io_binding()
-        value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(x), self._device, 0)
-        out = ort.OrtValue.ortvalue_from_shape_and_type(
-            (len(x), self._classes), np.float32, self._device, 0
-        )
-        binding.bind_ortvalue_input(INPUT_NAME, value)
-        binding.bind_ortvalue_output(OUTPUT_NAME, out)
-        return binding, value, out  # the values must outlive the binding
-
-    def __call__(self, prepared: tuple[ort.IOBinding, ort.OrtValue, ort.OrtValue]) -> Any:
-        self.session.run_with_iobinding(prepared[0])
-        return prepared[2]
-
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        (out,) = self.session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(x)})
-        return np.asarray(out)
-
-
-# --------------------------------------------------------------------------------------------
-# measuring
-
-
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """PyTorch's intra-op thread count set to `n` inside the block, restored after."""
@@ -255,7 +131,7 @@ class _Timing:
 
 
 def _time_variants(
-    runners: Sequence[_Runner], x1: np.ndarray, x64: np.ndarray, settings: BenchSettings
+    runners: Sequence[Runner], x1: np.ndarray, x64: np.ndarray, settings: BenchSettings
 ) -> dict[str, _Timing]:
     prepared = [(r, r.prepare(x1), r.prepare(x64)) for r in runners]
     timings = {r.name: _Timing() for r in runners}
@@ -281,7 +157,7 @@ def _time_variants(
     return timings
 
 
-def _predictions(runner: _Runner, x: np.ndarray, batch: int) -> np.ndarray:
+def _predictions(runner: Runner, x: np.ndarray, batch: int) -> np.ndarray:
     return np.concatenate(
         [runner.logits(x[i : i + batch]).argmax(axis=1) for i in range(0, len(x), batch)]
     )
@@ -349,11 +225,11 @@ def benchmark_onnx(
     device = torch.device(settings.device)
     providers = onnx_providers(settings.device)
 
-    runners: list[_Runner] = []
+    runners: list[Runner] = []
     if model is not None:
-        runners.append(_TorchRunner(model, device))
+        runners.append(TorchRunner(model, device))
     for p, m in zip(paths, metas, strict=True):
-        runners.append(_OrtRunner(variant_of(m.quantization), p, spec, settings.threads, providers))
+        runners.append(OrtRunner(variant_of(m.quantization), p, spec, settings.threads, providers))
     names = [r.name for r in runners]
     if len(set(names)) != len(names):
         raise ValueError(f"two files of the same variant: {names}; pass one of each")
@@ -408,110 +284,3 @@ def benchmark_onnx(
             )
         )
     return rows
-
-
-# --------------------------------------------------------------------------------------------
-# reporting
-
-
-def _versions() -> dict[str, str]:
-    import onnx
-
-    found = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "onnxruntime": ort.__version__,
-        "onnx": onnx.__version__,
-    }
-    with contextlib.suppress(ImportError):
-        import onnxscript
-
-        found["onnxscript"] = onnxscript.__version__
-    return found
-
-
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def machine_info(settings: BenchSettings) -> dict[str, Any]:
-    """CPU, thread counts, providers, GPU and versions: what the numbers depend on."""
-    info: dict[str, Any] = {
-        "cpu": _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "device": settings.device,
-        "torch_threads": settings.threads,
-        "torch_interop_threads": torch.get_num_interop_threads(),
-        "ort_intra_op_threads": settings.threads,
-        "ort_inter_op_threads": 1,
-        "ort_providers_available": ort.get_available_providers(),
-        "ort_providers_used": onnx_providers(settings.device),
-        "cuda_available": torch.cuda.is_available(),
-        "versions": _versions(),
-    }
-    if settings.device == "cuda" and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    if hasattr(os, "getloadavg"):  # other jobs on a shared machine skew absolute numbers
-        info["load_average_1m"] = round(os.getloadavg()[0], 2)
-    return info
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = []
-    for n, row in enumerate([header, *rows]):
-        cells = [
-            c.ljust(w) if i < 2 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _opt(value: float | None, fmt: Callable[[float], str]) -> str:
-    return "—" if value is None else fmt(value)
-
-
-def format_rows(rows: Sequence[BenchRow | Mapping[str, Any]]) -> str:
-    """A plain-text table of benchmark rows (objects or their dicts)."""
-    header = (
-        "family",
-        "variant",
-        "p50 ms",
-        "p99 ms",
-        "x torch",
-        "b64/s",
-        "size KB",
-        "acc %",
-        "Δacc pts",
-        "same pred",
-        "exporter",
-        "provider",
-    )
-    body = []
-    for row in rows:
-        r = row.to_dict() if isinstance(row, BenchRow) else dict(row)
-        body.append(
-            (
-                r["family"],
-                r["variant"],
-                f"{r['latency_p50_ms_b1']:.3f}",
-                f"{r['latency_p99_ms_b1']:.3f}",
-                _opt(r.get("latency_ratio_vs_torch"), lambda v: f"{v:.2f}"),
-                f"{r['throughput_b64']:.0f}",
-                f"{r['size_bytes'] / 1024:.1f}",
-                _opt(r.get("accuracy"), lambda v: f"{100 * v:.2f}"),
-                _opt(r.get("accuracy_delta"), lambda v: f"{100 * v:+.2f}"),
-                _opt(r.get("agreement_with_torch"), lambda v: f"{100 * v:.2f}%"),
-                r.get("exporter") or "—",
-                str(r["provider"]).replace("ExecutionProvider", ""),
-            )
-        )
-    return _table(header, body)
