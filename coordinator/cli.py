@@ -403,5 +403,79 @@ def zoo() -> None:
     typer.echo("algorithms: " + ", ".join(algorithm_names()))
 
 
+bench_app = typer.Typer(help="Measure the SDK's building blocks.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("onnx")
+def bench_onnx(
+    families: Annotated[
+        str | None,
+        typer.Option(help=f"{_CSV} families (default: every zoo family and lstm-char)"),
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="seconds: less training, data and repetitions")
+    ] = False,
+    threads: Annotated[
+        int, typer.Option(min=1, help="PyTorch and onnxruntime intra-op threads")
+    ] = 1,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+    data_root: Annotated[
+        str | None, typer.Option(help="directory holding the Fashion-MNIST IDX files")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="seed for initialisation and training")] = 0,
+    workdir: Annotated[
+        Path | None, typer.Option(help="keep the ONNX files here (default: a temporary dir)")
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option(help="also write the JSON report here")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log INFO messages")] = False,
+) -> None:
+    """PyTorch eager vs onnxruntime fp32 and int8, for every zoo family.
+
+    Latency, throughput, size and accuracy of briefly trained models on real data, measured side
+    by side. Prints JSON, then tables.
+    """
+    from coordinator.bench import (
+        OnnxBenchConfig,
+        bench_family_names,
+        format_goals,
+        run_onnx_benchmark,
+    )
+    from edge_sdk.device import resolve_device
+    from edge_sdk.onnx_bench import format_rows
+
+    _setup_logging(verbose)
+    try:
+        cfg = OnnxBenchConfig(
+            families=tuple(_csv(families) or bench_family_names()),
+            quick=quick,
+            threads=threads,
+            device=resolve_device(device).type,
+            data_root=data_root,
+            seed=seed,
+        )
+        report = run_onnx_benchmark(
+            cfg, workdir=workdir, progress=lambda msg: typer.echo(msg, err=True)
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        raise _fail(str(exc)) from exc
+    text = json.dumps(report, indent=2)
+    typer.echo(text)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(text + "\n")
+    m = report["machine"]
+    typer.echo(
+        f"\n{m['cpu']} ({m['cpu_count']} cores), device {m['device']}, {m['torch_threads']} "
+        f"thread(s); torch {m['versions']['torch']}, onnxruntime {m['versions']['onnxruntime']}"
+    )
+    for kind, desc in report["data"].items():
+        typer.echo(f"{kind}: {desc}")
+    typer.echo(format_rows(report["rows"]))
+    typer.echo("\ngoals:\n" + format_goals(report["goals"]))
+    for fam, why in report["skipped"].items():
+        typer.echo(f"skipped {fam}: {why}")
+
+
 def main() -> None:
     app()

@@ -1,6 +1,7 @@
 """What runs on a device: algorithms, trainer, losses, wire protocol, transports, EdgeClient,
 ONNX export and inference. Import the submodules you need (`edge_sdk.client`, `edge_sdk.export`,
-`edge_sdk.inference`); this package stays light so that importing it loads no ONNX tooling.
+`edge_sdk.quantization`, `edge_sdk.inference`, `edge_sdk.onnx_bench`); this package stays light
+so that importing it loads no ONNX tooling.
 """
 
 from edge_sdk.codec import WireModel

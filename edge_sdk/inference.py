@@ -16,7 +16,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from edge_sdk.export import INPUT_NAME, OUTPUT_NAME, OnnxMetadata, metadata_from_props
+from edge_sdk.onnx_format import INPUT_NAME, OUTPUT_NAME, OnnxMetadata, metadata_from_props
 from model_zoo.spec import ArchSpec
 
 __all__ = ["OnnxPredictor", "default_providers", "softmax"]
@@ -92,8 +92,14 @@ class OnnxPredictor:
 
     @property
     def quantization(self) -> str | None:
-        """ "dynamic-int8" for a file from `quantize_dynamic_int8`, else None."""
+        """ "dynamic-int8" or "static-int8-qdq" for a file from `edge_sdk.quantization`, else
+        None (fp32)."""
         return self._meta.quantization
+
+    @property
+    def exporter(self) -> str | None:
+        """ "dynamo" or "legacy": the torch exporter that wrote the graph (None if unrecorded)."""
+        return self._meta.exporter
 
     @property
     def providers(self) -> list[str]:
