@@ -29,7 +29,7 @@ from coordinator.strategies import (
     strategy_class,
 )
 from edge_sdk import topics
-from edge_sdk.algorithms import AlgorithmConfig
+from edge_sdk.algorithms import BaseAlgorithmConfig
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
 from edge_sdk.protocol import Phase, Register, Registered, Reply, Shutdown, Task
 from edge_sdk.transport.base import Transport
@@ -109,7 +109,7 @@ class Coordinator:
         transport: Transport,
         *,
         algorithm: str,
-        config: AlgorithmConfig,
+        config: BaseAlgorithmConfig,
         rounds: int,
         expected_clients: int,
         clients_per_round: int | None = None,
@@ -265,14 +265,16 @@ class Coordinator:
         plan = self.strategy.configure_fit(r)
         replies = self._run_phase(r, "fit", plan)
         valid = {cid: rep for cid, rep in sorted(replies.items()) if rep is not None}
-        need = math.ceil(self.rc.quorum * len(plan))
-        failed = len(valid) < need
+        counted = self.strategy.quorum_clients(plan)  # whose replies the aggregation needs
+        got = sum(cid in valid for cid in counted)
+        need = math.ceil(self.rc.quorum * len(counted))
+        failed = got < need
         if failed:
             log.error(
                 "round %d: %d of %d valid replies, quorum needs %d; state unchanged",
                 r,
-                len(valid),
-                len(plan),
+                got,
+                len(counted),
                 need,
             )
         else:

@@ -19,7 +19,7 @@ import torch
 
 from edge_sdk import topics
 from edge_sdk.algorithms import (
-    AlgorithmConfig,
+    BaseAlgorithmConfig,
     ClientAlgorithm,
     ClientContext,
     FitResult,
@@ -206,7 +206,7 @@ class EdgeClient:
 
     def _algorithm_for(self, name: str, config: dict[str, Any]) -> ClientAlgorithm:
         cls = algorithm_class(name)
-        cfg: AlgorithmConfig = cls.config_cls.model_validate(config)
+        cfg: BaseAlgorithmConfig = cls.config_cls.model_validate(config)
         key = (name, cfg.model_dump_json())
         if self.algorithm is None or key != self._algo_key:
             if self.algorithm is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from coordinator.config import load_config
+from edge_sdk.algorithms import algorithm_class
 from model_zoo import ArchSpec, families
 
 
@@ -29,6 +30,8 @@ def tiny_config(**flags: Any) -> Any:
             training[key] = flags.pop(key)
     overrides = flags.pop("overrides", {})
     base.update(flags)
+    if "local_epochs" not in algorithm_class(base["algorithm"]).config_cls.model_fields:
+        del training["local_epochs"]  # pfml counts iterations (set pfml.local_iterations)
     return load_config(None, base, overrides, training=training)
 
 

@@ -4,6 +4,7 @@ from edge_sdk.algorithms import fedavg, fedavg_ft, fedprox, fml, local, pfml  # 
 from edge_sdk.algorithms.base import (
     AlgorithmConfig,
     AlgorithmError,
+    BaseAlgorithmConfig,
     ClientAlgorithm,
     ClientContext,
     FitResult,
@@ -15,6 +16,7 @@ from edge_sdk.algorithms.base import (
 __all__ = [
     "AlgorithmConfig",
     "AlgorithmError",
+    "BaseAlgorithmConfig",
     "ClientAlgorithm",
     "ClientContext",
     "FitResult",

@@ -61,10 +61,19 @@ class FedAvg(ClientAlgorithm):
         )
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
+        # The client's model is the global model: score the one received, keep nothing of it.
+        model = self.model
         if "global" in models:
-            self._load_global(models)
-        scores = self._scores("personal", self.model)
+            glob = self._require(models, "global")
+            self._require_same_arch(glob)
+            model = self._materialize(glob)
+        scores = self._scores("personal", model)
         return scores | {k.replace("personal", "global"): v for k, v in scores.items()}
+
+    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        if "global" in models:  # what this client deploys (and exports) is the final global model
+            self._load_global(models)
+        return super().finalize(round_, rounds, models)
 
     def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
         return self.ctx.spec, self.model
