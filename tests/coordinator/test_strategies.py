@@ -51,17 +51,19 @@ def test_weighted_mean_by_hand():
         weighted_mean(states, [0.0, 0.0])
 
 
-def test_fedavg_weights_by_samples_or_uniformly():
+@pytest.mark.parametrize("name", ["fedavg", "fedprox", "fedavg_ft"])
+def test_fedavg_weights_by_samples_or_uniformly(name):
     clients = _clients(MLR, MLR, MLR)
     replies = {
         cid: FitReply(cid, {"model": WireModel(MLR, _state(v))}, n_samples=c.capabilities.n_train)
         for (cid, c), v in zip(clients.items(), [1.0, 2.0, 4.0], strict=True)
     }
-    s = _strategy("fedavg", clients, weighting="by_samples")
+    s = _strategy(name, clients)  # by_samples is the default
     s.aggregate_fit(1, replies)
     expected = (10 * 1.0 + 30 * 2.0 + 60 * 4.0) / 100  # 3.1
     assert all(torch.allclose(v, torch.full_like(v, expected)) for v in s.global_weights.values())
-    u = _strategy("fedavg", clients, weighting="uniform")
+    assert s.expected_models("c0") == {"model": MLR}
+    u = _strategy(name, clients, weighting="uniform")
     u.aggregate_fit(1, replies)
     assert all(torch.allclose(v, torch.full_like(v, 7 / 3)) for v in u.global_weights.values())
 
@@ -84,6 +86,40 @@ def test_pfml_server_step_with_beta_by_hand():
     s.aggregate_fit(1, replies)
     # w ← (1 − β)·w + β·mean = (1 − 2)·1 + 2·3 = 5
     assert all(torch.allclose(v, torch.full_like(v, 5.0)) for v in s.global_weights.values())
+
+
+def test_pfml_server_step_weights_by_samples_when_asked():
+    clients = _clients(MLR, MLR, MLR)  # 10, 30, 60 training samples
+    s = _strategy("pfml", clients, beta=0.5, weighting="by_samples")
+    s.global_weights = _state(2.0)
+    s.configure_fit(1)
+    replies = {
+        cid: FitReply(cid, {"local": WireModel(MLR, _state(v))}, n_samples=n)
+        for cid, v, n in zip(clients, [1.0, 2.0, 4.0], [10, 30, 60], strict=True)
+    }
+    s.aggregate_fit(1, replies)
+    # mean = (10·1 + 30·2 + 60·4)/100 = 3.1; w ← 0.5·2 + 0.5·3.1 = 2.55
+    assert all(torch.allclose(v, torch.full_like(v, 2.55)) for v in s.global_weights.values())
+
+
+def test_pfml_quorum_counts_only_the_aggregated_clients_and_none_of_them_is_an_error():
+    clients = _clients(MLR, MLR, MLR)
+    config = algorithm_class("pfml").config_cls(participation="all")
+    s = strategy_class("pfml")(
+        config, clients=clients, global_spec=MLR, rounds=3, clients_per_round=1, seed=0
+    )
+    s.setup()
+    plan = s.configure_fit(1)
+    (chosen,) = s.quorum_clients(plan)
+    assert set(plan) == set(clients) and chosen in plan
+    others = {
+        cid: FitReply(cid, {"local": WireModel(MLR, _state(1.0))}, n_samples=5)
+        for cid in clients
+        if cid != chosen
+    }
+    with pytest.raises(StrategyError, match="no reply from the aggregated clients"):
+        s.aggregate_fit(1, others)
+    assert strategy_class("fedavg").quorum_clients(s, plan) == set(plan)  # the default: all
 
 
 def test_pfml_aggregates_only_the_sampled_clients_when_all_train():
@@ -123,6 +159,17 @@ def test_fml_averages_memes_uniformly_by_default():
     }
     s.aggregate_fit(1, replies)
     assert all(torch.allclose(v, torch.full_like(v, 3.0)) for v in s.global_weights.values())
+
+
+def test_fml_averages_memes_by_samples_when_asked():
+    clients = _clients(MLR, MLR)
+    s = _strategy("fml", clients, weighting="by_samples")
+    replies = {
+        cid: FitReply(cid, {"meme": WireModel(MLR, _state(v))}, n_samples=n)
+        for cid, v, n in zip(clients, [1.0, 5.0], [1, 3], strict=True)
+    }
+    s.aggregate_fit(1, replies)
+    assert all(torch.allclose(v, torch.full_like(v, 4.0)) for v in s.global_weights.values())
 
 
 def test_fml_shared_backbone_aggregates_only_shared_keys_across_class_counts():
