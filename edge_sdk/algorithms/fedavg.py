@@ -38,21 +38,21 @@ class FedAvg(ClientAlgorithm):
         super().__init__(ctx, config)
         self.model = self._build(ctx.spec)
 
-    def _load_global(self, models: Mapping[str, WireModel]) -> WireModel:
+    def _load_global(self, models: Mapping[str, WireModel]) -> None:
         glob = self._require(models, "global")
         self._require_same_arch(glob)
         self.model.load_state_dict(glob.weights)
-        return glob
 
-    def _extra_loss(self, glob: WireModel) -> Callable[[nn.Module], torch.Tensor] | None:
-        return None  # FedProx adds its proximal term here
+    def _extra_loss(self) -> Callable[[nn.Module], torch.Tensor] | None:
+        """A term added to each batch's loss, built once the global model is loaded (FedProx)."""
+        return None
 
     def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
-        glob = self._load_global(models)
+        self._load_global(models)
         cfg, trainer = self.config, self.ctx.trainer
         opt = trainer.optimizer(self.model.parameters(), cfg, lr=cfg.lr_at(round_, rounds))
         loss = trainer.train_epochs(
-            self.model, self.ctx.data, cfg, optimizer=opt, extra_loss=self._extra_loss(glob)
+            self.model, self.ctx.data, cfg, optimizer=opt, extra_loss=self._extra_loss()
         )
         return FitResult(
             models={"model": WireModel.of(self.ctx.spec, self.model)},

@@ -236,3 +236,82 @@ def test_pfml_refuses_to_reset_an_auxiliary_of_another_architecture():
     algo.fit(1, 2, {"global": g})  # round 1: a random init, as documented
     with pytest.raises(AlgorithmError, match="aux_init='persist'"):
         algo.fit(2, 2, {"global": g})
+
+
+def test_fml_meme_head_carries_over_between_rounds_under_a_shared_backbone():
+    g_spec = ArchSpec(family="cnn1", num_classes=10, input_shape=IMG)
+    prefix = next(iter(build(g_spec).state_dict())).split(".")[0] + "."
+    algo = _algo(
+        "fml", _spec("mlr", classes=3), classes=3, local_epochs=1, shared_prefixes=[prefix]
+    )
+    backbone = {k: v for k, v in build(g_spec, seed=1).state_dict().items() if k.startswith(prefix)}
+    glob = WireModel(g_spec, backbone)
+    algo.fit(1, 2, {"global": glob})
+    meme = algo.meme
+    head = {k: v.clone() for k, v in meme.state_dict().items() if k not in backbone}
+
+    _, again = algo._meme_for(glob)  # what round 2 starts from
+
+    assert again is meme  # the same network: its head is this client's, kept
+    assert all(torch.equal(head[k], again.state_dict()[k]) for k in head)
+    assert all(torch.equal(backbone[k], again.state_dict()[k]) for k in backbone)
+
+
+def test_fml_builds_a_new_meme_when_the_global_architecture_changes():
+    algo = _algo("fml", _spec("mlr"), local_epochs=1)
+    algo.fit(1, 2, {"global": _global(_spec("mlr"))})
+    mlp = _spec("mlp", hidden=[8])
+    out = algo.fit(2, 2, {"global": _global(mlp)})
+    assert algo.meme_spec == mlp and out.models["meme"].spec == mlp
+
+
+def test_fml_refuses_a_global_model_that_misses_or_adds_tensors():
+    algo = _algo("fml", _spec("mlr"), local_epochs=1)
+    g = _global(_spec("mlr"))
+    partial = WireModel(g.spec, {k: v for k, v in list(g.weights.items())[:1]})
+    with pytest.raises(RuntimeError, match="Missing key"):
+        algo.fit(1, 1, {"global": partial})
+    g_spec = ArchSpec(family="cnn1", num_classes=10, input_shape=IMG)
+    prefix = next(iter(build(g_spec).state_dict())).split(".")[0] + "."
+    shared = _algo("fml", _spec("mlr"), local_epochs=1, shared_prefixes=[prefix])
+    backbone = {k: v for k, v in build(g_spec).state_dict().items() if k.startswith(prefix)}
+    extra = backbone | {f"stray{i}.weight": torch.zeros(1) for i in range(6)}
+    with pytest.raises(ValueError, match=r"^fml: global model has tensors the meme lacks: \[") as e:
+        shared.fit(1, 1, {"global": WireModel(g_spec, extra)})
+    assert str(e.value).count("stray") == 5  # the first five, not a wall of names
+
+
+def test_base_evaluate_without_a_global_model_scores_the_personalized_model_only():
+    algo = _algo("local", _spec("mlr"), local_epochs=1)
+    scores = algo.evaluate({})
+    assert scores["personal_total"] == 16 and "global_total" not in scores
+
+
+def test_pfml_aux_init_error_names_the_remedy():
+    algo = _algo("pfml", _spec("mlp", hidden=[8]), aux_init="global", batch_size=16)
+    g = _global(_spec("mlr"))
+    algo.fit(1, 2, {"global": g})
+    with pytest.raises(
+        AlgorithmError, match=r"^pfml: aux_init='global' re-initialises.*on this client$"
+    ):
+        algo.fit(2, 2, {"global": g})
+
+
+def test_algorithm_registry_refuses_duplicates_and_names_the_known_ones():
+    from edge_sdk.algorithms import algorithm_names, register_algorithm
+    from edge_sdk.algorithms import base as algo_base
+
+    known = ", ".join(algorithm_names())
+    with pytest.raises(AlgorithmError, match=rf"^unknown algorithm 'nope'; known: {known}$"):
+        algorithm_class("nope")
+    fedavg = algorithm_class("fedavg")
+    with pytest.raises(ValueError, match=r"^client algorithm 'fedavg' is already registered$"):
+        register_algorithm(fedavg)
+
+    class Probe(fedavg):  # a throwaway algorithm, registered then removed
+        name = "probe_for_test"
+
+    try:
+        assert register_algorithm(Probe) is Probe and algorithm_class("probe_for_test") is Probe
+    finally:
+        algo_base._REGISTRY.pop("probe_for_test", None)

@@ -143,15 +143,26 @@ def one_batch(gen: torch.Generator, batch_size: int) -> torch.Tensor:
     return torch.randperm(N, generator=gen)[: min(batch_size, N)]
 
 
-def sgd_epochs(p, opt, gen, epochs, batch_size, extra=None) -> Params:
-    """Plain supervised epochs: CE (+ extra(params)) per batch, one optimizer step each."""
+def sgd_epochs(p, opt, gen, epochs, batch_size, extra=None) -> tuple[Params, float]:
+    """Plain supervised epochs: CE (+ extra(params)) per batch, one optimizer step each.
+    Returns the weights and the mean batch loss (the `train_loss` a client reports)."""
     d = _data()
+    losses = []
     for _ in range(epochs):
         for idx in epoch_batches(gen, batch_size):
             x, y = d.x_train[idx], d.y_train[idx]
-            g = grad(lambda q, x=x, y=y: ce(forward(q, x), y) + (extra(q) if extra else 0), p)
-            p = opt.step(p, g)
-    return p
+
+            def loss(q, x=x, y=y):
+                return ce(forward(q, x), y) + (extra(q) if extra else 0)
+
+            losses.append(float(loss(p)))
+            p = opt.step(p, grad(loss, p))
+    return p, sum(losses) / len(losses)
+
+
+def accuracy(p: Params) -> int:
+    d = _data()
+    return int((forward(p, d.x_test).argmax(1) == d.y_test).sum())
 
 
 # -- local, fedavg, fedprox, fedavg_ft ------------------------------------------------------------
@@ -167,37 +178,66 @@ def test_local_trains_epochs_with_one_optimizer_for_the_whole_run(optimizer):
 
     # Execute
     algo.fit(1, 3, {})
-    algo.fit(2, 3, {})
+    result = algo.fit(2, 3, {})
+    final = algo.finalize(2, 3, {})
 
     # Assert
-    p = sgd_epochs(p, opt, gen, 2, 10)
+    p, _ = sgd_epochs(p, opt, gen, 2, 10)
     opt.lr = 0.05 * 0.5
-    p = sgd_epochs(p, opt, gen, 2, 10)
+    p, loss = sgd_epochs(p, opt, gen, 2, 10)
     _assert_weights(algo.model, p)
     assert algo.personalized_model()[1] is algo.model
+    assert result.metrics["train_loss"] == pytest.approx(loss, rel=1e-4)
+    assert result.n_samples == N and not result.models
+    assert final.metrics["personal_correct"] == accuracy(p) and "global_total" not in final.metrics
 
 
-@pytest.mark.parametrize(("name", "mu"), [("fedavg", 0.0), ("fedprox", 0.0), ("fedprox", 0.7)])
+@pytest.mark.parametrize(
+    ("name", "mu"), [("fedavg", 0.0), ("fedprox", 0.0), ("fedprox", 0.7), ("fedprox", 1.0)]
+)
 def test_fedavg_and_fedprox_train_from_each_round_s_global_model_with_a_fresh_optimizer(name, mu):
+    # Prepare: the step schedule at R = 2 halves the lr in round 2.
     extra = {"mu": mu} if name == "fedprox" else {}
     algo = _algo(
-        name, MLR, local_epochs=2, batch_size=7, lr=0.1, momentum=0.5, weight_decay=0.02, **extra
-    )
+        name, MLR, local_epochs=2, batch_size=7, lr=0.1, momentum=0.5, weight_decay=0.02,
+        lr_schedule="step", lr_gamma=0.5, **extra,
+    )  # fmt: skip
     g1, g2 = _wire(MLR, 1), _wire(MLR, 2)
     gen = torch.Generator().manual_seed(SEED)
 
-    out1 = algo.fit(1, 2, {"global": g1}).models["model"].weights
-    out2 = algo.fit(2, 2, {"global": g2}).models["model"].weights
+    # Execute
+    r1 = algo.fit(1, 2, {"global": g1})
+    r2 = algo.fit(2, 2, {"global": g2})
 
-    for glob, out in ((g1, out1), (g2, out2)):
+    # Assert
+    for glob, result, lr in ((g1, r1, 0.1), (g2, r2, 0.05)):
         anchor = _params_of(glob.weights)
 
         def prox(q, anchor=anchor):
             # μ/2·||w − w_global||², the anchor being this round's global model
             return mu / 2 * sum(((a - b) ** 2).sum() for a, b in zip(q, anchor, strict=True))
 
-        p = sgd_epochs(list(anchor), SGD(0.1, 0.5, 0.02), gen, 2, 7, prox if mu else None)
-        _assert_weights(out, p)
+        p, loss = sgd_epochs(list(anchor), SGD(lr, 0.5, 0.02), gen, 2, 7, prox if mu else None)
+        _assert_weights(result.models["model"].weights, p)
+        assert result.models["model"].spec == MLR and result.n_samples == N
+        assert result.metrics["train_loss"] == pytest.approx(loss, rel=1e-4)
+
+
+def test_fedavg_deploys_and_scores_the_global_model_it_received():
+    algo = _algo("fedavg", MLR, local_epochs=1, batch_size=8)
+    g1, final = _wire(MLR, 1), _wire(MLR, 3)
+    algo.fit(1, 2, {"global": g1})
+    trained = _params_of(algo.model.state_dict())
+
+    scores = algo.evaluate({})  # no global model sent: the client's own copy
+    sent = algo.evaluate({"global": final})  # the global model it was sent
+    result = algo.finalize(2, 2, {"global": final})
+
+    assert sent["personal_correct"] == accuracy(_params_of(final.weights))
+    assert scores["personal_correct"] == accuracy(trained)
+    assert scores["global_correct"] == scores["personal_correct"]
+    _assert_weights(algo.personalized_model()[1], _params_of(final.weights))
+    assert result.metrics["personal_correct"] == accuracy(_params_of(final.weights))
 
 
 def test_fedavg_ft_fine_tunes_the_final_global_model_at_the_last_round_s_lr():
@@ -211,18 +251,21 @@ def test_fedavg_ft_fine_tunes_the_final_global_model_at_the_last_round_s_lr():
     result = algo.finalize(3, 3, {"global": final})
 
     # R = 3: the lr at the last round is 0.2 × 0.1²
-    p = sgd_epochs(_params_of(final.weights), SGD(0.2 * 0.01, 0.3, 0.0), gen, 3, 8)
+    p, loss = sgd_epochs(_params_of(final.weights), SGD(0.2 * 0.01, 0.3, 0.0), gen, 3, 8)
     _assert_weights(algo.model, p)
-    d = _data()
-    acc = (forward(p, d.x_test).argmax(1) == d.y_test).sum().item()
-    assert result.metrics["personal_correct"] == acc  # scored after fine-tuning
+    assert result.metrics["personal_correct"] == accuracy(p)  # scored after fine-tuning
+    assert result.metrics["global_correct"] == accuracy(_params_of(final.weights))
+    assert result.metrics["ft_loss"] == pytest.approx(loss, rel=1e-4)
+    assert result.n_samples == N
+    assert algo.evaluate({"global": final})["personal_correct"] == accuracy(p)
 
 
 # -- FML -----------------------------------------------------------------------------------------
-def test_fml_mutual_learning_step_roles_kl_direction_meme_reset_and_optimizers():
+@pytest.mark.parametrize("bs", [10, 64])  # three batches per epoch, or one
+def test_fml_mutual_learning_step_roles_kl_direction_meme_reset_and_optimizers(bs):
     # Prepare: personalized mlp, meme mlr; α ≠ β ≠ 1/2 so that swapping them shows; two rounds
     # with different global models; the step schedule (R = 3) changes the lr in round 2.
-    a, b, lr, mom, wd, bs = 0.3, 0.8, 0.1, 0.5, 0.01, 10
+    a, b, lr, mom, wd = 0.3, 0.8, 0.1, 0.5, 0.01
     algo = _algo(
         "fml", MLP, alpha=a, beta=b, local_epochs=1, batch_size=bs, lr=lr, momentum=mom,
         weight_decay=wd, lr_schedule="step", lr_gamma=0.5,
@@ -233,37 +276,51 @@ def test_fml_mutual_learning_step_roles_kl_direction_meme_reset_and_optimizers()
     opt_p = SGD(lr, mom, wd)  # one personal optimizer for the whole run
 
     # Execute
-    out1 = algo.fit(1, 3, {"global": g1}).models["meme"]
-    out2 = algo.fit(2, 3, {"global": g2}).models["meme"]
+    r1 = algo.fit(1, 3, {"global": g1})
+    r2 = algo.fit(2, 3, {"global": g2})
 
     # Assert
     d = _data()
-    for r, glob, out in ((1, g1, out1), (2, g2, out2)):
+    for r, glob, result in ((1, g1, r1), (2, g2, r2)):
         rate = lr if r == 1 else lr * 0.5
         opt_p.lr = rate
         opt_m = SGD(rate, mom, wd)  # a fresh meme optimizer every round
         meme = _params_of(glob.weights)  # the meme starts the round as the global model
-        for idx in epoch_batches(gen, bs):
+        sum_p = sum_m = 0.0
+        batches = epoch_batches(gen, bs)
+        for idx in batches:
             x, y = d.x_train[idx], d.y_train[idx]
             z_p, z_m = forward(personal, x).detach(), forward(meme, x).detach()
+
             # L_personal = α·CE + (1−α)·KL(meme || personal); L_meme = β·CE + (1−β)·KL(p || m)
-            g_p = grad(lambda q, x=x, y=y, t=z_m: a * ce(forward(q, x), y)
-                       + (1 - a) * kl(t, forward(q, x)), personal)  # fmt: skip
-            g_m = grad(lambda q, x=x, y=y, t=z_p: b * ce(forward(q, x), y)
-                       + (1 - b) * kl(t, forward(q, x)), meme)  # fmt: skip
+            def loss_p(q, x=x, y=y, t=z_m):
+                return a * ce(forward(q, x), y) + (1 - a) * kl(t, forward(q, x))
+
+            def loss_m(q, x=x, y=y, t=z_p):
+                return b * ce(forward(q, x), y) + (1 - b) * kl(t, forward(q, x))
+
+            sum_p, sum_m = sum_p + float(loss_p(personal)), sum_m + float(loss_m(meme))
+            g_p, g_m = grad(loss_p, personal), grad(loss_m, meme)
             personal, meme = opt_p.step(personal, g_p), opt_m.step(meme, g_m)
-        assert out.spec == glob.spec
+        out = result.models["meme"]
+        assert out.spec == glob.spec and result.n_samples == N
         _assert_weights(out.weights, meme)
+        assert result.metrics["loss_personal"] == pytest.approx(sum_p / len(batches), rel=1e-4)
+        assert result.metrics["loss_meme"] == pytest.approx(sum_m / len(batches), rel=1e-4)
     _assert_weights(algo.personal, personal)
     assert algo.personalized_model()[1] is algo.personal
+    scores = algo.evaluate({"global": g2})
+    assert scores["personal_correct"] == accuracy(personal)
+    assert scores["global_correct"] == accuracy(_params_of(g2.weights))
 
 
 # -- PFML ----------------------------------------------------------------------------------------
 def _pfml_reference(w_global: Params, aux: Params, gen, *, E, D, K, lam, lr):
-    """One round of Algorithm 1 as algorithms.md writes it; returns (w_i, m_i)."""
+    """One round of Algorithm 1 as algorithms.md writes it; returns (w_i, m_i, mean loss)."""
     d = _data()
     w, m = list(w_global), list(aux)
     m_prev = list(aux)  # the auxiliary as the round found it
+    losses = []
 
     def sq(q, anchor):
         return sum(((a - b) ** 2).sum() for a, b in zip(q, anchor, strict=True))
@@ -286,41 +343,78 @@ def _pfml_reference(w_global: Params, aux: Params, gen, *, E, D, K, lam, lr):
             g = grad(lambda q: loss_w(q) + lam / 2 * sq(q, w_global), w_hat)
             w_hat = [t - lr * gi for t, gi in zip(w_hat, g, strict=True)]
         g_m, g_w = grad(loss_m, m), grad(loss_w, w)
+        losses.append(float(loss_m(m) + loss_w(w)))
         m = [p - lr * gi - lr * lam * (p - t) for p, gi, t in zip(m, g_m, theta, strict=True)]
         w = [p - lr * gi - lr * lam * (p - t) for p, gi, t in zip(w, g_w, w_hat, strict=True)]
-    return w, m
+    return w, m, sum(losses) / max(1, len(losses))
+
+
+def _initial_aux(aux_spec: ArchSpec, glob: WireModel) -> Params:
+    """m_i before its first round: the global model, or its own seeded init (other arch)."""
+    if aux_spec == glob.spec:
+        return _params_of(glob.weights)
+    return _params_of(build(aux_spec, seed=SEED * 1009 + 1).state_dict())
 
 
 @pytest.mark.parametrize(
-    ("aux_spec", "aux_init"), [(MLR, "persist"), (MLR, "global"), (MLP, "persist")]
+    ("aux_spec", "aux_init", "E"),
+    [(MLR, "persist", 3), (MLR, "global", 3), (MLP, "persist", 3), (MLR, "persist", 1)],
 )
-def test_pfml_round_inner_steps_anchors_outer_step_and_personalized_model(aux_spec, aux_init):
-    # Prepare: K = 2 inner steps, λ = 0.7, E = 3 iterations of D = 10; two rounds with
+def test_pfml_round_inner_steps_anchors_outer_step_and_personalized_model(aux_spec, aux_init, E):
+    # Prepare: K = 2 inner steps, λ = 0.7, E iterations of D = 10; two rounds with
     # different global models so that the two anchors (m_prev, w_global) differ in round 2.
-    hp = dict(E=3, D=10, K=2, lam=0.7, lr=0.1)
+    hp = dict(E=E, D=10, K=2, lam=0.7, lr=0.1)
     algo = _algo(
-        "pfml", aux_spec, local_iterations=3, batch_size=10, k_steps=2, lam=0.7, lr=0.1,
+        "pfml", aux_spec, local_iterations=E, batch_size=10, k_steps=2, lam=0.7, lr=0.1,
         aux_init=aux_init,
     )  # fmt: skip
     g1, g2 = _wire(MLR, 1), _wire(MLR, 2)
     gen = torch.Generator().manual_seed(SEED)
 
     # Execute
-    out1 = algo.fit(1, 2, {"global": g1}).models["local"]
-    out2 = algo.fit(2, 2, {"global": g2}).models["local"]
+    r1 = algo.fit(1, 2, {"global": g1})
+    r2 = algo.fit(2, 2, {"global": g2})
 
     # Assert
-    same_arch = aux_spec == MLR
-    aux = _params_of(
-        g1.weights if same_arch else build(aux_spec, seed=SEED * 1009 + 1).state_dict()
-    )
-    w, aux = _pfml_reference(_params_of(g1.weights), aux, gen, **hp)
-    _assert_weights(out1.weights, w)
-    if aux_init == "global":
-        aux = _params_of(g2.weights)  # the literal Algorithm 1: m_i re-initialised each round
-    w, aux = _pfml_reference(_params_of(g2.weights), aux, gen, **hp)
-    assert out2.spec == MLR  # w_i goes to the server
-    _assert_weights(out2.weights, w)
+    aux = _initial_aux(aux_spec, g1)
+    for r, glob, result in ((1, g1, r1), (2, g2, r2)):
+        if r == 2 and aux_init == "global":
+            aux = _params_of(g2.weights)  # the literal Algorithm 1: m_i re-initialised each round
+        w, aux, loss = _pfml_reference(_params_of(glob.weights), aux, gen, **hp)
+        out = result.models["local"]
+        assert out.spec == MLR and result.n_samples == N  # w_i goes to the server
+        _assert_weights(out.weights, w)
+        assert result.metrics["train_loss"] == pytest.approx(loss, rel=1e-4)
     spec, model = algo.personalized_model()  # the personalized model is the auxiliary m_i
     assert spec == aux_spec
     _assert_weights(model, aux)
+    scores = algo.evaluate({"global": g2})
+    assert scores["personal_correct"] == accuracy(aux)
+    assert scores["global_correct"] == accuracy(_params_of(g2.weights))
+
+
+@pytest.mark.parametrize("aux_spec", [MLR, MLP])
+def test_pfml_client_never_trained_deploys_the_auxiliary_its_first_round_would_start_from(
+    aux_spec,
+):
+    algo = _algo("pfml", aux_spec, local_iterations=1, batch_size=10, lam=1.0)
+    final = _wire(MLR, 4)
+    with pytest.raises(RuntimeError, match=r"^pfml: no auxiliary model before the first round$"):
+        algo.personalized_model()
+
+    scores = algo.evaluate({"global": final})
+    result = algo.finalize(3, 3, {"global": final})
+
+    initial = _initial_aux(aux_spec, final)
+    assert scores["personal_correct"] == accuracy(initial)
+    assert scores["global_correct"] == accuracy(_params_of(final.weights))
+    assert result.metrics == algo.evaluate({"global": final})
+    _assert_weights(algo.personalized_model()[1], initial)
+
+
+def test_pfml_finalize_keeps_the_trained_auxiliary():
+    algo = _algo("pfml", MLR, local_iterations=2, batch_size=10, lam=1.0)
+    algo.fit(1, 2, {"global": _wire(MLR, 1)})
+    trained = _params_of(algo.aux.state_dict())
+    algo.finalize(2, 2, {"global": _wire(MLR, 2)})
+    _assert_weights(algo.personalized_model()[1], trained)
