@@ -299,6 +299,10 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
                 "summary": {
                     "mean_personal_acc": _mean([c.personal_acc for c in run.clients]),
                     "global_acc": run.rounds[-1].global_acc if run.rounds else None,
+                    "best_global_acc": max(
+                        (r.global_acc for r in run.rounds if r.global_acc is not None),
+                        default=None,
+                    ),
                     "wall_seconds": run.wall_seconds,
                 },
                 "clients": [
