@@ -123,6 +123,12 @@ register(
                 {"fedavg": 78.4},
                 note="goal: within 1 point of it",
             ),
+            Reported(
+                "reference implementation at T=100 (shared/reference README)",
+                87.4,
+                74.9,
+                note="compare shortened --rounds 100 runs with this one",
+            ),
         ),
     )
 )
