@@ -62,6 +62,9 @@ def simulate(
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda")] = None,
     baselines: Annotated[str | None, typer.Option(help=f"{_CSV}, e.g. local,fedavg")] = None,
     parallel: Annotated[int | None, typer.Option(help="simulated clients training at once")] = None,
+    broker: Annotated[
+        str | None, typer.Option(help="run the clients over this MQTT broker (mqtt://host:port)")
+    ] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="output directory")] = None,
     export_onnx: Annotated[
         bool, typer.Option("--export-onnx", help="write DIR/onnx/<client>.onnx")
@@ -89,6 +92,7 @@ def simulate(
         "device": device,
         "baselines": _csv(baselines),
         "parallel": parallel,
+        "broker.url": broker,
         "out": str(out) if out else None,
         "export_onnx": True if export_onnx else None,
     }
@@ -122,6 +126,184 @@ def demo(
     }
     training = {"local_epochs": 5, "batch_size": 32, "lr": 0.05}
     _run(None, flags, training, [], quiet=quiet, verbose=False)
+
+
+_BROKER_HELP = "MQTT broker URL, mqtt[s]://[user@]host[:port] (password: EDGEFL_BROKER__PASSWORD)"
+
+
+@app.command()
+def coordinator(
+    broker: Annotated[str | None, typer.Option(help=_BROKER_HELP)] = None,
+    run_id: Annotated[
+        str | None, typer.Option(help="the run's id (topics are named after it)")
+    ] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML run config")] = None,
+    algorithm: Annotated[str | None, typer.Option(help="fml, pfml, fedavg, ...")] = None,
+    clients: Annotated[int | None, typer.Option(help="clients expected to register")] = None,
+    allow: Annotated[str | None, typer.Option(help=f"{_CSV} client ids admitted")] = None,
+    min_clients: Annotated[
+        int | None, typer.Option(help="start with this many if the others do not come")
+    ] = None,
+    clients_per_round: Annotated[int | None, typer.Option(help="clients sampled per round")] = None,
+    rounds: Annotated[int | None, typer.Option(help="communication rounds")] = None,
+    global_model: Annotated[str | None, typer.Option(help="global/meme family")] = None,
+    local_epochs: Annotated[int | None, typer.Option(help="local epochs")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="batch size")] = None,
+    lr: Annotated[float | None, typer.Option(help="learning rate")] = None,
+    seed: Annotated[int | None, typer.Option(help="seed for the global model and sampling")] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="serve Prometheus metrics on this port")
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="output directory")] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="override any field: key=value, dotted (fml.alpha=0.3)"),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log INFO messages")] = False,
+) -> None:
+    """The coordinator daemon: run a federation with clients that connect over an MQTT broker.
+
+    Writes OUT/rounds.jsonl as rounds complete, then results.json, report.md and the plots.
+    """
+    from coordinator.deploy import run_coordinator
+
+    flags: dict[str, Any] = {
+        "broker.url": broker,
+        "run_id": run_id,
+        "algorithm": algorithm,
+        "clients": clients,
+        "allow": _csv(allow),
+        "round.min_clients": min_clients,
+        "clients_per_round": clients_per_round,
+        "rounds": rounds,
+        "global_model": global_model,
+        "seed": seed,
+        "metrics_port": metrics_port,
+        "out": str(out) if out else None,
+    }
+    training = {"local_epochs": local_epochs, "batch_size": batch_size, "lr": lr}
+    _setup_logging(verbose)
+    cfg = _load(config, flags, training, set_ or [])
+
+    def show(rec: Any) -> None:
+        acc = "—" if rec.mean_personal_acc is None else f"{100 * rec.mean_personal_acc:.2f}%"
+        state = "FAILED" if rec.failed else "ok"
+        typer.echo(
+            f"round {rec.round}/{cfg.rounds} {state}: {len(rec.replied)}/{len(rec.trained)} "
+            f"replied, mean personalized accuracy {acc}, {rec.seconds:.1f} s"
+        )
+
+    typer.echo(f"coordinator {cfg.run_id}: waiting for {cfg.clients} clients on {cfg.broker.url}")
+    results = _guard(lambda: run_coordinator(cfg, on_round=show))
+    _print_summary(results, cfg.out or f"runs/{cfg.run_id}")
+
+
+@app.command()
+def client(
+    broker: Annotated[str | None, typer.Option(help=_BROKER_HELP)] = None,
+    run_id: Annotated[str | None, typer.Option(help="the run's id")] = None,
+    id_: Annotated[str | None, typer.Option("--id", help="this client's id")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML run config")] = None,
+    model: Annotated[str | None, typer.Option(help="this device's architecture family")] = None,
+    dataset: Annotated[str | None, typer.Option(help="digits, fashion_mnist, ...")] = None,
+    data_root: Annotated[
+        str | None, typer.Option(help="directory holding the dataset files")
+    ] = None,
+    max_samples: Annotated[int | None, typer.Option(help="use a seeded subset of the data")] = None,
+    partition: Annotated[str | None, typer.Option(help="iid, shards, dirichlet, ...")] = None,
+    clients: Annotated[int | None, typer.Option(help="clients the data is split among")] = None,
+    index: Annotated[int | None, typer.Option(help="which client of the split this is")] = None,
+    seed: Annotated[int | None, typer.Option(help="the federation's seed")] = None,
+    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="where the personalized ONNX model goes")
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="override any field: key=value")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log INFO messages")] = False,
+) -> None:
+    """One edge device over an MQTT broker: the data the simulator would give client INDEX of
+    the split; trains when asked; exports its personalized model to STATE_DIR/<id>.onnx."""
+    from coordinator.deploy import run_device
+
+    flags: dict[str, Any] = {
+        "broker.url": broker,
+        "run_id": run_id,
+        "client.id": id_,
+        "client.model": model,
+        "client.index": index,
+        "client.state_dir": str(state_dir) if state_dir else None,
+        "data.dataset": dataset,
+        "data.root": data_root,
+        "data.max_samples": max_samples,
+        "data.partition": partition,
+        "clients": clients,
+        "seed": seed,
+        "device": device,
+    }
+    _setup_logging(verbose)
+    cfg = _load(config, flags, {}, set_ or [])
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+    def show(t: Any) -> None:
+        acc = t.metrics.get("personal_correct"), t.metrics.get("personal_total")
+        score = f", personalized accuracy {100 * acc[0] / acc[1]:.2f}%" if acc[1] else ""
+        status = "ok" if t.ok else f"error: {t.error}"
+        typer.echo(f"round {t.round}/{t.rounds} {t.phase}: {status}{score}")
+
+    dev = _guard(lambda: run_device(cfg, on_task=show))
+    typer.echo(f"{dev.client_id}: done; personalized model: {dev.exported}")
+
+
+@app.command("broker-acl")
+def broker_acl(
+    clients: Annotated[str, typer.Option(help=f"{_CSV} client ids (their broker user names)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="directory for the files")],
+    coordinator_user: Annotated[str, typer.Option(help="the coordinator's user")] = "coordinator",
+    run_id: Annotated[str, typer.Option(help="restrict the rules to one run ('+': any)")] = "+",
+) -> None:
+    """Write a mosquitto password file (hashed), an ACL file and per-user credentials.
+
+    Client X may publish only on its own up and peer topics and read only its own down topic, the
+    broadcast and status topics and the peer topics meant for it; the coordinator has its own user.
+    """
+    from coordinator.acl import write_broker_files
+
+    ids = _csv(clients) or []
+    paths = _guard(
+        lambda: write_broker_files(out, ids, coordinator_user=coordinator_user, run=run_id)
+    )
+    typer.echo(f"wrote {paths['passwd']}, {paths['acl']} and {paths['mosquitto.conf']}")
+    typer.echo(f"each user's password is in {paths['credentials']}/<user> (mode 600): give every")
+    typer.echo("device its own, as broker.password_file, with broker.username = its client id")
+
+
+def _load(
+    config: Path | None, flags: dict[str, Any], training: dict[str, Any], sets: list[str]
+) -> Any:
+    from coordinator.config import ConfigError, load_config, parse_overrides
+
+    try:
+        return load_config(config, flags, parse_overrides(sets), training=training)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from exc
+
+
+def _guard(call: Any) -> Any:
+    """Run a library call; its errors become a clean CLI error with a non-zero exit code."""
+    from coordinator.config import ConfigError
+    from coordinator.server import CoordinatorError
+    from edge_sdk.transport import TransportError
+
+    try:
+        return call()
+    except (ConfigError, CoordinatorError, TransportError, ValueError, FileNotFoundError) as exc:
+        raise _fail(str(exc)) from exc
 
 
 def _run(

@@ -1,8 +1,12 @@
 """One typed config for a whole run, loadable from TOML, every field overridable.
 
-Precedence, written once here: field defaults < TOML file < CLI flags < `--set key=value`
-overrides (dotted keys for nested fields, e.g. `fml.alpha=0.3`, `data.partition_params.alpha=0.1`;
-values parse as JSON when they can, e.g. `models=["mlp","lenet5"]`, else as strings).
+Precedence, written once here: field defaults < TOML file < environment variables `EDGEFL_*`
+(pydantic-settings; `__` separates nested fields: `EDGEFL_FML__ALPHA=0.3`,
+`EDGEFL_BROKER__PASSWORD=...`) < CLI flags < `--set key=value` overrides (dotted keys for nested
+fields, e.g. `fml.alpha=0.3`, `data.partition_params.alpha=0.1`; values parse as JSON when they
+can, e.g. `models=["mlp","lenet5"]`, else as strings). The broker password may come only from the
+environment or `broker.password_file`: never from a flag (it would show in `ps`) or a TOML file.
+The simulator, the coordinator daemon and `edgefl client` all read this one config.
 Every algorithm registered in `edge_sdk.algorithms` gets a section named after it, holding its
 config with the defaults from algorithms.md; adding an algorithm adds its section by itself.
 """
@@ -18,13 +22,25 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from coordinator.server import RoundConfig
 from edge_sdk.algorithms import BaseAlgorithmConfig, algorithm_class, algorithm_names
+from edge_sdk.transport.mqtt import BrokerSettings
 from model_zoo import families
 from model_zoo.data import dataset_names, partition_schemes
 
-__all__ = ["ConfigError", "DataConfig", "RunConfig", "load_config", "parse_overrides"]
+__all__ = [
+    "ENV_PREFIX",
+    "ConfigError",
+    "DataConfig",
+    "DeviceConfig",
+    "RunConfig",
+    "load_config",
+    "parse_overrides",
+]
+
+ENV_PREFIX = "EDGEFL_"
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +59,17 @@ class DataConfig(BaseModel):
     partition: str = "dirichlet"
     partition_params: dict[str, Any] = {}  # e.g. {"alpha": 0.5}
     split: tuple[float, float, float] = (0.6, 0.2, 0.2)  # per-client train/val/test [PersFL]
+
+
+class DeviceConfig(BaseModel):
+    """`edgefl client`: which simulated device of the split this process is."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = None  # client id (default: the simulator's, c<index>)
+    index: int = Field(0, ge=0)  # which client of the partition's split this device holds
+    model: str | None = None  # its architecture family (default: models[index % len(models)])
+    state_dir: str = "edgefl-state"  # where the exported ONNX model (and later, state) goes
 
 
 class RunConfig(BaseModel):
@@ -64,6 +91,14 @@ class RunConfig(BaseModel):
     baselines: list[str] = []  # e.g. ["local", "fedavg"]: run with the same data for the metrics
     out: str | None = None
     export_onnx: bool = False
+    broker: BrokerSettings = BrokerSettings()  # with a url: over this MQTT broker, not in memory
+    # A model many tasks share crosses the broker once, on the broadcast topic; False sends a
+    # copy with each task (for ACLs that cannot let clients read the broadcast topic).
+    broadcast: bool = True
+    fp16_upload: bool = False  # clients send their models in fp16: half the upload bytes
+    allow: list[str] | None = None  # coordinator: the client ids admitted (default: any, up to N)
+    metrics_port: int | None = Field(None, ge=0, le=65535)  # coordinator: Prometheus /metrics
+    client: DeviceConfig = DeviceConfig()
     parallel: int | None = Field(None, ge=1)  # simulated clients training at once; None = cores
     run_id: str = "sim"
 
@@ -166,14 +201,46 @@ def _apply_training(tree: dict[str, Any], algorithms: list[str], key: str, value
         _set_dotted(tree, f"{name}.{key}", value)
 
 
+def _env_tree() -> dict[str, Any]:
+    """What the environment says (`EDGEFL_*`), as a nested dict of raw values."""
+
+    class _FromEnv(BaseSettings, _RUN_CONFIG_WITH_SECTIONS):  # type: ignore[misc,valid-type]
+        model_config = SettingsConfigDict(
+            env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid"
+        )
+
+    return dict(EnvSettingsSource(_FromEnv)())
+
+
+def _deep_merge(tree: dict[str, Any], update: Mapping[str, Any]) -> None:
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(tree.get(key), dict):
+            _deep_merge(tree[key], value)
+        else:
+            tree[key] = value
+
+
+def _refuse_secrets(tree: Mapping[str, Any], source: str) -> None:
+    broker = tree.get("broker")
+    if isinstance(broker, Mapping):
+        url = str(broker.get("url") or "")
+        if "password" in broker or ("@" in url and ":" in url.split("@")[0].split("//")[-1]):
+            raise ConfigError(
+                f"the broker password cannot come from {source}: set {ENV_PREFIX}BROKER__PASSWORD "
+                "or broker.password_file (a file readable only by you)"
+            )
+
+
 def load_config(
     path: str | Path | None = None,
     flags: Mapping[str, Any] | None = None,
     overrides: Mapping[str, Any] | None = None,
     *,
     training: Mapping[str, Any] | None = None,
+    environ: bool = True,
 ) -> RunConfig:
-    """Defaults < TOML at `path` < `flags` (dotted keys, None = not given) < `overrides`.
+    """Defaults < TOML at `path` < `EDGEFL_*` environment < `flags` (dotted keys, None = not
+    given) < `overrides`.
 
     `training` holds the common local-training flags (local_epochs, batch_size, lr): each
     applies to the run's algorithm and to every baseline whose config has that field, so all are
@@ -191,6 +258,16 @@ def load_config(
             tree = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: invalid TOML: {exc}") from exc
+        _refuse_secrets(tree, f"the config file {p}")
+    if environ:
+        _deep_merge(tree, _env_tree())
+    given: dict[str, Any] = {}
+    for key, value in (flags or {}).items():
+        if value is not None:
+            _set_dotted(given, key, value)
+    for key, value in (overrides or {}).items():
+        _set_dotted(given, key, value)
+    _refuse_secrets(given, "a command-line flag (it would show in ps)")
     for key, value in (flags or {}).items():
         if value is not None:
             _set_dotted(tree, key, value)

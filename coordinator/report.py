@@ -281,6 +281,63 @@ def _clients_section(clients: Sequence[Mapping[str, Any]]) -> list[str]:
     return [*lines, *_table(header, rows), "", note, ""]
 
 
+# Fields every client entry has; anything else an algorithm reported (details).
+_CLIENT_FIELDS: Final[frozenset[str]] = frozenset(
+    {"id", "arch", "n_train", "personal_acc", "global_acc", "local_acc", "fedavg_acc", "error"}
+)
+
+
+def _details_section(clients: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What the algorithm reported per client (PersFL's teacher round, λ, T; FedMe's archs)."""
+    keys: list[str] = []
+    for record in clients:
+        keys += [k for k in record if k not in _CLIENT_FIELDS and k not in keys]
+    if not keys:
+        return []
+    rows = [
+        [_plain(record.get("id", i)), *(_plain(record.get(k)) for k in keys)]
+        for i, record in enumerate(clients)
+    ]
+    return ["## Client details", "", *_table(["Client", *keys], rows), ""]
+
+
+def _architecture_section(
+    rounds: Sequence[Mapping[str, Any]], clients: Sequence[Mapping[str, Any]]
+) -> list[str]:
+    """How the clients' architectures changed over rounds (from each fit reply's `arch`)."""
+    current = {
+        str(c.get("id")): str(c.get("arch_start", c.get("arch"))) for c in clients if "id" in c
+    }
+    rows = []
+    seen_arch = False
+    for index, record in enumerate(rounds):
+        reported = _mapping(record.get("clients"), f"results['rounds'][{index}]['clients']")
+        switches = []
+        for cid, details in reported.items():
+            arch = _mapping(details, f"results['rounds'][{index}]['clients'][{cid!r}]").get("arch")
+            seen_arch |= arch is not None
+            if arch is not None and current.get(cid) != str(arch):
+                switches.append(f"{cid}: {current.get(cid, MISSING)} → {arch}")
+                current[cid] = str(arch)
+        if switches or index == 0:
+            counts: dict[str, int] = {}
+            for arch in current.values():
+                counts[arch] = counts.get(arch, 0) + 1
+            mix = ", ".join(f"{a} ×{n}" for a, n in sorted(counts.items()))
+            rows.append([_plain(record.get("round", index + 1)), mix, "; ".join(switches) or "—"])
+    if not seen_arch:
+        return []
+    return [
+        "## Architectures over rounds",
+        "",
+        "Rounds in which some client changed architecture (and the first round); the mix is "
+        "after the round.",
+        "",
+        *_table(["Round", "Architectures", "Changes"], rows),
+        "",
+    ]
+
+
 def _summary_rows(summary: Mapping[str, Any]) -> list[list[str]]:
     rows = []
     for key, value in summary.items():
@@ -500,6 +557,8 @@ def write_report(results: Mapping[str, Any], out_dir: Path) -> Path:
     lines += _baselines_section(baselines)
     lines += _rounds_section(rounds)
     lines += _clients_section(clients)
+    lines += _details_section(clients)
+    lines += _architecture_section(rounds, clients)
     lines += [
         "## Plots",
         "",

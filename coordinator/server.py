@@ -7,6 +7,11 @@ enough valid replies arrived (quorum) the strategy aggregates, else the round is
 failed and the state is left as it was → checkpoint hook → evaluation on every client.
 After the last round a finalize task goes to every client (fine-tuning, ONNX export) and the
 final per-client scores come back with it. Bad messages are logged and dropped; the loop goes on.
+
+Topics carry identity (`edge_sdk.topics`): the coordinator reads every client's own up topic and
+takes the sender from the topic, dropping any message whose `sender` field disagrees; it writes
+to each client's down topic, publishes models that many tasks share once per phase on the
+broadcast topic, and keeps the run's retained status topic current (its will marks it offline).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -24,22 +30,41 @@ from pydantic import BaseModel, ConfigDict, Field
 from coordinator.strategies import (
     ClientInfo,
     FitReply,
+    ServerData,
     Strategy,
     StrategyError,
     strategy_class,
 )
 from edge_sdk import topics
-from edge_sdk.algorithms import BaseAlgorithmConfig
+from edge_sdk.algorithms import BaseAlgorithmConfig, Detail
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
-from edge_sdk.protocol import Phase, Register, Registered, Reply, Shutdown, Task
-from edge_sdk.transport.base import Transport
-from edge_sdk.wire import Endpoint, pack_models, reference_shapes, unpack_models
+from edge_sdk.protocol import (
+    ModelRef,
+    Phase,
+    Presence,
+    Register,
+    Registered,
+    Reply,
+    Shutdown,
+    Status,
+    Task,
+)
+from edge_sdk.transport.base import Delivery, Transport, TransportError
+from edge_sdk.wire import (
+    Endpoint,
+    Envelope,
+    message_frame,
+    pack_models,
+    reference_shapes,
+    unpack_models,
+)
 from model_zoo import ArchSpec, ModelZooError
 
 __all__ = [
     "ClientResult",
     "Coordinator",
     "CoordinatorError",
+    "CoordinatorStats",
     "RoundConfig",
     "RoundRecord",
     "RunResult",
@@ -59,6 +84,19 @@ class RoundConfig(BaseModel):
     quorum: float = Field(1.0, gt=0, le=1)  # fraction of a round's tasks that must reply validly
     register_timeout_s: float = Field(60.0, gt=0)
     eval_every: int = Field(1, ge=1)  # evaluate on all clients every N rounds (and the last)
+    # Start once this many clients registered when `register_timeout_s` passes without all of
+    # the expected ones (None: all expected clients are needed).
+    min_clients: int | None = Field(None, ge=1)
+
+
+@dataclass
+class CoordinatorStats:
+    """Live counters for operators (the daemon's Prometheus metrics read them)."""
+
+    rounds_completed: int = 0
+    rounds_failed: int = 0
+    round_seconds: list[float] = field(default_factory=list)
+    rejected: Counter[str] = field(default_factory=Counter)  # messages dropped, by reason
 
 
 @dataclass
@@ -71,6 +109,7 @@ class RoundRecord:
     replied: list[str]
     failed: bool = False
     train_metrics: dict[str, float] = field(default_factory=dict)
+    client_details: dict[str, dict[str, Detail]] = field(default_factory=dict)  # from fit replies
 
 
 @dataclass
@@ -82,6 +121,7 @@ class ClientResult:
     personal_acc: float | None
     global_acc: float | None
     error: str | None = None
+    details: dict[str, Detail] = field(default_factory=dict)  # from the finalize reply
 
 
 @dataclass
@@ -91,6 +131,8 @@ class RunResult:
     clients: list[ClientResult]
     wall_seconds: float
     global_spec: dict[str, Any] | None
+    bytes_out: int = 0  # payload bytes the coordinator sent and received over the whole run
+    bytes_in: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,6 +143,7 @@ class _Collected:
     models: dict[str, WireModel]
     metrics: dict[str, float]
     n_samples: int
+    details: dict[str, Detail] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -113,16 +156,21 @@ class Coordinator:
         rounds: int,
         expected_clients: int,
         clients_per_round: int | None = None,
+        allow: Sequence[str] | None = None,
         global_model: str | None = None,
         model_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
         round_config: RoundConfig | None = None,
         run_id: str = "default",
         seed: int = 0,
-        export_onnx: bool = False,
+        incarnation: int | None = None,
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
+        share_models: bool = True,
         on_round: Callable[[RoundRecord], None] | None = None,
         checkpoint: Callable[[int, dict[str, Any]], None] | None = None,
+        server_data: ServerData | None = None,
     ) -> None:
+        """`share_models`: a model several tasks carry crosses the broker once, on the
+        broadcast topic (False: a copy rides with each task, as before the broadcast topic)."""
         if rounds < 1 or expected_clients < 1:
             raise ValueError(
                 f"need rounds >= 1 and expected_clients >= 1, got {rounds}, {expected_clients}"
@@ -131,28 +179,41 @@ class Coordinator:
         self.strategy_cls = strategy_class(algorithm)
         self.config = config
         self.rounds = rounds
-        self.expected_clients = expected_clients
+        self.allow = {topics.check_id(c, "client id") for c in allow} if allow else None
+        self.expected_clients = len(self.allow) if self.allow else expected_clients
         self.clients_per_round = clients_per_round
         self.global_model = global_model
         self.model_kwargs = {k: dict(v) for k, v in (model_kwargs or {}).items()}
         self.rc = round_config or RoundConfig()
         self.run_id = topics.check_id(run_id, "run id")
         self.seed = seed
-        self.export_onnx = export_onnx
+        # A new number per start: clients that see it change on the status topic re-register.
+        self.incarnation = incarnation if incarnation is not None else time.time_ns() // 1_000_000
         self.max_blob_bytes = max_blob_bytes
+        self.share_models = share_models
         self.on_round = on_round
         self.checkpoint = checkpoint
-        self.endpoint = Endpoint(
-            transport, topics.coordinator_inbox(run_id), max_blob_bytes=max_blob_bytes
-        )
+        self.server_data = server_data
+        self.transport = transport
+        self.endpoint = Endpoint(transport, [topics.up_all(run_id)], max_blob_bytes=max_blob_bytes)
         self.clients: dict[str, ClientInfo] = {}
+        self.online: set[str] = set()
         self.strategy: Strategy | None = None
+        self.stats = CoordinatorStats()
         self._started = False
+        self._round = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> Coordinator:
-        """Start listening (before clients register)."""
+        """Connect and start listening (before clients register); idempotent."""
+        if self.endpoint.is_open:
+            return self
+        self.transport.set_will(
+            topics.status(self.run_id), message_frame(self._status("offline")), retain=True
+        )
+        self.transport.connect()
         self.endpoint.open()
+        self._publish_status("registering")
         return self
 
     def run(self) -> RunResult:
@@ -169,11 +230,12 @@ class Coordinator:
                 rounds=self.rounds,
                 clients_per_round=self.clients_per_round,
                 seed=self.seed,
+                server_data=self.server_data,
             )
             self.strategy.setup()
             records = []
             for r in range(1, self.rounds + 1):
-                rec = self._round(r)
+                rec = self._run_round(r)
                 records.append(rec)
                 if self.on_round is not None:
                     self.on_round(rec)
@@ -184,17 +246,35 @@ class Coordinator:
                 clients=finals,
                 wall_seconds=time.perf_counter() - t0,
                 global_spec=global_spec.model_dump() if global_spec else None,
+                bytes_out=self.transport.stats.bytes_out,
+                bytes_in=self.transport.stats.bytes_in,
             )
         finally:
             self.shutdown()
 
     def shutdown(self, reason: str = "run finished") -> None:
         for cid in self.clients:
-            try:
-                self._send(cid, Shutdown(run=self.run_id, sender="coordinator", reason=reason))
-            except Exception:
-                log.exception("could not send shutdown to %s", cid)
+            self._send(cid, Shutdown(run=self.run_id, sender=topics.COORDINATOR, reason=reason))
+        self._publish_status("finished")
         self.endpoint.close()
+
+    def _status(self, phase: str) -> Status:
+        return Status(
+            run=self.run_id,
+            sender=topics.COORDINATOR,
+            incarnation=self.incarnation,
+            phase=phase,
+            round=self._round,
+            rounds=self.rounds,
+            algorithm=self.algorithm,
+            accepting=not self._started,
+        )
+
+    def _publish_status(self, phase: str) -> None:
+        try:
+            self.endpoint.send(topics.status(self.run_id), self._status(phase), retain=True)
+        except TransportError as exc:
+            log.error("could not publish the run status (%s): %s", phase, exc)
 
     # -- registration ----------------------------------------------------------------------
     def _await_registrations(self) -> None:
@@ -202,43 +282,99 @@ class Coordinator:
         while len(self.clients) < self.expected_clients:
             env = self.endpoint.receive(timeout=max(0.0, deadline - time.monotonic()))
             if env is None:
+                enough = (
+                    self.rc.min_clients is not None and len(self.clients) >= self.rc.min_clients
+                )
+                if enough:
+                    log.warning(
+                        "starting with %d of %d expected clients (min_clients %d)",
+                        len(self.clients),
+                        self.expected_clients,
+                        self.rc.min_clients,
+                    )
+                    break
                 raise CoordinatorError(
                     f"only {len(self.clients)} of {self.expected_clients} clients registered "
                     f"within {self.rc.register_timeout_s:.0f} s"
                 )
-            self._dispatch_control(env.message)
+            self._dispatch_control(env)
         log.info("%d clients registered", len(self.clients))
 
-    def _dispatch_control(self, msg: Any) -> None:
+    def _sender(self, env: Envelope) -> str | None:
+        """The client the message's topic names, when its `sender` field agrees; else None."""
+        origin = topics.origin_of(env.topic, self.run_id)
+        msg = env.message
+        if origin is None or origin != msg.sender or msg.run != self.run_id:
+            self._reject(
+                "sender_mismatch",
+                f"a {msg.kind} on {env.topic} claims sender {msg.sender!r} of run {msg.run!r}",
+            )
+            return None
+        return origin
+
+    def _reject(self, reason: str, detail: str) -> None:
+        self.stats.rejected[reason] += 1
+        log.warning("dropped (%s): %s", reason, detail)
+
+    def _dispatch_control(self, env: Envelope) -> None:
+        cid = self._sender(env)
+        if cid is None:
+            return
+        msg = env.message
         if isinstance(msg, Register):
             self._on_register(msg)
+        elif isinstance(msg, Presence):
+            self._on_presence(cid, msg.online)
+        elif cid not in self.clients:
+            self._reject("unknown_sender", f"a {msg.kind} from unregistered {cid!r}")
         else:
-            log.info("ignoring %s from %s outside its phase", msg.kind, msg.sender)
+            log.info("ignoring %s from %s outside its phase", msg.kind, cid)
+
+    def _on_presence(self, cid: str, online: bool) -> None:
+        if online:
+            self.online.add(cid)
+        else:
+            self.online.discard(cid)
+            log.warning("%s went offline", cid)
+
+    def _refusal(self, msg: Register) -> str | None:
+        known = msg.sender in self.clients
+        if self.allow is not None and msg.sender not in self.allow:
+            return "this client id is not on the run's allow-list"
+        if self._started and not known:
+            return "the run has already started"
+        if self._started and msg.spec != self.clients[msg.sender].spec:
+            return "a client cannot change its architecture during a run"
+        if not known and len(self.clients) >= self.expected_clients:
+            return f"the federation is full ({self.expected_clients} clients)"
+        if self.algorithm not in msg.capabilities.algorithms:
+            return f"client does not support algorithm {self.algorithm!r}"
+        if msg.spec.num_classes != msg.capabilities.num_classes:
+            return (
+                f"the model has {msg.spec.num_classes} classes but the client says its data has "
+                f"{msg.capabilities.num_classes}"
+            )
+        try:  # the coordinator must be able to rebuild what the client runs, within the limit
+            shapes = reference_shapes(msg.spec)
+        except ModelZooError as exc:
+            return str(exc)
+        size = sum(t.numel() * t.element_size() for t in shapes.values())
+        if size > self.max_blob_bytes:
+            return f"the model needs {size} bytes, over the limit of {self.max_blob_bytes}"
+        return None
 
     def _on_register(self, msg: Register) -> None:
-        reason = None
-        if msg.run != self.run_id:
-            reason = f"run id {msg.run!r} is not this run ({self.run_id!r})"
-        elif self._started and msg.sender not in self.clients:
-            reason = "the run has already started"
-        elif self._started and msg.spec != self.clients[msg.sender].spec:
-            reason = "a client cannot change its architecture during a run"
-        elif self.algorithm not in msg.capabilities.algorithms:
-            reason = f"client does not support algorithm {self.algorithm!r}"
-        else:
-            try:  # the coordinator must be able to rebuild what the client runs
-                reference_shapes(msg.spec)
-            except ModelZooError as exc:
-                reason = str(exc)
+        reason = self._refusal(msg)
         if reason is None:
             self.clients[msg.sender] = ClientInfo(msg.sender, msg.spec, msg.capabilities)
+            self.online.add(msg.sender)
             log.info("registered %s (%s, %d train)", msg.sender, msg.spec, msg.capabilities.n_train)
         else:
             log.warning("refused registration of %s: %s", msg.sender, reason)
         self._send(
             msg.sender,
             Registered(
-                run=self.run_id, sender="coordinator", accepted=reason is None, reason=reason
+                run=self.run_id, sender=topics.COORDINATOR, accepted=reason is None, reason=reason
             ),
         )
 
@@ -259,9 +395,10 @@ class Coordinator:
         )
 
     # -- rounds ----------------------------------------------------------------------------
-    def _round(self, r: int) -> RoundRecord:
+    def _run_round(self, r: int) -> RoundRecord:
         assert self.strategy is not None
         t0 = time.perf_counter()
+        self._round = r
         plan = self.strategy.configure_fit(r)
         replies = self._run_phase(r, "fit", plan)
         valid = {cid: rep for cid, rep in sorted(replies.items()) if rep is not None}
@@ -290,28 +427,34 @@ class Coordinator:
                 self.checkpoint(r, {"round": r, "strategy": self.strategy.state_dict()})
         personal = glob = None
         if r % self.rc.eval_every == 0 or r == self.rounds:
-            scores = self._run_phase(r, "evaluate", self._broadcast(self.strategy.eval_models()))
+            scores = self._run_phase(r, "evaluate", self.strategy.configure_evaluate(r))
             personal, glob, _ = _accuracies(scores)
+        seconds = time.perf_counter() - t0
+        self.stats.round_seconds.append(seconds)
+        if failed:
+            self.stats.rounds_failed += 1
+        else:
+            self.stats.rounds_completed += 1
         return RoundRecord(
             round=r,
-            seconds=time.perf_counter() - t0,
+            seconds=seconds,
             mean_personal_acc=personal,
             global_acc=glob,
             trained=sorted(plan),
             replied=sorted(valid),
             failed=failed,
             train_metrics=_mean_metrics(valid),
+            client_details={cid: v.details for cid, v in valid.items() if v.details},
         )
 
     def _finalize(self) -> list[ClientResult]:
         assert self.strategy is not None
-        scores = self._run_phase(
-            self.rounds, "finalize", self._broadcast(self.strategy.finalize_models())
-        )
+        scores = self._run_phase(self.rounds, "finalize", self.strategy.configure_finalize())
         _, _, per_client = _accuracies(scores)
         out = []
-        for cid, info in self.clients.items():
+        for cid, info in sorted(self.clients.items()):
             p, g = per_client.get(cid, (None, None))
+            reply = scores.get(cid)
             out.append(
                 ClientResult(
                     id=cid,
@@ -320,29 +463,63 @@ class Coordinator:
                     n_train=info.capabilities.n_train,
                     personal_acc=p,
                     global_acc=g,
-                    error=None if scores.get(cid) else "no valid finalize reply",
+                    error=None if reply else "no valid finalize reply",
+                    details=reply.details if reply else {},
                 )
             )
         return out
 
-    def _broadcast(self, models: dict[str, WireModel]) -> dict[str, dict[str, WireModel]]:
-        return {cid: models for cid in self.clients}
+    def _pack(
+        self, plan: Mapping[str, Mapping[str, WireModel]]
+    ) -> dict[str, tuple[dict[str, ModelRef], dict[str, bytes]]]:
+        """Encode each distinct model once. A model that several tasks carry goes once to the
+        broadcast topic (its refs marked shared); the others ride with their own task."""
+        uses: Counter[tuple[str, int]] = Counter()
+        for models in plan.values():
+            uses.update({_model_key(m) for m in models.values()})
+        packed: dict[tuple[str, int], tuple[ModelRef, bytes]] = {}
+        shared_blobs: dict[str, bytes] = {}
+        out = {}
+        for cid, models in plan.items():
+            refs: dict[str, ModelRef] = {}
+            own: dict[str, bytes] = {}
+            for name, m in models.items():
+                key = _model_key(m)
+                if key not in packed or not self.share_models:
+                    shared = uses[key] > 1 and self.share_models
+                    one_ref, one_blob = pack_models(
+                        {name: m}, max_bytes=self.max_blob_bytes, shared=shared
+                    )
+                    ref = one_ref[name]
+                    packed[key] = (ref, one_blob[ref.blob.id])
+                    if shared:
+                        shared_blobs[ref.blob.id] = one_blob[ref.blob.id]
+                ref, data = packed[key]
+                refs[name] = ref
+                if not ref.blob.shared:
+                    own[ref.blob.id] = data
+            out[cid] = (refs, own)
+        if shared_blobs:
+            try:
+                self.endpoint.wait(
+                    self.endpoint.publish_blobs(topics.bcast(self.run_id), shared_blobs)
+                )
+            except TransportError as exc:
+                log.error("broadcasting the shared models failed: %s", exc)
+        return out
 
     def _run_phase(
         self, r: int, phase: Phase, plan: Mapping[str, Mapping[str, WireModel]]
     ) -> dict[str, _Collected | None]:
         """Send one task per planned client, collect replies until all or the deadline."""
+        self._publish_status(phase)
         config = self.config.model_dump(mode="json")
-        packed: dict[int, tuple[dict, dict]] = {}  # models shared by many tasks are encoded once
         pending: dict[str, str] = {}
-        for cid, models in plan.items():
-            key = id(models)
-            if key not in packed:
-                packed[key] = pack_models(models, max_bytes=self.max_blob_bytes)
-            refs, blobs = packed[key]
+        sent: dict[str, list[Delivery]] = {}
+        for cid, (refs, blobs) in self._pack(plan).items():
             task = Task(
                 run=self.run_id,
-                sender="coordinator",
+                sender=topics.COORDINATOR,
                 task_id=f"{phase}-{r}-{cid}-{uuid.uuid4().hex[:8]}",
                 round=r,
                 rounds=self.rounds,
@@ -350,10 +527,14 @@ class Coordinator:
                 algorithm=self.algorithm,
                 config=config,
                 models=refs,
-                export_onnx=self.export_onnx and phase == "finalize",
             )
             pending[task.task_id] = cid
-            self._send(cid, task, blobs)
+            sent[cid] = self._send(cid, task, blobs, wait=False)
+        for cid, deliveries in sent.items():  # acks come back while the others are still sent
+            try:
+                self.endpoint.wait(deliveries)
+            except TransportError as exc:
+                log.error("the %s task to %s was not delivered: %s", phase, cid, exc)
         results: dict[str, _Collected | None] = {cid: None for cid in plan}
         deadline = time.monotonic() + self.rc.deadline_s
         while pending:
@@ -369,13 +550,22 @@ class Coordinator:
                 break
             msg = env.message
             if not isinstance(msg, Reply):
-                self._dispatch_control(msg)
+                self._dispatch_control(env)
+                if isinstance(msg, Presence) and not msg.online:  # stop waiting for it
+                    gone = [t for t, c in pending.items() if c == msg.sender]
+                    for t in gone:
+                        del pending[t]
+                        log.warning("round %d %s: %s went offline", r, phase, msg.sender)
+                continue
+            sender = self._sender(env)
+            if sender is None:
                 continue
             owner = pending.get(msg.task_id)
-            if owner is None or owner != msg.sender or msg.round != r:
-                log.warning("dropping stale or unknown reply %s from %s", msg.task_id, msg.sender)
+            if owner is None or owner != sender or msg.round != r:
+                self._reject("stale_reply", f"reply {msg.task_id} from {sender}")
                 continue
             del pending[msg.task_id]
+            self.online.add(sender)
             results[owner] = self._validate(owner, phase, msg, env.blobs)
         return results
 
@@ -386,7 +576,16 @@ class Coordinator:
         if not msg.ok:
             log.error("%s failed its %s task: %s", cid, phase, msg.error)
             return None
+        caps = self.clients[cid].capabilities
         try:
+            problem = _metrics_problem(msg.metrics, caps.n_test)
+            if problem is not None:
+                raise ValueError(f"malformed metrics: {problem}")
+            if msg.n_samples > caps.n_train:
+                raise ValueError(
+                    f"n_samples {msg.n_samples} exceeds the {caps.n_train} training samples "
+                    "it registered"
+                )
             models = unpack_models(
                 msg.models,
                 blobs,
@@ -399,12 +598,40 @@ class Coordinator:
                 if got != expected:
                     raise ValueError(f"expected models {expected}, got {got}")
         except (ValueError, KeyError) as exc:
-            log.error("invalid %s reply from %s dropped: %s", phase, cid, exc)
+            self._reject("invalid_reply", f"{phase} reply from {cid}: {exc}")
             return None
-        return _Collected(models, msg.metrics, msg.n_samples)
+        return _Collected(models, msg.metrics, msg.n_samples, dict(msg.details))
 
-    def _send(self, cid: str, msg: Any, blobs: Mapping[str, bytes] | None = None) -> None:
-        self.endpoint.send(topics.client_inbox(self.run_id, cid), msg, blobs)
+    def _send(
+        self, cid: str, msg: Any, blobs: Mapping[str, bytes] | None = None, *, wait: bool = True
+    ) -> list[Delivery]:
+        try:
+            return self.endpoint.send(topics.down(self.run_id, cid), msg, blobs, wait=wait)
+        except (TransportError, ValueError) as exc:  # one unreachable client costs its reply
+            log.error("could not send %s to %s: %s", msg.kind, cid, exc)
+            return []
+
+
+def _model_key(m: WireModel) -> tuple[str, int]:
+    """Identity of a model in a plan: the same weights object under the same architecture."""
+    return (m.spec.to_json(), id(m.weights))
+
+
+def _metrics_problem(metrics: Mapping[str, float], n_test: int) -> str | None:
+    """Why a reply's accuracy counts cannot be right, or None: every `X_correct` needs its
+    `X_total`, counts are whole and non-negative, correct <= total <= the registered test size."""
+    prefixes = {k.rsplit("_", 1)[0] for k in metrics if k.endswith(("_correct", "_total"))}
+    for prefix in sorted(prefixes):
+        correct, total = metrics.get(f"{prefix}_correct"), metrics.get(f"{prefix}_total")
+        if correct is None or total is None:
+            return f"{prefix}_correct and {prefix}_total come together"
+        if min(correct, total) < 0 or correct != int(correct) or total != int(total):
+            return f"{prefix} counts must be whole and non-negative ({correct}, {total})"
+        if correct > total:
+            return f"{prefix} accuracy above 1 ({correct} of {total})"
+        if total > n_test:
+            return f"{prefix}_total {total} exceeds the {n_test} test samples it registered"
+    return None
 
 
 def _accuracies(

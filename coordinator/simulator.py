@@ -14,7 +14,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +24,14 @@ import torch
 from coordinator.config import RunConfig
 from coordinator.metrics import personalization_metrics
 from coordinator.server import Coordinator, RoundRecord, RunResult
+from coordinator.server_data import ServerData
+from coordinator.strategies import GlobalModelStrategy, strategy_class
+from edge_sdk import topics
 from edge_sdk.client import EdgeClient
 from edge_sdk.device import resolve_device
 from edge_sdk.trainer import ClientData
-from edge_sdk.transport import InMemoryBroker
+from edge_sdk.transport import InMemoryBroker, Transport
+from edge_sdk.transport.mqtt import MqttTransport
 from edge_sdk.wire import reference_shapes
 from model_zoo import ArchSpec
 from model_zoo.data import (
@@ -39,8 +43,18 @@ from model_zoo.data import (
     plot_label_distribution,
     split_summary,
 )
+from model_zoo.data.base import stratified_indices
 
-__all__ = ["Federation", "prepare_federation", "run_federation", "simulate", "training_budget"]
+__all__ = [
+    "Federation",
+    "client_seed",
+    "client_spec",
+    "prepare_federation",
+    "run_federation",
+    "simulate",
+    "training_budget",
+    "transport_factory",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +64,17 @@ _ONE_ARCH = {"fedavg", "fedprox", "fedavg_ft"}
 
 @dataclass
 class Federation:
-    """The data side of a simulated federation: the dataset, its split, each client's tensors."""
+    """The data side of a simulated federation: the dataset, its split, each client's tensors.
+
+    `server_data` holds what the coordinator keeps for itself (samples held out of `dataset`
+    before it was partitioned, for strategies that need an unlabeled set).
+    """
 
     dataset: Dataset
     partition: Partition
     client_ids: list[str]
     client_data: list[ClientData]
+    server_data: ServerData = field(default_factory=ServerData)
 
 
 def prepare_federation(cfg: RunConfig) -> Federation:
@@ -63,6 +82,7 @@ def prepare_federation(cfg: RunConfig) -> Federation:
     # The run's seed picks the subset; a generator's own seed (Synthetic's) stays in `options`.
     subset = {"max_samples": d.max_samples, "seed": cfg.seed} if d.max_samples else {}
     dataset = load_dataset(d.dataset, root=d.root, **subset, **d.options)
+    dataset, server_data = _hold_out(cfg, dataset)
     part = partition(
         dataset.y.numpy(),
         d.partition,
@@ -89,10 +109,26 @@ def prepare_federation(cfg: RunConfig) -> Federation:
         # In the training layout already, so CPU clients (and every baseline run) share these
         # tensors instead of each making its own copy.
         datas.append(data.to(torch.device("cpu")))
-    return Federation(dataset, part, ids, datas)
+    return Federation(dataset, part, ids, datas, server_data)
 
 
-def _spec(cfg: RunConfig, family: str, dataset: Dataset) -> ArchSpec:
+def _hold_out(cfg: RunConfig, dataset: Dataset) -> tuple[Dataset, ServerData]:
+    """Remove the strategy's unlabeled set (stratified, seeded) from the data clients get."""
+    n = strategy_class(cfg.algorithm).unlabeled_holdout(cfg.algorithm_config())
+    if n <= 0:
+        return dataset, ServerData()
+    if n >= len(dataset):
+        raise ValueError(
+            f"{cfg.algorithm} holds out {n} unlabeled samples for the coordinator but the dataset "
+            f"has only {len(dataset)}; lower {cfg.algorithm}.unlabeled_size"
+        )
+    held = stratified_indices(dataset.y.numpy(), n, cfg.seed + 1)
+    rest = np.setdiff1d(np.arange(len(dataset)), held)
+    return dataset.subset(rest), ServerData(unlabeled=dataset.x[torch.from_numpy(held)])
+
+
+def client_spec(cfg: RunConfig, family: str, dataset: Dataset) -> ArchSpec:
+    """The ArchSpec of a `family` model on `dataset` under the run's model_kwargs."""
     spec = ArchSpec(
         family=family,
         num_classes=dataset.num_classes,
@@ -101,6 +137,20 @@ def _spec(cfg: RunConfig, family: str, dataset: Dataset) -> ArchSpec:
     )
     reference_shapes(spec)  # fail now (e.g. lenet5 on 60 features), not at registration
     return spec
+
+
+def client_seed(seed: int, index: int) -> int:
+    """The seed of client `index` of a federation seeded `seed` (simulated or deployed alike)."""
+    return seed * 7919 + index
+
+
+def transport_factory(cfg: RunConfig, run_id: str) -> Callable[[str], Transport]:
+    """A transport per participant: on one fresh in-memory broker, or to `cfg.broker`."""
+    if cfg.broker.url is None:
+        broker = InMemoryBroker()
+        return lambda who: broker.connect(f"{run_id}-{who}")
+    settings = cfg.broker
+    return lambda who: MqttTransport(settings, f"edgefl-{run_id}-{who}")
 
 
 def run_federation(
@@ -112,25 +162,33 @@ def run_federation(
     export_dir: Path | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
 ) -> RunResult:
-    """Run one algorithm: N EdgeClients and a Coordinator on a fresh in-memory broker."""
+    """Run one algorithm: N EdgeClients and a Coordinator over the in-memory transport, or over
+    the broker `cfg.broker` names (the same code path a deployment takes)."""
     device = resolve_device(cfg.device)
     families = models or cfg.models
-    broker = InMemoryBroker()
+    run_id = f"{cfg.run_id}-{algorithm}"
+    connect = transport_factory(cfg, run_id)
+    transports = [connect(topics.COORDINATOR)]
     coordinator = Coordinator(
-        broker.connect(),
+        transports[0],
         algorithm=algorithm,
         config=cfg.algorithm_config(algorithm),
         rounds=cfg.rounds,
         expected_clients=len(fed.client_ids),
         clients_per_round=cfg.clients_per_round,
-        global_model=cfg.global_family if algorithm not in {"local"} else None,
+        global_model=(
+            cfg.global_family
+            if issubclass(strategy_class(algorithm), GlobalModelStrategy)
+            else None
+        ),
         model_kwargs=cfg.model_kwargs,
         round_config=cfg.round,
-        run_id=f"{cfg.run_id}-{algorithm}",
+        run_id=run_id,
         seed=cfg.seed,
-        export_onnx=export_dir is not None,
+        share_models=cfg.broadcast,
         on_round=on_round,
-    ).open()
+        server_data=fed.server_data,
+    )
     parallel = cfg.parallel or os.cpu_count() or 1
     gate = threading.Semaphore(parallel)
     # Clients train on their own threads: give each an equal share of the cores instead of
@@ -141,20 +199,23 @@ def run_federation(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel))
     clients: list[EdgeClient] = []
     try:
+        coordinator.open()
         for i, (cid, data) in enumerate(zip(fed.client_ids, fed.client_data, strict=True)):
             family = families[i % len(families)]
+            transports.append(connect(cid))
             clients.append(
                 EdgeClient(
                     cid,
-                    _spec(cfg, family, fed.dataset),
+                    client_spec(cfg, family, fed.dataset),
                     data,
-                    broker.connect(),
-                    run_id=f"{cfg.run_id}-{algorithm}",
+                    transports[-1],
+                    run_id=run_id,
                     device=device,
-                    seed=cfg.seed * 7919 + i,
+                    seed=client_seed(cfg.seed, i),
                     onnx_path=export_dir / f"{cid}.onnx" if export_dir else None,
                     class_names=fed.dataset.classes,
                     normalization=fed.dataset.normalization,
+                    fp16_upload=cfg.fp16_upload,
                     compute_gate=gate,
                 ).start()
             )
@@ -162,6 +223,8 @@ def run_federation(
     finally:
         for c in clients:
             c.stop()
+        for t in transports:
+            t.close()
         torch.set_num_threads(threads)
 
 
@@ -237,18 +300,24 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
     clients: list[dict[str, Any]] = []
     for c in main.clients:
         glob = c.global_acc if c.global_acc is not None else fedavg.get(c.id)
-        clients.append(
-            {
-                "id": c.id,
-                "arch": c.arch,
-                "n_train": c.n_train,
-                "personal_acc": c.personal_acc,
-                "global_acc": glob,
-                "local_acc": local.get(c.id),
-                "fedavg_acc": fedavg.get(c.id),
-                **({"error": c.error} if c.error else {}),
-            }
-        )
+        entry: dict[str, Any] = {
+            "id": c.id,
+            "arch": c.arch,
+            "n_train": c.n_train,
+            "personal_acc": c.personal_acc,
+            "global_acc": glob,
+            "local_acc": local.get(c.id),
+            "fedavg_acc": fedavg.get(c.id),
+            **({"error": c.error} if c.error else {}),
+        }
+        # What the algorithm reported about this client at the end (teacher round, λ, T, the
+        # architecture it ended with...); it never overrides the fields above.
+        for key, value in c.details.items():
+            if key in entry:
+                log.warning("%s: detail %r collides with a results field; dropped", c.id, key)
+            else:
+                entry[key] = value
+        clients.append(entry)
     personal = [c.personal_acc for c in main.clients]
     curve = [r.mean_personal_acc for r in main.rounds if r.mean_personal_acc is not None]
     globals_ = [r.global_acc for r in main.rounds if r.global_acc is not None]
@@ -264,6 +333,9 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
         "best_global_acc": max(globals_, default=None),
         "failed_rounds": sum(r.failed for r in main.rounds),
         "wall_seconds": sum(r.wall_seconds for r in runs.values()),
+        # what crossed the coordinator's connection (payload bytes, the whole run)
+        "coordinator_bytes_out": main.bytes_out,
+        "coordinator_bytes_in": main.bytes_in,
     }
     source = "fedavg" if fedavg else cfg.algorithm
     g: list[float | None] = [c["fedavg_acc"] if fedavg else c["global_acc"] for c in clients]
@@ -289,6 +361,8 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
                 "failed": r.failed,
                 "replied": len(r.replied),
                 "trained": len(r.trained),
+                # per client, what its fit reply reported (e.g. the architecture it chose)
+                **({"clients": r.client_details} if r.client_details else {}),
             }
             for r in main.rounds
         ],

@@ -4,6 +4,13 @@ It connects through a Transport, registers its ArchSpec and capabilities, then s
 its own worker thread: decode and validate the models, run its ClientAlgorithm, reply with the
 models it produced. A task it cannot run gets an error reply; the client logs it and keeps
 serving. The network callback only enqueues (see `edge_sdk.wire`).
+
+It listens on its own down topic, the run's broadcast topic (models many tasks share) and the
+coordinator's retained status topic; it publishes only on its own up topic (see
+`edge_sdk.topics`). Its will announces it offline if the connection dies.
+
+    client = EdgeClient.connect("mqtt://broker:1883", "phone7", spec, data, run_id="fl-1")
+    client.run()             # blocks until the federation ends; or start() ... stop()
 """
 
 from __future__ import annotations
@@ -11,14 +18,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from edge_sdk import topics
 from edge_sdk.algorithms import (
+    AlgorithmError,
     BaseAlgorithmConfig,
     ClientAlgorithm,
     ClientContext,
@@ -27,22 +39,47 @@ from edge_sdk.algorithms import (
     algorithm_names,
 )
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES
-from edge_sdk.protocol import Capabilities, Register, Registered, Reply, Shutdown, Task
+from edge_sdk.protocol import (
+    Capabilities,
+    Phase,
+    Presence,
+    Register,
+    Registered,
+    Reply,
+    Shutdown,
+    Status,
+    Task,
+)
 from edge_sdk.trainer import ClientData, Trainer
-from edge_sdk.transport.base import Transport
-from edge_sdk.wire import Endpoint, pack_models, unpack_models
+from edge_sdk.transport.base import Transport, TransportError
+from edge_sdk.wire import Endpoint, message_frame, pack_models, unpack_models
 from model_zoo import ArchSpec
 
-__all__ = ["EdgeClient"]
+__all__ = ["EdgeClient", "TaskOutcome"]
 
 log = logging.getLogger(__name__)
 
 REGISTER_RETRY_S = 2.0
+_SEEN_TASKS = 256  # task ids remembered to ignore QoS 1 redeliveries
+
+
+@dataclass(frozen=True)
+class TaskOutcome:
+    """What a device app's per-round callback receives after each task."""
+
+    round: int
+    rounds: int
+    phase: Phase
+    ok: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
 
 
 class EdgeClient:
     """One device: its id, architecture, private data, and the algorithm state it accumulates.
 
+    `onnx_path`: where to export the personalized model (verified) after the last round.
+    `on_task`: called on the worker thread after every task (a per-round progress hook).
     `compute_gate` (optional) is a semaphore shared by simulated clients to bound how many train
     at once on one machine; a real device leaves it unset.
     """
@@ -63,6 +100,8 @@ class EdgeClient:
         fp16_upload: bool = False,
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
         compute_gate: threading.Semaphore | None = None,
+        on_task: Callable[[TaskOutcome], None] | None = None,
+        owns_transport: bool = False,
     ) -> None:
         self.client_id = topics.check_id(client_id, "client id")
         self.run_id = topics.check_id(run_id, "run id")
@@ -81,28 +120,76 @@ class EdgeClient:
         self.normalization = normalization
         self.fp16_upload = fp16_upload
         self.max_blob_bytes = max_blob_bytes
+        self.on_task = on_task
         self._gate = compute_gate
+        self.transport = transport
+        self._owns_transport = owns_transport
+        self._up = topics.up(run_id, client_id)
+        self._status_topic = topics.status(run_id)
         self.endpoint = Endpoint(
-            transport, topics.client_inbox(run_id, client_id), max_blob_bytes=max_blob_bytes
+            transport,
+            [topics.down(run_id, client_id), topics.bcast(run_id), self._status_topic],
+            shared_topic=topics.bcast(run_id),
+            max_blob_bytes=max_blob_bytes,
         )
         self.algorithm: ClientAlgorithm | None = None
         self._algo_key: tuple[str, str] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._seen: deque[str] = deque(maxlen=_SEEN_TASKS)
         self.accepted: bool | None = None
+        self.status: Status | None = None  # the coordinator's last retained status
+        self.finished = False  # the coordinator said the run is over
         self.tasks_done = 0
         self.errors: list[str] = []
+        self.last_metrics: dict[str, float] = {}
+        self.exported: Path | None = None
+
+    @classmethod
+    def connect(
+        cls,
+        broker: Any,
+        client_id: str,
+        spec: ArchSpec,
+        data: ClientData,
+        *,
+        run_id: str = "default",
+        **kwargs: Any,
+    ) -> EdgeClient:
+        """An EdgeClient over its own `MqttTransport` to `broker` (a URL or `BrokerSettings`).
+
+        The MQTT session is named after the run and the client, so a restarted device resumes
+        it (and receives what was queued for it while it was away).
+        """
+        from edge_sdk.transport.mqtt import MqttTransport
+
+        transport = MqttTransport(broker, f"edgefl-{run_id}-{client_id}")
+        return cls(client_id, spec, data, transport, run_id=run_id, owns_transport=True, **kwargs)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> EdgeClient:
-        """Subscribe, register, and serve tasks on a worker thread until Shutdown or stop()."""
+        """Connect, subscribe, register, and serve tasks on a worker thread until the run ends."""
+        offline = Presence(run=self.run_id, sender=self.client_id, online=False)
+        self.transport.set_will(self._up, message_frame(offline))
+        self.transport.connect()
         self.endpoint.open()
+        self._stop.clear()
         self._thread = threading.Thread(
             target=self._serve, name=f"edgefl-client-{self.client_id}", daemon=True
         )
         self._thread.start()
-        self.register()
         return self
+
+    def run(self, timeout: float | None = None) -> dict[str, float]:
+        """Start (if needed) and block until the federation ends; the final metrics."""
+        if self._thread is None:
+            self.start()
+        try:
+            if not self.wait(timeout):
+                raise TimeoutError(f"{self.client_id}: the federation did not end in {timeout} s")
+        finally:
+            self.stop()
+        return dict(self.last_metrics)
 
     def register(self) -> None:
         d = self.data
@@ -115,13 +202,16 @@ class EdgeClient:
             algorithms=algorithm_names(),
         )
         msg = Register(run=self.run_id, sender=self.client_id, spec=self.spec, capabilities=caps)
-        self.endpoint.send(topics.coordinator_inbox(self.run_id), msg)
+        self._send(msg)
 
     def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop serving; leave the broker cleanly when this client owns its transport."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self.endpoint.close()
+        if self._owns_transport:
+            self.transport.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the client has shut down; True when it did."""
@@ -132,6 +222,7 @@ class EdgeClient:
 
     # -- serving ---------------------------------------------------------------------------
     def _serve(self) -> None:
+        self.register()
         last_register = time.monotonic()
         while not self._stop.is_set():
             env = self.endpoint.receive(timeout=0.2)
@@ -143,8 +234,22 @@ class EdgeClient:
                     last_register = time.monotonic()
                 continue
             msg = env.message
+            if msg.run != self.run_id or msg.sender != topics.COORDINATOR:
+                log.warning(
+                    "%s: ignoring %s from %s/%s", self.client_id, msg.kind, msg.run, msg.sender
+                )
+                continue
+            if env.topic == self._status_topic:
+                if isinstance(msg, Status):
+                    self._on_status(msg)
+                    last_register = time.monotonic()
+                continue
+            if env.topic != topics.down(self.run_id, self.client_id):
+                log.warning("%s: ignoring a %s message on %s", self.client_id, msg.kind, env.topic)
+                continue
             if isinstance(msg, Shutdown):
                 log.info("%s: shutdown: %s", self.client_id, msg.reason)
+                self.finished = True
                 return
             if isinstance(msg, Registered):
                 self.accepted = msg.accepted
@@ -152,9 +257,22 @@ class EdgeClient:
                     log.error("%s: registration refused: %s", self.client_id, msg.reason)
                 continue
             if isinstance(msg, Task):
+                if msg.task_id in self._seen:
+                    log.info("%s: ignoring a redelivered task %s", self.client_id, msg.task_id)
+                    continue
+                self._seen.append(msg.task_id)
                 self._handle(msg, env.blobs)
                 continue
             log.warning("%s: ignoring unexpected %s message", self.client_id, msg.kind)
+
+    def _on_status(self, status: Status) -> None:
+        previous, self.status = self.status, status
+        if previous is not None and previous.incarnation != status.incarnation:
+            log.info("%s: the coordinator restarted; registering again", self.client_id)
+            self.accepted = None
+            self.register()
+        elif status.accepting and self.accepted is None:
+            self.register()
 
     def _handle(self, task: Task, blobs: dict[str, bytes]) -> None:
         out_blobs: dict[str, bytes] = {}
@@ -168,28 +286,51 @@ class EdgeClient:
                 "ok": True,
                 "n_samples": result.n_samples,
                 "metrics": result.metrics,
+                "details": result.details,
                 "models": refs,
             }
+            reply = self._reply(task, outcome)
         except Exception as exc:  # the client reports and keeps serving
             log.exception("%s: task %s (%s) failed", self.client_id, task.task_id, task.phase)
-            self.errors.append(f"{type(exc).__name__}: {exc}")
+            error = f"{type(exc).__name__}: {exc}"[:2000]
+            self.errors.append(error)
             out_blobs = {}
-            outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-        reply = Reply.model_validate(
-            {
-                "run": self.run_id,
-                "sender": self.client_id,
-                "task_id": task.task_id,
-                "round": task.round,
-                "phase": task.phase,
-                **outcome,
-            }
-        )
-        self.endpoint.send(topics.coordinator_inbox(self.run_id), reply, out_blobs)
+            reply = self._reply(task, {"ok": False, "error": error})
+        try:
+            self._send(reply, out_blobs)
+        except TransportError as exc:
+            log.error("%s: could not send the reply to %s: %s", self.client_id, task.task_id, exc)
         self.tasks_done += 1
+        if reply.ok:
+            self.last_metrics = dict(reply.metrics)
+        if self.on_task is not None:
+            outcome_ = TaskOutcome(
+                task.round, task.rounds, task.phase, reply.ok, dict(reply.metrics), reply.error
+            )
+            try:
+                self.on_task(outcome_)
+            except Exception:  # the app's callback must not stop the client
+                log.exception("%s: on_task callback failed", self.client_id)
+
+    def _reply(self, task: Task, outcome: dict[str, Any]) -> Reply:
+        base = {
+            "run": self.run_id,
+            "sender": self.client_id,
+            "task_id": task.task_id,
+            "round": task.round,
+            "phase": task.phase,
+        }
+        try:
+            return Reply.model_validate(base | outcome)
+        except ValidationError as exc:  # e.g. a NaN metric: say so instead of dying
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            error = f"the reply does not validate: {where}: {first.get('msg')}"
+            log.error("%s: task %s: %s", self.client_id, task.task_id, error)
+            return Reply.model_validate(base | {"ok": False, "error": error})
 
     def run_task(self, task: Task, blobs: dict[str, bytes]) -> FitResult:
-        """Decode the task's models, run the algorithm phase, export ONNX when asked."""
+        """Decode the task's models, run the algorithm phase, export ONNX after the last one."""
         algo = self._algorithm_for(task.algorithm, task.config)
         models = unpack_models(
             task.models, blobs, max_bytes=self.max_blob_bytes, partial=algo.partial_models
@@ -199,18 +340,16 @@ class EdgeClient:
         if task.phase == "evaluate":
             return FitResult(metrics=algo.evaluate(models))
         result = algo.finalize(task.round, task.rounds, models)
-        if task.export_onnx:
-            path = self.export_onnx()
-            log.info("%s: exported its personalized model to %s", self.client_id, path)
+        if self.onnx_path is not None:
+            self.exported = self.export_onnx()
+            log.info("%s: exported its personalized model to %s", self.client_id, self.exported)
         return result
 
     def _algorithm_for(self, name: str, config: dict[str, Any]) -> ClientAlgorithm:
         cls = algorithm_class(name)
         cfg: BaseAlgorithmConfig = cls.config_cls.model_validate(config)
         key = (name, cfg.model_dump_json())
-        if self.algorithm is None or key != self._algo_key:
-            if self.algorithm is not None:
-                log.warning("%s: algorithm config changed; starting fresh state", self.client_id)
+        if self.algorithm is None:
             ctx = ClientContext(
                 client_id=self.client_id,
                 spec=self.spec,
@@ -220,7 +359,16 @@ class EdgeClient:
                 trainer=Trainer(self.device, seed=self.seed),
             )
             self.algorithm, self._algo_key = cls(ctx, cfg), key
+        elif key != self._algo_key:
+            # Never wipe what this device has learned because one task says otherwise.
+            raise AlgorithmError(
+                f"{self.client_id}: the task's {name} config differs from the one this client "
+                "trained with in this run; its state is kept. Start a new run id to change it."
+            )
         return self.algorithm
+
+    def _send(self, msg: Any, blobs: dict[str, bytes] | None = None) -> None:
+        self.endpoint.send(self._up, msg, blobs)
 
     # -- export ----------------------------------------------------------------------------
     def export_onnx(self, path: str | Path | None = None) -> Path:

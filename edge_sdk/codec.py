@@ -126,7 +126,8 @@ def check_weights(
     what: str = "model",
     partial: bool = False,
 ) -> None:
-    """Refuse non-finite values and, given a reference state, missing/extra names or bad shapes.
+    """Refuse non-finite values and, given a reference state, missing/extra names, bad shapes
+    or dtypes.
 
     With `partial=True` the weights may be a subset of the reference's names (shared backbone).
     """
@@ -140,8 +141,10 @@ def check_weights(
     if extra or missing:
         raise WeightsError(f"{what}: unexpected tensors {extra[:5]}, missing tensors {missing[:5]}")
     for name, t in weights.items():
-        want = tuple(reference[name].shape)
-        if tuple(t.shape) != want:
+        ref = reference[name]
+        if tuple(t.shape) != tuple(ref.shape):
             raise WeightsError(
-                f"{what}: tensor {name!r} has shape {tuple(t.shape)}, expected {want}"
+                f"{what}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(ref.shape)}"
             )
+        if t.dtype != ref.dtype:
+            raise WeightsError(f"{what}: tensor {name!r} is {t.dtype}, expected {ref.dtype}")

@@ -10,30 +10,36 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, TypeAdapter, ValidationError
 
+from edge_sdk.topics import ID_PATTERN
 from model_zoo import ArchSpec
 
 __all__ = [
+    "MAX_CLASSES",
     "PROTOCOL_VERSION",
     "BlobRef",
     "Capabilities",
     "Message",
     "ModelRef",
     "Phase",
+    "Presence",
     "ProtocolError",
     "Register",
     "Registered",
     "Reply",
     "Shutdown",
+    "Status",
     "Task",
     "decode",
     "encode",
 ]
 
 PROTOCOL_VERSION: Final = 1
+MAX_CLASSES: Final = 100_000  # bounds what a registering client can make the server allocate
 
 Phase = Literal["fit", "evaluate", "finalize"]
+Id = Annotated[str, Field(pattern=ID_PATTERN)]  # ids become topic levels
 
 
 class ProtocolError(ValueError):
@@ -48,6 +54,7 @@ class BlobRef(_Frozen):
     id: str = Field(min_length=1, max_length=128)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size: int = Field(ge=0)
+    shared: bool = False  # sent on the run's broadcast topic (a model many tasks share)
 
 
 class ModelRef(_Frozen):
@@ -56,18 +63,18 @@ class ModelRef(_Frozen):
 
 
 class Capabilities(_Frozen):
-    device: str = "cpu"
+    device: str = Field("cpu", max_length=64)
     n_train: int = Field(ge=0)
     n_val: int = Field(ge=0, default=0)
     n_test: int = Field(ge=0, default=0)
-    num_classes: int = Field(ge=1)
-    algorithms: list[str] = []
+    num_classes: int = Field(ge=1, le=MAX_CLASSES)
+    algorithms: list[str] = Field(default=[], max_length=256)
 
 
 class _Message(_Frozen):
     v: Literal[1] = PROTOCOL_VERSION
-    run: str = Field(min_length=1, max_length=128)
-    sender: str = Field(min_length=1, max_length=128)
+    run: Id
+    sender: Id
 
 
 class Register(_Message):
@@ -97,7 +104,6 @@ class Task(_Message):
     algorithm: str
     config: dict[str, Any] = {}
     models: dict[str, ModelRef] = {}
-    export_onnx: bool = False
 
 
 class Reply(_Message):
@@ -108,9 +114,14 @@ class Reply(_Message):
     round: int = Field(ge=0)
     phase: Phase
     ok: bool
-    error: str | None = None
+    error: str | None = Field(None, max_length=4000)
     n_samples: int = Field(ge=0, default=0)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, FiniteFloat] = Field(default={}, max_length=256)
+    # Per-client facts reported as they are (e.g. a chosen teacher round, an architecture name).
+    details: dict[
+        Annotated[str, Field(max_length=64)],
+        Annotated[str, Field(max_length=256)] | bool | int | FiniteFloat | None,
+    ] = Field(default_factory=dict, max_length=64)
     models: dict[str, ModelRef] = {}
 
 
@@ -121,7 +132,34 @@ class Shutdown(_Message):
     reason: str = "run finished"
 
 
-Message = Annotated[Register | Registered | Task | Reply | Shutdown, Field(discriminator="kind")]
+class Status(_Message):
+    """Coordinator → everyone, retained on the status topic: where the run is.
+
+    A client that starts late or reconnects reads it at once; a new `incarnation` (the
+    coordinator restarted) tells registered clients to register again.
+    """
+
+    kind: Literal["status"] = "status"
+    incarnation: int = Field(ge=0)
+    phase: Literal["registering", "fit", "evaluate", "finalize", "finished", "offline"]
+    round: int = Field(0, ge=0)
+    rounds: int = Field(ge=1)
+    algorithm: str
+    accepting: bool  # whether registrations are open
+
+
+class Presence(_Message):
+    """Client → coordinator: online or not. A client's will carries `online=False`, so the
+    broker announces a client that vanished without saying goodbye."""
+
+    kind: Literal["presence"] = "presence"
+    online: bool
+
+
+Message = Annotated[
+    Register | Registered | Task | Reply | Shutdown | Status | Presence,
+    Field(discriminator="kind"),
+]
 _ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
 
 

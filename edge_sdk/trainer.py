@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
+from torch.utils.data import Dataset as TorchDataset
 
 from edge_sdk.losses import cross_entropy
 
@@ -77,6 +78,26 @@ class ClientData:
         if len(self.x_train) == 0:
             raise ValueError("a client needs at least one training sample")
 
+    @classmethod
+    def from_datasets(
+        cls,
+        train: TorchDataset,
+        val: TorchDataset | None = None,
+        test: TorchDataset | None = None,
+        *,
+        num_classes: int,
+    ) -> ClientData:
+        """Materialise map-style `torch.utils.data.Dataset`s of (input, label) pairs as tensors.
+
+        A device app's own datasets become the tensors the trainer batches on the device; an
+        omitted split is empty (no validation-based selection, no test score).
+        """
+        x_train, y_train = _stack(train)
+        none_x, none_y = x_train[:0], torch.empty(0, dtype=torch.int64)
+        x_val, y_val = _stack(val) if val is not None else (none_x, none_y)
+        x_test, y_test = _stack(test) if test is not None else (none_x, none_y)
+        return cls(x_train, y_train, x_val, y_val, x_test, y_test, num_classes=num_classes)
+
     def to(self, device: torch.device) -> ClientData:
         """Move every split to `device` once; image batches go channels_last (see Trainer)."""
         moved = {k: _layout(getattr(self, k).to(device)) for k in self._tensor_fields()}
@@ -89,6 +110,21 @@ class ClientData:
     @property
     def n_train(self) -> int:
         return len(self.y_train)
+
+
+def _stack(ds: TorchDataset) -> tuple[torch.Tensor, torch.Tensor]:
+    n = len(ds)  # type: ignore[arg-type]
+    if n == 0:
+        raise ValueError("an empty dataset cannot be stacked; pass None for an empty split")
+    pairs = [ds[i] for i in range(n)]
+    try:
+        x = torch.stack([torch.as_tensor(p[0]) for p in pairs])
+        y = torch.as_tensor([int(p[1]) for p in pairs], dtype=torch.int64)
+    except (TypeError, IndexError, RuntimeError, ValueError) as exc:
+        raise ValueError(
+            f"a dataset item must be an (input, label) pair of equal-shaped inputs: {exc}"
+        ) from exc
+    return x, y
 
 
 def _layout(t: torch.Tensor) -> torch.Tensor:
@@ -189,9 +225,13 @@ class Trainer:
         loss: torch.Tensor,
         optimizers: Iterable[torch.optim.Optimizer],
         *,
-        clip: tuple[Iterable[nn.Parameter], float] | None = None,
+        clip: Iterable[tuple[Iterable[nn.Parameter], float]] = (),
     ) -> float:
-        """zero_grad → backward (scaled under fp16) → optional clip → step; returns the loss."""
+        """zero_grad → backward (scaled under fp16) → clip → step; returns the loss.
+
+        `clip` lists (parameters, max_norm) groups, each clipped to its own total gradient norm
+        (one group per model when several models step together).
+        """
         optimizers = list(optimizers)
         value = float(loss.detach())  # one host sync per step, shared by the check and the caller
         if not math.isfinite(value):
@@ -204,8 +244,8 @@ class Trainer:
                 self._scaler.unscale_(opt)
         else:
             loss.backward()
-        if clip is not None:
-            nn.utils.clip_grad_norm_(clip[0], clip[1])
+        for params, max_norm in clip:
+            nn.utils.clip_grad_norm_(params, max_norm)
         for opt in optimizers:
             if self._scaler is not None:
                 self._scaler.step(opt)

@@ -1,12 +1,19 @@
 """Framing on top of a Transport: messages plus chunked, checksummed blobs.
 
-Every payload on an inbox topic is a frame: `EF1M` + message JSON, or `EF1C` + a 4-byte header
-length + header JSON (blob id, chunk index, chunk count, blob size) + chunk bytes. A sender
-publishes a message's blobs in ~1 MB chunks first and the message last; the receiver reassembles
-blobs (tolerating duplicates and any order, with bounded memory and a timeout) and hands a message
-to its consumer only once every blob it references has arrived and matched its sha256.
+Every payload is a frame: `EF1M` + message JSON, or `EF1C` + a 4-byte header length + header
+JSON (blob id, chunk index, chunk count, blob size) + chunk bytes. A sender publishes a
+message's blobs in ~1 MB chunks first and the message last; the receiver reassembles blobs
+(tolerating duplicates and any order) and hands a message to its consumer only once every blob it
+references has arrived and matched its sha256.
 
-The transport callback (`_on_payload`) only parses and enqueues: it never trains or blocks.
+Blobs are scoped to the topic they arrived on: a message can only use blobs sent on its own topic,
+or, for a `BlobRef` marked `shared`, on the endpoint's shared topic (the run's broadcast topic,
+which only the coordinator may write). So one peer cannot pre-empt another's blob by guessing its
+id. Memory is bounded by the bytes actually received (not by what chunk headers claim), and
+incomplete or unclaimed blobs expire on a timer.
+
+The transport callback (`_on_payload`) only parses and files chunks: joining, checksums and
+decoding happen in `receive()`, on the consumer's thread.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,111 +41,218 @@ from edge_sdk.codec import (
     sha256_hex,
 )
 from edge_sdk.protocol import BlobRef, Message, ModelRef, ProtocolError, decode, encode
-from edge_sdk.transport.base import Transport
+from edge_sdk.transport.base import Delivery, Transport
 from model_zoo import ArchSpec, build
 
-__all__ = ["Endpoint", "Envelope", "pack_models", "reference_shapes", "unpack_models"]
+__all__ = [
+    "Endpoint",
+    "Envelope",
+    "message_frame",
+    "pack_models",
+    "reference_shapes",
+    "unpack_models",
+]
 
 log = logging.getLogger(__name__)
 
 _MSG = b"EF1M"
 _CHUNK = b"EF1C"
 DEFAULT_CHUNK_BYTES = 1024 * 1024
+_BlobKey = tuple[str, str]  # (topic it arrived on, blob id)
+
+
+def message_frame(message: Message) -> bytes:
+    """The bytes of a message frame (what `send` publishes; what a will carries)."""
+    return _MSG + encode(message)
 
 
 @dataclass
 class Envelope:
-    """A received message with the blobs it references, verified."""
+    """A received message, the topic it came on, and the blobs it references, verified."""
 
     message: Message
     blobs: dict[str, bytes] = field(default_factory=dict)
+    topic: str = ""
 
 
 @dataclass
-class _Partial:
+class _Blob:
     count: int
     size: int
     started: float
     parts: dict[int, bytes] = field(default_factory=dict)
+    received: int = 0  # bytes actually held
+
+    @property
+    def complete(self) -> bool:
+        return len(self.parts) == self.count
+
+
+@dataclass
+class _Ready:
+    """A message whose blobs are all here; verified and handed out by `receive()`."""
+
+    message: Message
+    topic: str
+    blobs: dict[str, tuple[BlobRef, list[bytes]]]
 
 
 class Endpoint:
-    """One participant's mailbox on a transport: send messages with blobs, receive envelopes."""
+    """One participant's mailbox on a transport: send messages with blobs, receive envelopes.
+
+    `subscriptions` are the topic filters it listens on; `shared_topic` (one of them) carries
+    blobs that messages on any topic may reference (`BlobRef.shared`).
+    """
 
     def __init__(
         self,
         transport: Transport,
-        inbox: str,
+        subscriptions: str | Sequence[str],
         *,
+        shared_topic: str | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
         max_pending_bytes: int | None = None,
         blob_timeout_s: float = 120.0,
+        ack_timeout_s: float = 120.0,
     ) -> None:
         self.transport = transport
-        self.inbox = inbox
+        subs = [subscriptions] if isinstance(subscriptions, str) else list(subscriptions)
+        self.subscriptions = subs
+        self.shared_topic = shared_topic
         self.chunk_bytes = min(chunk_bytes, transport.max_payload_bytes - 512)
         self.max_blob_bytes = max_blob_bytes
-        self.max_pending_bytes = max_pending_bytes or 4 * max_blob_bytes
+        self.max_pending_bytes = max_pending_bytes or 2 * max_blob_bytes
         self.blob_timeout_s = blob_timeout_s
-        self.rejected = 0  # frames dropped as malformed/oversized; logged, never fatal
+        self.ack_timeout_s = ack_timeout_s
+        self.rejections: Counter[str] = Counter()  # frames/messages dropped, by reason
         self._lock = threading.Lock()
-        self._partials: dict[str, _Partial] = {}
-        self._complete: dict[str, tuple[bytes, float]] = {}
-        self._consumed: dict[str, float] = {}  # recently delivered blob ids: late duplicates
-        self._parked: list[tuple[Message, float]] = []
-        self._queue: queue.Queue[Envelope] = queue.Queue()
+        self._blobs: dict[_BlobKey, _Blob] = {}
+        self._held = 0  # bytes held in _blobs
+        self._consumed: dict[_BlobKey, float] = {}  # recently delivered: late duplicates
+        self._parked: list[tuple[Message, str, float]] = []
+        self._queue: queue.Queue[_Ready] = queue.Queue()
         self._open = False
+        self._janitor_stop = threading.Event()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    @property
+    def rejected(self) -> int:
+        return sum(self.rejections.values())
+
+    def _reject(self, reason: str, detail: str, topic: str) -> None:
+        self.rejections[reason] += 1
+        log.warning("%s: dropped %s on %s: %s", self.subscriptions[0], reason, topic, detail)
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> Endpoint:
         if not self._open:
-            self.transport.subscribe(self.inbox, self._on_payload)
+            for flt in self.subscriptions:
+                self.transport.subscribe(flt, self._on_payload)
             self._open = True
+            self._janitor_stop.clear()
+            threading.Thread(target=self._janitor, name="edgefl-blob-expiry", daemon=True).start()
         return self
 
     def close(self) -> None:
         if self._open:
-            self.transport.unsubscribe(self.inbox)
+            for flt in self.subscriptions:
+                self.transport.unsubscribe(flt)
             self._open = False
+            self._janitor_stop.set()
+
+    def _janitor(self) -> None:
+        """Expire stale blobs and parked messages even when nobody calls receive()."""
+        period = max(0.05, min(5.0, self.blob_timeout_s / 4))
+        while not self._janitor_stop.wait(period):
+            self._expire()
 
     # -- sending ---------------------------------------------------------------------------
-    def send(self, topic: str, message: Message, blobs: Mapping[str, bytes] | None = None) -> None:
-        """Publish every blob as chunks, then the message that references them."""
-        for blob_id, data in (blobs or {}).items():
+    def publish_blobs(self, topic: str, blobs: Mapping[str, bytes]) -> list[Delivery]:
+        """Publish blobs as chunks on `topic` (for messages that reference them as shared)."""
+        out = []
+        for blob_id, data in blobs.items():
             count = max(1, -(-len(data) // self.chunk_bytes))
             for i in range(count):
                 header = json.dumps(
                     {"blob": blob_id, "index": i, "count": count, "size": len(data)}
                 ).encode()
                 piece = data[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
-                self.transport.publish(
-                    topic, _CHUNK + len(header).to_bytes(4, "big") + header + piece
+                out.append(
+                    self.transport.publish(
+                        topic, _CHUNK + len(header).to_bytes(4, "big") + header + piece
+                    )
                 )
-        self.transport.publish(topic, _MSG + encode(message))
+        return out
+
+    def send(
+        self,
+        topic: str,
+        message: Message,
+        blobs: Mapping[str, bytes] | None = None,
+        *,
+        retain: bool = False,
+        wait: bool = True,
+    ) -> list[Delivery]:
+        """Publish every blob as chunks, then the message that references them.
+
+        With `wait` (default) block until the broker acknowledged every frame, raising its
+        refusal as a typed `TransportError` (e.g. `NotAuthorized`).
+        """
+        deliveries = self.publish_blobs(topic, blobs or {})
+        deliveries.append(self.transport.publish(topic, message_frame(message), retain=retain))
+        if wait:
+            self.wait(deliveries)
+        return deliveries
+
+    def wait(self, deliveries: Sequence[Delivery]) -> None:
+        deadline = time.monotonic() + self.ack_timeout_s
+        for d in deliveries:
+            d.wait(max(0.0, deadline - time.monotonic()))
 
     # -- receiving -------------------------------------------------------------------------
     def receive(self, timeout: float | None = None) -> Envelope | None:
-        """Next complete envelope, or None after `timeout` seconds."""
-        self._expire()
-        try:
-            return self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        """Next complete, verified envelope, or None after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ready = self._queue.get(timeout=left)
+            except queue.Empty:
+                return None
+            env = self._verify(ready)
+            if env is not None:
+                return env
+
+    def _verify(self, ready: _Ready) -> Envelope | None:
+        blobs = {}
+        for blob_id, (ref, parts) in ready.blobs.items():
+            data = b"".join(parts)
+            if len(data) != ref.size or sha256_hex(data) != ref.sha256:
+                self._reject(
+                    "checksum", f"blob {blob_id} failed its checksum; message dropped", ready.topic
+                )
+                return None
+            blobs[blob_id] = data
+        return Envelope(ready.message, blobs, ready.topic)
 
     def _on_payload(self, topic: str, payload: bytes) -> None:
         try:
             if payload.startswith(_CHUNK):
-                self._on_chunk(payload)
+                self._on_chunk(topic, payload)
             elif payload.startswith(_MSG):
-                self._on_message(decode(payload[len(_MSG) :]))
+                self._on_message(topic, decode(payload[len(_MSG) :]))
             else:
                 raise ProtocolError("unknown frame type")
-        except (ProtocolError, PayloadError, ValueError) as exc:
-            self.rejected += 1
-            log.warning("%s: dropped a frame on %s: %s", self.inbox, topic, exc)
+        except PayloadError as exc:
+            self._reject("oversized", str(exc), topic)
+        except (ProtocolError, ValueError) as exc:
+            self._reject("malformed", str(exc), topic)
 
-    def _on_chunk(self, payload: bytes) -> None:
+    def _on_chunk(self, topic: str, payload: bytes) -> None:
         n = int.from_bytes(payload[4:8], "big")
         try:
             header = json.loads(payload[8 : 8 + n])
@@ -146,84 +261,122 @@ class Endpoint:
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"bad chunk header: {exc}") from exc
         data = payload[8 + n :]
+        if not 0 < len(blob_id) <= 128:
+            raise ProtocolError("chunk header names no valid blob id")
         if size > self.max_blob_bytes:
             raise PayloadError(f"blob {blob_id} of {size} bytes is over {self.max_blob_bytes}")
         if not 0 <= index < count or count > max(1, size):
             raise ProtocolError(f"blob {blob_id}: chunk {index} of {count} is inconsistent")
+        key = (topic, blob_id)
         with self._lock:
-            if blob_id in self._complete or blob_id in self._consumed:
-                return  # a duplicate of a finished blob (QoS 1 redelivery)
-            part = self._partials.get(blob_id)
-            if part is None:
-                pending = sum(p.size for p in self._partials.values())
-                if pending + size > self.max_pending_bytes:
-                    raise PayloadError(f"blob {blob_id}: too many bytes pending reassembly")
-                part = self._partials[blob_id] = _Partial(count, size, time.monotonic())
-            if (count, size) != (part.count, part.size):
+            if key in self._consumed:
+                return  # a late duplicate of a delivered blob (QoS 1 redelivery)
+            blob = self._blobs.get(key)
+            if blob is None:
+                blob = _Blob(count, size, time.monotonic())
+            elif (count, size) != (blob.count, blob.size):
                 raise ProtocolError(f"blob {blob_id}: chunk header disagrees with earlier chunks")
-            part.parts.setdefault(index, data)
-            if len(part.parts) < part.count:
-                return
-            del self._partials[blob_id]
-            blob = b"".join(part.parts[i] for i in range(part.count))
-            if len(blob) != part.size:
-                raise PayloadError(f"blob {blob_id}: reassembled {len(blob)} of {part.size} bytes")
-            self._complete[blob_id] = (blob, time.monotonic())
-            self._release_parked()
+            if index in blob.parts:
+                return  # a duplicate chunk
+            if blob.received + len(data) > blob.size:
+                raise PayloadError(f"blob {blob_id}: chunks carry more than its {size} bytes")
+            self._make_room(len(data), keep=key)
+            blob.parts[index] = data
+            blob.received += len(data)
+            self._held += len(data)
+            self._blobs[key] = blob
+            if blob.complete:
+                self._release_parked()
 
-    def _on_message(self, msg: Message) -> None:
+    def _make_room(self, need: int, keep: _BlobKey) -> None:
+        """Evict complete blobs nobody claimed yet, oldest first; refuse if still over."""
+        if self._held + need <= self.max_pending_bytes:
+            return
+        claimed = {
+            k
+            for m, topic, _ in self._parked
+            for ref in (r.blob for r in getattr(m, "models", {}).values())
+            if (k := self._blob_key(ref, topic)) is not None
+        }
+        for key, blob in sorted(self._blobs.items(), key=lambda kv: kv[1].started):
+            if key != keep and key not in claimed and blob.complete:
+                self._drop(key)
+                log.info("evicted unclaimed blob %s to make room", key[1])
+                if self._held + need <= self.max_pending_bytes:
+                    return
+        raise PayloadError(
+            f"{self._held + need} bytes pending reassembly would exceed {self.max_pending_bytes}"
+        )
+
+    def _drop(self, key: _BlobKey) -> None:
+        blob = self._blobs.pop(key)
+        self._held -= blob.received
+
+    def _on_message(self, topic: str, msg: Message) -> None:
         with self._lock:
-            if not self._try_deliver(msg):
-                self._parked.append((msg, time.monotonic()))
+            if not self._try_deliver(msg, topic):
+                self._parked.append((msg, topic, time.monotonic()))
 
-    def _try_deliver(self, msg: Message) -> bool:
-        refs = {m.blob.id: m.blob for m in getattr(msg, "models", {}).values()}.values()
-        if any(r.id not in self._complete for r in refs):
-            return False
-        blobs = {}
-        now = time.monotonic()
-        for r in refs:
-            data, _ = self._complete.pop(r.id)
-            self._consumed[r.id] = now
-            if len(data) != r.size or sha256_hex(data) != r.sha256:
-                self.rejected += 1
-                log.warning("%s: blob %s failed its checksum; message dropped", self.inbox, r.id)
+    def _blob_key(self, ref: BlobRef, topic: str) -> _BlobKey | None:
+        if ref.shared:
+            return None if self.shared_topic is None else (self.shared_topic, ref.id)
+        return (topic, ref.id)
+
+    def _try_deliver(self, msg: Message, topic: str) -> bool:
+        refs = {m.blob.id: m.blob for m in getattr(msg, "models", {}).values()}
+        keys = {}
+        for blob_id, ref in refs.items():
+            key = self._blob_key(ref, topic)
+            if key is None:
+                self._reject("malformed", "a shared blob with no shared topic", topic)
                 return True
-            blobs[r.id] = data
-        self._queue.put(Envelope(msg, blobs))
+            blob = self._blobs.get(key)
+            if blob is None or not blob.complete:
+                return False
+            keys[blob_id] = key
+        ready: dict[str, tuple[BlobRef, list[bytes]]] = {}
+        now = time.monotonic()
+        for blob_id, key in keys.items():
+            blob = self._blobs[key]
+            ready[blob_id] = (refs[blob_id], [blob.parts[i] for i in range(blob.count)])
+            self._drop(key)
+            self._consumed[key] = now
+        self._queue.put(_Ready(msg, topic, ready))
         return True
 
     def _release_parked(self) -> None:
-        self._parked = [(m, t) for m, t in self._parked if not self._try_deliver(m)]
+        self._parked = [(m, t, ts) for m, t, ts in self._parked if not self._try_deliver(m, t)]
 
     def _expire(self) -> None:
         now = time.monotonic()
         with self._lock:
-            for blob_id, part in list(self._partials.items()):
-                if now - part.started > self.blob_timeout_s:
-                    del self._partials[blob_id]
-                    log.warning("%s: blob %s timed out incomplete", self.inbox, blob_id)
-            for blob_id, (_, t) in list(self._complete.items()):
+            for key, blob in list(self._blobs.items()):
+                if now - blob.started > self.blob_timeout_s:
+                    self._drop(key)
+                    if not blob.complete:
+                        log.warning("blob %s from %s timed out incomplete", key[1], key[0])
+            for key, t in list(self._consumed.items()):
                 if now - t > self.blob_timeout_s:
-                    del self._complete[blob_id]
-            for blob_id, t in list(self._consumed.items()):
-                if now - t > self.blob_timeout_s:
-                    del self._consumed[blob_id]
+                    del self._consumed[key]
             kept = []
-            for m, t in self._parked:
+            for m, topic, t in self._parked:
                 if now - t > self.blob_timeout_s:
-                    log.warning(
-                        "%s: %s message dropped: its blobs never arrived", self.inbox, m.kind
-                    )
+                    self.rejections["blobs_missing"] += 1
+                    log.warning("%s message on %s dropped: its blobs never arrived", m.kind, topic)
                 else:
-                    kept.append((m, t))
+                    kept.append((m, topic, t))
             self._parked = kept
 
 
 def pack_models(
-    models: Mapping[str, WireModel], *, fp16: bool = False, max_bytes: int = DEFAULT_MAX_BLOB_BYTES
+    models: Mapping[str, WireModel],
+    *,
+    fp16: bool = False,
+    max_bytes: int = DEFAULT_MAX_BLOB_BYTES,
+    shared: bool = False,
 ) -> tuple[dict[str, ModelRef], dict[str, bytes]]:
-    """Encode models as blobs and the ModelRefs a message carries for them."""
+    """Encode models as blobs and the ModelRefs a message carries for them (`shared`: the
+    blobs travel on the broadcast topic, for many messages at once)."""
     refs: dict[str, ModelRef] = {}
     blobs: dict[str, bytes] = {}
     for name, m in models.items():
@@ -231,7 +384,8 @@ def pack_models(
         blob_id = uuid.uuid4().hex
         blobs[blob_id] = data
         refs[name] = ModelRef(
-            spec=m.spec, blob=BlobRef(id=blob_id, sha256=sha256_hex(data), size=len(data))
+            spec=m.spec,
+            blob=BlobRef(id=blob_id, sha256=sha256_hex(data), size=len(data), shared=shared),
         )
     return refs, blobs
 

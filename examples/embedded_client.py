@@ -1,75 +1,105 @@
-"""A device app's view: build an EdgeClient around your own data and let a coordinator drive it.
+"""A device app that embeds the SDK: its own data, a zoo model, a per-round callback, ONNX export
+after the federation, and on-device inference from the exported file.
 
-Here the coordinator runs in the same process over the in-memory transport, which is exactly
-what `edgefl simulate` does; a deployment swaps the transport, not this code.
+Start a coordinator somewhere (any MQTT 3.1.1/5 broker; `edgefl demo` prints its broker URL):
 
-    .venv/bin/python examples/embedded_client.py
+    edgefl coordinator --broker mqtt://HOST:1883 --run-id phones --algorithm fml \\
+        --clients 2 --rounds 3 --global-model mlr
+
+then run this on each device (here: two processes, each with its own slice of the digits):
+
+    python examples/embedded_client.py --broker mqtt://HOST:1883 --run-id phones --id phone0
+    python examples/embedded_client.py --broker mqtt://HOST:1883 --run-id phones --id phone1 \\
+        --slice 1
+
+The broker password, if the broker wants one, comes from EDGEFL_BROKER__PASSWORD.
 """
 
 from __future__ import annotations
 
-from coordinator.server import Coordinator
-from edge_sdk.algorithms import algorithm_class
-from edge_sdk.client import EdgeClient
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from edge_sdk.client import EdgeClient, TaskOutcome
 from edge_sdk.inference import OnnxPredictor
 from edge_sdk.trainer import ClientData
-from edge_sdk.transport import InMemoryBroker
+from edge_sdk.transport.mqtt import BrokerSettings
 from model_zoo import ArchSpec
-from model_zoo.data import load_dataset, partition
+from model_zoo.data import load_dataset
+
+
+class Photos(Dataset):
+    """Stands in for the app's own data: (image, label) pairs, as a torch Dataset."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.x[i], int(self.y[i])
 
 
 def main() -> None:
-    digits = load_dataset("digits", size=8)  # ships with scikit-learn: nothing downloads
-    part = partition(digits.y, "dirichlet", 3, seed=0, alpha=0.5)
-    broker = InMemoryBroker()
-    config = algorithm_class("fml").config_cls(local_epochs=3, batch_size=32, lr=0.05)
-    coordinator = Coordinator(
-        broker.connect(),
-        algorithm="fml",
-        config=config,
-        rounds=3,
-        expected_clients=3,
-        global_model="mlr",
-        export_onnx=True,
-    ).open()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--broker", required=True, help="mqtt[s]://host:port")
+    p.add_argument("--run-id", default="phones")
+    p.add_argument("--id", default="phone0", help="this device's client id")
+    p.add_argument("--slice", type=int, default=0, help="which half of the digits it holds")
+    p.add_argument("--model", default="mlp", help="this device's architecture family")
+    p.add_argument("--out", default="runs/embedded", help="where the ONNX model goes")
+    args = p.parse_args()
 
-    # Each device brings its own data and its own architecture.
-    families = ["mlr", "mlp", "cnn1"]
-    clients = []
-    for i, split in enumerate(part.clients):
-        x, y = digits.x, digits.y
-        data = ClientData(
-            x[split.train],
-            y[split.train],
-            x[split.val],
-            y[split.val],
-            x[split.test],
-            y[split.test],
-            num_classes=digits.num_classes,
-        )
-        spec = ArchSpec(family=families[i], num_classes=10, input_shape=digits.input_shape)
-        client = EdgeClient(
-            f"phone{i}",
-            spec,
-            data,
-            broker.connect(),
-            seed=i,
-            onnx_path=f"runs/embedded/phone{i}.onnx",
-            class_names=digits.classes,
-            normalization=digits.normalization,
-        )
-        clients.append(client.start())
+    # 1. The device's own data: here a slice of scikit-learn's digits, as torch Datasets.
+    digits = load_dataset("digits", size=8)
+    mine = torch.arange(len(digits.y))[args.slice :: 2]
+    n = len(mine)
+    train, val, test = mine[: int(0.6 * n)], mine[int(0.6 * n) : int(0.8 * n)], mine[int(0.8 * n) :]
+    data = ClientData.from_datasets(
+        Photos(digits.x[train], digits.y[train]),
+        Photos(digits.x[val], digits.y[val]),
+        Photos(digits.x[test], digits.y[test]),
+        num_classes=digits.num_classes,
+    )
 
-    result = coordinator.run()
-    for c in result.clients:
-        print(f"{c.id}: {c.arch:<5} personalized accuracy {c.personal_acc:.3f}")
+    # 2. Its own architecture from the zoo.
+    spec = ArchSpec(family=args.model, num_classes=10, input_shape=digits.input_shape)
 
-    # The exported model needs nothing but onnxruntime on the device.
-    predictor = OnnxPredictor("runs/embedded/phone2.onnx")
-    sample = digits.x[:4].numpy()
-    print("phone2 predicts", predictor.predict(sample).tolist(), "truth", digits.y[:4].tolist())
-    for c in clients:
-        c.stop()
+    # 3. A per-round callback: the app's progress bar, a notification, a log line.
+    def on_task(t: TaskOutcome) -> None:
+        m = t.metrics
+        acc = ""
+        if m.get("personal_total"):
+            acc = (
+                f", personalized accuracy {100 * m['personal_correct'] / m['personal_total']:.1f}%"
+            )
+        print(f"[{args.id}] round {t.round}/{t.rounds} {t.phase}: {'ok' if t.ok else t.error}{acc}")
+
+    # 4. Join the federation and block until it ends; the model is exported (and verified) then.
+    onnx_path = Path(args.out) / f"{args.id}.onnx"
+    broker = BrokerSettings(url=args.broker, password=os.environ.get("EDGEFL_BROKER__PASSWORD"))
+    client = EdgeClient.connect(
+        broker,
+        args.id,
+        spec,
+        data,
+        run_id=args.run_id,
+        onnx_path=onnx_path,
+        class_names=digits.classes,
+        normalization=digits.normalization,
+        on_task=on_task,
+    )
+    client.run()
+
+    # 5. On-device inference needs nothing but onnxruntime and the file.
+    predictor = OnnxPredictor(onnx_path)
+    sample, truth = digits.x[test[:5]].numpy(), digits.y[test[:5]].tolist()
+    print(f"[{args.id}] predicts {predictor.predict(sample).tolist()}, truth {truth}")
 
 
 if __name__ == "__main__":

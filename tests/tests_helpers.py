@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from coordinator.config import load_config
+from coordinator.server import Coordinator, RoundConfig
+from coordinator.simulator import prepare_federation
 from edge_sdk.algorithms import algorithm_class
+from edge_sdk.client import EdgeClient
+from edge_sdk.transport import InMemoryBroker
 from model_zoo import ArchSpec, families
 
 
@@ -35,6 +41,38 @@ def tiny_config(**flags: Any) -> Any:
     return load_config(None, base, overrides, training=training)
 
 
+def small_federation(
+    n=3,
+    algorithm="fedavg",
+    client_cls=EdgeClient,
+    rounds=2,
+    broker=None,
+    config=None,
+    clients_per_round=None,
+    **round_kw,
+):
+    """A Coordinator and n (not yet started) EdgeClients (ids c0..) on one in-memory broker;
+    mlr on 8×8 digits, IID. Client c0 is a `client_cls` (a test's misbehaving client).
+    `config`: the algorithm's settings (default: one local epoch)."""
+    fed = prepare_federation(tiny_config(clients=n, rounds=rounds))  # the data only
+    broker = broker or InMemoryBroker()
+    spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
+    coordinator = Coordinator(
+        broker.connect("coordinator"),
+        algorithm=algorithm,
+        config=algorithm_class(algorithm).config_cls(**(config or {"local_epochs": 1})),
+        rounds=rounds,
+        expected_clients=n,
+        clients_per_round=clients_per_round,
+        round_config=RoundConfig(**{"deadline_s": 30, "register_timeout_s": 30, **round_kw}),
+    ).open()
+    clients = [
+        (client_cls if i == 0 else EdgeClient)(cid, spec, data, broker.connect(cid), seed=i)
+        for i, (cid, data) in enumerate(zip(fed.client_ids, fed.client_data, strict=True))
+    ]
+    return coordinator, clients
+
+
 IMAGE = (1, 28, 28)
 # Small enough for 2 CPU cores: one spec per registered family, plus the char LSTM.
 _SMALL_KWARGS: dict[str, dict] = {
@@ -58,3 +96,13 @@ ZOO_SPECS = [
 
 def spec_id(spec: ArchSpec) -> str:
     return f"{spec.family}-{spec.kwargs['mode']}" if "mode" in spec.kwargs else spec.family
+
+
+def eventually(check: Callable[[], object], timeout: float = 10.0, step: float = 0.02) -> None:
+    """Wait until `check()` is truthy (asserting it at the end): bounded, no sleep-and-hope."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(step)
+    assert check(), f"condition not met within {timeout} s"

@@ -1,11 +1,21 @@
 """Server halves of the algorithms, one file each, registered by name on import."""
 
-from coordinator.strategies import fedavg, fedavg_ft, fedprox, fml, local, pfml  # noqa: F401
+from coordinator.strategies import (  # noqa: F401
+    fedavg,
+    fedavg_ft,
+    fedme,
+    fedprox,
+    fml,
+    local,
+    persfl,
+    pfml,
+)
 from coordinator.strategies.base import (
     ClientInfo,
     FitReply,
     GlobalModelStrategy,
     IncompatibleClients,
+    ServerData,
     Strategy,
     StrategyError,
     register_strategy,
@@ -19,6 +29,7 @@ __all__ = [
     "FitReply",
     "GlobalModelStrategy",
     "IncompatibleClients",
+    "ServerData",
     "Strategy",
     "StrategyError",
     "register_strategy",

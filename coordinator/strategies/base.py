@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from coordinator.server_data import ServerData
 from edge_sdk.algorithms import BaseAlgorithmConfig, algorithm_class
 from edge_sdk.codec import WireModel
 from edge_sdk.protocol import Capabilities
@@ -25,6 +26,7 @@ __all__ = [
     "FitReply",
     "GlobalModelStrategy",
     "IncompatibleClients",
+    "ServerData",
     "Strategy",
     "StrategyError",
     "register_strategy",
@@ -91,14 +93,25 @@ class Strategy(ABC):
         rounds: int,
         clients_per_round: int | None = None,
         seed: int = 0,
+        server_data: ServerData | None = None,
     ) -> None:
         self.config = config
+        self.server_data = server_data or ServerData()
         self.clients = dict(sorted(clients.items()))
         self.global_spec = global_spec
         self.rounds = rounds
         self.clients_per_round = clients_per_round
         self.seed = seed
         self.rng = np.random.default_rng(seed)
+
+    @classmethod
+    def unlabeled_holdout(cls, config: BaseAlgorithmConfig) -> int:
+        """How many samples a simulation holds out of the dataset as this strategy's unlabeled set.
+
+        The simulator removes them before partitioning (so every run on that split, baselines
+        included, trains on the same data) and passes them in as `server_data.unlabeled`.
+        """
+        return 0
 
     # -- hooks -----------------------------------------------------------------------------
     def setup(self) -> None:  # noqa: B027  (optional hook: most strategies need no setup)
@@ -141,6 +154,19 @@ class Strategy(ABC):
 
     def finalize_models(self) -> dict[str, WireModel]:
         return self.eval_models()
+
+    def configure_evaluate(self, round_: int) -> dict[str, dict[str, WireModel]]:
+        """Per client, the models its evaluation task carries (default: `eval_models` to all).
+
+        Every client receives the same dict object, so the coordinator encodes it once.
+        """
+        shared = self.eval_models()
+        return {cid: shared for cid in self.clients}
+
+    def configure_finalize(self) -> dict[str, dict[str, WireModel]]:
+        """Per client, the models its finalize task carries (default: `finalize_models` to all)."""
+        shared = self.finalize_models()
+        return {cid: shared for cid in self.clients}
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self.rng.bit_generator.state}
@@ -189,7 +215,8 @@ class GlobalModelStrategy(Strategy):
         if archs:
             raise IncompatibleClients(
                 f"{self.name} averages one architecture; the global model is {self.global_spec} "
-                f"but clients registered {archs}. Use fml or pfml for heterogeneous models."
+                f"but clients registered {archs}. Use fml, pfml, persfl or fedme for heterogeneous "
+                "models."
             )
 
     def _weights(self, replies: Mapping[str, FitReply]) -> list[float]:

@@ -1,12 +1,22 @@
 """Device halves of the algorithms, one file each, registered by name on import."""
 
-from edge_sdk.algorithms import fedavg, fedavg_ft, fedprox, fml, local, pfml  # noqa: F401
+from edge_sdk.algorithms import (  # noqa: F401
+    fedavg,
+    fedavg_ft,
+    fedme,
+    fedprox,
+    fml,
+    local,
+    persfl,
+    pfml,
+)
 from edge_sdk.algorithms.base import (
     AlgorithmConfig,
     AlgorithmError,
     BaseAlgorithmConfig,
     ClientAlgorithm,
     ClientContext,
+    Detail,
     FitResult,
     algorithm_class,
     algorithm_names,
@@ -19,6 +29,7 @@ __all__ = [
     "BaseAlgorithmConfig",
     "ClientAlgorithm",
     "ClientContext",
+    "Detail",
     "FitResult",
     "algorithm_class",
     "algorithm_names",

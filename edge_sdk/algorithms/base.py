@@ -28,6 +28,7 @@ __all__ = [
     "BaseAlgorithmConfig",
     "ClientAlgorithm",
     "ClientContext",
+    "Detail",
     "FitResult",
     "algorithm_class",
     "algorithm_names",
@@ -78,11 +79,18 @@ class ClientContext:
     trainer: Trainer
 
 
+# A per-client fact a reply reports as it is (a choice made on the device, an architecture name),
+# as opposed to a metric, which the coordinator averages over clients.
+Detail = str | int | float | bool | None
+
+
 @dataclass
 class FitResult:
     models: dict[str, WireModel] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     n_samples: int = 0
+    # Reaches results.json: from finalize, as fields of the client's entry; from fit, per round.
+    details: dict[str, Detail] = field(default_factory=dict)
 
 
 class ClientAlgorithm(ABC):

@@ -22,3 +22,49 @@ def test_pfml_example_carries_the_paper_settings():
     assert (p.k_steps, p.lam, p.beta, p.lr, p.batch_size) == (3, 20.0, 2.0, 0.01, 200)
     assert p.local_iterations == 10
     assert (cfg.clients, cfg.clients_per_round, cfg.data.partition) == (100, 10, "natural")
+
+
+def test_the_embedded_device_app_runs_against_a_real_broker(mosquitto, tmp_path):
+    import subprocess
+    import sys
+    import threading
+
+    from coordinator.server import Coordinator, RoundConfig
+    from edge_sdk.algorithms import algorithm_class
+    from edge_sdk.transport.mqtt import MqttTransport
+
+    coordinator = Coordinator(
+        MqttTransport(mosquitto.url, "example-coordinator"),
+        algorithm="fml",
+        config=algorithm_class("fml").config_cls(local_epochs=2, batch_size=32, lr=0.05),
+        rounds=2,
+        expected_clients=2,
+        global_model="mlr",
+        run_id="phones",
+        round_config=RoundConfig(register_timeout_s=120, deadline_s=120),
+    ).open()
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(run=coordinator.run()))
+    runner.start()
+    script = EXAMPLES / "embedded_client.py"
+    args = ["--broker", mosquitto.url, "--out", str(tmp_path)]
+    devices = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args, "--id", f"phone{i}", "--slice", str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        logs = [d.communicate(timeout=180)[0] for d in devices]
+    finally:
+        for d in devices:
+            d.kill()
+        runner.join(60)
+        coordinator.transport.close()
+    assert [d.returncode for d in devices] == [0, 0], "\n".join(logs)
+    assert all("predicts" in log and "round 2/2 fit: ok" in log for log in logs)
+    assert (tmp_path / "phone0.onnx").is_file() and (tmp_path / "phone1.onnx").is_file()
+    assert [c.id for c in result["run"].clients] == ["phone0", "phone1"]

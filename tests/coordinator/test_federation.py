@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from tests_helpers import tiny_config
+from tests_helpers import small_federation, tiny_config
 
 from coordinator.server import Coordinator, CoordinatorError, RoundConfig
 from coordinator.simulator import prepare_federation, run_federation, simulate
@@ -108,28 +108,8 @@ def test_baselines_feed_the_personalization_metrics(tmp_path):
 
 
 # -- resilience: clients that fail, stall or never come ------------------------------------
-def _federation(n=3, algorithm="fedavg", config=None, clients_per_round=None, **round_kw):
-    fed = prepare_federation(tiny_config(clients=n, rounds=2))  # the data only
-    broker = InMemoryBroker()
-    spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
-    coordinator = Coordinator(
-        broker.connect(),
-        algorithm=algorithm,
-        config=algorithm_class(algorithm).config_cls(**(config or {"local_epochs": 1})),
-        rounds=2,
-        expected_clients=n,
-        clients_per_round=clients_per_round,
-        round_config=RoundConfig(**{"deadline_s": 30, "register_timeout_s": 30, **round_kw}),
-    ).open()
-    clients = [
-        EdgeClient(cid, spec, data, broker.connect(), seed=i)
-        for i, (cid, data) in enumerate(zip(fed.client_ids, fed.client_data, strict=True))
-    ]
-    return coordinator, clients
-
-
 def test_a_failing_client_is_reported_and_the_round_goes_on_with_quorum():
-    coordinator, clients = _federation(quorum=0.5)
+    coordinator, clients = small_federation(quorum=0.5)
 
     def broken(*a, **k):
         raise RuntimeError("battery died")
@@ -145,7 +125,7 @@ def test_a_failing_client_is_reported_and_the_round_goes_on_with_quorum():
 
 
 def test_below_quorum_the_round_fails_and_state_is_unchanged():
-    coordinator, clients = _federation(quorum=1.0)
+    coordinator, clients = small_federation(quorum=1.0)
     clients[0].run_task = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no"))
     for c in clients:
         c.start()
@@ -160,7 +140,7 @@ def test_below_quorum_the_round_fails_and_state_is_unchanged():
 
 def test_pfml_round_fails_when_no_aggregated_client_replied_though_others_did():
     # Prepare: everyone trains, one of three is aggregated; that one's fit always fails.
-    coordinator, clients = _federation(
+    coordinator, clients = small_federation(
         algorithm="pfml",
         config={"participation": "all", "local_iterations": 2},
         clients_per_round=1,
@@ -192,7 +172,7 @@ def test_pfml_round_fails_when_no_aggregated_client_replied_though_others_did():
 
 
 def test_a_stalled_client_does_not_block_the_round_past_its_deadline():
-    coordinator, clients = _federation(quorum=0.5, deadline_s=1.0)
+    coordinator, clients = small_federation(quorum=0.5, deadline_s=1.0)
     release = threading.Event()
     original = clients[2].run_task
 
@@ -212,14 +192,14 @@ def test_a_stalled_client_does_not_block_the_round_past_its_deadline():
 
 
 def test_too_few_registrations_is_a_clear_error():
-    coordinator, clients = _federation(register_timeout_s=0.5)
+    coordinator, clients = small_federation(register_timeout_s=0.5)
     clients[0].start()
     with pytest.raises(CoordinatorError, match="1 of 3 clients registered"):
         coordinator.run()
 
 
 def test_nan_weights_from_a_client_are_dropped_not_aggregated():
-    coordinator, clients = _federation(quorum=0.5)
+    coordinator, clients = small_federation(quorum=0.5)
     original = clients[0].run_task
 
     def poisoned(task, blobs):
@@ -237,7 +217,7 @@ def test_nan_weights_from_a_client_are_dropped_not_aggregated():
 
 
 def test_a_task_with_nan_weights_gets_an_error_reply_and_the_client_keeps_serving():
-    coordinator, clients = _federation(quorum=0.5)
+    coordinator, clients = small_federation(quorum=0.5)
 
     def poison(rec):  # after round 1, corrupt the global model the coordinator will send
         if rec.round == 1:
@@ -253,7 +233,7 @@ def test_a_task_with_nan_weights_gets_an_error_reply_and_the_client_keeps_servin
 
 
 def test_checkpoint_hook_receives_a_restorable_state_after_each_aggregation():
-    coordinator, clients = _federation()
+    coordinator, clients = small_federation()
     saved = []
     coordinator.checkpoint = lambda r, state: saved.append((r, state))
     for c in clients:
@@ -296,7 +276,7 @@ def test_a_client_with_an_unknown_architecture_is_refused_and_told_why():
 
 
 def test_an_aggregation_that_refuses_the_replies_fails_the_round_not_the_run(monkeypatch):
-    coordinator, clients = _federation()
+    coordinator, clients = small_federation()
     calls = []
 
     def refuse(self, r, replies):

@@ -72,7 +72,7 @@ def test_fedavg_weights_by_samples_or_uniformly(name):
 
 def test_fedavg_refuses_different_architectures():
     mlp = ArchSpec(family="mlp", num_classes=2, input_shape=(2,))
-    with pytest.raises(IncompatibleClients, match="fml or pfml"):
+    with pytest.raises(IncompatibleClients, match="fml, pfml"):
         _strategy("fedavg", _clients(MLR, mlp))
 
 

@@ -110,9 +110,9 @@ def test_decode_refuses_malformed_messages(payload):
 
 def test_ids_that_would_break_topics_are_refused():
     with pytest.raises(ValueError, match="client id"):
-        topics.client_inbox("run", "a/b")
-    assert topics.topic_matches("edgefl/+/client/#", "edgefl/r/client/c0")
-    assert not topics.topic_matches("edgefl/+/client", "edgefl/r/client/c0")
+        topics.down("run", "a/b")
+    assert topics.topic_matches("edgefl/+/down/#", "edgefl/r/down/c0")
+    assert not topics.topic_matches("edgefl/+/down", "edgefl/r/down/c0")
 
 
 # -- endpoint framing ----------------------------------------------------------------------
@@ -226,7 +226,7 @@ def test_late_duplicate_chunks_of_a_delivered_blob_are_ignored():
     assert rx.receive(timeout=1) is not None
     for p in captured[:-1]:  # QoS 1 redelivers chunks after the message was consumed
         sink.publish("in", p)
-    assert rx._partials == {} and rx.rejected == 0
+    assert rx._blobs == {} and rx.rejected == 0
 
 
 def test_a_message_naming_one_blob_twice_is_delivered_once_with_it():

@@ -1,0 +1,195 @@
+"""Deployment entry points: the coordinator daemon and a device process, both over a real broker.
+
+`run_coordinator(cfg)` is `edgefl coordinator`: it waits for its clients on the broker, runs the
+rounds, appends one JSON line per completed round to `OUT/rounds.jsonl` (follow it with
+`tail -f`), serves Prometheus metrics when `metrics_port` is set, and writes `results.json`,
+`report.md` and the plots with the simulator's own writer.
+
+`run_device(cfg)` is `edgefl client`: one device holding client `index` of the same split the
+simulator would make (same data, ids and seeds), registering, training when asked and exporting
+its personalized model as a verified ONNX file into its state dir after the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from coordinator.config import ConfigError, RunConfig
+from coordinator.server import Coordinator, RoundRecord
+from coordinator.simulator import (
+    build_results,
+    client_seed,
+    client_spec,
+    prepare_federation,
+    write_results,
+)
+from edge_sdk import topics
+from edge_sdk.client import EdgeClient, TaskOutcome
+from edge_sdk.device import resolve_device
+from edge_sdk.transport.mqtt import MqttTransport
+
+__all__ = ["RoundsLog", "metrics_collector", "run_coordinator", "run_device"]
+
+log = logging.getLogger(__name__)
+
+
+def _require_broker(cfg: RunConfig) -> None:
+    if cfg.broker.url is None:
+        raise ConfigError("no broker: pass --broker mqtt://host:port (or set broker.url)")
+
+
+class RoundsLog:
+    """`rounds.jsonl`: one line per completed round, flushed and fsynced as it happens."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(self, rec: RoundRecord) -> None:
+        line = {
+            "round": rec.round,
+            "seconds": round(rec.seconds, 4),
+            "mean_personal_acc": rec.mean_personal_acc,
+            "global_acc": rec.global_acc,
+            "failed": rec.failed,
+            "trained": rec.trained,
+            "replied": rec.replied,
+        }
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def metrics_collector(coordinator: Coordinator) -> Any:
+    """A Prometheus collector reading the coordinator's live state at scrape time."""
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        SummaryMetricFamily,
+    )
+
+    class _Collector:
+        def collect(self) -> Iterator[Any]:
+            c, stats = coordinator, coordinator.stats
+            yield CounterMetricFamily(
+                "edgefl_rounds_completed", "Rounds aggregated", value=stats.rounds_completed
+            )
+            yield CounterMetricFamily(
+                "edgefl_rounds_failed", "Rounds that missed quorum", value=stats.rounds_failed
+            )
+            yield GaugeMetricFamily("edgefl_round", "The current round", value=c._round)
+            yield GaugeMetricFamily(
+                "edgefl_clients_registered", "Clients registered", value=len(c.clients)
+            )
+            yield GaugeMetricFamily(
+                "edgefl_clients_online", "Registered clients online", value=len(c.online)
+            )
+            yield SummaryMetricFamily(
+                "edgefl_round_seconds",
+                "Wall time of each round",
+                count_value=len(stats.round_seconds),
+                sum_value=sum(stats.round_seconds),
+            )
+            t = c.transport.stats
+            yield CounterMetricFamily("edgefl_bytes_out", "Payload bytes sent", value=t.bytes_out)
+            yield CounterMetricFamily("edgefl_bytes_in", "Payload bytes received", value=t.bytes_in)
+            rejected = CounterMetricFamily(
+                "edgefl_rejected_messages", "Messages dropped, by reason", labels=["reason"]
+            )
+            for reason, n in sorted((stats.rejected + c.endpoint.rejections).items()):
+                rejected.add_metric([reason], n)
+            yield rejected
+
+    return _Collector()
+
+
+def run_coordinator(
+    cfg: RunConfig, *, on_round: Callable[[RoundRecord], None] | None = None
+) -> dict[str, Any]:
+    """The coordinator daemon: run `cfg.algorithm` with the clients that come over the broker."""
+    _require_broker(cfg)
+    out = Path(cfg.out or f"runs/{cfg.run_id}")
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.baselines:
+        log.warning(
+            "baselines %s are simulator-only; the daemon runs %s", cfg.baselines, cfg.algorithm
+        )
+    rounds_log = RoundsLog(out / "rounds.jsonl")
+
+    def record(rec: RoundRecord) -> None:
+        rounds_log.append(rec)
+        if on_round is not None:
+            on_round(rec)
+
+    transport = MqttTransport(cfg.broker, f"edgefl-{cfg.run_id}-{topics.COORDINATOR}")
+    coordinator = Coordinator(
+        transport,
+        algorithm=cfg.algorithm,
+        config=cfg.algorithm_config(),
+        rounds=cfg.rounds,
+        expected_clients=cfg.clients,
+        clients_per_round=cfg.clients_per_round,
+        allow=cfg.allow,
+        global_model=cfg.global_model,
+        model_kwargs=cfg.model_kwargs,
+        round_config=cfg.round,
+        run_id=cfg.run_id,
+        seed=cfg.seed,
+        share_models=cfg.broadcast,
+        on_round=record,
+    )
+    server = None
+    if cfg.metrics_port is not None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        registry = CollectorRegistry()
+        registry.register(metrics_collector(coordinator))
+        server, _ = start_http_server(cfg.metrics_port, registry=registry)
+        log.info("Prometheus metrics on port %d", server.server_port)
+    try:
+        result = coordinator.run()
+    finally:
+        transport.close()
+        if server is not None:
+            server.shutdown()
+    no_baselines = cfg.model_copy(update={"baselines": []})
+    results = build_results(no_baselines, {cfg.algorithm: result})
+    write_results(results, out)
+    return results
+
+
+def run_device(
+    cfg: RunConfig, *, on_task: Callable[[TaskOutcome], None] | None = None
+) -> EdgeClient:
+    """One device process: client `cfg.client.index` of the configured split, over the broker."""
+    _require_broker(cfg)
+    fed = prepare_federation(cfg)
+    i = cfg.client.index
+    if i >= len(fed.client_ids):
+        raise ConfigError(f"client index {i} is out of range for {len(fed.client_ids)} clients")
+    cid = cfg.client.id or fed.client_ids[i]
+    family = cfg.client.model or cfg.models[i % len(cfg.models)]
+    state_dir = Path(cfg.client.state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    client = EdgeClient.connect(
+        cfg.broker,
+        cid,
+        client_spec(cfg, family, fed.dataset),
+        fed.client_data[i],
+        run_id=cfg.run_id,
+        device=resolve_device(cfg.device),
+        seed=client_seed(cfg.seed, i),
+        onnx_path=state_dir / f"{cid}.onnx",
+        class_names=fed.dataset.classes,
+        normalization=fed.dataset.normalization,
+        fp16_upload=cfg.fp16_upload,
+        on_task=on_task,
+    )
+    client.run()
+    return client

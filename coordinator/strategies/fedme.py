@@ -1,0 +1,200 @@
+"""fedme: cluster the personalized models by their outputs, exchange within clusters, and average
+every trained copy of each model (paper 004, Algorithm 1).
+
+The coordinator holds every client's current personalized model (any architecture; it is what it
+returned to the client last round, or an initialisation of the client's registered ArchSpec
+before the first) and an unlabeled set U. Each round:
+
+1. it computes every sampled model's raw logits on U and clusters them with scikit-learn's
+   KMeans (seeded) into K_t clusters, K_t following `cluster_counts` / `cluster_starts`;
+2. each client gets a random other member of its cluster as its exchanged model, or a random
+   other client when its cluster is a singleton;
+3. with the trained replies, each model m becomes the mean of its owner's trained copy and every
+   trained exchanged copy of it: w_m ← (w_m + Σ copies) / (s_m + 1);
+4. each client gets back the aggregate of the model it chose (its own, or the exchanged one when
+   it adopted it), in its next task, evaluation and finalize tasks.
+
+This ships personalized models to other clients through the coordinator: a privacy cost the other
+algorithms do not have.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from sklearn.cluster import KMeans
+from sklearn.exceptions import ConvergenceWarning
+
+from coordinator.server_data import load_unlabeled
+from coordinator.strategies.base import (
+    FitReply,
+    IncompatibleClients,
+    Strategy,
+    StrategyError,
+    register_strategy,
+    weighted_mean,
+)
+from edge_sdk.algorithms import BaseAlgorithmConfig
+from edge_sdk.algorithms.fedme import FedMeConfig
+from edge_sdk.codec import WireModel
+from model_zoo import ArchSpec, build
+
+__all__ = ["FedMeStrategy", "cluster_models", "exchange_partners", "per_model_average"]
+
+
+def model_logits(models: Sequence[WireModel], inputs: torch.Tensor) -> np.ndarray:
+    """Each model's raw logits on `inputs`, flattened: shape (len(models), N·classes)."""
+    rows = []
+    with torch.inference_mode():
+        for m in models:
+            net = m.build().eval()
+            z = torch.cat([net(inputs[i : i + 1024]) for i in range(0, len(inputs), 1024)])
+            rows.append(z.float().reshape(-1).numpy())
+    return np.stack(rows)
+
+
+def cluster_models(features: np.ndarray, k: int, seed: int) -> np.ndarray:
+    """KMeans labels of each row (one model's outputs), with at most one cluster per model."""
+    k = min(k, len(features))
+    if k == 1:
+        return np.zeros(len(features), dtype=int)
+    with warnings.catch_warnings():
+        # Two clients holding the same model give duplicate points: fewer distinct clusters.
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        return KMeans(n_clusters=k, n_init=10, random_state=seed).fit_predict(features)
+
+
+def exchange_partners(
+    ids: Sequence[str], labels: Sequence[int], rng: np.random.Generator
+) -> dict[str, str]:
+    """Per client, a random other member of its cluster; a random other client if it is alone."""
+    if len(ids) < 2:
+        raise StrategyError("fedme exchanges models between at least two clients per round")
+    out: dict[str, str] = {}
+    for cid, label in zip(ids, labels, strict=True):
+        mates = [o for o, lab in zip(ids, labels, strict=True) if lab == label and o != cid]
+        pool = mates or [o for o in ids if o != cid]
+        out[cid] = pool[int(rng.integers(len(pool)))]
+    return out
+
+
+def per_model_average(
+    replies: Mapping[str, FitReply], exchange: Mapping[str, str]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Per model owner m: (w_m + Σ trained copies of m) / (s_m + 1), uniformly.
+
+    w_m is the owner's own trained copy ("personal" of m's reply) and the copies are the
+    "exchanged" models of the clients that were sent m. A model whose owner did not reply is the
+    mean of its copies; a model nobody trained is absent.
+    """
+    trained: dict[str, list[dict[str, torch.Tensor]]] = {}
+    for cid, reply in replies.items():
+        trained.setdefault(cid, []).insert(0, reply.models["personal"].weights)
+        trained.setdefault(exchange[cid], []).append(reply.models["exchanged"].weights)
+    return {m: weighted_mean(states, [1.0] * len(states)) for m, states in trained.items()}
+
+
+@register_strategy
+class FedMeStrategy(Strategy):
+    name = "fedme"
+    config: FedMeConfig
+
+    @classmethod
+    def unlabeled_holdout(cls, config: BaseAlgorithmConfig) -> int:
+        assert isinstance(config, FedMeConfig)
+        return 0 if config.unlabeled_path else config.unlabeled_size
+
+    def setup(self) -> None:
+        infos = list(self.clients.values())
+        if len(infos) < 2 or (self.clients_per_round is not None and self.clients_per_round < 2):
+            raise IncompatibleClients(
+                "fedme exchanges models between clients: it needs at least 2 clients per round"
+            )
+        classes = {c.id: c.spec.num_classes for c in infos}
+        if len(set(classes.values())) > 1:
+            raise IncompatibleClients(
+                f"fedme exchanges whole models, so every client needs the same classes: {classes}"
+            )
+        self.unlabeled = self._unlabeled(tuple(infos[0].spec.input_shape))
+        # Each client's personalized model starts as its own architecture, freshly initialised.
+        self.models: dict[str, WireModel] = {
+            c.id: WireModel(c.spec, build(c.spec, seed=self.seed * 1009 + i).state_dict())
+            for i, c in enumerate(infos)
+        }
+        self.exchange: dict[str, str] = {}
+
+    def _unlabeled(self, input_shape: tuple[int, ...]) -> torch.Tensor:
+        path = self.config.unlabeled_path
+        u = load_unlabeled(path) if path else self.server_data.unlabeled
+        if u is None:
+            raise StrategyError(
+                "fedme clusters models on an unlabeled set the coordinator holds: name a .npy or "
+                ".safetensors file of inputs in fedme.unlabeled_path"
+            )
+        if tuple(u.shape[1:]) != input_shape:
+            raise StrategyError(
+                f"the unlabeled inputs have shape {tuple(u.shape[1:])} but the clients' models "
+                f"take {input_shape}"
+            )
+        return u
+
+    def configure_fit(self, round_: int) -> dict[str, dict[str, WireModel]]:
+        ids = self.sample(round_)
+        k = self.config.clusters_at(round_, self.rounds)
+        features = model_logits([self.models[c] for c in ids], self.unlabeled)
+        labels = cluster_models(features, k, seed=int(self.rng.integers(2**31)))
+        self.exchange = exchange_partners(ids, labels.tolist(), self.rng)
+        return {
+            c: {"personal": self.models[c], "exchanged": self.models[self.exchange[c]]} for c in ids
+        }
+
+    def expected_models(self, client_id: str) -> dict[str, ArchSpec]:
+        return {
+            "personal": self.models[client_id].spec,
+            "exchanged": self.models[self.exchange[client_id]].spec,
+        }
+
+    def aggregate_fit(self, round_: int, replies: Mapping[str, FitReply]) -> None:
+        adopted: dict[str, bool] = {}
+        for cid, reply in replies.items():
+            flag = reply.metrics.get("adopted")
+            if flag not in (0.0, 1.0):
+                raise StrategyError(f"fedme: {cid} did not say whether it adopted (got {flag})")
+            adopted[cid] = flag == 1.0
+        averaged = per_model_average(replies, self.exchange)
+        new = {m: WireModel(self.models[m].spec, weights) for m, weights in averaged.items()}
+        # Each client gets back the aggregate of the model it chose; the rest keep their own.
+        self.models = {
+            cid: new.get(chosen, self.models[chosen])
+            for cid in self.clients
+            for chosen in [self.exchange[cid] if adopted.get(cid) else cid]
+        }
+
+    def configure_evaluate(self, round_: int) -> dict[str, dict[str, WireModel]]:
+        return {cid: {"personal": m} for cid, m in self.models.items()}
+
+    def configure_finalize(self) -> dict[str, dict[str, WireModel]]:
+        return self.configure_evaluate(self.rounds)
+
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() | {
+            "models": {
+                cid: {"spec": m.spec.to_json(), "weights": dict(m.weights)}
+                for cid, m in self.models.items()
+            },
+            "exchange": dict(self.exchange),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.models = {
+            cid: WireModel(
+                ArchSpec.from_json(m["spec"]), {k: v.clone() for k, v in m["weights"].items()}
+            )
+            for cid, m in state["models"].items()
+        }
+        self.exchange = dict(state["exchange"])

@@ -1,0 +1,183 @@
+"""fedme: Federated Learning via Model Exchange (Matsuda et al.; paper 004, Algorithm 1).
+
+Each client holds one personalized model of any architecture. Every round the coordinator sends
+it that model ("personal") and another client's model ("exchanged"), chosen within its cluster
+of models with similar outputs. The client then:
+
+1. trains both with deep mutual learning, stepping together on every batch [code]:
+       L_p  = CE(z_p, y)  + KL(softmax(z_ex).detach() || softmax(z_p))
+       L_ex = CE(z_ex, y) + KL(softmax(z_p).detach()  || softmax(z_ex))
+   SGD with momentum 0.9 and weight decay 1e-4, both optimizers re-created each round, each
+   model's gradient clipped to norm 20;
+2. *model tuning*: adopts the exchanged model, architecture included, exactly when its validation
+   cross-entropy is lower than its own model's;
+3. sends both trained models back. The coordinator averages every trained copy of each model
+   and returns to each client the aggregate of the model it chose (the next task's "personal").
+
+Privacy: FedMe ships personalized models through the coordinator to other clients by design.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+import torch
+from pydantic import Field, model_validator
+from torch import nn
+
+from edge_sdk.algorithms.base import (
+    AlgorithmConfig,
+    AlgorithmError,
+    ClientAlgorithm,
+    ClientContext,
+    FitResult,
+    register_algorithm,
+)
+from edge_sdk.codec import WireModel
+from edge_sdk.losses import cross_entropy, kl_distill
+from model_zoo import ArchSpec
+
+__all__ = ["FedMe", "FedMeConfig"]
+
+
+class FedMeConfig(AlgorithmConfig):
+    local_epochs: int = Field(2, ge=0)  # [paper]
+    batch_size: int = Field(40, ge=1)  # [paper] CIFAR-10 (FEMNIST: 20)
+    lr: float = Field(0.01, gt=0)  # [paper]
+    momentum: float = Field(0.9, ge=0)  # [paper]
+    weight_decay: float = Field(1e-4, ge=0)  # [paper]
+    clip_norm: float = Field(20.0, gt=0)  # [code] per-model gradient-norm clip
+    # Coordinator: KMeans cluster counts and the fraction of the rounds at which each starts
+    # (1, 2, 3, 4 clusters from 0, 50, 75, 90 % of the rounds) [paper].
+    cluster_counts: list[int] = Field(default_factory=lambda: [1, 2, 3, 4], min_length=1)
+    cluster_starts: list[float] = Field(default_factory=lambda: [0.0, 0.5, 0.75, 0.9], min_length=1)
+    # Coordinator: the unlabeled set the models are clustered on. A simulation holds
+    # `unlabeled_size` samples out of the dataset [code: 1000]; a deployment names a .npy or
+    # .safetensors file of inputs in `unlabeled_path`.
+    unlabeled_size: int = Field(1000, ge=1)
+    unlabeled_path: str | None = None
+
+    @model_validator(mode="after")
+    def _schedule(self) -> FedMeConfig:
+        counts, starts = self.cluster_counts, self.cluster_starts
+        if len(counts) != len(starts):
+            raise ValueError(
+                f"cluster_counts {counts} and cluster_starts {starts} must have the same length"
+            )
+        if starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)):
+            raise ValueError(f"cluster_starts must start at 0 and increase, got {starts}")
+        if starts[-1] >= 1 or any(k < 1 for k in counts):
+            raise ValueError(
+                f"cluster_starts must stay below 1 and cluster_counts be >= 1, got {starts}, "
+                f"{counts}"
+            )
+        return self
+
+    def clusters_at(self, round_: int, rounds: int) -> int:
+        """K_t: the count whose start fraction is the last one reached by round `round_`."""
+        progress = (round_ - 1) / rounds
+        return [
+            k
+            for k, s in zip(self.cluster_counts, self.cluster_starts, strict=True)
+            if s <= progress
+        ][-1]
+
+
+@register_algorithm
+class FedMe(ClientAlgorithm):
+    name = "fedme"
+    config_cls = FedMeConfig
+    config: FedMeConfig
+
+    def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
+        super().__init__(ctx, config)
+        self.personal: nn.Module | None = None
+        self.personal_spec: ArchSpec | None = None
+
+    def _check(self, model: WireModel, what: str) -> None:
+        if model.spec.num_classes != self.ctx.data.num_classes:
+            raise AlgorithmError(
+                f"fedme: the {what} model predicts {model.spec.num_classes} classes, this "
+                f"client has {self.ctx.data.num_classes}"
+            )
+
+    def _receive(self, models: Mapping[str, WireModel]) -> nn.Module:
+        """Take the personalized model the coordinator returned (possibly a new architecture)."""
+        incoming = self._require(models, "personal")
+        self._check(incoming, "personal")
+        if self.personal is None or incoming.spec != self.personal_spec:
+            self.personal, self.personal_spec = self._materialize(incoming), incoming.spec
+        else:
+            self.personal.load_state_dict(incoming.weights)
+        return self.personal
+
+    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        cfg, trainer, d = self.config, self.ctx.trainer, self.ctx.data
+        if len(d.y_val) == 0:
+            raise AlgorithmError(
+                "fedme tunes its model on the validation split and this client has none; give "
+                "it validation data (e.g. data.split = [0.6, 0.2, 0.2])"
+            )
+        personal = self._receive(models)
+        assert self.personal_spec is not None
+        personal_spec, ex_wire = self.personal_spec, self._require(models, "exchanged")
+        self._check(ex_wire, "exchanged")
+        exchanged = self._materialize(ex_wire)
+        lr = cfg.lr_at(round_, rounds)
+        opts = [trainer.optimizer(m.parameters(), cfg, lr=lr) for m in (personal, exchanged)]
+        clip = [(list(m.parameters()), cfg.clip_norm) for m in (personal, exchanged)]
+        personal.train()
+        exchanged.train()
+        total = torch.zeros((), device=self.ctx.device)
+        steps = 0
+        for _ in range(cfg.local_epochs):
+            for x, y in trainer.batches(d.x_train, d.y_train, cfg.batch_size):
+                with trainer.autocast():
+                    z_p, z_ex = personal(x), exchanged(x)
+                # Each loss reaches only its own model (the other side is detached).
+                loss_p = cross_entropy(z_p, y) + kl_distill(z_p, z_ex)
+                loss_ex = cross_entropy(z_ex, y) + kl_distill(z_ex, z_p)
+                trainer.step(loss_p + loss_ex, opts, clip=clip)
+                total += (loss_p + loss_ex).detach()
+                steps += 1
+        # Model tuning: adopt the exchanged model exactly when its validation CE is lower.
+        val_p = trainer.evaluate(personal, d.x_val, d.y_val).loss
+        val_ex = trainer.evaluate(exchanged, d.x_val, d.y_val).loss
+        adopted = val_ex < val_p
+        if adopted:
+            self.personal, self.personal_spec = exchanged, ex_wire.spec
+        return FitResult(
+            models={
+                "personal": WireModel.of(personal_spec, personal),
+                "exchanged": WireModel.of(ex_wire.spec, exchanged),
+            },
+            metrics={
+                "train_loss": float(total) / max(1, steps),
+                "val_loss_personal": val_p,
+                "val_loss_exchanged": val_ex,
+                "adopted": float(adopted),
+            },
+            n_samples=d.n_train,
+            details={"arch": self.personal_spec.family},
+        )
+
+    def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
+        if "personal" in models:
+            self._receive(models)
+        _, model = self.personalized_model()
+        return self._scores("personal", model)
+
+    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        scores = self.evaluate(models)
+        assert self.personal_spec is not None
+        return FitResult(
+            metrics=scores,
+            n_samples=self.ctx.data.n_train,
+            details={"arch_start": self.ctx.spec.family, "arch_end": self.personal_spec.family},
+        )
+
+    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+        if self.personal is None or self.personal_spec is None:
+            raise RuntimeError("fedme: no personalized model before the coordinator sent one")
+        return self.personal_spec, self.personal

@@ -1,0 +1,357 @@
+"""persfl: distillation from a per-client optimal teacher (PersFL thesis, paper 002, Algorithm 1).
+
+Stage 1 is plain FedAvg on the global architecture. Every global model a client receives after
+an aggregation is scored on its validation split; the one with the lowest validation
+cross-entropy so far is kept as the client's *optimal teacher* (no extra communication). The
+thesis picks among "the FedAvg model learned in each global aggregation round", so the untrained
+initial model is never a candidate: on a skewed split its near-uniform outputs can have a lower
+CE than every trained global model, and distilling it teaches nothing.
+
+Stage 2 runs on the device in the finalize phase, after the last round: the teacher is distilled
+into a student of the client's own architecture, for every (λ, T) of a grid, and the student
+with the best validation accuracy is kept:
+
+    L = (1−λ)·CE(z_s, y) + λ·T²·KL(softmax(z_t/T) || softmax(z_s/T))     distill_loss = "kl"
+    L = (1−λ)·CE(z_s, y) + λ·T²·CE(softmax(z_t/T), softmax(z_s/T))        distill_loss = "gd"
+
+The student starts from the teacher when it has the teacher's architecture (the paper) and from
+a seeded random initialisation otherwise. Every grid point starts from that same student, with a
+fresh optimizer and the same batch order, so only λ and T differ between them.
+
+New participants (thesis, section 7.1): a client that joins after training receives the global
+models the coordinator archived, named `archive_name(round)`, in its finalize task, and runs
+stage 2 against them (`personalize`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field, field_validator
+from torch import nn
+
+from edge_sdk.algorithms.base import (
+    AlgorithmConfig,
+    AlgorithmError,
+    ClientAlgorithm,
+    ClientContext,
+    FitResult,
+    register_algorithm,
+)
+from edge_sdk.algorithms.fedavg import FedAvgConfig
+from edge_sdk.codec import WireModel, state_of
+from edge_sdk.losses import cross_entropy, kl_distill, soft_cross_entropy
+from model_zoo import ArchSpec
+
+__all__ = [
+    "ARCHIVE_PREFIX",
+    "GridPoint",
+    "PersFL",
+    "PersFLConfig",
+    "archive_name",
+    "archive_round",
+    "distillation_loss",
+]
+
+log = logging.getLogger(__name__)
+
+ARCHIVE_PREFIX = "global@"
+
+
+def archive_name(round_: int) -> str:
+    """The model name under which the global model after `round_` aggregations travels."""
+    return f"{ARCHIVE_PREFIX}{round_}"
+
+
+def archive_round(name: str) -> int | None:
+    """The round of an archived model's name, None for any other name."""
+    if not name.startswith(ARCHIVE_PREFIX):
+        return None
+    tail = name[len(ARCHIVE_PREFIX) :]
+    if not tail.isdigit():
+        raise AlgorithmError(f"persfl: archived model name {name!r} does not end in a round")
+    return int(tail)
+
+
+class PersFLConfig(FedAvgConfig):
+    distill_loss: Literal["kl", "gd"] = "kl"  # "gd": PersFL-GD (soft cross-entropy) [paper]
+    # [ours] λ/T grids (the paper's chosen values range over λ 0–0.75, T 1–25).
+    distill_lambdas: list[float] = Field(
+        default_factory=lambda: [0.0, 0.1, 0.25, 0.5, 0.75, 0.9], min_length=1
+    )
+    distill_temperatures: list[float] = Field(
+        default_factory=lambda: [1.0, 2.0, 4.0, 8.0, 16.0], min_length=1
+    )
+    distill_epochs: int = Field(5, ge=1)  # [ours] epochs of each grid point's distillation
+    # Coordinator: how many of the latest global models it keeps for new participants [ours].
+    archive_size: int = Field(10, ge=0)
+
+    @field_validator("distill_lambdas")
+    @classmethod
+    def _lambdas_in_unit_interval(cls, v: list[float]) -> list[float]:
+        if any(not 0 <= x <= 1 for x in v):
+            raise ValueError(f"every λ must lie in [0, 1], got {v}")
+        return v
+
+    @field_validator("distill_temperatures")
+    @classmethod
+    def _temperatures_positive(cls, v: list[float]) -> list[float]:
+        if any(not x > 0 for x in v):
+            raise ValueError(f"every temperature must be > 0, got {v}")
+        return v
+
+
+def distillation_loss(
+    kind: Literal["kl", "gd"],
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    target: torch.Tensor,
+    lam: float,
+    temperature: float,
+) -> torch.Tensor:
+    """(1−λ)·CE(z_s, y) + λ·(T²-scaled KL or soft CE of the teacher's softened outputs)."""
+    hard = cross_entropy(student_logits, target)
+    if lam == 0:
+        return hard  # the soft term would be multiplied by zero
+    soft_fn = kl_distill if kind == "kl" else soft_cross_entropy
+    return (1 - lam) * hard + lam * soft_fn(student_logits, teacher_logits, temperature)
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    lam: float
+    temperature: float
+    val_correct: int
+    val_total: int
+    val_loss: float
+
+    @property
+    def val_acc(self) -> float:
+        return self.val_correct / self.val_total if self.val_total else float("nan")
+
+    def beats(self, other: GridPoint | None) -> bool:
+        """Higher validation accuracy wins; on a tie, lower validation loss; else the earlier."""
+        if other is None:
+            return True
+        if self.val_correct != other.val_correct:
+            return self.val_correct > other.val_correct
+        return self.val_loss < other.val_loss
+
+
+@register_algorithm
+class PersFL(ClientAlgorithm):
+    name = "persfl"
+    config_cls = PersFLConfig
+    config: PersFLConfig
+
+    def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
+        super().__init__(ctx, config)
+        self.model: nn.Module | None = None  # stage 1: this client's copy of the global model
+        self.model_spec: ArchSpec | None = None
+        self.teacher: nn.Module | None = None
+        self.teacher_spec: ArchSpec | None = None
+        self.teacher_round: int | None = None
+        self.teacher_loss = math.inf
+        self.student: nn.Module | None = None
+        self.choice: GridPoint | None = None
+        self.grid: list[GridPoint] = []
+        self.diverged: list[tuple[float, float]] = []  # (λ, T) whose training loss went NaN/inf
+        self.student_init: Literal["teacher", "scratch"] | None = None
+
+    # -- stage 1 ---------------------------------------------------------------------------
+    def _val_loss(self, model: nn.Module) -> float:
+        d = self.ctx.data
+        if len(d.y_val) == 0:
+            raise AlgorithmError(
+                "persfl picks its teacher (and λ, T) on the validation split and this client has "
+                "none; give it validation data (e.g. data.split = [0.6, 0.2, 0.2])"
+            )
+        return self.ctx.trainer.evaluate(model, d.x_val, d.y_val).loss
+
+    def consider_teacher(self, round_: int, candidate: WireModel) -> bool:
+        """Keep `candidate` as the teacher when its validation CE is the lowest so far."""
+        d = self.ctx.data
+        if candidate.spec.num_classes != d.num_classes:
+            raise AlgorithmError(
+                f"persfl: the global model predicts {candidate.spec.num_classes} classes, this "
+                f"client has {d.num_classes}"
+            )
+        model = self._materialize(candidate)
+        loss = self._val_loss(model)
+        if not loss < self.teacher_loss:
+            return False
+        self.teacher, self.teacher_spec = model, candidate.spec
+        self.teacher_round, self.teacher_loss = round_, loss
+        return True
+
+    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        glob = self._require(models, "global")
+        # The task of round r carries the global model after r−1 aggregations (none in round 1).
+        if round_ > 1:
+            self.consider_teacher(round_ - 1, glob)
+        if self.model is None or glob.spec != self.model_spec:
+            self.model, self.model_spec = self._materialize(glob), glob.spec
+        else:
+            self.model.load_state_dict(glob.weights)
+        cfg, trainer = self.config, self.ctx.trainer
+        opt = trainer.optimizer(self.model.parameters(), cfg, lr=cfg.lr_at(round_, rounds))
+        loss = trainer.train_epochs(self.model, self.ctx.data, cfg, optimizer=opt)
+        return FitResult(
+            models={"model": WireModel.of(glob.spec, self.model)},
+            metrics={"train_loss": loss},
+            n_samples=self.ctx.data.n_train,
+        )
+
+    # -- stage 2 ---------------------------------------------------------------------------
+    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        """Stage 2 against the final global model ("global") and any archived ones."""
+        candidates = [
+            (r, m) for name, m in models.items() if (r := archive_round(name)) is not None
+        ]
+        if "global" in models:
+            candidates.append((rounds, models["global"]))
+        result = self.personalize(sorted(candidates, key=lambda c: c[0]))
+        glob = models.get("global")
+        if glob is not None and glob.spec.num_classes == self.ctx.data.num_classes:
+            result.metrics |= self._scores("global", self._materialize(glob))
+        return result
+
+    def personalize(self, candidates: Iterable[tuple[int, WireModel]]) -> FitResult:
+        """Pick the teacher among the kept one and `candidates` (round, model), then distil.
+
+        A client that took part in training already holds a teacher; a new participant brings
+        none and chooses among the archived global models it is given.
+        """
+        for round_, model in candidates:
+            self.consider_teacher(round_, model)
+        if self.teacher is None or self.teacher_spec is None:
+            raise AlgorithmError(
+                "persfl: no teacher to distil from; the finalize task carried no global model"
+            )
+        self.student, self.choice = self._distill_grid(self.teacher, self.teacher_spec)
+        assert self.choice is not None
+        return FitResult(
+            metrics=self._scores("personal", self.student),
+            n_samples=self.ctx.data.n_train,
+            details={
+                "teacher_round": self.teacher_round,
+                "teacher_val_loss": self.teacher_loss,
+                "distill_lambda": self.choice.lam,
+                "distill_T": self.choice.temperature,
+                "student_init": self.student_init,
+                "diverged_points": len(self.diverged),
+            },
+        )
+
+    def _grid(self) -> list[tuple[float, float]]:
+        # λ = 0 is plain supervised training whatever T is: run it once.
+        temps = self.config.distill_temperatures
+        points: list[tuple[float, float]] = []
+        for lam in self.config.distill_lambdas:
+            for t in temps[:1] if lam == 0 else temps:
+                if (lam, t) not in points:
+                    points.append((lam, t))
+        return points
+
+    def _distill_grid(
+        self, teacher: nn.Module, teacher_spec: ArchSpec
+    ) -> tuple[nn.Module, GridPoint]:
+        trainer, d = self.ctx.trainer, self.ctx.data
+        z_teacher = trainer.logits(teacher, d.x_train)  # the teacher is fixed: its logits once
+        student = self._build(self.ctx.spec, salt=2)
+        if self.ctx.spec == teacher_spec:
+            student.load_state_dict(teacher.state_dict())
+            self.student_init = "teacher"
+        else:
+            self.student_init = "scratch"
+        init = state_of(student)
+        batch_order = trainer.generator.get_state()
+        best: GridPoint | None = None
+        best_state: dict[str, torch.Tensor] = init
+        self.grid, self.diverged = [], []
+        for lam, t in self._grid():
+            student.load_state_dict(init)
+            trainer.generator.set_state(batch_order)
+            try:
+                self.distill(student, z_teacher, lam, t)
+            except FloatingPointError as exc:  # a bad (λ, T) for this lr: not a candidate
+                log.warning(
+                    "%s: distillation at λ=%g, T=%g diverged (%s)", self.ctx.client_id, lam, t, exc
+                )
+                self.diverged.append((lam, t))
+                continue
+            r = trainer.evaluate(student, d.x_val, d.y_val)
+            point = GridPoint(lam, t, r.correct, r.total, r.loss)
+            self.grid.append(point)
+            if point.beats(best):
+                best, best_state = point, state_of(student)
+        if best is None:
+            raise AlgorithmError(
+                f"persfl: distillation diverged at every (λ, T) of the grid {self.diverged}; "
+                "lower the learning rate"
+            )
+        student.load_state_dict(best_state)
+        return student, best
+
+    def distill(
+        self, student: nn.Module, z_teacher: torch.Tensor, lam: float, temperature: float
+    ) -> float:
+        """`distill_epochs` of the distillation loss on the training split; mean batch loss.
+
+        `z_teacher` holds the teacher's logits for every training sample, in order.
+        """
+        cfg, trainer, d = self.config, self.ctx.trainer, self.ctx.data
+        opt = trainer.optimizer(student.parameters(), cfg)
+        student.train()
+        losses = []
+        for _ in range(cfg.distill_epochs):
+            for idx in trainer.epoch(d.n_train, cfg.batch_size):
+                x, y = d.x_train.index_select(0, idx), d.y_train.index_select(0, idx)
+                with trainer.autocast():
+                    z_s = student(x)
+                loss = distillation_loss(
+                    cfg.distill_loss, z_s, z_teacher.index_select(0, idx), y, lam, temperature
+                )
+                losses.append(trainer.step(loss, [opt]))
+        return sum(losses) / len(losses) if losses else math.nan
+
+    # -- evaluation ------------------------------------------------------------------------
+    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+        """The distilled student; before stage 2, the teacher (the best global model so far)."""
+        if self.student is not None:
+            return self.ctx.spec, self.student
+        if self.teacher is not None and self.teacher_spec is not None:
+            return self.teacher_spec, self.teacher
+        raise RuntimeError("persfl: no model before the first global model arrived")
+
+    def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
+        """The student after stage 2; before it, the model that would be the teacher now.
+
+        That is the received global model when its validation CE beats the kept teacher's (the
+        next fit task carries it again and keeps it, labelled with its round).
+        """
+        glob = models.get("global")
+        g_model = self._materialize(glob) if glob is not None else None
+        if self.student is not None:
+            model = self.student
+        elif g_model is not None and (
+            self.teacher is None or self._val_loss(g_model) < self.teacher_loss
+        ):
+            model = g_model
+        elif self.teacher is not None:
+            model = self.teacher
+        else:
+            raise AlgorithmError("persfl: nothing to evaluate before the first global model")
+        out = self._scores("personal", model)
+        if (
+            g_model is not None
+            and glob is not None
+            and glob.spec.num_classes == self.ctx.data.num_classes
+        ):
+            out |= self._scores("global", g_model)
+        return out

@@ -1,0 +1,171 @@
+"""Deployment over a real broker: the coordinator daemon and edge clients as separate processes."""
+
+import json
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+from tests_helpers import tiny_config
+
+from coordinator.broker import free_port
+from coordinator.deploy import run_coordinator
+from coordinator.simulator import simulate
+from edge_sdk.inference import OnnxPredictor
+
+EDGEFL = str(Path(sys.executable).parent / "edgefl")
+# The same small federation for every test: 3 clients on 8×8 digits, FML, 2 rounds.
+DATA = ["--dataset", "digits", "--max-samples", "800", "--partition", "iid", "--clients", "3"]
+SETS = ["--set", 'data.options={"size": 8}', "--set", "device=cpu"]
+ARCHS = ["mlr", "mlp", "cnn1"]
+
+
+def _deploy(url, tmp_path, run_id):
+    """`edgefl coordinator` and three `edgefl client` processes; returns their outcomes."""
+    common = ["--broker", url, "--run-id", run_id]
+    out = tmp_path / "out"
+    run = ["--algorithm", "fml", "--clients", "3", "--rounds", "2", "--global-model", "mlr"]
+    training = ["--local-epochs", "2", "--batch-size", "32", "--lr", "0.1"]
+    commands = [[EDGEFL, "coordinator", *common, *run, *training, "--out", str(out), *SETS]]
+    for i, arch in enumerate(ARCHS):
+        me = ["--id", f"c{i}", "--model", arch, "--index", str(i), "--seed", "0", "--threads", "1"]
+        state = ["--state-dir", str(tmp_path / f"state{i}")]
+        commands.append([EDGEFL, "client", *common, *me, *DATA, *state, *SETS])
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd in commands
+    ]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0, 0, 0], "\n\n".join(logs)
+    return out, logs
+
+
+def _check_deployment(out, tmp_path):
+    results = json.loads((out / "results.json").read_text())
+    rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert all(r["replied"] == ["c0", "c1", "c2"] for r in rounds)
+    assert (out / "report.md").is_file()
+    for i, arch in enumerate(ARCHS):
+        predictor = OnnxPredictor(tmp_path / f"state{i}" / f"c{i}.onnx")
+        assert predictor.spec.family == arch
+    return results
+
+
+def test_coordinator_and_three_client_processes_run_fml_over_mosquitto(mosquitto, tmp_path):
+    out, logs = _deploy(mosquitto.url, tmp_path, "e2e-mosquitto")
+    results = _check_deployment(out, tmp_path)
+    assert [c["arch"] for c in results["clients"]] == ARCHS
+    assert results["summary"]["mean_personal_acc"] > 0.5
+    assert "round 2/2 ok" in logs[0]
+    # Deployed over processes and simulated in one process: the same per-client accuracies.
+    cfg = tiny_config(
+        algorithm="fml",
+        models=ARCHS,
+        global_model="mlr",
+        clients=3,
+        rounds=2,
+        local_epochs=2,
+        batch_size=32,
+        lr=0.1,
+        parallel=2,
+    )
+    simulated = simulate(cfg, progress=False)
+    deployed = [c["personal_acc"] for c in results["clients"]]
+    assert deployed == [c["personal_acc"] for c in simulated["clients"]]
+
+
+def test_the_same_deployment_runs_over_the_embedded_amqtt_broker(amqtt_broker, tmp_path):
+    out, _ = _deploy(amqtt_broker.url, tmp_path, "e2e-amqtt")
+    _check_deployment(out, tmp_path)
+
+
+def test_fml_over_mosquitto_gives_the_in_memory_simulators_accuracies(mosquitto):
+    def run(**kw):
+        cfg = tiny_config(
+            algorithm="fml", models=ARCHS, global_model="mlr", clients=3, rounds=2, **kw
+        )
+        res = simulate(cfg, progress=False)
+        return [c["personal_acc"] for c in res["clients"]], [r["global_acc"] for r in res["rounds"]]
+
+    assert run(**{"broker.url": mosquitto.url}) == run()
+
+
+def test_the_daemon_logs_rounds_and_serves_prometheus_metrics(mosquitto, tmp_path):
+    port = free_port()
+    cfg = tiny_config(
+        algorithm="fedavg",
+        clients=2,
+        rounds=2,
+        run_id="metrics",
+        out=str(tmp_path),
+        metrics_port=port,
+        **{"broker.url": mosquitto.url},
+    )
+    scraped = []
+
+    def scrape(rec):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            scraped.append(r.read().decode())
+
+    from coordinator.simulator import prepare_federation, transport_factory
+    from edge_sdk.client import EdgeClient
+    from model_zoo import ArchSpec
+
+    fed = prepare_federation(cfg)
+    connect = transport_factory(cfg, "metrics")
+    spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
+    clients = [
+        EdgeClient(cid, spec, data, connect(cid), run_id="metrics", seed=i)
+        for i, (cid, data) in enumerate(zip(fed.client_ids, fed.client_data, strict=True))
+    ]
+    starter = threading.Timer(0.5, lambda: [c.start() for c in clients])
+    starter.start()
+    try:
+        results = run_coordinator(cfg, on_round=scrape)
+    finally:
+        starter.join()
+        for c in clients:
+            c.stop()
+            c.transport.close()
+    first, second = scraped
+    assert "edgefl_rounds_completed_total 1.0" in first
+    assert "edgefl_rounds_completed_total 2.0" in second
+    assert "edgefl_clients_registered 2.0" in second and "edgefl_clients_online 2.0" in second
+    assert "edgefl_bytes_out_total" in second and "edgefl_round_seconds_count 2.0" in second
+    lines = (tmp_path / "rounds.jsonl").read_text().splitlines()
+    assert [json.loads(x)["round"] for x in lines] == [1, 2]
+    assert results["summary"]["mean_personal_acc"] is not None
+
+
+def test_a_password_on_the_command_line_is_refused():
+    res = subprocess.run(
+        [EDGEFL, "coordinator", "--broker", "mqtt://me:secret@127.0.0.1:1", "--clients", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2
+    assert "EDGEFL_BROKER__PASSWORD" in res.stderr and "secret" not in res.stderr
+
+
+@pytest.mark.parametrize("where", ["toml", "env", "flag"])
+def test_settings_resolve_toml_then_environment_then_flags(where, tmp_path, monkeypatch):
+    from coordinator.config import load_config
+
+    toml = tmp_path / "c.toml"
+    toml.write_text("rounds = 3\n[fml]\nalpha = 0.1\n")
+    if where in ("env", "flag"):
+        monkeypatch.setenv("EDGEFL_ROUNDS", "4")
+        monkeypatch.setenv("EDGEFL_FML__ALPHA", "0.2")
+    flags = {"rounds": 5, "fml.alpha": 0.3} if where == "flag" else {}
+    cfg = load_config(toml, flags)
+    expected = {"toml": (3, 0.1), "env": (4, 0.2), "flag": (5, 0.3)}[where]
+    assert (cfg.rounds, cfg.fml.alpha) == expected

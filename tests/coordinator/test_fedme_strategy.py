@@ -1,0 +1,236 @@
+"""FedMe's server half: the cluster schedule, exchange within clusters, per-model aggregation,
+returning each client the model it chose, and the unlabeled set it clusters on."""
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from tests_helpers import tiny_config
+
+from coordinator.server_data import ServerData, UnlabeledDataError, load_unlabeled
+from coordinator.simulator import prepare_federation
+from coordinator.strategies import ClientInfo, FitReply, IncompatibleClients, StrategyError
+from coordinator.strategies.fedme import FedMeStrategy, exchange_partners, per_model_average
+from edge_sdk.algorithms.fedme import FedMeConfig
+from edge_sdk.codec import WireModel
+from edge_sdk.protocol import Capabilities
+from model_zoo import ArchSpec, build
+
+MLR = ArchSpec(family="mlr", num_classes=2, input_shape=(3,))
+MLP = ArchSpec(family="mlp", num_classes=2, input_shape=(3,), kwargs={"hidden": [4]})
+U = torch.randn(40, 3, generator=torch.Generator().manual_seed(0))
+
+
+def _strategy(specs, rounds=10, unlabeled=U, **cfg) -> FedMeStrategy:
+    clients = {
+        f"c{i}": ClientInfo(f"c{i}", s, Capabilities(n_train=10, num_classes=s.num_classes))
+        for i, s in enumerate(specs)
+    }
+    s = FedMeStrategy(
+        FedMeConfig(**cfg),
+        clients=clients,
+        global_spec=None,
+        rounds=rounds,
+        seed=0,
+        server_data=ServerData(unlabeled=unlabeled),
+    )
+    s.setup()
+    return s
+
+
+def _filled(spec: ArchSpec, value: float) -> dict[str, torch.Tensor]:
+    return {k: torch.full_like(v, value) for k, v in build(spec).state_dict().items()}
+
+
+# -- schedule and exchange -----------------------------------------------------------------------
+def test_fedme_cluster_counts_follow_the_fraction_of_rounds_done():
+    cfg = FedMeConfig()  # 1, 2, 3, 4 clusters from 0, 50, 75, 90 % of the rounds
+    got = [cfg.clusters_at(r, 20) for r in range(1, 21)]
+    # By hand for 20 rounds: rounds 1-10 → 1, 11-15 → 2, 16-18 → 3, 19-20 → 4.
+    assert got == [1] * 10 + [2] * 5 + [3] * 3 + [4] * 2
+
+
+@pytest.mark.parametrize(
+    ("counts", "starts", "needle"),
+    [
+        ([1, 2], [0.0], "same length"),
+        ([1, 2], [0.1, 0.5], "start at 0"),
+        ([1, 2], [0.0, 1.0], "below 1"),
+    ],
+)
+def test_fedme_schedule_errors_are_clear(counts, starts, needle):
+    with pytest.raises(ValueError, match=needle):
+        FedMeConfig(cluster_counts=counts, cluster_starts=starts)
+
+
+def test_exchange_never_pairs_across_clusters_when_a_partner_exists():
+    rng = np.random.default_rng(0)
+    ids = [f"c{i}" for i in range(9)]
+    for _ in range(200):
+        labels = rng.integers(0, 4, size=len(ids)).tolist()
+        partners = exchange_partners(ids, labels, rng)
+        for cid, label in zip(ids, labels, strict=True):
+            mates = [o for o, lab in zip(ids, labels, strict=True) if lab == label and o != cid]
+            p = partners[cid]
+            assert p != cid
+            if mates:
+                assert labels[ids.index(p)] == label
+
+
+def test_exchange_gives_a_singleton_a_random_other_client():
+    rng = np.random.default_rng(1)
+    ids, labels = ["a", "b", "c", "d"], [0, 1, 1, 1]  # "a" is alone in its cluster
+    seen = {exchange_partners(ids, labels, rng)["a"] for _ in range(100)}
+    assert seen == {"b", "c", "d"}
+
+
+def test_fedme_clusters_models_by_their_outputs_on_the_unlabeled_set():
+    # Prepare: six MLR models in two families whose outputs differ in sign; two clusters.
+    s = _strategy([MLR] * 6, cluster_counts=[2], cluster_starts=[0.0])
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(2, 3, generator=g)
+    group = {}
+    for i, cid in enumerate(s.clients):
+        sign = 1.0 if i % 2 == 0 else -1.0
+        group[cid] = sign
+        w = sign * base + 0.05 * torch.randn(2, 3, generator=g)
+        s.models[cid] = WireModel(MLR, {"linear.weight": w, "linear.bias": torch.zeros(2)})
+
+    for r in range(1, 6):
+        # Execute
+        plan = s.configure_fit(r)
+
+        # Assert: everyone is sent its own model and a partner of its own family
+        for cid, models in plan.items():
+            assert models["personal"] is s.models[cid]
+            partner = s.exchange[cid]
+            assert partner != cid and group[partner] == group[cid]
+            assert models["exchanged"] is s.models[partner]
+
+
+# -- aggregation ---------------------------------------------------------------------------------
+def _reply(cid, personal, exchanged, adopted):
+    return FitReply(
+        cid, {"personal": personal, "exchanged": exchanged}, metrics={"adopted": float(adopted)}
+    )
+
+
+def test_per_model_average_is_the_owner_and_its_copies_over_s_plus_one():
+    # c0 owns an MLR that c1 and c2 were sent; c1 owns an MLP sent to c0; c2's MLR went to nobody.
+    exchange = {"c0": "c1", "c1": "c0", "c2": "c0"}
+    replies = {
+        "c0": _reply(
+            "c0", WireModel(MLR, _filled(MLR, 1.0)), WireModel(MLP, _filled(MLP, 10.0)), 0
+        ),
+        "c1": _reply(
+            "c1", WireModel(MLP, _filled(MLP, 20.0)), WireModel(MLR, _filled(MLR, 4.0)), 0
+        ),
+        "c2": _reply(
+            "c2", WireModel(MLR, _filled(MLR, 7.0)), WireModel(MLR, _filled(MLR, 13.0)), 0
+        ),
+    }
+    out = per_model_average(replies, exchange)
+    expected = {"c0": (1 + 4 + 13) / 3, "c1": (20 + 10) / 2, "c2": 7.0}
+    assert set(out) == set(expected)
+    for m, value in expected.items():
+        assert all(torch.allclose(v, torch.full_like(v, value)) for v in out[m].values()), m
+
+
+def test_fedme_returns_each_client_the_aggregate_of_the_model_it_chose():
+    # Prepare: c0 (mlr) and c1 (mlp) swap models; c1 adopts c0's MLR, c0 keeps its own.
+    s = _strategy([MLR, MLP])
+    s.configure_fit(1)
+    assert s.exchange == {"c0": "c1", "c1": "c0"}
+    replies = {
+        "c0": _reply("c0", WireModel(MLR, _filled(MLR, 2.0)), WireModel(MLP, _filled(MLP, 5.0)), 0),
+        "c1": _reply("c1", WireModel(MLP, _filled(MLP, 3.0)), WireModel(MLR, _filled(MLR, 4.0)), 1),
+    }
+
+    # Execute
+    s.aggregate_fit(1, replies)
+
+    # Assert: both now hold the MLR (2 + 4) / 2 = 3; the MLP (3 + 5) / 2 is nobody's any more.
+    for cid in ("c0", "c1"):
+        m = s.models[cid]
+        assert m.spec == MLR
+        assert all(torch.allclose(v, torch.full_like(v, 3.0)) for v in m.weights.values())
+    evals = s.configure_evaluate(1)
+    assert {c: m["personal"].spec for c, m in evals.items()} == {"c0": MLR, "c1": MLR}
+    assert s.configure_finalize()["c1"]["personal"] is s.models["c1"]
+
+
+def test_fedme_refuses_a_reply_that_does_not_say_whether_it_adopted():
+    s = _strategy([MLR, MLR])
+    s.configure_fit(1)
+    bad = FitReply(
+        "c0",
+        {"personal": WireModel(MLR, _filled(MLR, 1)), "exchanged": WireModel(MLR, _filled(MLR, 1))},
+    )
+    with pytest.raises(StrategyError, match="adopted"):
+        s.aggregate_fit(1, {"c0": bad})
+
+
+def test_fedme_state_survives_a_checkpoint():
+    s = _strategy([MLR, MLP, MLR])
+    s.configure_fit(1)
+    fresh = _strategy([MLR, MLP, MLR])
+    fresh.load_state_dict(s.state_dict())
+    assert fresh.exchange == s.exchange
+    for cid, m in s.models.items():
+        assert fresh.models[cid].spec == m.spec
+        assert all(torch.equal(fresh.models[cid].weights[k], v) for k, v in m.weights.items())
+    assert fresh.configure_fit(2).keys() == s.configure_fit(2).keys()
+    assert fresh.exchange == s.exchange  # the same rng draws from here on
+
+
+def test_fedme_needs_two_clients_and_one_label_space():
+    with pytest.raises(IncompatibleClients, match="at least 2"):
+        _strategy([MLR])
+    with pytest.raises(IncompatibleClients, match="same classes"):
+        _strategy([MLR, MLR.with_(num_classes=3)])
+
+
+# -- the unlabeled set ---------------------------------------------------------------------------
+def test_fedme_without_an_unlabeled_set_says_how_to_give_one():
+    with pytest.raises(StrategyError, match="unlabeled_path"):
+        _strategy([MLR, MLR], unlabeled=None)
+    with pytest.raises(StrategyError, match=r"shape \(4,\)"):
+        _strategy([MLR, MLR], unlabeled=torch.zeros(5, 4))
+
+
+def test_fedme_reads_the_unlabeled_set_named_in_its_config(tmp_path):
+    np.save(tmp_path / "u.npy", U.numpy())
+    s = _strategy([MLR, MLR], unlabeled=None, unlabeled_path=str(tmp_path / "u.npy"))
+    assert torch.equal(s.unlabeled, U)
+
+
+def test_load_unlabeled_reads_npy_and_safetensors_and_refuses_the_rest(tmp_path):
+    np.save(tmp_path / "a.npy", U.numpy())
+    save_file({"inputs": U}, tmp_path / "b.safetensors")
+    save_file({"x": U, "y": U.clone()}, tmp_path / "c.safetensors")
+    np.save(tmp_path / "d.npy", np.array([{"code": 1}], dtype=object), allow_pickle=True)
+    np.save(tmp_path / "e.npy", np.full((3, 2), np.nan, dtype=np.float32))
+    assert torch.equal(load_unlabeled(tmp_path / "a.npy"), U)
+    assert torch.equal(load_unlabeled(tmp_path / "b.safetensors"), U)
+    for name, needle in [
+        ("c.safetensors", "name the inputs 'inputs'"),
+        ("d.npy", "not a plain .npy"),
+        ("e.npy", "NaN"),
+        ("missing.npy", "does not exist"),
+    ]:
+        with pytest.raises(UnlabeledDataError, match=needle):
+            load_unlabeled(tmp_path / name)
+
+
+def test_simulation_holds_the_unlabeled_set_out_of_every_clients_data():
+    cfg = tiny_config(algorithm="fedme", overrides={"fedme.unlabeled_size": 100})
+    plain = prepare_federation(tiny_config(algorithm="fedavg"))
+    fed = prepare_federation(cfg)
+    assert fed.server_data.unlabeled is not None and len(fed.server_data.unlabeled) == 100
+    assert len(fed.dataset) == len(plain.dataset) - 100
+    held = {tuple(row.tolist()) for row in fed.server_data.unlabeled.flatten(1)}
+    for data in fed.client_data:
+        for split in (data.x_train, data.x_val, data.x_test):
+            assert not held & {tuple(row.tolist()) for row in split.flatten(1)}
+    with pytest.raises(ValueError, match=r"lower fedme\.unlabeled_size"):
+        prepare_federation(tiny_config(algorithm="fedme", overrides={"fedme.unlabeled_size": 800}))

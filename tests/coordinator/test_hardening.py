@@ -1,0 +1,223 @@
+"""Bad peers cost only their own messages: each test here names one way to misbehave."""
+
+import json
+
+import pytest
+import torch
+from tests_helpers import eventually, small_federation
+
+from edge_sdk import topics
+from edge_sdk.algorithms import FitResult
+from edge_sdk.client import EdgeClient
+from edge_sdk.codec import WeightsError, check_weights
+from edge_sdk.protocol import Capabilities, Register, Task, decode, encode
+from edge_sdk.transport import InMemoryBroker
+from edge_sdk.wire import Endpoint, message_frame, pack_models
+from model_zoo import ArchSpec
+
+
+def _liar(**changes):
+    """An EdgeClient whose replies carry whatever `changes` says (metrics, n_samples)."""
+
+    class Liar(EdgeClient):
+        def run_task(self, task, blobs):
+            result = super().run_task(task, blobs)
+            metrics = dict(result.metrics)
+            if task.phase != "fit" and "metrics" in changes:
+                metrics = changes["metrics"](metrics)
+            n = changes.get("n_samples", result.n_samples) if task.phase == "fit" else 0
+            return FitResult(models=result.models, metrics=metrics, n_samples=n)
+
+    return Liar
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        pytest.param(lambda m: {k: v for k, v in m.items() if k != "personal_total"}, id="missing"),
+        pytest.param(lambda m: m | {"personal_correct": m["personal_total"] + 5}, id="above-1"),
+        pytest.param(lambda m: m | {"personal_correct": -1.0}, id="negative"),
+        pytest.param(lambda m: m | {"personal_total": 1e9, "personal_correct": 1.0}, id="huge"),
+        pytest.param(lambda m: m | {"global_correct": 2.5}, id="fractional"),
+    ],
+)
+def test_replies_with_malformed_metrics_are_rejected_and_the_run_goes_on(corrupt):
+    coordinator, clients = small_federation(client_cls=_liar(metrics=corrupt), quorum=0.5)
+    for c in clients:
+        c.start()
+    result = coordinator.run()
+    assert len(result.rounds) == 2 and result.rounds[-1].mean_personal_acc is not None
+    assert coordinator.stats.rejected["invalid_reply"] >= 3  # two evaluations + finalize
+    by_id = {c.id: c for c in result.clients}
+    assert by_id["c0"].personal_acc is None and by_id["c1"].personal_acc is not None
+
+
+def test_a_reply_claiming_more_samples_than_registered_is_not_averaged():
+    coordinator, clients = small_federation(client_cls=_liar(n_samples=10**12), quorum=0.5)
+    for c in clients:
+        c.start()
+    result = coordinator.run()
+    assert all(r.replied == ["c1", "c2"] for r in result.rounds)
+    assert coordinator.stats.rejected["invalid_reply"] >= 2
+
+
+def _raw(broker, cid):
+    """A peer that publishes hand-made frames on `cid`'s up topic."""
+    t = broker.connect(f"raw-{cid}")
+    return lambda frame: t.publish(topics.up("default", cid), frame)
+
+
+def _register(sender, **caps):
+    spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
+    capabilities = {"n_train": 10, "num_classes": 10, "algorithms": ["fedavg"]} | caps
+    return Register(run="default", sender=sender, spec=spec, capabilities=capabilities)
+
+
+def test_registrations_with_invalid_or_mismatched_senders_are_dropped():
+    broker = InMemoryBroker()
+    coordinator, clients = small_federation(broker=broker)
+    bad_id = json.loads(encode(_register("ok")))
+    bad_id["sender"] = "no/slashes here"
+    _raw(broker, "x")(b"EF1M" + json.dumps(bad_id).encode())  # not an id: malformed
+    _raw(broker, "c9")(message_frame(_register("c1")))  # on c9's topic, claims to be c1
+    for c in clients:
+        c.start()
+    result = coordinator.run()
+    assert [c.id for c in result.clients] == ["c0", "c1", "c2"]
+    assert coordinator.endpoint.rejections["malformed"] == 1
+    assert coordinator.stats.rejected["sender_mismatch"] == 1
+
+
+def test_a_huge_class_count_is_refused_before_anything_is_built():
+    with pytest.raises(ValueError, match="less than or equal"):
+        Capabilities(n_train=1, num_classes=10**9)
+    broker = InMemoryBroker()
+    coordinator, clients = small_federation(broker=broker)
+    got = []
+    broker.connect("spy").subscribe(topics.down("default", "big"), lambda t, p: got.append(p))
+    spec = ArchSpec(family="mlr", num_classes=50_000, input_shape=(3, 224, 224))
+    big = Register(
+        run="default",
+        sender="big",
+        spec=spec,
+        capabilities={"n_train": 10, "num_classes": 50_000, "algorithms": ["fedavg"]},
+    )
+    _raw(broker, "big")(message_frame(big))
+    for c in clients:
+        c.start()
+    assert [c.id for c in coordinator.run().clients] == ["c0", "c1", "c2"]
+    answer = decode(got[0][4:])
+    assert answer.accepted is False and "over the limit" in answer.reason
+
+
+def test_tensor_dtypes_must_match_the_architecture():
+    reference = {"w": torch.zeros(2, 2), "steps": torch.zeros((), dtype=torch.int64)}
+    with pytest.raises(WeightsError, match=r"is torch\.int32, expected torch\.float32"):
+        check_weights(
+            {"w": torch.zeros(2, 2, dtype=torch.int32), "steps": reference["steps"]}, reference
+        )
+
+
+# -- reassembly: memory and scope ------------------------------------------------------------
+def _chunk(blob, index, count, size, data):
+    header = json.dumps({"blob": blob, "index": index, "count": count, "size": size}).encode()
+    return b"EF1C" + len(header).to_bytes(4, "big") + header + data
+
+
+def test_reassembly_memory_is_bounded_by_bytes_received_not_by_headers():
+    broker = InMemoryBroker()
+    rx = Endpoint(broker.connect("rx", max_payload_bytes=2**21), "in", max_pending_bytes=4096)
+    rx.open()
+    tx = broker.connect("tx", max_payload_bytes=2**21)
+    for i in range(50):  # each claims a 2-byte blob and carries 1 MiB
+        tx.publish("in", _chunk(f"b{i}", 0, 2, 2, b"x" * 2**20))
+    assert rx._held <= 4096
+    assert rx.rejected == 50
+    for i in range(50):  # honest small chunks still fit, until the bound says no
+        tx.publish("in", _chunk(f"s{i}", 0, 2, 200, b"y" * 100))
+    assert rx._held <= 4096
+    rx.close()
+
+
+def test_incomplete_blobs_expire_on_a_timer_without_receive():
+    broker = InMemoryBroker()
+    rx = Endpoint(broker.connect("rx"), "in", blob_timeout_s=0.1).open()
+    broker.connect("tx").publish("in", _chunk("half", 0, 2, 20, b"x" * 10))
+    assert rx._held == 10
+    eventually(lambda: rx._held == 0 and not rx._blobs, timeout=3)
+    rx.close()
+
+
+def test_one_peer_cannot_preempt_another_peers_blob():
+    broker = InMemoryBroker()
+    rx = Endpoint(broker.connect("rx"), topics.up_all("r")).open()
+    spec = ArchSpec(family="mlr", num_classes=3, input_shape=(4,))
+    from edge_sdk.codec import WireModel
+    from model_zoo import build
+
+    refs, blobs = pack_models({"m": WireModel.of(spec, build(spec, seed=0))})
+    blob_id = refs["m"].blob.id
+    # Mallory sees the id go by and races a blob of her own under it, on her own topic.
+    mallory = broker.connect("mallory")
+    mallory.publish(topics.up("r", "mallory"), _chunk(blob_id, 0, 1, 5, b"evil!"))
+    alice = Endpoint(broker.connect("alice"), "unused")
+    from edge_sdk.protocol import Reply
+
+    reply = Reply(run="r", sender="alice", task_id="t", round=1, phase="fit", ok=True, models=refs)
+    alice.send(topics.up("r", "alice"), reply, blobs)
+    env = rx.receive(timeout=2)
+    assert env is not None and env.blobs[blob_id] == blobs[blob_id]
+    assert env.topic == topics.up("r", "alice")
+    rx.close()
+
+
+# -- the client side -----------------------------------------------------------------------
+def _fit_task(config, task_id="t1", run="default", sender="coordinator"):
+    return Task(
+        run=run,
+        sender=sender,
+        task_id=task_id,
+        round=1,
+        rounds=2,
+        phase="evaluate",
+        algorithm="local",
+        config=config,
+    )
+
+
+def test_a_client_obeys_only_its_runs_coordinator_on_its_own_down_topic():
+    broker = InMemoryBroker()
+    _, clients = small_federation(broker=broker)
+    client = clients[0].start()
+    sender = broker.connect("someone")
+    cfg = {"local_epochs": 1}
+    sender.publish(topics.bcast("default"), message_frame(_fit_task(cfg, "on-bcast")))
+    sender.publish(
+        topics.down("default", "c0"), message_frame(_fit_task(cfg, "other-run", run="x"))
+    )
+    sender.publish(topics.down("default", "c0"), message_frame(_fit_task(cfg, "fake", sender="c1")))
+    sender.publish(topics.down("default", "c1"), message_frame(_fit_task(cfg, "not-mine")))
+    sender.publish(topics.down("default", "c0"), message_frame(_fit_task(cfg, "real")))
+    eventually(lambda: client.tasks_done == 1)
+    assert client._seen == ["real"] or list(client._seen) == ["real"]
+    client.stop()
+
+
+def test_a_task_whose_config_differs_is_refused_and_the_state_is_kept():
+    broker = InMemoryBroker()
+    _, clients = small_federation(broker=broker)
+    client = clients[0].start()
+    replies = []
+    broker.connect("spy").subscribe(topics.up("default", "c0"), lambda t, p: replies.append(p))
+    down = broker.connect("coord-ish")
+    down.publish(topics.down("default", "c0"), message_frame(_fit_task({"local_epochs": 1}, "a")))
+    eventually(lambda: client.tasks_done == 1)
+    algorithm = client.algorithm
+    before = {k: v.clone() for k, v in algorithm.model.state_dict().items()}
+    down.publish(topics.down("default", "c0"), message_frame(_fit_task({"local_epochs": 7}, "b")))
+    eventually(lambda: client.tasks_done == 2)
+    last = decode([p for p in replies if p.startswith(b"EF1M")][-1][4:])
+    assert last.ok is False and "differs" in last.error
+    assert client.algorithm is algorithm
+    assert all(torch.equal(before[k], v) for k, v in algorithm.model.state_dict().items())
+    client.stop()

@@ -1,0 +1,174 @@
+"""FedMe's device half: model tuning on validation CE and the DML round, each against a
+computation written out here."""
+
+import pytest
+import torch
+
+from edge_sdk.algorithms import AlgorithmError, ClientContext
+from edge_sdk.algorithms.fedme import FedMe, FedMeConfig
+from edge_sdk.codec import WireModel
+from edge_sdk.trainer import ClientData, Trainer
+from model_zoo import ArchSpec, build
+
+FEATURES, CLASSES = 4, 3
+MLR = ArchSpec(family="mlr", num_classes=CLASSES, input_shape=(FEATURES,))
+MLP = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=(FEATURES,), kwargs={"hidden": [6]})
+
+
+def _data(seed=0, n_train=20, n_val=10) -> ClientData:
+    g = torch.Generator().manual_seed(seed)
+    n = n_train + n_val + 10
+    y = torch.arange(n) % CLASSES
+    x = torch.randn(CLASSES, FEATURES, generator=g)[y] + 0.8 * torch.randn(n, FEATURES, generator=g)
+    a, b = n_train, n_train + n_val
+    return ClientData(x[:a], y[:a], x[a:b], y[a:b], x[b:], y[b:], num_classes=CLASSES)
+
+
+def _client(data=None, spec=MLR, **cfg) -> FedMe:
+    ctx = ClientContext(
+        "c0", spec, data or _data(), torch.device("cpu"), 0, Trainer(torch.device("cpu"))
+    )
+    return FedMe(ctx, FedMeConfig(**cfg))
+
+
+def _logits(model: WireModel, x: torch.Tensor) -> torch.Tensor:
+    """An MLR's or a one-hidden-layer MLP's logits, from the weights alone."""
+    w = model.weights
+    if model.spec.family == "mlr":
+        return x @ w["linear.weight"].T + w["linear.bias"]
+    h = torch.relu(x @ w["layers.0.weight"].T + w["layers.0.bias"])
+    return h @ w["layers.2.weight"].T + w["layers.2.bias"]
+
+
+def _ce(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return -(z - torch.logsumexp(z, 1, keepdim=True))[torch.arange(len(y)), y].mean()
+
+
+def _kl(z_student: torch.Tensor, z_teacher: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(teacher) || softmax(student)), batch mean."""
+    log_s = z_student - torch.logsumexp(z_student, 1, keepdim=True)
+    log_t = z_teacher - torch.logsumexp(z_teacher, 1, keepdim=True)
+    return (log_t.exp() * (log_t - log_s)).sum(1).mean()
+
+
+# -- model tuning ------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(6))
+def test_fedme_adopts_the_exchanged_model_exactly_when_its_validation_ce_is_lower(seed):
+    # Prepare: no local epochs, so the validation CEs are those of the models as sent.
+    data = _data()
+    client = _client(data, local_epochs=0)
+    personal = WireModel.of(MLR, build(MLR, seed=100 + seed))
+    exchanged = WireModel.of(MLP, build(MLP, seed=200 + seed))
+    ce_p = float(_ce(_logits(personal, data.x_val), data.y_val))
+    ce_ex = float(_ce(_logits(exchanged, data.x_val), data.y_val))
+
+    # Execute
+    out = client.fit(1, 10, {"personal": personal, "exchanged": exchanged})
+
+    # Assert
+    adopt = ce_ex < ce_p
+    assert out.metrics["adopted"] == float(adopt)
+    assert out.metrics["val_loss_personal"] == pytest.approx(ce_p, rel=1e-5)
+    assert out.metrics["val_loss_exchanged"] == pytest.approx(ce_ex, rel=1e-5)
+    assert client.personalized_model()[0] == (MLP if adopt else MLR)
+    assert out.details == {"arch": "mlp" if adopt else "mlr"}
+
+
+def test_fedme_adoption_outcomes_both_occur_in_the_parametrized_cases():
+    # Guards the test above: its seeds must exercise adopting and keeping.
+    data = _data()
+    outcomes = set()
+    for seed in range(6):
+        p = WireModel.of(MLR, build(MLR, seed=100 + seed))
+        e = WireModel.of(MLP, build(MLP, seed=200 + seed))
+        outcomes.add(
+            float(_ce(_logits(e, data.x_val), data.y_val))
+            < float(_ce(_logits(p, data.x_val), data.y_val))
+        )
+    assert outcomes == {True, False}
+
+
+def test_fedme_keeps_its_model_when_the_exchanged_one_is_only_as_good():
+    same = WireModel.of(MLR, build(MLR, seed=1))
+    client = _client(local_epochs=0)
+    out = client.fit(1, 3, {"personal": same, "exchanged": same})
+    assert out.metrics["adopted"] == 0.0
+
+
+def test_fedme_evaluates_the_model_the_coordinator_returned_whatever_its_architecture():
+    client = _client(local_epochs=0)
+    returned = WireModel.of(MLP, build(MLP, seed=3))
+    client.evaluate({"personal": returned})
+    spec, model = client.personalized_model()
+    assert spec == MLP
+    assert torch.equal(model.layers[0].weight.detach(), returned.weights["layers.0.weight"])
+    out = client.finalize(3, 3, {"personal": returned})
+    assert out.details == {"arch_start": "mlr", "arch_end": "mlp"}
+
+
+def test_fedme_without_validation_data_is_a_clear_error():
+    d = _data()
+    client = _client(
+        ClientData(d.x_train, d.y_train, d.x_val[:0], d.y_val[:0], d.x_test, d.y_test, CLASSES)
+    )
+    m = WireModel.of(MLR, build(MLR))
+    with pytest.raises(AlgorithmError, match="validation split"):
+        client.fit(1, 2, {"personal": m, "exchanged": m})
+
+
+# -- the pinned DML round ------------------------------------------------------------------------
+def _clipped(grads, max_norm):
+    norm = torch.sqrt(sum((g**2).sum() for g in grads))
+    scale = min(1.0, max_norm / (float(norm) + 1e-6))
+    return [g * scale for g in grads], float(norm)
+
+
+def test_fedme_round_is_deep_mutual_learning_with_clipped_momentum_sgd():
+    # Prepare: an MLR client receives an MLP to exchange; full batches; a clip that bites.
+    data = _data()
+    lr, mom, wd, clip, epochs = 0.2, 0.9, 1e-4, 0.5, 2
+    client = _client(
+        data, local_epochs=epochs, batch_size=1000, lr=lr, clip_norm=clip, weight_decay=wd
+    )
+    personal = WireModel.of(MLR, build(MLR, seed=5))
+    exchanged = WireModel.of(MLP, build(MLP, seed=6))
+
+    # Execute
+    out = client.fit(1, 10, {"personal": personal, "exchanged": exchanged})
+
+    # Assert: the same round by hand — both losses, per-model clipping, SGD with momentum.
+    wp = {k: v.clone().requires_grad_(True) for k, v in personal.weights.items()}
+    we = {k: v.clone().requires_grad_(True) for k, v in exchanged.weights.items()}
+    bufs: dict[str, torch.Tensor] = {}
+    norms = []
+    for _ in range(epochs):
+        z_p = _logits(WireModel(MLR, wp), data.x_train)
+        z_e = _logits(WireModel(MLP, we), data.x_train)
+        loss_p = _ce(z_p, data.y_train) + _kl(z_p, z_e.detach())
+        loss_e = _ce(z_e, data.y_train) + _kl(z_e, z_p.detach())
+        for params, loss, tag in ((wp, loss_p, "p"), (we, loss_e, "e")):
+            grads, norm = _clipped(torch.autograd.grad(loss, list(params.values())), clip)
+            norms.append(norm)
+            with torch.no_grad():
+                for (k, w), g in zip(params.items(), grads, strict=True):
+                    d = g + wd * w
+                    key = tag + k
+                    bufs[key] = d if key not in bufs else mom * bufs[key] + d
+                    w.sub_(lr * bufs[key])
+    assert max(norms) > clip  # the clip was active, so the comparison covers it
+    for sent, mine in ((out.models["personal"], wp), (out.models["exchanged"], we)):
+        for k, w in mine.items():
+            assert torch.allclose(sent.weights[k], w.detach(), atol=1e-5), k
+    assert out.models["personal"].spec == MLR and out.models["exchanged"].spec == MLP
+
+
+def test_fedme_recreates_both_optimizers_every_round():
+    # Two rounds from the same models give the same result only if no momentum carries over.
+    data = _data()
+    p, e = WireModel.of(MLR, build(MLR, seed=1)), WireModel.of(MLR, build(MLR, seed=2))
+    client = _client(data, local_epochs=1, batch_size=1000)
+    first = client.fit(1, 5, {"personal": p, "exchanged": e})
+    second = client.fit(2, 5, {"personal": p, "exchanged": e})
+    for name in ("personal", "exchanged"):
+        for k, v in first.models[name].weights.items():
+            assert torch.allclose(second.models[name].weights[k], v, atol=1e-6)

@@ -1,0 +1,138 @@
+"""Property-based fuzzing of what arrives from the network: decoding and chunk reassembly."""
+
+import contextlib
+import hashlib
+import json
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edge_sdk.protocol import BlobRef, ModelRef, ProtocolError, Reply, decode
+from edge_sdk.transport import InMemoryBroker
+from edge_sdk.wire import Endpoint, message_frame
+from model_zoo import ArchSpec
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=8,
+)
+message_like = st.fixed_dictionaries(
+    {"kind": st.sampled_from(["register", "reply", "task", "shutdown", "status", "presence", "x"])},
+    optional={
+        "v": st.integers(-1, 3),
+        "run": st.text(max_size=12),
+        "sender": st.text(max_size=12),
+        "task_id": json_values,
+        "round": json_values,
+        "ok": json_values,
+        "metrics": json_values,
+        "models": json_values,
+        "n_samples": json_values,
+    },
+)
+
+
+@FAST
+@given(st.binary(max_size=512))
+def test_decode_of_arbitrary_bytes_raises_only_protocol_errors(data):
+    with contextlib.suppress(ProtocolError):
+        decode(data)
+
+
+@settings(FAST, max_examples=80)
+@given(message_like)
+def test_decode_of_message_shaped_json_accepts_only_valid_messages(obj):
+    try:
+        msg = decode(json.dumps(obj, allow_nan=True).encode())
+    except ProtocolError:
+        return
+    assert msg.kind == obj["kind"] and msg.v == 1  # whatever passes is a complete, typed message
+
+
+def _endpoint(**kw):
+    broker = InMemoryBroker()
+    rx = Endpoint(broker.connect("rx"), "in", **kw).open()
+    return broker.connect("tx"), rx
+
+
+def _chunk_frame(header, data):
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return b"EF1C" + len(raw).to_bytes(4, "big") + raw + data
+
+
+chunk_headers = st.fixed_dictionaries(
+    {
+        "blob": st.text(max_size=8) | st.integers(),
+        "index": st.integers(-2, 6) | st.text(max_size=3),
+        "count": st.integers(-1, 6),
+        "size": st.integers(-5, 10**12),
+    }
+)
+frames = st.one_of(
+    st.binary(max_size=64),
+    st.builds(lambda b: b"EF1M" + b, st.binary(max_size=64)),
+    st.builds(_chunk_frame, chunk_headers, st.binary(max_size=2048)),
+    st.builds(
+        lambda n, b: b"EF1C" + n.to_bytes(4, "big") + b,
+        st.integers(0, 2**32 - 1),
+        st.binary(max_size=32),
+    ),
+)
+
+
+@FAST
+@given(st.lists(frames, max_size=25))
+def test_random_frames_never_crash_an_endpoint_or_exceed_its_memory_bound(batch):
+    tx, rx = _endpoint(max_pending_bytes=4096, max_blob_bytes=4096)
+    for frame in batch:
+        rx._on_payload("in", frame)  # directly: no transport swallowing exceptions in between
+        assert rx._held <= 4096
+    # Nothing malformed comes out: only complete messages whose blobs match their checksums.
+    while (env := rx.receive(timeout=0)) is not None:
+        for ref in (m.blob for m in getattr(env.message, "models", {}).values()):
+            assert hashlib.sha256(env.blobs[ref.id]).hexdigest() == ref.sha256
+    # And the endpoint still works.
+    tx.publish("in", message_frame(_reply({})))
+    env = rx.receive(timeout=1)
+    assert env is not None and env.message.task_id == "t"
+    rx.close()
+
+
+def _reply(refs):
+    return Reply(run="r", sender="c0", task_id="t", round=1, phase="fit", ok=True, models=refs)
+
+
+@FAST
+@given(
+    blob=st.binary(min_size=0, max_size=3000),
+    chunk=st.integers(1, 700),
+    order=st.randoms(use_true_random=False),
+    dupes=st.integers(0, 5),
+)
+def test_chunks_in_any_order_with_duplicates_reassemble_exactly(blob, chunk, order, dupes):
+    tx, rx = _endpoint()
+    count = max(1, -(-len(blob) // chunk))
+    pieces = [
+        _chunk_frame(
+            {"blob": "b1", "index": i, "count": count, "size": len(blob)},
+            blob[i * chunk : (i + 1) * chunk],
+        )
+        for i in range(count)
+    ]
+    pieces += [order.choice(pieces) for _ in range(dupes)]
+    order.shuffle(pieces)
+    spec = ArchSpec(family="mlr", num_classes=2, input_shape=(2,))
+    ref = BlobRef(id="b1", sha256=hashlib.sha256(blob).hexdigest(), size=len(blob))
+    message = message_frame(_reply({"m": ModelRef(spec=spec, blob=ref)}))
+    at = order.randint(0, len(pieces))
+    for frame in [*pieces[:at], message, *pieces[at:]]:
+        tx.publish("in", frame)
+    env = rx.receive(timeout=1)
+    assert env is not None and env.blobs == {"b1": blob}
+    assert rx.receive(timeout=0) is None and rx.rejected == 0
+    rx.close()

@@ -1,0 +1,210 @@
+"""What only the MQTT transport does: URLs, protocol fallback, typed refusals, TLS, reconnects."""
+
+import uuid
+
+import pytest
+import trustme
+from tests_helpers import eventually
+
+from coordinator.acl import mosquitto_hash, write_broker_files
+from coordinator.broker import MosquittoBroker
+from edge_sdk.transport import ConnectError
+from edge_sdk.transport.base import NotAuthorized
+from edge_sdk.transport.mqtt import BrokerSettings, MqttTransport, parse_broker_url
+
+
+# -- broker URLs ---------------------------------------------------------------------------
+def test_broker_urls_parse_with_defaults_and_credentials():
+    a = parse_broker_url("mqtt://broker.example")
+    assert (a.tls, a.host, a.port, a.username, a.password) == (
+        False,
+        "broker.example",
+        1883,
+        None,
+        None,
+    )
+    b = parse_broker_url("mqtts://dev%40site:s%3Acret@10.0.0.5:9000")
+    assert (b.tls, b.host, b.port, b.username, b.password) == (
+        True,
+        "10.0.0.5",
+        9000,
+        "dev@site",
+        "s:cret",
+    )
+    assert parse_broker_url("mqtts://h").port == 8883
+
+
+@pytest.mark.parametrize(
+    "url", ["http://h:1883", "mqtt://", "mqtt://h:99999", "mqtt://h/path", "h:1883"]
+)
+def test_bad_broker_urls_are_refused_with_the_reason(url):
+    with pytest.raises(ValueError, match="broker URL"):
+        parse_broker_url(url)
+
+
+def test_the_password_comes_from_settings_or_a_file_before_the_url(tmp_path):
+    pw = tmp_path / "pw"
+    pw.write_text("from-file\n")
+    assert BrokerSettings(url="mqtt://u:in-url@h", password_file=pw).resolved_password() == (
+        "from-file"
+    )
+    assert BrokerSettings(url="mqtt://u:in-url@h", password="env").resolved_password() == "env"
+    assert BrokerSettings(url="mqtt://u:in-url@h").resolved_password() == "in-url"
+
+
+# -- protocol ------------------------------------------------------------------------------
+def test_mqtt5_with_mosquitto_and_311_with_amqtt(mosquitto, amqtt_broker):
+    five = MqttTransport(mosquitto.url, f"v5-{uuid.uuid4().hex[:6]}").connect(10)
+    three = MqttTransport(amqtt_broker.url, f"v3-{uuid.uuid4().hex[:6]}").connect(10)
+    try:
+        assert five.protocol_version == "5"
+        assert three.protocol_version == "3.1.1"
+    finally:
+        five.close()
+        three.close()
+
+
+def test_an_unreachable_broker_fails_connect_with_a_clear_error():
+    from coordinator.broker import free_port
+
+    t = MqttTransport(
+        BrokerSettings(url=f"mqtt://127.0.0.1:{free_port()}", reconnect_min_s=0.05), "x"
+    )
+    with pytest.raises(ConnectError, match="cannot reach the broker"):
+        t.connect(timeout=0.5)
+
+
+# -- ACLs: typed refusals ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    """mosquitto with the files `edgefl broker-acl` writes: clients alice and bob, coordinator."""
+    d = tmp_path_factory.mktemp("acl")
+    files = write_broker_files(d, ["alice", "bob"])
+    extra = f"password_file {files['passwd']}\nacl_file {files['acl']}\n"
+    with MosquittoBroker(anonymous=False, extra_config=extra) as broker:
+        broker.credentials = files["credentials"]
+        yield broker
+
+
+def _as(broker, user, password=None):
+    url = f"mqtt://{user}@127.0.0.1:{broker.port}"
+    if password is None:
+        settings = BrokerSettings(url=url, password_file=broker.credentials / user)
+    else:
+        settings = BrokerSettings(url=url, password=password)
+    return MqttTransport(settings, f"{user}-{uuid.uuid4().hex[:6]}")
+
+
+def test_a_publish_the_acl_denies_raises_not_authorized_and_delivers_nothing(secured):
+    coord, alice = _as(secured, "coordinator").connect(10), _as(secured, "alice").connect(10)
+    got = []
+    coord.subscribe("edgefl/r/up/+", lambda t, p: got.append(t))
+    try:
+        alice.publish("edgefl/r/up/alice", b"mine").wait(10)  # her own up topic: fine
+        with pytest.raises(NotAuthorized) as err:
+            alice.publish("edgefl/r/up/bob", b"impersonation").wait(10)
+        assert err.value.reason_code == 135
+        eventually(lambda: got)
+        alice.publish("edgefl/r/up/alice", b"again").wait(10)
+        eventually(lambda: len(got) == 2)
+        assert got == ["edgefl/r/up/alice", "edgefl/r/up/alice"]
+    finally:
+        coord.close()
+        alice.close()
+
+
+def test_a_wrong_password_is_refused_at_connect(secured):
+    with pytest.raises(ConnectError, match="credentials"):
+        _as(secured, "alice", password="wrong").connect(10)
+
+
+def test_a_client_cannot_read_another_clients_down_topic(secured):
+    coord, alice, bob = (_as(secured, u).connect(10) for u in ("coordinator", "alice", "bob"))
+    snooped, mine = [], []
+    bob.subscribe("edgefl/r/down/alice", lambda t, p: snooped.append(p))  # granted, then filtered
+    bob.subscribe("edgefl/r/down/bob", lambda t, p: mine.append(p))
+    try:
+        coord.publish("edgefl/r/down/alice", b"for alice").wait(10)
+        coord.publish("edgefl/r/down/bob", b"for bob").wait(10)
+        eventually(lambda: mine)
+        assert snooped == [] and mine == [b"for bob"]
+    finally:
+        for t in (coord, alice, bob):
+            t.close()
+
+
+def test_password_hashes_are_what_mosquitto_passwd_writes(tmp_path):
+    import base64
+    import subprocess
+
+    subprocess.run(["mosquitto_passwd", "-b", "-c", str(tmp_path / "p"), "u", "pw"], check=True)
+    theirs = (tmp_path / "p").read_text().strip().split(":", 1)[1]
+    salt = base64.b64decode(theirs.split("$")[3])
+    assert mosquitto_hash("pw", salt) == theirs
+
+
+# -- TLS -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tls_broker(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    ca.cert_pem.write_to_path(d / "ca.pem")
+    cert.private_key_pem.write_to_path(d / "key.pem")
+    cert.cert_chain_pems[0].write_to_path(d / "cert.pem")
+    from coordinator.broker import free_port
+
+    port = free_port()
+    extra = (
+        f"listener {port} 127.0.0.1\ncafile {d / 'ca.pem'}\ncertfile {d / 'cert.pem'}\n"
+        f"keyfile {d / 'key.pem'}\n"
+    )
+    with MosquittoBroker(extra_config=extra) as broker:
+        yield broker, port, d / "ca.pem"
+
+
+def test_tls_verifies_the_broker_against_the_given_ca(tls_broker):
+    _, port, ca = tls_broker
+    ok = MqttTransport(BrokerSettings(url=f"mqtts://127.0.0.1:{port}", ca_file=ca), "tls-ok")
+    ok.connect(10)
+    ok.close()
+    other_ca = trustme.CA()
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        wrong = Path(tmp) / "other.pem"
+        other_ca.cert_pem.write_to_path(wrong)
+        bad = MqttTransport(BrokerSettings(url=f"mqtts://127.0.0.1:{port}", ca_file=wrong), "x")
+        with pytest.raises(ConnectError, match="TLS"):
+            bad.connect(10)
+
+
+# -- reconnects ----------------------------------------------------------------------------
+def test_clients_reconnect_after_a_broker_restart_and_nothing_is_lost(tmp_path):
+    with MosquittoBroker(persistence=True, workdir=tmp_path) as broker:
+        fast = {"reconnect_min_s": 0.05, "reconnect_max_s": 0.5}
+        sub = MqttTransport(BrokerSettings(url=broker.url, **fast), "restart-sub").connect(10)
+        pub = MqttTransport(BrokerSettings(url=broker.url, **fast), "restart-pub").connect(10)
+        got = []
+        sub.subscribe("r/x", lambda t, p: got.append(p))
+        pub.publish("r/x", b"before").wait(10)
+        eventually(lambda: got == [b"before"])
+        broker.restart()
+        d = pub.publish("r/x", b"after")  # queued by paho until the connection is back
+        d.wait(20)
+        eventually(lambda: got == [b"before", b"after"], timeout=20)
+        sub.close()
+        pub.close()
+
+
+def test_reconnect_backoff_doubles_up_to_its_cap():
+    settings = BrokerSettings(url="mqtt://127.0.0.1", reconnect_min_s=0.25, reconnect_max_s=1.0)
+    t = MqttTransport(settings, "backoff")
+    client = t._client
+    client.stop_waiting.set()  # no real sleeping in this test
+    seen = []
+    for _ in range(5):
+        client._reconnect_wait()
+        seen.append(client.backoff)
+    assert seen == [0.25, 0.5, 1.0, 1.0, 1.0]

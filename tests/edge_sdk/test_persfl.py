@@ -1,0 +1,339 @@
+"""PersFL's device half: teacher selection, the two distillation losses, the λ/T grid search,
+stage 1's FedAvg update and stage 2's distillation update, each against a computation of its own.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from edge_sdk.algorithms import AlgorithmError, ClientContext
+from edge_sdk.algorithms.persfl import (
+    GridPoint,
+    PersFL,
+    PersFLConfig,
+    archive_name,
+    distillation_loss,
+)
+from edge_sdk.codec import WireModel
+from edge_sdk.trainer import ClientData, Trainer
+from model_zoo import ArchSpec, build
+
+FEATURES, CLASSES = 4, 3
+MLR = ArchSpec(family="mlr", num_classes=CLASSES, input_shape=(FEATURES,))
+MLP = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=(FEATURES,), kwargs={"hidden": [8]})
+
+
+def _data(n_train=24, n_val=12, n_test=12, seed=0) -> ClientData:
+    g = torch.Generator().manual_seed(seed)
+    n = n_train + n_val + n_test
+    y = torch.arange(n) % CLASSES
+    centres = torch.randn(CLASSES, FEATURES, generator=g)
+    x = centres[y] + 0.7 * torch.randn(n, FEATURES, generator=g)
+    a, b = n_train, n_train + n_val
+    return ClientData(x[:a], y[:a], x[a:b], y[a:b], x[b:], y[b:], num_classes=CLASSES)
+
+
+def _client(spec=MLR, data=None, **cfg) -> PersFL:
+    data = data or _data()
+    ctx = ClientContext("c0", spec, data, torch.device("cpu"), 0, Trainer(torch.device("cpu")))
+    return PersFL(ctx, PersFLConfig(**cfg))
+
+
+def _mlr(w: torch.Tensor, b: torch.Tensor) -> WireModel:
+    return WireModel(MLR, {"linear.weight": w.clone(), "linear.bias": b.clone()})
+
+
+def _val_ce(model: WireModel, data: ClientData) -> float:
+    """Mean cross-entropy of an MLR on the validation split, written out by hand."""
+    z = data.x_val @ model.weights["linear.weight"].T + model.weights["linear.bias"]
+    log_p = z - torch.logsumexp(z, dim=1, keepdim=True)
+    return float(-log_p[torch.arange(len(data.y_val)), data.y_val].mean())
+
+
+# -- stage 1: teacher selection --------------------------------------------------------------
+def test_persfl_teacher_selection_keeps_the_lowest_validation_loss():
+    # Prepare: five global models of varying quality; the hand-computed validation CE decides.
+    data = _data()
+    client = _client(data=data)
+    g = torch.Generator().manual_seed(3)
+    candidates = [
+        _mlr(torch.randn(CLASSES, FEATURES, generator=g), torch.randn(CLASSES, generator=g))
+        for _ in range(5)
+    ]
+    losses = [_val_ce(m, data) for m in candidates]
+
+    # Execute: the rounds arrive in order, as the global models of rounds 0..4
+    kept = [client.consider_teacher(r, m) for r, m in enumerate(candidates)]
+
+    # Assert: the kept teacher is the argmin, and each model was kept exactly when it beat all
+    # the earlier ones.
+    best = min(range(5), key=lambda i: losses[i])
+    assert client.teacher_round == best
+    assert client.teacher_loss == pytest.approx(losses[best], rel=1e-5)
+    assert kept == [losses[i] < min(losses[:i], default=math.inf) for i in range(5)]
+    assert torch.equal(
+        client.teacher.linear.weight.detach(), candidates[best].weights["linear.weight"]
+    )
+
+
+def test_persfl_teacher_is_not_replaced_by_an_equally_good_later_model():
+    client = _client()
+    m = _mlr(torch.ones(CLASSES, FEATURES), torch.zeros(CLASSES))
+    assert client.consider_teacher(2, m)
+    assert not client.consider_teacher(5, m)  # strictly lower only: the earlier round stays
+    assert client.teacher_round == 2
+
+
+def test_persfl_fit_scores_the_received_model_as_the_previous_rounds_global_model():
+    client = _client(local_epochs=1, batch_size=8)
+    good = _mlr(torch.zeros(CLASSES, FEATURES), torch.zeros(CLASSES))
+    client.fit(4, 5, {"global": good})
+    assert client.teacher_round == 3  # round 4's task carries the global model of round 3
+
+
+def test_persfl_never_takes_the_untrained_initial_model_as_its_teacher():
+    # Round 1 carries the initial model: however low its validation loss, it is not a candidate.
+    client = _client(local_epochs=1, batch_size=8)
+    uniform = _mlr(torch.zeros(CLASSES, FEATURES), torch.zeros(CLASSES))  # CE = ln 3
+    client.fit(1, 3, {"global": uniform})
+    assert client.teacher is None
+    confident_wrong = _mlr(torch.zeros(CLASSES, FEATURES), torch.tensor([9.0, 0.0, 0.0]))
+    client.fit(2, 3, {"global": confident_wrong})
+    assert client.teacher_round == 1  # the only trained global model so far, although worse
+
+
+def test_persfl_without_validation_data_is_a_clear_error():
+    d = _data()
+    no_val = ClientData(d.x_train, d.y_train, d.x_val[:0], d.y_val[:0], d.x_test, d.y_test, CLASSES)
+    client = _client(data=no_val)
+    with pytest.raises(AlgorithmError, match="validation split"):
+        client.fit(2, 2, {"global": WireModel.of(MLR, build(MLR))})
+
+
+# -- the two distillation losses ---------------------------------------------------------------
+def _by_hand(kind, z_s, z_t, y, lam, t):
+    """(1−λ)·CE + λ·T²·(KL(p_t || p_s) or −Σ p_t·log p_s), batch mean, from the definitions."""
+    log_q = z_s - torch.logsumexp(z_s, 1, keepdim=True)
+    ce = -log_q[torch.arange(len(y)), y].mean()
+    log_ps = z_s / t - torch.logsumexp(z_s / t, 1, keepdim=True)
+    log_pt = z_t / t - torch.logsumexp(z_t / t, 1, keepdim=True)
+    p_t = log_pt.exp()
+    if kind == "kl":
+        soft = (p_t * (log_pt - log_ps)).sum(1).mean()
+    else:
+        soft = -(p_t * log_ps).sum(1).mean()
+    return (1 - lam) * ce + lam * t * t * soft
+
+
+@pytest.mark.parametrize("kind", ["kl", "gd"])
+@pytest.mark.parametrize(("lam", "t"), [(0.0, 4.0), (0.25, 1.0), (0.75, 4.0), (1.0, 16.0)])
+def test_persfl_distillation_loss_matches_its_definition(kind, lam, t):
+    g = torch.Generator().manual_seed(1)
+    z_s, z_t = torch.randn(6, 5, generator=g), 3 * torch.randn(6, 5, generator=g)
+    y = torch.tensor([0, 1, 2, 3, 4, 0])
+    got = distillation_loss(kind, z_s, z_t, y, lam, t)
+    assert float(got) == pytest.approx(float(_by_hand(kind, z_s, z_t, y, lam, t)), rel=1e-5)
+
+
+def test_persfl_gd_exceeds_kl_by_the_teachers_scaled_entropy():
+    # CE(p_t, p_s) = KL(p_t || p_s) + H(p_t): the variants differ by λ·T²·H(p_t), a constant.
+    g = torch.Generator().manual_seed(2)
+    z_s, z_t, y = (
+        torch.randn(4, 3, generator=g),
+        torch.randn(4, 3, generator=g),
+        torch.arange(4) % 3,
+    )
+    lam, t = 0.5, 2.0
+    p_t = F.softmax(z_t / t, 1)
+    entropy = float(-(p_t * p_t.log()).sum(1).mean())
+    gap = distillation_loss("gd", z_s, z_t, y, lam, t) - distillation_loss(
+        "kl", z_s, z_t, y, lam, t
+    )
+    assert float(gap) == pytest.approx(lam * t * t * entropy, rel=1e-5)
+
+
+# -- stage 2: the grid search --------------------------------------------------------------------
+def test_grid_point_ranks_by_validation_accuracy_then_loss():
+    a = GridPoint(0.1, 1.0, val_correct=7, val_total=10, val_loss=0.9)
+    b = GridPoint(0.5, 2.0, val_correct=8, val_total=10, val_loss=2.0)
+    c = GridPoint(0.9, 4.0, val_correct=8, val_total=10, val_loss=1.0)
+    assert b.beats(a) and not a.beats(b)  # accuracy first, however bad the loss
+    assert c.beats(b) and not b.beats(c)  # equal accuracy: lower loss
+    assert not GridPoint(0.25, 1.0, 8, 10, 1.0).beats(c)  # a full tie keeps the earlier point
+
+
+def test_persfl_grid_search_keeps_the_student_with_the_best_validation_accuracy():
+    # Prepare: an MLP student (not the teacher's architecture, so it starts from scratch).
+    data = _data(n_train=30, n_val=30)
+    client = _client(
+        spec=MLP,
+        data=data,
+        distill_lambdas=[0.0, 0.5, 0.9],
+        distill_temperatures=[1.0, 8.0],
+        distill_epochs=3,
+        batch_size=10,
+        lr=0.2,
+    )
+    teacher = _mlr(torch.randn(CLASSES, FEATURES), torch.zeros(CLASSES))
+
+    # Execute
+    out = client.personalize([(7, teacher)])
+
+    # Assert: λ = 0 ran once (T is irrelevant there), every other pair once
+    assert [(p.lam, p.temperature) for p in client.grid] == [
+        (0.0, 1.0),
+        (0.5, 1.0),
+        (0.5, 8.0),
+        (0.9, 1.0),
+        (0.9, 8.0),
+    ]
+    # ...the kept student has the highest validation accuracy of the grid, measured here...
+    z = client.student(data.x_val)
+    acc = float((z.argmax(1) == data.y_val).float().mean())
+    assert acc == pytest.approx(max(p.val_acc for p in client.grid))
+    # ...and the reply reports the chosen point and the teacher.
+    assert (out.details["distill_lambda"], out.details["distill_T"]) == (
+        client.choice.lam,
+        client.choice.temperature,
+    )
+    assert out.details["teacher_round"] == 7 and out.details["student_init"] == "scratch"
+
+
+def test_persfl_each_grid_point_starts_from_the_same_student_and_batch_order():
+    # A grid point's outcome must not depend on which points ran before it.
+    teacher = _mlr(torch.randn(CLASSES, FEATURES), torch.zeros(CLASSES))
+    common = {"spec": MLP, "distill_temperatures": [2.0], "batch_size": 8, "lr": 0.2}
+    alone = _client(distill_lambdas=[0.9], **common)
+    alone.personalize([(1, teacher)])
+    after_others = _client(distill_lambdas=[0.0, 0.5, 0.9], **common)
+    after_others.personalize([(1, teacher)])
+    assert after_others.grid[-1] == alone.grid[0]
+
+
+class _DivergesAtHalf(PersFL):
+    """A client whose distillation blows up at λ = 0.5 (as a too-large λ·T step would)."""
+
+    def distill(self, student, z_teacher, lam, temperature):
+        if lam == 0.5:
+            raise FloatingPointError("training loss became nan; lower the learning rate")
+        return super().distill(student, z_teacher, lam, temperature)
+
+
+def test_persfl_grid_search_skips_a_point_that_diverges():
+    data = _data()
+    ctx = ClientContext("c0", MLR, data, torch.device("cpu"), 0, Trainer(torch.device("cpu")))
+    client = _DivergesAtHalf(
+        ctx, PersFLConfig(distill_lambdas=[0.0, 0.5, 0.9], distill_temperatures=[2.0])
+    )
+    out = client.personalize([(1, _mlr(torch.randn(CLASSES, FEATURES), torch.zeros(CLASSES)))])
+    assert [p.lam for p in client.grid] == [0.0, 0.9]
+    assert out.details["diverged_points"] == 1 and out.details["distill_lambda"] in (0.0, 0.9)
+
+
+def test_persfl_grid_search_where_every_point_diverges_says_to_lower_the_lr():
+    client = _client(lr=1e30, distill_lambdas=[0.5], distill_temperatures=[2.0])
+    with pytest.raises(AlgorithmError, match="lower the learning rate"):
+        client.personalize([(1, _mlr(torch.randn(CLASSES, FEATURES), torch.zeros(CLASSES)))])
+
+
+def test_persfl_student_starts_from_the_teacher_when_the_architecture_matches():
+    # λ = 1, T = 1 and no weight decay: a student equal to its teacher has zero loss and zero
+    # gradient, so it stays the teacher exactly. A random start would move.
+    client = _client(distill_lambdas=[1.0], distill_temperatures=[1.0], weight_decay=0.0)
+    teacher = _mlr(torch.randn(CLASSES, FEATURES), torch.randn(CLASSES))
+    out = client.personalize([(1, teacher)])
+    assert out.details["student_init"] == "teacher"
+    w = client.student.linear.weight.detach()
+    assert torch.allclose(w, teacher.weights["linear.weight"], atol=1e-6)
+
+
+def test_persfl_new_participant_picks_its_teacher_among_the_archived_models():
+    # Prepare: a client that never trained receives the archive in its finalize task.
+    data = _data()
+    client = _client(data=data, distill_lambdas=[0.5], distill_temperatures=[2.0])
+    g = torch.Generator().manual_seed(5)
+    archive = {
+        archive_name(r): _mlr(
+            torch.randn(CLASSES, FEATURES, generator=g), torch.randn(CLASSES, generator=g)
+        )
+        for r in (3, 4, 5)
+    }
+    best = min((3, 4, 5), key=lambda r: _val_ce(archive[archive_name(r)], data))
+
+    # Execute
+    out = client.finalize(5, 5, archive)
+
+    # Assert
+    assert out.details["teacher_round"] == best
+    assert client.personalized_model()[0] == MLR
+    assert out.metrics["personal_total"] == len(data.y_test)
+
+
+def test_persfl_finalize_without_any_global_model_is_a_clear_error():
+    with pytest.raises(AlgorithmError, match="no teacher"):
+        _client().finalize(3, 3, {})
+
+
+# -- pinned update rules -------------------------------------------------------------------------
+def _sgd(params, grads, bufs, lr, momentum, wd):
+    """torch.optim.SGD written out: b ← μ·b + (g + wd·w), first b = g + wd·w; w ← w − lr·b."""
+    for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+        d = g + wd * p
+        bufs[i] = d if bufs[i] is None else momentum * bufs[i] + d
+        p.sub_(lr * bufs[i])
+
+
+def test_persfl_stage1_round_is_plain_sgd_on_cross_entropy():
+    # Prepare: one full batch per epoch, so the batch order cannot matter.
+    data = _data()
+    client = _client(local_epochs=3, batch_size=1000, lr=0.3, momentum=0.9, weight_decay=0.01)
+    start = _mlr(torch.randn(CLASSES, FEATURES), torch.randn(CLASSES))
+
+    # Execute
+    out = client.fit(1, 1, {"global": start})
+
+    # Assert: the same three steps, by hand
+    w = start.weights["linear.weight"].clone().requires_grad_(True)
+    b = start.weights["linear.bias"].clone().requires_grad_(True)
+    bufs = [None, None]
+    for _ in range(3):
+        z = data.x_train @ w.T + b
+        log_p = z - torch.logsumexp(z, 1, keepdim=True)
+        loss = -log_p[torch.arange(len(data.y_train)), data.y_train].mean()
+        grads = torch.autograd.grad(loss, [w, b])
+        with torch.no_grad():
+            _sgd([w, b], grads, bufs, 0.3, 0.9, 0.01)
+    sent = out.models["model"].weights
+    assert torch.allclose(sent["linear.weight"], w.detach(), atol=1e-5)
+    assert torch.allclose(sent["linear.bias"], b.detach(), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["kl", "gd"])
+def test_persfl_stage2_distillation_steps_match_a_hand_written_loop(kind):
+    # Prepare: teacher logits fixed, student an MLR, full batches.
+    data = _data()
+    lam, t = 0.75, 4.0
+    client = _client(
+        distill_loss=kind, distill_epochs=2, batch_size=1000, lr=0.1, weight_decay=1e-3
+    )
+    g = torch.Generator().manual_seed(9)
+    student = build(MLR, seed=4)
+    w0, b0 = student.linear.weight.detach().clone(), student.linear.bias.detach().clone()
+    z_t = 2 * torch.randn(len(data.y_train), CLASSES, generator=g)
+
+    # Execute
+    client.distill(student, z_t, lam, t)
+
+    # Assert
+    w, b = w0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+    bufs = [None, None]
+    for _ in range(2):
+        z = data.x_train @ w.T + b
+        loss = _by_hand(kind, z, z_t, data.y_train, lam, t)
+        grads = torch.autograd.grad(loss, [w, b])
+        with torch.no_grad():
+            _sgd([w, b], grads, bufs, 0.1, 0.9, 1e-3)
+    assert torch.allclose(student.linear.weight.detach(), w.detach(), atol=1e-5)
+    assert torch.allclose(student.linear.bias.detach(), b.detach(), atol=1e-5)
