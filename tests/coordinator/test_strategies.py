@@ -388,3 +388,30 @@ def test_fml_shared_backbone_drops_the_heads_from_full_meme_replies():
         ValueError, match=r"^fml: shared_prefixes \['nope\.'\] match no tensor of the global model$"
     ):
         _strategy("fml", clients, global_spec=g, shared_prefixes=["nope."])
+
+
+def test_strategy_sends_every_client_one_shared_evaluate_and_finalize_plan():
+    from coordinator.server_data import ServerData
+
+    clients = _clients(MLR, MLR, MLR)
+    s = _strategy("fedavg", clients)
+    evaluate, finalize = s.configure_evaluate(1), s.configure_finalize()
+    assert set(evaluate) == set(finalize) == set(clients)
+    assert len({id(m) for m in evaluate.values()}) == 1  # one dict: encoded once
+    assert set(evaluate["c0"]) == {"global"} and set(finalize["c0"]) == {"global"}
+    assert isinstance(s.server_data, ServerData) and s.server_data.unlabeled is None
+    data = ServerData(unlabeled=torch.zeros(2, 2))
+    config = algorithm_class("fedavg").config_cls()
+    t = strategy_class("fedavg")(
+        config, clients=clients, global_spec=MLR, rounds=3, server_data=data
+    )
+    assert t.server_data is data
+    assert strategy_class("fedavg").unlabeled_holdout(config) == 0
+
+
+def test_fedavg_refusal_of_mixed_architectures_names_every_alternative():
+    mlp = ArchSpec(family="mlp", num_classes=2, input_shape=(2,))
+    with pytest.raises(
+        IncompatibleClients, match=r"Use fml, pfml, persfl or fedme for heterogeneous models\.$"
+    ):
+        _strategy("fedavg", _clients(MLR, mlp))
