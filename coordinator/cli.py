@@ -55,7 +55,7 @@ def simulate(
     clients: Annotated[int | None, typer.Option(help="number of clients")] = None,
     clients_per_round: Annotated[int | None, typer.Option(help="clients sampled per round")] = None,
     rounds: Annotated[int | None, typer.Option(help="communication rounds")] = None,
-    local_epochs: Annotated[int | None, typer.Option(help="local epochs (all algorithms)")] = None,
+    local_epochs: Annotated[int | None, typer.Option(help="local epochs (all but pfml)")] = None,
     batch_size: Annotated[int | None, typer.Option(help="batch size (all algorithms)")] = None,
     lr: Annotated[float | None, typer.Option(help="learning rate (all algorithms)")] = None,
     seed: Annotated[int | None, typer.Option(help="seed for data, init and sampling")] = None,

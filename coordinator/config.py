@@ -13,7 +13,9 @@ config with the defaults from algorithms.md; adding an algorithm adds its sectio
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -23,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from coordinator.server import RoundConfig
-from edge_sdk.algorithms import AlgorithmConfig, algorithm_class, algorithm_names
+from edge_sdk.algorithms import BaseAlgorithmConfig, algorithm_class, algorithm_names
 from edge_sdk.transport.mqtt import BrokerSettings
 from model_zoo import families
 from model_zoo.data import dataset_names, partition_schemes
@@ -39,6 +41,8 @@ __all__ = [
 ]
 
 ENV_PREFIX = "EDGEFL_"
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -123,7 +127,7 @@ class RunConfig(BaseModel):
             )
         return self
 
-    def algorithm_config(self, name: str | None = None) -> AlgorithmConfig:
+    def algorithm_config(self, name: str | None = None) -> BaseAlgorithmConfig:
         """The config section of `name` (default: this run's algorithm)."""
         name = name or self.algorithm
         section = getattr(self, name, None)
@@ -178,6 +182,25 @@ def _as_dict(value: Any, dotted: str) -> dict[str, Any]:
     raise ConfigError(f"cannot set {dotted!r}: {value!r} is not a section")
 
 
+def _apply_training(tree: dict[str, Any], algorithms: list[str], key: str, value: Any) -> None:
+    """Set one common training flag on every algorithm of the run whose config has it."""
+    known = set(algorithm_names())
+    takers = [
+        n for n in algorithms if n in known and key in algorithm_class(n).config_cls.model_fields
+    ]
+    if not takers and any(n in known for n in algorithms):
+        raise ConfigError(
+            f"--{key.replace('_', '-')}: no algorithm of this run ({', '.join(algorithms)}) has a "
+            f"{key!r} setting; pfml counts local iterations of one batch each: set them with "
+            "--set pfml.local_iterations=N"
+        )
+    skipped = [n for n in algorithms if n in known and n not in takers]
+    if skipped:
+        log.warning("%s=%s applies to %s, not to %s", key, value, takers, skipped)
+    for name in takers:
+        _set_dotted(tree, f"{name}.{key}", value)
+
+
 def _env_tree() -> dict[str, Any]:
     """What the environment says (`EDGEFL_*`), as a nested dict of raw values."""
 
@@ -219,8 +242,12 @@ def load_config(
     """Defaults < TOML at `path` < `EDGEFL_*` environment < `flags` (dotted keys, None = not
     given) < `overrides`.
 
-    `training` holds the common local-training flags (local_epochs, batch_size, lr): they apply
-    to the run's algorithm and to every baseline, so all are compared on the same budget.
+    `training` holds the common local-training flags (local_epochs, batch_size, lr): each
+    applies to the run's algorithm and to every baseline whose config has that field, so all are
+    compared on the same budget. They resolve against the final algorithm and baselines, after
+    `overrides` (e.g. `--set algorithm=pfml --lr 0.05` sets pfml.lr), and an override of the
+    same field in a section (`--set pfml.lr=0.02`) still wins. A flag that no algorithm of the
+    run takes is an error (pfml counts local iterations, not epochs).
     """
     tree: dict[str, Any] = {}
     if path is not None:
@@ -244,11 +271,14 @@ def load_config(
     for key, value in (flags or {}).items():
         if value is not None:
             _set_dotted(tree, key, value)
-    algorithms = [tree.get("algorithm", "fml"), *tree.get("baselines", [])]
+    final = copy.deepcopy(tree)  # where the overrides leave the algorithm and the baselines
+    for key, value in (overrides or {}).items():
+        _set_dotted(final, key, value)
+    algorithms = [final.get("algorithm", RunConfig.model_fields["algorithm"].default)]
+    algorithms += [b for b in final.get("baselines", []) if b not in algorithms]
     for key, value in (training or {}).items():
         if value is not None:
-            for name in algorithms:
-                _set_dotted(tree, f"{name}.{key}", value)
+            _apply_training(tree, algorithms, key, value)
     for key, value in (overrides or {}).items():
         _set_dotted(tree, key, value)
     try:

@@ -36,7 +36,7 @@ from coordinator.strategies import (
     strategy_class,
 )
 from edge_sdk import topics
-from edge_sdk.algorithms import AlgorithmConfig, Detail
+from edge_sdk.algorithms import BaseAlgorithmConfig, Detail
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
 from edge_sdk.protocol import (
     ModelRef,
@@ -152,7 +152,7 @@ class Coordinator:
         transport: Transport,
         *,
         algorithm: str,
-        config: AlgorithmConfig,
+        config: BaseAlgorithmConfig,
         rounds: int,
         expected_clients: int,
         clients_per_round: int | None = None,
@@ -402,14 +402,16 @@ class Coordinator:
         plan = self.strategy.configure_fit(r)
         replies = self._run_phase(r, "fit", plan)
         valid = {cid: rep for cid, rep in sorted(replies.items()) if rep is not None}
-        need = math.ceil(self.rc.quorum * len(plan))
-        failed = len(valid) < need
+        counted = self.strategy.quorum_clients(plan)  # whose replies the aggregation needs
+        got = sum(cid in valid for cid in counted)
+        need = math.ceil(self.rc.quorum * len(counted))
+        failed = got < need
         if failed:
             log.error(
                 "round %d: %d of %d valid replies, quorum needs %d; state unchanged",
                 r,
-                len(valid),
-                len(plan),
+                got,
+                len(counted),
                 need,
             )
         else:

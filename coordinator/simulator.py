@@ -52,6 +52,7 @@ __all__ = [
     "prepare_federation",
     "run_federation",
     "simulate",
+    "training_budget",
     "transport_factory",
 ]
 
@@ -320,11 +321,15 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
     personal = [c.personal_acc for c in main.clients]
     curve = [r.mean_personal_acc for r in main.rounds if r.mean_personal_acc is not None]
     globals_ = [r.global_acc for r in main.rounds if r.global_acc is not None]
+    final_personal = _mean(personal)
     summary: dict[str, Any] = {
-        "mean_personal_acc": _mean(personal),
+        "mean_personal_acc": final_personal,
         "global_acc": main.rounds[-1].global_acc if main.rounds else None,
-        # pFedMe-style reporting takes the best round; we report both final and best.
-        "best_mean_personal_acc": max(curve, default=None),
+        # pFedMe-style reporting takes the best round; we report both final and best. The final
+        # models count too: fedavg_ft's personalized models exist only after its fine-tuning.
+        "best_mean_personal_acc": max(
+            [*curve, *([final_personal] if final_personal is not None else [])], default=None
+        ),
         "best_global_acc": max(globals_, default=None),
         "failed_rounds": sum(r.failed for r in main.rounds),
         "wall_seconds": sum(r.wall_seconds for r in runs.values()),
@@ -345,6 +350,8 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
     return {
         "config": cfg.model_dump(mode="json"),
         "algorithm": cfg.algorithm,
+        # What local training each run got: epochs, or iterations of one batch (pfml).
+        "budget": {name: training_budget(cfg, name) for name in runs},
         "rounds": [
             {
                 "round": r.round,
@@ -366,6 +373,10 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
                 "summary": {
                     "mean_personal_acc": _mean([c.personal_acc for c in run.clients]),
                     "global_acc": run.rounds[-1].global_acc if run.rounds else None,
+                    "best_global_acc": max(
+                        (r.global_acc for r in run.rounds if r.global_acc is not None),
+                        default=None,
+                    ),
                     "wall_seconds": run.wall_seconds,
                 },
                 "clients": [
@@ -382,6 +393,15 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
             if name != cfg.algorithm
         },
     }
+
+
+_BUDGET_FIELDS = ("local_epochs", "local_iterations", "batch_size", "lr", "ft_epochs")
+
+
+def training_budget(cfg: RunConfig, algorithm: str) -> dict[str, Any]:
+    """The local-training budget fields of one algorithm's config, in its own units."""
+    section = cfg.algorithm_config(algorithm).model_dump()
+    return {k: section[k] for k in _BUDGET_FIELDS if k in section}
 
 
 def write_results(results: dict[str, Any], out: Path) -> Path:

@@ -30,8 +30,8 @@ from pydantic import ValidationError
 
 from edge_sdk import topics
 from edge_sdk.algorithms import (
-    AlgorithmConfig,
     AlgorithmError,
+    BaseAlgorithmConfig,
     ClientAlgorithm,
     ClientContext,
     FitResult,
@@ -347,7 +347,7 @@ class EdgeClient:
 
     def _algorithm_for(self, name: str, config: dict[str, Any]) -> ClientAlgorithm:
         cls = algorithm_class(name)
-        cfg: AlgorithmConfig = cls.config_cls.model_validate(config)
+        cfg: BaseAlgorithmConfig = cls.config_cls.model_validate(config)
         key = (name, cfg.model_dump_json())
         if self.algorithm is None:
             ctx = ClientContext(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from torch.utils.data import Dataset as TorchDataset
 
@@ -23,8 +23,11 @@ from edge_sdk.losses import cross_entropy
 __all__ = ["ClientData", "EvalResult", "OptimConfig", "Trainer"]
 
 
+_DEFAULT_LR_GAMMA = 0.1
+
+
 class OptimConfig(BaseModel):
-    """Local-training hyperparameters every algorithm has (defaults: FML's, algorithms.md)."""
+    """Local training in whole epochs with SGD or Adam (defaults: FML's, algorithms.md)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -32,11 +35,21 @@ class OptimConfig(BaseModel):
     batch_size: int = Field(128, ge=1)
     optimizer: Literal["sgd", "adam"] = "sgd"
     lr: float = Field(0.01, gt=0)
-    momentum: float = Field(0.9, ge=0)
+    # SGD's momentum; for Adam it is β1 (Adam's betas are (momentum, 0.999)).
+    momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(5e-4, ge=0)
     # "step": lr × lr_gamma every max(1, ⌊rounds/3⌋) rounds (FML's schedule); "none": constant.
     lr_schedule: Literal["none", "step"] = "none"
-    lr_gamma: float = Field(0.1, gt=0)
+    lr_gamma: float = Field(_DEFAULT_LR_GAMMA, gt=0)
+
+    @model_validator(mode="after")
+    def _gamma_needs_a_schedule(self) -> OptimConfig:
+        if self.lr_schedule == "none" and self.lr_gamma != _DEFAULT_LR_GAMMA:
+            raise ValueError(
+                f"lr_gamma={self.lr_gamma} has no effect with lr_schedule='none'; "
+                "set lr_schedule='step' to decay the learning rate"
+            )
+        return self
 
     def lr_at(self, round_: int, rounds: int) -> float:
         if self.lr_schedule == "none":
@@ -193,7 +206,8 @@ class Trainer:
     ) -> torch.optim.Optimizer:
         lr = cfg.lr if lr is None else lr
         if cfg.optimizer == "adam":
-            return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+            betas = (cfg.momentum, 0.999)
+            return torch.optim.Adam(params, lr=lr, betas=betas, weight_decay=cfg.weight_decay)
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
     @staticmethod

@@ -36,24 +36,34 @@ def tiny_config(**flags: Any) -> Any:
             training[key] = flags.pop(key)
     overrides = flags.pop("overrides", {})
     base.update(flags)
+    if "local_epochs" not in algorithm_class(base["algorithm"]).config_cls.model_fields:
+        del training["local_epochs"]  # pfml counts iterations (set pfml.local_iterations)
     return load_config(None, base, overrides, training=training)
 
 
 def small_federation(
-    n=3, algorithm="fedavg", client_cls=EdgeClient, rounds=2, broker=None, **round_kw
+    n=3,
+    algorithm="fedavg",
+    client_cls=EdgeClient,
+    rounds=2,
+    broker=None,
+    config=None,
+    clients_per_round=None,
+    **round_kw,
 ):
     """A Coordinator and n (not yet started) EdgeClients (ids c0..) on one in-memory broker;
-    mlr on 8×8 digits, IID. Client c0 is a `client_cls` (a test's misbehaving client)."""
-    cfg = tiny_config(algorithm=algorithm, clients=n, rounds=rounds)
-    fed = prepare_federation(cfg)
+    mlr on 8×8 digits, IID. Client c0 is a `client_cls` (a test's misbehaving client).
+    `config`: the algorithm's settings (default: one local epoch)."""
+    fed = prepare_federation(tiny_config(clients=n, rounds=rounds))  # the data only
     broker = broker or InMemoryBroker()
     spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
     coordinator = Coordinator(
         broker.connect("coordinator"),
         algorithm=algorithm,
-        config=algorithm_class(algorithm).config_cls(local_epochs=1),
+        config=algorithm_class(algorithm).config_cls(**(config or {"local_epochs": 1})),
         rounds=rounds,
         expected_clients=n,
+        clients_per_round=clients_per_round,
         round_config=RoundConfig(**{"deadline_s": 30, "register_timeout_s": 30, **round_kw}),
     ).open()
     clients = [

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from coordinator.server_data import ServerData
-from edge_sdk.algorithms import AlgorithmConfig, algorithm_class
+from edge_sdk.algorithms import BaseAlgorithmConfig, algorithm_class
 from edge_sdk.codec import WireModel
 from edge_sdk.protocol import Capabilities
 from model_zoo import ArchSpec, build
@@ -86,7 +86,7 @@ class Strategy(ABC):
 
     def __init__(
         self,
-        config: AlgorithmConfig,
+        config: BaseAlgorithmConfig,
         *,
         clients: Mapping[str, ClientInfo],
         global_spec: ArchSpec | None,
@@ -105,7 +105,7 @@ class Strategy(ABC):
         self.rng = np.random.default_rng(seed)
 
     @classmethod
-    def unlabeled_holdout(cls, config: AlgorithmConfig) -> int:
+    def unlabeled_holdout(cls, config: BaseAlgorithmConfig) -> int:
         """How many samples a simulation holds out of the dataset as this strategy's unlabeled set.
 
         The simulator removes them before partitioning (so every run on that split, baselines
@@ -133,6 +133,11 @@ class Strategy(ABC):
     @abstractmethod
     def aggregate_fit(self, round_: int, replies: Mapping[str, FitReply]) -> None:
         """Fold the valid replies (sorted by client id) into the state."""
+
+    def quorum_clients(self, plan: Mapping[str, object]) -> set[str]:
+        """The clients of this round's `plan` whose fit replies the aggregation needs: the
+        round's quorum counts valid replies among these only (default: every client planned)."""
+        return set(plan)
 
     def expected_models(self, client_id: str) -> dict[str, ArchSpec]:
         """Models (name → spec) a fit reply from this client must carry."""

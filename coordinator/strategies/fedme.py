@@ -38,7 +38,7 @@ from coordinator.strategies.base import (
     register_strategy,
     weighted_mean,
 )
-from edge_sdk.algorithms import AlgorithmConfig
+from edge_sdk.algorithms import BaseAlgorithmConfig
 from edge_sdk.algorithms.fedme import FedMeConfig
 from edge_sdk.codec import WireModel
 from model_zoo import ArchSpec, build
@@ -104,7 +104,7 @@ class FedMeStrategy(Strategy):
     config: FedMeConfig
 
     @classmethod
-    def unlabeled_holdout(cls, config: AlgorithmConfig) -> int:
+    def unlabeled_holdout(cls, config: BaseAlgorithmConfig) -> int:
         assert isinstance(config, FedMeConfig)
         return 0 if config.unlabeled_path else config.unlabeled_size
 

@@ -8,6 +8,7 @@ from typing import Any
 from coordinator.strategies.base import (
     FitReply,
     GlobalModelStrategy,
+    StrategyError,
     register_strategy,
     weighted_mean,
 )
@@ -32,6 +33,10 @@ class PFMLStrategy(GlobalModelStrategy):
         train = list(self.clients) if self.config.participation == "all" else self._aggregate_ids
         return {cid: self.eval_models() for cid in train}
 
+    def quorum_clients(self, plan: Mapping[str, object]) -> set[str]:
+        # Only the sampled U are aggregated: replies from the others cannot make a round count.
+        return set(self._aggregate_ids)
+
     def expected_models(self, client_id: str) -> dict[str, ArchSpec]:
         assert self.global_spec is not None
         return {"local": self.global_spec}
@@ -39,7 +44,9 @@ class PFMLStrategy(GlobalModelStrategy):
     def aggregate_fit(self, round_: int, replies: Mapping[str, FitReply]) -> None:
         chosen = {cid: r for cid, r in replies.items() if cid in self._aggregate_ids}
         if not chosen:
-            return
+            raise StrategyError(
+                f"pfml round {round_}: no reply from the aggregated clients {self._aggregate_ids}"
+            )
         mean = weighted_mean(
             [r.models["local"].weights for r in chosen.values()], self._weights(chosen)
         )

@@ -13,6 +13,7 @@ from edge_sdk.algorithms import (  # noqa: F401
 from edge_sdk.algorithms.base import (
     AlgorithmConfig,
     AlgorithmError,
+    BaseAlgorithmConfig,
     ClientAlgorithm,
     ClientContext,
     Detail,
@@ -25,6 +26,7 @@ from edge_sdk.algorithms.base import (
 __all__ = [
     "AlgorithmConfig",
     "AlgorithmError",
+    "BaseAlgorithmConfig",
     "ClientAlgorithm",
     "ClientContext",
     "Detail",

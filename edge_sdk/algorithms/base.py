@@ -12,9 +12,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, model_validator
 from torch import nn
 
 from edge_sdk.codec import WireModel
@@ -24,6 +25,7 @@ from model_zoo import ArchSpec, build
 __all__ = [
     "AlgorithmConfig",
     "AlgorithmError",
+    "BaseAlgorithmConfig",
     "ClientAlgorithm",
     "ClientContext",
     "Detail",
@@ -38,8 +40,31 @@ class AlgorithmError(ValueError):
     """A task this algorithm cannot run (missing model, incompatible architecture...)."""
 
 
-class AlgorithmConfig(OptimConfig):
-    """Base of every algorithm's config: the shared local-training fields plus its own."""
+class BaseAlgorithmConfig(BaseModel):
+    """Base of every algorithm's config: frozen, and a field it does not know is an error.
+
+    An algorithm's config holds only the settings it honours. `refused` names settings users
+    often expect but the algorithm does not take, each with the reason, so that setting one
+    fails with that reason instead of a bare "extra inputs are not permitted".
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    refused: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            bad = [k for k in cls.refused if k in data]
+            if bad:
+                raise ValueError("; ".join(f"{k}: {cls.refused[k]}" for k in bad))
+        return data
+
+
+class AlgorithmConfig(OptimConfig, BaseAlgorithmConfig):
+    """Config of an algorithm that trains whole local epochs with the shared Trainer's optimizer
+    (every field of OptimConfig is honoured), plus the algorithm's own fields."""
 
 
 @dataclass
@@ -70,9 +95,9 @@ class FitResult:
 
 class ClientAlgorithm(ABC):
     name: ClassVar[str]
-    config_cls: ClassVar[type[AlgorithmConfig]]
+    config_cls: ClassVar[type[BaseAlgorithmConfig]]
 
-    def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
+    def __init__(self, ctx: ClientContext, config: BaseAlgorithmConfig) -> None:
         self.ctx = ctx
         self.config = config
 

@@ -38,21 +38,21 @@ class FedAvg(ClientAlgorithm):
         super().__init__(ctx, config)
         self.model = self._build(ctx.spec)
 
-    def _load_global(self, models: Mapping[str, WireModel]) -> WireModel:
+    def _load_global(self, models: Mapping[str, WireModel]) -> None:
         glob = self._require(models, "global")
         self._require_same_arch(glob)
         self.model.load_state_dict(glob.weights)
-        return glob
 
-    def _extra_loss(self, glob: WireModel) -> Callable[[nn.Module], torch.Tensor] | None:
-        return None  # FedProx adds its proximal term here
+    def _extra_loss(self) -> Callable[[nn.Module], torch.Tensor] | None:
+        """A term added to each batch's loss, built once the global model is loaded (FedProx)."""
+        return None
 
     def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
-        glob = self._load_global(models)
+        self._load_global(models)
         cfg, trainer = self.config, self.ctx.trainer
         opt = trainer.optimizer(self.model.parameters(), cfg, lr=cfg.lr_at(round_, rounds))
         loss = trainer.train_epochs(
-            self.model, self.ctx.data, cfg, optimizer=opt, extra_loss=self._extra_loss(glob)
+            self.model, self.ctx.data, cfg, optimizer=opt, extra_loss=self._extra_loss()
         )
         return FitResult(
             models={"model": WireModel.of(self.ctx.spec, self.model)},
@@ -61,10 +61,19 @@ class FedAvg(ClientAlgorithm):
         )
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
+        # The client's model is the global model: score the one received, keep nothing of it.
+        model = self.model
         if "global" in models:
-            self._load_global(models)
-        scores = self._scores("personal", self.model)
+            glob = self._require(models, "global")
+            self._require_same_arch(glob)
+            model = self._materialize(glob)
+        scores = self._scores("personal", model)
         return scores | {k.replace("personal", "global"): v for k, v in scores.items()}
+
+    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        if "global" in models:  # what this client deploys (and exports) is the final global model
+            self._load_global(models)
+        return super().finalize(round_, rounds, models)
 
     def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
         return self.ctx.spec, self.model

@@ -36,12 +36,17 @@ class FedAvgFT(FedAvg):
         self.finetuned = False
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
-        if not self.finetuned:
-            return super().evaluate(models)
-        return self._scores("personal", self.model)  # the fine-tuned model, never overwritten
+        if self.finetuned:
+            return self._scores("personal", self.model)  # the fine-tuned model it deploys
+        # Before fine-tuning there is no personalized model yet, only the global one: its score
+        # is FedAvg's, and reporting it as this method's personalized accuracy would credit
+        # fedavg_ft with models it never deploys.
+        scores = super().evaluate(models)
+        return {k: v for k, v in scores.items() if k.startswith("global")}
 
     def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
-        scores = super().evaluate(models)  # global model on the client's own test split
+        self._load_global(models)  # fine-tuning starts from the final global model
+        scores = self._scores("global", self.model)  # on the client's own test split
         cfg, trainer = self.config, self.ctx.trainer
         opt = trainer.optimizer(self.model.parameters(), cfg, lr=cfg.lr_at(rounds, rounds))
         loss = trainer.train_epochs(

@@ -10,7 +10,6 @@ from torch import nn
 
 from edge_sdk.algorithms.base import register_algorithm
 from edge_sdk.algorithms.fedavg import FedAvg, FedAvgConfig
-from edge_sdk.codec import WireModel
 from edge_sdk.losses import proximal
 
 __all__ = ["FedProx", "FedProxConfig"]
@@ -26,7 +25,7 @@ class FedProx(FedAvg):
     config_cls = FedProxConfig
     config: FedProxConfig
 
-    def _extra_loss(self, glob: WireModel) -> Callable[[nn.Module], torch.Tensor] | None:
+    def _extra_loss(self) -> Callable[[nn.Module], torch.Tensor] | None:
         mu = self.config.mu
         if mu == 0:
             return None

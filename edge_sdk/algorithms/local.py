@@ -27,6 +27,7 @@ class LocalConfig(AlgorithmConfig):
 class Local(ClientAlgorithm):
     name = "local"
     config_cls = LocalConfig
+    config: LocalConfig
 
     def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
         super().__init__(ctx, config)

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
 from torch import nn
 
 from edge_sdk.algorithms.base import (
-    AlgorithmConfig,
+    AlgorithmError,
+    BaseAlgorithmConfig,
     ClientAlgorithm,
     ClientContext,
     FitResult,
@@ -37,18 +38,31 @@ from model_zoo import ArchSpec
 __all__ = ["PFML", "PFMLConfig"]
 
 
-class PFMLConfig(AlgorithmConfig):
-    local_epochs: int = Field(10, ge=0)  # E: local iterations, one fresh batch each [paper]
+_PLAIN_STEPS = "pfml takes the plain gradient steps of Algorithm 1 (lr η only)"
+
+
+class PFMLConfig(BaseAlgorithmConfig):
+    # E: local *iterations*, each on one fresh batch of batch_size samples [paper]. Not epochs:
+    # one epoch of a client with n samples is about n / batch_size iterations.
+    local_iterations: int = Field(10, ge=0)
     batch_size: int = Field(200, ge=1)  # D [paper captions]; pFedMe used 20
-    lr: float = Field(0.01, gt=0)  # η
-    momentum: float = Field(0.0, ge=0)  # plain gradient steps (Algorithm 1)
-    weight_decay: float = Field(0.0, ge=0)  # pFedMe's hidden L2 is not added silently
+    lr: float = Field(0.01, gt=0)  # η, for the K inner steps and the outer step alike
     k_steps: int = Field(3, ge=1)  # K personalization steps
     lam: float = Field(20.0, ge=0)  # λ, proximal strength
     beta: float = Field(2.0, gt=0)  # server step: w ← (1−β)·w + β·mean(w_i); β = 1 is FedAvg
     aux_init: Literal["persist", "global"] = "persist"  # [ours] keep m_i, or reset it each round
     participation: Literal["sampled", "all"] = "sampled"  # "all": everyone trains, |U| aggregate
     weighting: Literal["uniform", "by_samples"] = "uniform"  # [paper]; pFedMe's code: by_samples
+
+    refused: ClassVar[dict[str, str]] = {
+        "local_epochs": "pfml trains local iterations of one batch each, not epochs: "
+        "set pfml.local_iterations",
+        "optimizer": _PLAIN_STEPS,
+        "momentum": _PLAIN_STEPS + "; no momentum",
+        "weight_decay": _PLAIN_STEPS + "; its regularizer is the proximal term λ (lam)",
+        "lr_schedule": _PLAIN_STEPS + "; η is constant",
+        "lr_gamma": _PLAIN_STEPS + "; η is constant",
+    }
 
     @model_validator(mode="after")
     def _stable(self) -> PFMLConfig:
@@ -70,20 +84,31 @@ class PFML(ClientAlgorithm):
     config_cls = PFMLConfig
     config: PFMLConfig
 
-    def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
+    def __init__(self, ctx: ClientContext, config: BaseAlgorithmConfig) -> None:
         super().__init__(ctx, config)
         self.local: nn.Module | None = None
         self.aux: nn.Module | None = None
+
+    def _initial_aux(self, glob: WireModel) -> nn.Module:
+        """m_i before its first round: the global model when the architecture is the global
+        one, otherwise this client's seeded random initialisation (the same every time)."""
+        if self.ctx.spec == glob.spec:
+            return self._materialize(glob)
+        return self._build(self.ctx.spec, 1)
 
     def _prepare(self, glob: WireModel) -> None:
         if self.local is None:
             self.local = self._materialize(glob)
         self.local.load_state_dict(glob.weights)  # w_i starts the round at the global model
-        same_arch = self.ctx.spec == glob.spec
         if self.aux is None:
-            # Same architecture: start from the global model; otherwise a random init, once.
-            self.aux = copy.deepcopy(self.local) if same_arch else self._build(self.ctx.spec, 1)
-        elif same_arch and self.config.aux_init == "global":
+            self.aux = self._initial_aux(glob)
+        elif self.config.aux_init == "global":
+            if self.ctx.spec != glob.spec:
+                raise AlgorithmError(
+                    f"pfml: aux_init='global' re-initialises the auxiliary model from the global "
+                    f"model ({glob.spec}), but this client's auxiliary is {self.ctx.spec}; use "
+                    "aux_init='persist' or the global architecture on this client"
+                )
             self.aux.load_state_dict(glob.weights)
 
     def _inner(
@@ -115,7 +140,7 @@ class PFML(ClientAlgorithm):
         self._prepare(glob)
         assert self.local is not None and self.aux is not None
         cfg, trainer, data = self.config, self.ctx.trainer, self.ctx.data
-        eta, lam = cfg.lr_at(round_, rounds), cfg.lam
+        eta, lam = cfg.lr, cfg.lam
         local, aux = self.local, self.aux
         local.train()
         aux.train()
@@ -123,7 +148,7 @@ class PFML(ClientAlgorithm):
         m_prev = [p.detach().clone() for p in _params(aux)]
         theta_net, w_hat_net = copy.deepcopy(aux), copy.deepcopy(local)
         losses = []
-        for _ in range(cfg.local_epochs):
+        for _ in range(cfg.local_iterations):
             x, y = trainer.sample_batch(data.x_train, data.y_train, cfg.batch_size)
             with trainer.autocast():
                 z_m, z_w = aux(x), local(x)
@@ -144,10 +169,20 @@ class PFML(ClientAlgorithm):
         )
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
-        if self.aux is None:  # not trained yet: the personalized model is the global one
-            glob = self._require(models, "global")
-            self._prepare(glob)
-        return super().evaluate(models)
+        if self.aux is not None:
+            return super().evaluate(models)
+        # Not trained yet: score the auxiliary model the first round would start from, without
+        # keeping it. Evaluation changes no state, so how often it runs cannot change a result.
+        glob = self._require(models, "global")
+        out = self._scores("personal", self._initial_aux(glob))
+        if glob.spec.num_classes == self.ctx.data.num_classes:
+            out |= self._scores("global", self._materialize(glob))
+        return out
+
+    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        if self.aux is None and "global" in models:  # never trained: deploy the initial m_i
+            self.aux = self._initial_aux(models["global"])
+        return super().finalize(round_, rounds, models)
 
     def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
         if self.aux is None:

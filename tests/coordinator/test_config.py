@@ -9,7 +9,7 @@ def test_every_algorithm_has_a_section_with_the_documented_defaults():
     assert cfg.fml.momentum == 0.9 and cfg.fml.weight_decay == 5e-4 and cfg.fml.batch_size == 128
     assert cfg.fml.local_epochs == 5 and cfg.fml.lr_schedule == "none"  # see FMLConfig
     p = cfg.pfml
-    assert (p.k_steps, p.lam, p.beta, p.local_epochs, p.batch_size) == (3, 20.0, 2.0, 10, 200)
+    assert (p.k_steps, p.lam, p.beta, p.local_iterations, p.batch_size) == (3, 20.0, 2.0, 10, 200)
     assert p.aux_init == "persist" and p.participation == "sampled"
     assert cfg.fedprox.mu == 0.01 and cfg.fedavg.weighting == "by_samples"
 
@@ -69,3 +69,47 @@ def test_bad_toml_and_missing_file_are_clear(tmp_path):
     bad.write_text("rounds = = 3")
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_config(bad)
+
+
+def test_training_flags_resolve_against_the_algorithm_set_by_an_override():
+    # `--set algorithm=pfml --lr 0.05`: the override names the algorithm the flag belongs to.
+    cfg = load_config(None, {}, {"algorithm": "pfml"}, training={"lr": 0.05})
+    assert cfg.algorithm == "pfml" and cfg.pfml.lr == 0.05
+    assert cfg.fml.lr == 0.01  # the default algorithm is not part of this run
+    cfg = load_config(None, {}, {"baselines": ["fedavg"]}, training={"batch_size": 16})
+    assert cfg.fedavg.batch_size == 16
+
+
+def test_a_section_override_beats_the_common_training_flag():
+    cfg = load_config(None, {"algorithm": "pfml"}, {"pfml.lr": 0.02}, training={"lr": 0.05})
+    assert cfg.pfml.lr == 0.02
+
+
+def test_local_epochs_never_lands_on_pfml_which_counts_iterations():
+    with pytest.raises(ConfigError, match=r"local_iterations"):
+        load_config(None, {"algorithm": "pfml"}, training={"local_epochs": 20})
+    cfg = load_config(
+        None, {"algorithm": "pfml", "baselines": ["local"]}, training={"local_epochs": 3}
+    )
+    assert cfg.local.local_epochs == 3 and cfg.pfml.local_iterations == 10
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("momentum", 0.9, "no momentum"),
+        ("weight_decay", 1e-4, "proximal term"),
+        ("optimizer", "adam", "plain gradient steps"),
+        ("lr_schedule", "step", "constant"),
+        ("local_epochs", 5, "local_iterations"),
+    ],
+)
+def test_pfml_refuses_settings_it_would_ignore(field, value, needle):
+    with pytest.raises(ConfigError, match=rf"pfml.*{field}.*{needle}"):
+        load_config(None, {"algorithm": "pfml"}, {f"pfml.{field}": value})
+
+
+def test_lr_gamma_without_a_step_schedule_is_refused():
+    with pytest.raises(ConfigError, match=r"lr_gamma.*lr_schedule"):
+        load_config(None, None, {"fml.lr_gamma": 0.5})
+    assert load_config(None, None, {"fml.lr_gamma": 0.5, "fml.lr_schedule": "step"}).fml.lr_gamma

@@ -26,7 +26,7 @@ CHANCE = 0.1  # ten digit classes
         ("fedprox", {"overrides": {"fedprox.mu": 0.1}}),
         ("fedavg_ft", {"overrides": {"fedavg_ft.ft_epochs": 1}}),
         ("fml", {}),
-        ("pfml", {"lr": 0.05, "local_epochs": 20, "overrides": {"pfml.lam": 1.0}}),
+        ("pfml", {"lr": 0.05, "overrides": {"pfml.lam": 1.0, "pfml.local_iterations": 20}}),
     ],
 )
 def test_tiny_federation_learns(algorithm, flags):
@@ -136,6 +136,39 @@ def test_below_quorum_the_round_fails_and_state_is_unchanged():
     result = coordinator.run()
     assert all(r.failed for r in result.rounds)
     assert all(torch.equal(rounds[0][k], rounds[1][k]) for k in rounds[0])
+
+
+def test_pfml_round_fails_when_no_aggregated_client_replied_though_others_did():
+    # Prepare: everyone trains, one of three is aggregated; that one's fit always fails.
+    coordinator, clients = small_federation(
+        algorithm="pfml",
+        config={"participation": "all", "local_iterations": 2},
+        clients_per_round=1,
+        quorum=0.5,
+    )
+    for c in clients:
+        original = c.run_task
+
+        def fail_if_aggregated(task, blobs, c=c, original=original):
+            if task.phase == "fit" and c.client_id in coordinator.strategy._aggregate_ids:
+                raise RuntimeError("the aggregated client's battery died")
+            return original(task, blobs)
+
+        c.run_task = fail_if_aggregated
+    for c in clients:
+        c.start()
+    before = []
+    coordinator.on_round = lambda rec: before.append(
+        {k: v.clone() for k, v in coordinator.strategy.global_weights.items()}
+    )
+
+    # Execute
+    result = coordinator.run()
+
+    # Assert: two of three replied (above quorum by count), but nothing was aggregated.
+    assert all(len(r.replied) == 2 for r in result.rounds)
+    assert all(r.failed for r in result.rounds)
+    assert all(torch.equal(before[0][k], before[1][k]) for k in before[0])
 
 
 def test_a_stalled_client_does_not_block_the_round_past_its_deadline():
@@ -303,3 +336,55 @@ def test_fml_federates_clients_with_different_numbers_of_classes_through_a_share
     }
     for c in clients:
         c.stop()
+
+
+@pytest.mark.parametrize("algorithm", ["pfml", "fml", "fedavg_ft", "local"])
+def test_eval_every_does_not_change_results(algorithm):
+    # Prepare: 8 clients, 2 sampled per round, 3 rounds; only the evaluation schedule differs.
+    def run(eval_every):
+        cfg = tiny_config(
+            algorithm=algorithm,
+            clients=8,
+            clients_per_round=2,
+            rounds=3,
+            lr=0.05,
+            **{"round.eval_every": eval_every},
+        )
+        return simulate(cfg, progress=False)
+
+    # Execute
+    every_round, last_only = run(1), run(3)
+
+    # Assert: evaluation changes no state, so every final number is the same.
+    def finals(res):
+        clients = [(c["personal_acc"], c["global_acc"]) for c in res["clients"]]
+        return clients, res["summary"]["global_acc"], res["summary"]["mean_personal_acc"]
+
+    assert finals(every_round) == finals(last_only)
+    assert [r["global_acc"] for r in last_only["rounds"]][:2] == [None, None]
+
+
+def test_fedavg_ft_reports_the_fine_tuned_models_it_deploys_as_its_best():
+    cfg = tiny_config(algorithm="fedavg_ft", overrides={"fedavg_ft.ft_epochs": 1})
+    results = simulate(cfg, progress=False)
+    summary = results["summary"]
+    # No personalized model exists before fine-tuning: rounds report the global model only.
+    assert all(r["mean_personal_acc"] is None for r in results["rounds"])
+    assert all(r["global_acc"] is not None for r in results["rounds"])
+    assert summary["best_mean_personal_acc"] == summary["mean_personal_acc"]
+
+
+def test_results_say_what_local_training_budget_each_run_got():
+    cfg = tiny_config(
+        algorithm="pfml",
+        baselines=["local"],
+        lr=0.05,
+        overrides={"pfml.local_iterations": 7, "pfml.lam": 1.0},
+        rounds=1,
+        clients=2,
+    )
+    results = simulate(cfg, progress=False)
+    assert results["budget"] == {
+        "pfml": {"local_iterations": 7, "batch_size": 32, "lr": 0.05},
+        "local": {"local_epochs": 5, "batch_size": 32, "lr": 0.05},
+    }

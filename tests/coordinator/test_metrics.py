@@ -272,3 +272,58 @@ def test_fairness_rejects_all_zero_and_empty() -> None:
         fairness([0.0, 0.0])
     with pytest.raises(ValueError, match="at least one client"):
         fairness([])
+
+
+def test_accuracy_bounds_are_inclusive_at_one_and_refuse_above_it() -> None:
+    assert qoi([1.0], [0.5], [0.5]).tolist() == [0.5]
+    with pytest.raises(
+        ValueError, match=r"^personal must hold accuracies as fractions in \[0, 1\]"
+    ):
+        qoi([1.5], [0.5], [0.5])
+    with pytest.raises(ValueError, match=r"^personal, global_ and local must have one value per"):
+        qoi([0.5], [0.5, 0.5], [0.5])
+
+
+def test_improvements_below_one_percentage_point_still_count() -> None:
+    # QoI of +0.5 and −0.5 percentage points: one improved, one worsened.
+    m = personalization_metrics([0.505, 0.495], [0.5, 0.5], [0.4, 0.4])
+    assert m["PUI"] == pytest.approx(50.0) and m["PUD"] == pytest.approx(50.0)
+    assert m["API"] == pytest.approx(0.5) and m["APD"] == pytest.approx(-0.5)
+
+
+def test_fairness_is_computed_when_every_accuracy_is_below_one_percent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="coordinator.metrics"):
+        m = personalization_metrics([0.005, 0.005], [0.001, 0.001], [0.001, 0.001])
+    assert m["JI"] == pytest.approx(1.0) and not caplog.text
+    with caplog.at_level(logging.WARNING, logger="coordinator.metrics"):
+        personalization_metrics([0.0, 0.0], [0.1, 0.2], [0.0, 0.3])
+    assert caplog.messages == [
+        "every personalized accuracy is 0: AV is 0 and CS, Entropy and JI are undefined"
+    ]
+
+
+def test_error_messages_name_the_input_and_the_remedy() -> None:
+    with pytest.raises(ValueError, match=r"^values has non-finite values at client positions"):
+        fairness([1.0, float("nan")])
+    with pytest.raises(
+        ValueError,
+        match=r"to the improved values and to the absolute worsened values separately "
+        r"\(see personalization_metrics\)$",
+    ):
+        fairness([4.0, -2.0])
+    with pytest.raises(ValueError, match=r"For QoI, apply it"):
+        fairness([4.0, -2.0])
+    with pytest.raises(
+        ValueError,
+        match=r"^fairness is undefined when every value is 0 "
+        r"\(CS, Entropy and JI divide by zero\)$",
+    ):
+        fairness([0.0])
+    with pytest.raises(
+        ValueError,
+        match=r"; every client needs a number \(run the local and global baselines for all "
+        r"clients\)$",
+    ):
+        personalization_metrics([0.5, None], [0.5, 0.5], [0.5, 0.5])

@@ -1,5 +1,7 @@
 """Server halves: aggregation against hand-computed weights, refusals with clear errors."""
 
+import re
+
 import pytest
 import torch
 
@@ -51,17 +53,19 @@ def test_weighted_mean_by_hand():
         weighted_mean(states, [0.0, 0.0])
 
 
-def test_fedavg_weights_by_samples_or_uniformly():
+@pytest.mark.parametrize("name", ["fedavg", "fedprox", "fedavg_ft"])
+def test_fedavg_weights_by_samples_or_uniformly(name):
     clients = _clients(MLR, MLR, MLR)
     replies = {
         cid: FitReply(cid, {"model": WireModel(MLR, _state(v))}, n_samples=c.capabilities.n_train)
         for (cid, c), v in zip(clients.items(), [1.0, 2.0, 4.0], strict=True)
     }
-    s = _strategy("fedavg", clients, weighting="by_samples")
+    s = _strategy(name, clients)  # by_samples is the default
     s.aggregate_fit(1, replies)
     expected = (10 * 1.0 + 30 * 2.0 + 60 * 4.0) / 100  # 3.1
     assert all(torch.allclose(v, torch.full_like(v, expected)) for v in s.global_weights.values())
-    u = _strategy("fedavg", clients, weighting="uniform")
+    assert s.expected_models("c0") == {"model": MLR}
+    u = _strategy(name, clients, weighting="uniform")
     u.aggregate_fit(1, replies)
     assert all(torch.allclose(v, torch.full_like(v, 7 / 3)) for v in u.global_weights.values())
 
@@ -84,6 +88,40 @@ def test_pfml_server_step_with_beta_by_hand():
     s.aggregate_fit(1, replies)
     # w ← (1 − β)·w + β·mean = (1 − 2)·1 + 2·3 = 5
     assert all(torch.allclose(v, torch.full_like(v, 5.0)) for v in s.global_weights.values())
+
+
+def test_pfml_server_step_weights_by_samples_when_asked():
+    clients = _clients(MLR, MLR, MLR)  # 10, 30, 60 training samples
+    s = _strategy("pfml", clients, beta=0.5, weighting="by_samples")
+    s.global_weights = _state(2.0)
+    s.configure_fit(1)
+    replies = {
+        cid: FitReply(cid, {"local": WireModel(MLR, _state(v))}, n_samples=n)
+        for cid, v, n in zip(clients, [1.0, 2.0, 4.0], [10, 30, 60], strict=True)
+    }
+    s.aggregate_fit(1, replies)
+    # mean = (10·1 + 30·2 + 60·4)/100 = 3.1; w ← 0.5·2 + 0.5·3.1 = 2.55
+    assert all(torch.allclose(v, torch.full_like(v, 2.55)) for v in s.global_weights.values())
+
+
+def test_pfml_quorum_counts_only_the_aggregated_clients_and_none_of_them_is_an_error():
+    clients = _clients(MLR, MLR, MLR)
+    config = algorithm_class("pfml").config_cls(participation="all")
+    s = strategy_class("pfml")(
+        config, clients=clients, global_spec=MLR, rounds=3, clients_per_round=1, seed=0
+    )
+    s.setup()
+    plan = s.configure_fit(1)
+    (chosen,) = s.quorum_clients(plan)
+    assert set(plan) == set(clients) and chosen in plan
+    others = {
+        cid: FitReply(cid, {"local": WireModel(MLR, _state(1.0))}, n_samples=5)
+        for cid in clients
+        if cid != chosen
+    }
+    with pytest.raises(StrategyError, match="no reply from the aggregated clients"):
+        s.aggregate_fit(1, others)
+    assert strategy_class("fedavg").quorum_clients(s, plan) == set(plan)  # the default: all
 
 
 def test_pfml_aggregates_only_the_sampled_clients_when_all_train():
@@ -123,6 +161,17 @@ def test_fml_averages_memes_uniformly_by_default():
     }
     s.aggregate_fit(1, replies)
     assert all(torch.allclose(v, torch.full_like(v, 3.0)) for v in s.global_weights.values())
+
+
+def test_fml_averages_memes_by_samples_when_asked():
+    clients = _clients(MLR, MLR)
+    s = _strategy("fml", clients, weighting="by_samples")
+    replies = {
+        cid: FitReply(cid, {"meme": WireModel(MLR, _state(v))}, n_samples=n)
+        for cid, v, n in zip(clients, [1.0, 5.0], [1, 3], strict=True)
+    }
+    s.aggregate_fit(1, replies)
+    assert all(torch.allclose(v, torch.full_like(v, 4.0)) for v in s.global_weights.values())
 
 
 def test_fml_shared_backbone_aggregates_only_shared_keys_across_class_counts():
@@ -179,3 +228,190 @@ def test_strategy_state_round_trips():
 def test_unknown_algorithm_names_the_known_ones():
     with pytest.raises(StrategyError, match="fedavg"):
         strategy_class("fedsgd")
+
+
+def test_weighted_mean_refuses_mismatched_inputs_and_accumulates_in_float64():
+    one = {"w": torch.ones(3)}
+    with pytest.raises(StrategyError, match=r"^cannot average 2 states with 1 weights$"):
+        weighted_mean([one, one], [1.0])
+    with pytest.raises(StrategyError, match=r"^cannot average 0 states with 0 weights$"):
+        weighted_mean([], [])
+    with pytest.raises(StrategyError, match=r"^aggregation weights sum to 0.0$"):
+        weighted_mean([one], [0.0])
+    # Ten float32 ones at weight 1/10: a float32 running sum ends at 1.0000001, not 1.
+    out = weighted_mean([one] * 10, [1.0] * 10)
+    assert out["w"].dtype == torch.float32 and torch.equal(out["w"], torch.ones(3))
+
+
+def test_global_model_starts_from_the_seeded_initialisation_and_goes_out_to_every_sampled_client():
+    from model_zoo import build
+
+    clients = _clients(MLR, MLR, MLR)
+    config = algorithm_class("fedavg").config_cls()
+    s = strategy_class("fedavg")(
+        config, clients=clients, global_spec=MLR, rounds=3, clients_per_round=2, seed=7
+    )
+    s.setup()
+    expected = build(MLR, seed=7).state_dict()
+    assert all(torch.equal(s.global_weights[k], v) for k, v in expected.items())
+    default = strategy_class("fedavg")(config, clients=clients, global_spec=MLR, rounds=3)
+    default.setup()  # the default seed is 0
+    zero = build(MLR, seed=0).state_dict()
+    assert all(torch.equal(default.global_weights[k], v) for k, v in zero.items())
+    plan = s.configure_fit(1)
+    assert len(plan) == 2 and set(plan) <= set(clients)
+    for models in plan.values():
+        assert set(models) == {"global"} and models["global"].spec == MLR
+        assert all(torch.equal(models["global"].weights[k], v) for k, v in expected.items())
+
+
+def test_global_model_strategies_name_what_is_missing_or_incompatible():
+    mlp = ArchSpec(family="mlp", num_classes=2, input_shape=(2,))
+    with pytest.raises(
+        StrategyError,
+        match=r"^fedavg needs a global model architecture: the clients run different "
+        r"architectures, so name one with `global_model` \(e.g. --set global_model=lenet5\)$",
+    ):
+        _strategy("fedavg", _clients(MLR, mlp), global_spec=None)
+    with pytest.raises(
+        IncompatibleClients, match=re.escape(f"clients registered {{'c1': '{mlp}'}}")
+    ):
+        _strategy("fedavg", _clients(MLR, mlp))
+
+
+def test_strategy_registry_refuses_duplicates_and_lists_the_known_ones():
+    from coordinator.strategies import base as strategy_base
+    from coordinator.strategies import register_strategy, strategy_names
+    from edge_sdk.algorithms import algorithm_names
+
+    assert strategy_names() == sorted(strategy_base._REGISTRY) == algorithm_names()
+    known = ", ".join(strategy_names())
+    with pytest.raises(StrategyError, match=rf"^unknown algorithm 'nope'; known: {known}$"):
+        strategy_class("nope")
+    fedavg = strategy_class("fedavg")
+    with pytest.raises(ValueError, match=r"^strategy 'fedavg' is already registered$"):
+        register_strategy(fedavg)
+
+    class Orphan(fedavg):  # no device half of that name: refused
+        name = "orphan_for_test"
+
+    with pytest.raises(ValueError, match="orphan_for_test"):
+        register_strategy(Orphan)
+    assert "orphan_for_test" not in strategy_names()
+
+    class Again(fedavg):  # a second fedavg strategy under a name that has a device half
+        name = "local"
+
+    saved = strategy_base._REGISTRY.pop("local")
+    try:
+        assert register_strategy(Again) is Again and strategy_class("local") is Again
+    finally:
+        strategy_base._REGISTRY["local"] = saved
+
+
+def test_pfml_sampled_participation_trains_only_the_sampled_clients():
+    clients = _clients(MLR, MLR, MLR)
+    config = algorithm_class("pfml").config_cls()  # participation = "sampled"
+    s = strategy_class("pfml")(
+        config, clients=clients, global_spec=MLR, rounds=3, clients_per_round=1, seed=0
+    )
+    s.setup()
+    plan = s.configure_fit(1)
+    assert len(plan) == 1 and set(plan) == s.quorum_clients(plan)
+    assert s.expected_models("c0") == {"local": MLR}
+    assert set(plan[next(iter(plan))]) == {"global"}
+
+
+def test_pfml_server_step_leaves_integer_buffers_to_the_mean():
+    clients = _clients(MLR, MLR)
+    s = _strategy("pfml", clients, beta=2.0)
+    s.global_weights = _state(1.0) | {"steps": torch.tensor(3)}
+    s.configure_fit(1)
+    replies = {
+        cid: FitReply(cid, {"local": WireModel(MLR, _state(v) | {"steps": torch.tensor(n)})})
+        for cid, v, n in zip(clients, [2.0, 4.0], [5, 9], strict=True)
+    }
+    s.aggregate_fit(1, replies)
+    assert s.global_weights["steps"].item() == 9  # the mean's (max) value, no β step
+    assert all(
+        torch.allclose(s.global_weights[k], torch.full_like(v, 5.0)) for k, v in _state(0).items()
+    )
+
+
+def test_pfml_state_round_trips_with_the_aggregated_set():
+    clients = _clients(MLR, MLR, MLR)
+    config = algorithm_class("pfml").config_cls()
+    s = strategy_class("pfml")(
+        config, clients=clients, global_spec=MLR, rounds=3, clients_per_round=2, seed=0
+    )
+    s.setup()
+    assert s.state_dict()["aggregate_ids"] == []
+    s.configure_fit(1)
+    state = s.state_dict()
+    t = strategy_class("pfml")(
+        config, clients=clients, global_spec=MLR, rounds=3, clients_per_round=2, seed=5
+    )
+    t.setup()
+    t.load_state_dict(state)
+    assert t.quorum_clients({}) == s.quorum_clients({}) and len(t.quorum_clients({})) == 2
+    assert all(torch.equal(t.global_weights[k], v) for k, v in s.global_weights.items())
+    assert set(t.configure_fit(2)) == set(s.configure_fit(2))  # same rng state
+    older = {k: v for k, v in state.items() if k != "aggregate_ids"}  # a checkpoint without it
+    t.load_state_dict(older)
+    assert t.quorum_clients({}) == set()
+
+
+def test_fml_shared_backbone_drops_the_heads_from_full_meme_replies():
+    from model_zoo import build
+
+    g = ArchSpec(family="cnn1", num_classes=10, input_shape=(1, 28, 28))
+    a = g.with_(num_classes=3)
+    clients = _clients(a, a)
+    prefix = next(iter(build(g).state_dict())).split(".")[0] + "."
+    s = _strategy("fml", clients, global_spec=g, shared_prefixes=[prefix])
+    full = build(a).state_dict()
+    replies = {
+        cid: FitReply(
+            cid, {"meme": WireModel(a, {k: torch.full_like(t, v) for k, t in full.items()})}
+        )
+        for cid, v in zip(clients, [1.0, 3.0], strict=True)
+    }
+    s.aggregate_fit(1, replies)
+    assert set(s.global_weights) == {k for k in full if k.startswith(prefix)}
+    assert all(torch.allclose(v, torch.full_like(v, 2.0)) for v in s.global_weights.values())
+    short = {cid: FitReply(cid, {"meme": WireModel(a, {})}) for cid in clients}
+    with pytest.raises(
+        ValueError, match=r"^fml: a meme reply does not carry exactly the shared tensors$"
+    ):
+        s.aggregate_fit(2, short)
+    with pytest.raises(
+        ValueError, match=r"^fml: shared_prefixes \['nope\.'\] match no tensor of the global model$"
+    ):
+        _strategy("fml", clients, global_spec=g, shared_prefixes=["nope."])
+
+
+def test_strategy_sends_every_client_one_shared_evaluate_and_finalize_plan():
+    from coordinator.server_data import ServerData
+
+    clients = _clients(MLR, MLR, MLR)
+    s = _strategy("fedavg", clients)
+    evaluate, finalize = s.configure_evaluate(1), s.configure_finalize()
+    assert set(evaluate) == set(finalize) == set(clients)
+    assert len({id(m) for m in evaluate.values()}) == 1  # one dict: encoded once
+    assert set(evaluate["c0"]) == {"global"} and set(finalize["c0"]) == {"global"}
+    assert isinstance(s.server_data, ServerData) and s.server_data.unlabeled is None
+    data = ServerData(unlabeled=torch.zeros(2, 2))
+    config = algorithm_class("fedavg").config_cls()
+    t = strategy_class("fedavg")(
+        config, clients=clients, global_spec=MLR, rounds=3, server_data=data
+    )
+    assert t.server_data is data
+    assert strategy_class("fedavg").unlabeled_holdout(config) == 0
+
+
+def test_fedavg_refusal_of_mixed_architectures_names_every_alternative():
+    mlp = ArchSpec(family="mlp", num_classes=2, input_shape=(2,))
+    with pytest.raises(
+        IncompatibleClients, match=r"Use fml, pfml, persfl or fedme for heterogeneous models\.$"
+    ):
+        _strategy("fedavg", _clients(MLR, mlp))

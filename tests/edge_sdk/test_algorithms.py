@@ -97,19 +97,19 @@ def test_fml_partial_global_keeps_a_local_head_for_its_own_classes():
 def test_pfml_keeps_the_auxiliary_model_across_rounds_unless_told_to_reset():
     spec = _spec("mlr")
     g = _global(spec)
-    persist = _algo("pfml", spec, local_epochs=2, batch_size=16)
+    persist = _algo("pfml", spec, local_iterations=2, batch_size=16)
     persist.fit(1, 3, {"global": g})
     aux_after_1 = {k: v.clone() for k, v in persist.aux.state_dict().items()}
     persist._prepare(g)  # the start of round 2
     assert all(torch.equal(aux_after_1[k], v) for k, v in persist.aux.state_dict().items())
-    reset = _algo("pfml", spec, local_epochs=2, batch_size=16, aux_init="global")
+    reset = _algo("pfml", spec, local_iterations=2, batch_size=16, aux_init="global")
     reset.fit(1, 3, {"global": g})
     reset._prepare(g)
     assert all(torch.equal(g.weights[k], v) for k, v in reset.aux.state_dict().items())
 
 
 def test_pfml_auxiliary_may_have_its_own_architecture():
-    algo = _algo("pfml", _spec("mlp", hidden=[16]), local_epochs=3, batch_size=16, lam=1.0)
+    algo = _algo("pfml", _spec("mlp", hidden=[16]), local_iterations=3, batch_size=16, lam=1.0)
     g = _global(_spec("mlr"))
     out = algo.fit(1, 2, {"global": g})
     assert out.models["local"].spec == g.spec  # w_i has the global architecture
@@ -124,7 +124,7 @@ def test_pfml_proximal_pull_keeps_the_local_model_near_the_global_one():
     g = _global(spec)
 
     def drift(lam):
-        algo = _algo("pfml", spec, local_epochs=5, batch_size=16, lam=lam, lr=0.05)
+        algo = _algo("pfml", spec, local_iterations=5, batch_size=16, lam=lam, lr=0.05)
         w = algo.fit(1, 1, {"global": g}).models["local"].weights
         return sum((w[k] - g.weights[k]).pow(2).sum().item() for k in w)
 
@@ -173,3 +173,145 @@ def test_an_edge_client_refuses_a_model_that_does_not_fit_its_data():
         EdgeClient("c0", _spec(classes=10), _data(classes=4), transport)
     with pytest.raises(ValueError, match="does not fit the data"):
         EdgeClient("c0", _spec().with_(input_shape=(1, 28, 28)), _data(), transport)
+
+
+def _state(algo) -> dict[str, object]:
+    """Every tensor and optimizer state an algorithm holds, copied (None where unset)."""
+    out: dict[str, object] = {}
+    for name, value in vars(algo).items():
+        if isinstance(value, torch.nn.Module):
+            out[name] = {k: v.clone() for k, v in value.state_dict().items()}
+        elif isinstance(value, torch.optim.Optimizer):
+            out[name] = copy.deepcopy(value.state_dict())
+        elif value is None or isinstance(value, bool | int | float | str):
+            out[name] = value
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+@pytest.mark.parametrize(
+    ("name", "cfg"),
+    [
+        ("local", {}),
+        ("fedavg", {}),
+        ("fedprox", {"mu": 0.1}),
+        ("fedavg_ft", {"ft_epochs": 1}),
+        ("fml", {}),
+        ("pfml", {"local_iterations": 2}),
+    ],
+)
+def test_evaluate_changes_no_state(name, cfg):
+    # Prepare: a client that has never trained, then the same after one round.
+    spec = _spec("mlr")
+    train_cfg = {"local_epochs": 1} if name != "pfml" else {}
+    algo = _algo(name, spec, batch_size=16, **train_cfg, **cfg)
+    g1, g2 = _global(spec, seed=1), _global(spec, seed=2)
+    for fit_first in (False, True):
+        if fit_first:
+            algo.fit(1, 2, {"global": g1})
+        before = _state(algo)
+        generator = algo.ctx.trainer.generator.get_state()
+
+        # Execute
+        scores = algo.evaluate({"global": g2})
+
+        # Assert: nothing the next round would read has moved.
+        assert scores["global_total"] == 16 or name == "local"
+        assert _same(before, _state(algo))
+        assert torch.equal(generator, algo.ctx.trainer.generator.get_state())
+
+
+def test_pfml_refuses_to_reset_an_auxiliary_of_another_architecture():
+    algo = _algo("pfml", _spec("mlp", hidden=[8]), aux_init="global", batch_size=16)
+    g = _global(_spec("mlr"))
+    algo.fit(1, 2, {"global": g})  # round 1: a random init, as documented
+    with pytest.raises(AlgorithmError, match="aux_init='persist'"):
+        algo.fit(2, 2, {"global": g})
+
+
+def test_fml_meme_head_carries_over_between_rounds_under_a_shared_backbone():
+    g_spec = ArchSpec(family="cnn1", num_classes=10, input_shape=IMG)
+    prefix = next(iter(build(g_spec).state_dict())).split(".")[0] + "."
+    algo = _algo(
+        "fml", _spec("mlr", classes=3), classes=3, local_epochs=1, shared_prefixes=[prefix]
+    )
+    backbone = {k: v for k, v in build(g_spec, seed=1).state_dict().items() if k.startswith(prefix)}
+    glob = WireModel(g_spec, backbone)
+    algo.fit(1, 2, {"global": glob})
+    meme = algo.meme
+    head = {k: v.clone() for k, v in meme.state_dict().items() if k not in backbone}
+
+    _, again = algo._meme_for(glob)  # what round 2 starts from
+
+    assert again is meme  # the same network: its head is this client's, kept
+    assert all(torch.equal(head[k], again.state_dict()[k]) for k in head)
+    assert all(torch.equal(backbone[k], again.state_dict()[k]) for k in backbone)
+
+
+def test_fml_builds_a_new_meme_when_the_global_architecture_changes():
+    algo = _algo("fml", _spec("mlr"), local_epochs=1)
+    algo.fit(1, 2, {"global": _global(_spec("mlr"))})
+    mlp = _spec("mlp", hidden=[8])
+    out = algo.fit(2, 2, {"global": _global(mlp)})
+    assert algo.meme_spec == mlp and out.models["meme"].spec == mlp
+
+
+def test_fml_refuses_a_global_model_that_misses_or_adds_tensors():
+    algo = _algo("fml", _spec("mlr"), local_epochs=1)
+    g = _global(_spec("mlr"))
+    partial = WireModel(g.spec, {k: v for k, v in list(g.weights.items())[:1]})
+    with pytest.raises(RuntimeError, match="Missing key"):
+        algo.fit(1, 1, {"global": partial})
+    g_spec = ArchSpec(family="cnn1", num_classes=10, input_shape=IMG)
+    prefix = next(iter(build(g_spec).state_dict())).split(".")[0] + "."
+    shared = _algo("fml", _spec("mlr"), local_epochs=1, shared_prefixes=[prefix])
+    backbone = {k: v for k, v in build(g_spec).state_dict().items() if k.startswith(prefix)}
+    extra = backbone | {f"stray{i}.weight": torch.zeros(1) for i in range(6)}
+    with pytest.raises(ValueError, match=r"^fml: global model has tensors the meme lacks: \[") as e:
+        shared.fit(1, 1, {"global": WireModel(g_spec, extra)})
+    assert str(e.value).count("stray") == 5  # the first five, not a wall of names
+
+
+def test_base_evaluate_without_a_global_model_scores_the_personalized_model_only():
+    algo = _algo("local", _spec("mlr"), local_epochs=1)
+    scores = algo.evaluate({})
+    assert scores["personal_total"] == 16 and "global_total" not in scores
+
+
+def test_pfml_aux_init_error_names_the_remedy():
+    algo = _algo("pfml", _spec("mlp", hidden=[8]), aux_init="global", batch_size=16)
+    g = _global(_spec("mlr"))
+    algo.fit(1, 2, {"global": g})
+    with pytest.raises(
+        AlgorithmError, match=r"^pfml: aux_init='global' re-initialises.*on this client$"
+    ):
+        algo.fit(2, 2, {"global": g})
+
+
+def test_algorithm_registry_refuses_duplicates_and_names_the_known_ones():
+    from edge_sdk.algorithms import algorithm_names, register_algorithm
+    from edge_sdk.algorithms import base as algo_base
+
+    known = ", ".join(algorithm_names())
+    with pytest.raises(AlgorithmError, match=rf"^unknown algorithm 'nope'; known: {known}$"):
+        algorithm_class("nope")
+    fedavg = algorithm_class("fedavg")
+    with pytest.raises(ValueError, match=r"^client algorithm 'fedavg' is already registered$"):
+        register_algorithm(fedavg)
+
+    class Probe(fedavg):  # a throwaway algorithm, registered then removed
+        name = "probe_for_test"
+
+    try:
+        assert register_algorithm(Probe) is Probe and algorithm_class("probe_for_test") is Probe
+    finally:
+        algo_base._REGISTRY.pop("probe_for_test", None)

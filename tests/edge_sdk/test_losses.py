@@ -76,3 +76,25 @@ def test_proximal_term_by_hand():
 def test_proximal_rejects_mismatched_lists():
     with pytest.raises(ValueError):
         proximal([torch.zeros(1)], [torch.zeros(1), torch.zeros(1)], 1.0)
+
+
+def test_soft_cross_entropy_with_temperature_by_hand():
+    student = torch.tensor([[2.0, -1.0, 0.5]])
+    teacher = torch.tensor([[0.0, 1.0, 3.0]])
+    t = 3.0
+    soft_s = F.softmax(student[0] / t, 0).tolist()
+    soft_t = F.softmax(teacher[0] / t, 0).tolist()
+    expected = -t * t * sum(a * math.log(b) for a, b in zip(soft_t, soft_s, strict=True))
+    assert soft_cross_entropy(student, teacher, t).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_kl_distill_at_temperature_two_takes_the_scaled_path():
+    student, teacher = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 2.0]])
+    soft_s = F.softmax(student[0] / 2, 0).tolist()
+    soft_t = F.softmax(teacher[0] / 2, 0).tolist()
+    assert kl_distill(student, teacher, 2.0).item() == pytest.approx(4 * _kl(soft_t, soft_s))
+
+
+def test_proximal_over_no_parameters_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"^proximal term over an empty parameter list$"):
+        proximal([], [], 1.0)

@@ -49,3 +49,10 @@ def test_client_data_checks_lengths_and_needs_training_samples():
         ClientData(x, y[:2], x, y, x, y, num_classes=2)
     with pytest.raises(ValueError, match="at least one training sample"):
         ClientData(x[:0], y[:0], x, y, x, y, num_classes=2)
+
+
+def test_adam_takes_momentum_as_beta1_and_the_weight_decay():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    cfg = OptimConfig(optimizer="adam", momentum=0.5, weight_decay=0.01, lr=0.2)
+    group = Trainer(torch.device("cpu")).optimizer(params, cfg).param_groups[0]
+    assert group["betas"] == (0.5, 0.999) and group["weight_decay"] == 0.01 and group["lr"] == 0.2

@@ -1,0 +1,338 @@
+"""Reproduce the papers' tables: one command per row, a results.json per run, one summary table.
+
+Each row is a registered `Row`: the run config of the paper's setting (as `edgefl simulate` takes
+it), the baselines it is compared with, and the numbers the paper (or our reference
+implementation) reports. `run` simulates one row and writes `OUT/<row>/results.json` (the
+simulator's, with every round and client) plus `OUT/<row>/row.json` (the command, the overrides,
+the wall time); `table` reads every row under OUT and prints the paper's numbers next to ours.
+
+    python benchmarks/reproduce.py list
+    python benchmarks/reproduce.py run pfml-synthetic-mlr --rounds 100      # shortened: labelled
+    python benchmarks/reproduce.py run fml-fmnist-p2-lenet5 --rounds 20 --max-samples 10000
+    python benchmarks/reproduce.py table --out runs/reproduce
+
+Overrides (`--rounds`, `--max-samples`, `--local-epochs`, `--set key=value`) shorten a row to
+fit a machine; a row run with any of them is marked "shortened" in the table, and row.json
+lists them. Adding a row for another algorithm is one `register(Row(...))` call below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from coordinator.config import load_config, parse_overrides  # noqa: E402
+from coordinator.simulator import simulate  # noqa: E402
+from edge_sdk.algorithms import algorithm_class, algorithm_names  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Reported:
+    """Numbers a source reports for a row's setting, in percent (None: not reported)."""
+
+    source: str
+    personal: float | None = None  # mean personalized accuracy
+    global_: float | None = None  # the method's global model
+    baselines: dict[str, float] = field(default_factory=dict)  # e.g. {"fedavg": 77.97}
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    title: str
+    flags: dict[str, Any]  # RunConfig fields, dotted (as load_config takes them)
+    reported: tuple[Reported, ...] = ()
+    # Baselines whose *global* model the row compares with the method's global model.
+    global_vs: tuple[str, ...] = ("fedavg",)
+    claim: str = ""  # the paper's qualitative claim, when its numbers are not comparable
+
+
+ROWS: dict[str, Row] = {}
+
+
+def register(row: Row) -> Row:
+    if row.name in ROWS:
+        raise ValueError(f"row {row.name!r} is already registered")
+    ROWS[row.name] = row
+    return row
+
+
+# -- PFML (paper 000): Synthetic(0.5, 0.5), MLR, 100 users --------------------------------------
+register(
+    Row(
+        name="pfml-synthetic-mlr",
+        title="PFML, Synthetic(0.5,0.5), MLR, 100 users, |U|=10, T=800",
+        flags={
+            "algorithm": "pfml",
+            "rounds": 800,
+            "clients": 100,
+            "clients_per_round": 10,
+            "models": ["mlr"],
+            "data.dataset": "synthetic",
+            "data.partition": "natural",
+            "data.split": [0.75, 0.0, 0.25],  # pFedMe's 75/25 split
+            "data.options": {"alpha": 0.5, "beta": 0.5},
+            "baselines": ["local", "fedavg"],
+            "round.eval_every": 1,  # best-over-rounds needs every round
+            "pfml": {
+                "participation": "all",  # all train, |U| = 10 aggregated (pFedMe's code)
+                "batch_size": 20,  # D
+                "local_iterations": 20,  # E
+                "k_steps": 3,  # K
+                "lam": 20.0,  # λ
+                "beta": 2.0,  # β
+                "lr": 0.01,  # η
+                "weighting": "by_samples",
+            },
+            # Baselines: plain SGD at η, one epoch of batches of D per round (pFedMe's FedAvg
+            # runs E iterations of one batch; one epoch is ~20 batches for the median user).
+            "fedavg": {
+                "local_epochs": 1,
+                "batch_size": 20,
+                "lr": 0.01,
+                "momentum": 0.0,
+                "weight_decay": 0.0,
+                "weighting": "by_samples",
+            },
+            "local": {
+                "local_epochs": 1,
+                "batch_size": 20,
+                "lr": 0.01,
+                "momentum": 0.0,
+                "weight_decay": 0.0,
+            },
+        },
+        reported=(
+            Reported("paper 000 (best over rounds)", 90.74, 79.58, {"fedavg": 77.97}),
+            Reported(
+                "our reference implementation (shared/reference)",
+                89.6,
+                79.3,
+                {"fedavg": 78.4},
+                note="goal: within 1 point of it",
+            ),
+            Reported(
+                "reference implementation at T=100 (shared/reference README)",
+                87.4,
+                74.9,
+                note="compare shortened --rounds 100 runs with this one",
+            ),
+        ),
+    )
+)
+
+# -- FML (paper 001): Fashion-MNIST, pathological shards, 5 clients, all every round -------------
+_FML_MODELS = ("mlp", "lenet5", "cnn1", "cnn2")
+for _p in (6, 4, 2):
+    for _model in _FML_MODELS:
+        register(
+            Row(
+                name=f"fml-fmnist-p{_p}-{_model}",
+                title=f"FML, Fashion-MNIST non-IID p={_p}, {_model}, 5 clients, T=200",
+                flags={
+                    "algorithm": "fml",
+                    "rounds": 200,
+                    "clients": 5,
+                    "models": [_model],
+                    "data.dataset": "fashion_mnist",
+                    "data.partition": "shards",
+                    "data.partition_params": {"classes_per_client": _p},
+                    "baselines": ["local", "fedavg", "fedprox"],
+                    "round.eval_every": 5,
+                    # Every algorithm: SGD lr 0.01, momentum 0.9, wd 5e-4, batch 128, E = 5.
+                    **{f"{a}.local_epochs": 5 for a in ("fml", "local", "fedavg", "fedprox")},
+                },
+                global_vs=("fedavg", "fedprox"),
+                claim=(
+                    "paper 001 (MNIST/CIFAR; Table 1's numbers were lost in extraction): "
+                    "FML's global model beats FedAvg and FedProx in most non-IID settings; "
+                    "personalized models beat independent (local) training"
+                ),
+            )
+        )
+
+
+# -- running -------------------------------------------------------------------------------------
+def _nest(flags: dict[str, Any]) -> dict[str, Any]:
+    """Row flags with section dicts flattened to dotted keys (load_config's flag form)."""
+    out: dict[str, Any] = {}
+    for key, value in flags.items():
+        if isinstance(value, dict) and key in _sections():
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
+def _sections() -> set[str]:
+    return set(algorithm_names())
+
+
+def run_row(row: Row, out: Path, overrides: dict[str, Any], argv: list[str]) -> Path:
+    flags = _nest(row.flags) | {"out": str(out / row.name), "device": "cpu"}
+    cfg = load_config(None, flags, overrides)
+    t0 = time.perf_counter()
+    simulate(cfg, progress=True)
+    wall = time.perf_counter() - t0
+    meta = {
+        "row": row.name,
+        "title": row.title,
+        "command": "python benchmarks/reproduce.py " + shlex.join(argv),
+        "overrides": overrides,
+        "shortened": bool(overrides),
+        "rounds": cfg.rounds,
+        "wall_seconds": round(wall, 1),
+    }
+    path = out / row.name / "row.json"
+    path.write_text(json.dumps(meta, indent=2) + "\n")
+    return path
+
+
+# -- the table -----------------------------------------------------------------------------------
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{100 * v:.2f}"
+
+
+def _share(pairs: Iterable[tuple[float | None, float | None]]) -> str:
+    """% of clients whose personalized accuracy is above the other number."""
+    ps = [(p, o) for p, o in pairs if p is not None and o is not None]
+    return "—" if not ps else f"{100 * sum(p > o for p, o in ps) / len(ps):.0f}"
+
+
+def summarize(row: Row, results: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    s, base = results["summary"], results.get("baselines", {})
+    clients = results["clients"]
+    ours = {
+        "personal_final": s["mean_personal_acc"],
+        "personal_best": s["best_mean_personal_acc"],
+        "global_final": s["global_acc"],
+        "global_best": s["best_global_acc"],
+    }
+    for b, r in base.items():
+        ours[f"{b}_personal_final"] = r["summary"]["mean_personal_acc"]
+        ours[f"{b}_global_final"] = r["summary"]["global_acc"]
+        ours[f"{b}_global_best"] = r["summary"].get("best_global_acc")
+    return {
+        "row": row.name,
+        "title": row.title,
+        "rounds": meta.get("rounds"),
+        "shortened": meta.get("shortened", False),
+        "overrides": meta.get("overrides", {}),
+        "wall_seconds": meta.get("wall_seconds"),
+        "ours": ours,
+        "PUI": (s.get("metrics") or {}).get("PUI"),
+        "beats_local_pct": _share((c["personal_acc"], c["local_acc"]) for c in clients),
+        "beats_fedavg_pct": _share((c["personal_acc"], c["fedavg_acc"]) for c in clients),
+        "budget": results.get("budget"),
+        "reported": [r.__dict__ for r in row.reported],
+        "claim": row.claim,
+    }
+
+
+def _claim_check(row: Row, o: dict[str, Any]) -> str:
+    """Whether the paper's qualitative claim holds in this run (final values)."""
+
+    def beats(a: float | None, b: float | None) -> str:
+        return "?" if a is None or b is None else ("yes" if a > b else "no")
+
+    checks = [
+        f"global > {b}: {beats(o['global_final'], o.get(f'{b}_global_final'))}"
+        for b in row.global_vs
+    ]
+    checks.append(f"personal > local: {beats(o['personal_final'], o.get('local_personal_final'))}")
+    return "paper 001, qualitative: " + ", ".join(checks)
+
+
+def table(out: Path) -> str:
+    lines = [
+        "| row | T | personalized final / best | global final / best | "
+        + "baselines (global final / best; local: personalized) | PUI | >local | >FedAvg | "
+        + "paper / reference | wall |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    summaries = []
+    for name, row in ROWS.items():
+        res_path, meta_path = out / name / "results.json", out / name / "row.json"
+        if not res_path.is_file():
+            continue
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        sm = summarize(row, json.loads(res_path.read_text()), meta)
+        summaries.append(sm)
+        o = sm["ours"]
+        basel = []
+        for b in row.global_vs:
+            basel.append(
+                f"{b} {_pct(o.get(f'{b}_global_final'))} / {_pct(o.get(f'{b}_global_best'))}"
+            )
+        basel.append(f"local {_pct(o.get('local_personal_final'))}")
+        reported = "; ".join(
+            f"{r.source}: pers {r.personal}, global {r.global_}"
+            + "".join(f", {k} {v}" for k, v in r.baselines.items())
+            for r in row.reported
+        ) or _claim_check(row, o)
+        t = f"{sm['rounds']}" + (" (shortened)" if sm["shortened"] else "")
+        pui = "—" if sm["PUI"] is None else f"{sm['PUI']:.0f}"
+        lines.append(
+            f"| {name} | {t} | {_pct(o['personal_final'])} / {_pct(o['personal_best'])} | "
+            f"{_pct(o['global_final'])} / {_pct(o['global_best'])} | {'; '.join(basel)} | "
+            f"{pui} | {sm['beats_local_pct']} | {sm['beats_fedavg_pct']} | {reported} | "
+            f"{sm['wall_seconds']} s |"
+        )
+    (out / "summary.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    text = "\n".join(lines) + "\n"
+    (out / "summary.md").write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="the registered rows")
+    run = sub.add_parser("run", help="simulate one row")
+    run.add_argument("row", choices=sorted(ROWS))
+    run.add_argument("--rounds", type=int, help="shorten the run (labelled 'shortened')")
+    run.add_argument("--max-samples", type=int, help="a seeded subset of the dataset")
+    run.add_argument("--local-epochs", type=int, help="epochs of every epoch-trained run")
+    run.add_argument("--set", action="append", default=[], help="any field: key=value")
+    for p in (run, sub.add_parser("table", help="the summary table of the rows run so far")):
+        p.add_argument("--out", type=Path, default=ROOT / "runs" / "reproduce")
+    args = ap.parse_args(argv)
+    if args.cmd == "list":
+        for name, row in ROWS.items():
+            print(f"{name:28s} {row.title}")
+        return 0
+    if args.cmd == "table":
+        print(table(args.out))
+        return 0
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    row = ROWS[args.row]
+    overrides = parse_overrides(args.set)
+    if args.rounds is not None:
+        overrides["rounds"] = args.rounds
+    if args.max_samples is not None:
+        overrides["data.max_samples"] = args.max_samples
+    if args.local_epochs is not None:  # to every run of the row that trains epochs
+        for name in [row.flags["algorithm"], *row.flags.get("baselines", [])]:
+            if "local_epochs" in algorithm_class(name).config_cls.model_fields:
+                overrides[f"{name}.local_epochs"] = args.local_epochs
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_row(row, args.out, overrides, argv)
+    print(table(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

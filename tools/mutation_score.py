@@ -1,0 +1,49 @@
+"""Score of the last `mutmut run`, against the equivalent mutants listed in mutation-equivalent.txt.
+
+    python tools/mutation_score.py        # after `mutmut run`; `make mutation` runs both
+
+Prints killed / (all − equivalent) and every survivor that is not listed as equivalent; exits 1
+when there is one (it needs a test) or when the score is below 90%.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GOAL = 0.90
+
+
+def main() -> int:
+    listed = ROOT / "mutation-equivalent.txt"
+    equivalent = {
+        line.split()[0]
+        for line in listed.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    mutmut = Path(sys.executable).with_name("mutmut")
+    out = subprocess.run(
+        [str(mutmut), "results", "--all", "true"], capture_output=True, text=True, check=True
+    ).stdout
+    status = dict(line.strip().rsplit(": ", 1) for line in out.splitlines() if ": " in line)
+    counts = Counter(status.values())
+    not_killed = {name for name, s in status.items() if s != "killed"}
+    unexplained = sorted(not_killed - equivalent)
+    stale = sorted(equivalent - not_killed)
+    denominator = len(status) - len(not_killed & equivalent)
+    score = counts["killed"] / denominator if denominator else 0.0
+    print(f"mutants: {len(status)}  " + "  ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+    print(f"equivalent (listed): {len(not_killed & equivalent)}")
+    print(f"score: {counts['killed']}/{denominator} = {100 * score:.1f}% killed (goal {GOAL:.0%})")
+    for name in unexplained:
+        print(f"NEEDS A TEST: {name} ({status[name]})")
+    for name in stale:
+        print(f"listed as equivalent but killed or gone (update the list): {name}")
+    return 1 if unexplained or score < GOAL else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
