@@ -72,7 +72,9 @@ def bench_delivery(kind: str, url: str | None, size: int, n: int) -> dict[str, A
         id=uuid.uuid4().hex, sha256=hashlib.sha256(payload).hexdigest(), size=size, shared=True
     )
     coord_t = _connect(kind, url, memory, "coordinator")
-    coord = Endpoint(coord_t, topics.up_all(RUN), max_blob_bytes=2 * size).open()
+    coord = Endpoint(
+        coord_t, topics.up_all(RUN), max_blob_bytes=2 * size, max_total_pending_bytes=4 * n * size
+    ).open()
     clients = []
     for i in range(n):
         t = _connect(kind, url, memory, f"c{i}")

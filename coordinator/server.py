@@ -195,7 +195,13 @@ class Coordinator:
         self.checkpoint = checkpoint
         self.server_data = server_data
         self.transport = transport
-        self.endpoint = Endpoint(transport, [topics.up_all(run_id)], max_blob_bytes=max_blob_bytes)
+        self.endpoint = Endpoint(
+            transport,
+            [topics.up_all(run_id)],
+            max_blob_bytes=max_blob_bytes,
+            # every client may have a model or two in flight at once
+            max_total_pending_bytes=2 * max_blob_bytes * max(4, self.expected_clients),
+        )
         self.clients: dict[str, ClientInfo] = {}
         self.online: set[str] = set()
         self.strategy: Strategy | None = None

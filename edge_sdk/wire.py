@@ -113,6 +113,7 @@ class Endpoint:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
         max_pending_bytes: int | None = None,
+        max_total_pending_bytes: int | None = None,
         blob_timeout_s: float = 120.0,
         ack_timeout_s: float = 120.0,
     ) -> None:
@@ -122,13 +123,17 @@ class Endpoint:
         self.shared_topic = shared_topic
         self.chunk_bytes = min(chunk_bytes, transport.max_payload_bytes - 512)
         self.max_blob_bytes = max_blob_bytes
+        # Bytes held for reassembly: per topic (one sender cannot crowd out the others), and in
+        # all (a flood over many topics is bounded too).
         self.max_pending_bytes = max_pending_bytes or 2 * max_blob_bytes
+        self.max_total_pending_bytes = max_total_pending_bytes or 4 * self.max_pending_bytes
         self.blob_timeout_s = blob_timeout_s
         self.ack_timeout_s = ack_timeout_s
         self.rejections: Counter[str] = Counter()  # frames/messages dropped, by reason
         self._lock = threading.Lock()
         self._blobs: dict[_BlobKey, _Blob] = {}
         self._held = 0  # bytes held in _blobs
+        self._held_by: Counter[str] = Counter()  # ... per topic
         self._consumed: dict[_BlobKey, float] = {}  # recently delivered: late duplicates
         self._parked: list[tuple[Message, str, float]] = []
         self._queue: queue.Queue[_Ready] = queue.Queue()
@@ -284,33 +289,48 @@ class Endpoint:
             blob.parts[index] = data
             blob.received += len(data)
             self._held += len(data)
+            self._held_by[topic] += len(data)
             self._blobs[key] = blob
             if blob.complete:
                 self._release_parked()
 
     def _make_room(self, need: int, keep: _BlobKey) -> None:
-        """Evict complete blobs nobody claimed yet, oldest first; refuse if still over."""
-        if self._held + need <= self.max_pending_bytes:
+        """Evict complete blobs nobody claimed yet (the sender's own first, oldest first);
+        refuse the chunk if the bounds still do not hold."""
+        topic = keep[0]
+
+        def fits() -> bool:
+            return (
+                self._held_by[topic] + need <= self.max_pending_bytes
+                and self._held + need <= self.max_total_pending_bytes
+            )
+
+        if fits():
             return
         claimed = {
             k
-            for m, topic, _ in self._parked
+            for m, t, _ in self._parked
             for ref in (r.blob for r in getattr(m, "models", {}).values())
-            if (k := self._blob_key(ref, topic)) is not None
+            if (k := self._blob_key(ref, t)) is not None
         }
-        for key, blob in sorted(self._blobs.items(), key=lambda kv: kv[1].started):
-            if key != keep and key not in claimed and blob.complete:
+        by_age = sorted(self._blobs.items(), key=lambda kv: kv[1].started)
+        for key, blob in [kv for kv in by_age if kv[0][0] == topic] + by_age:
+            if key in self._blobs and key != keep and key not in claimed and blob.complete:
                 self._drop(key)
                 log.info("evicted unclaimed blob %s to make room", key[1])
-                if self._held + need <= self.max_pending_bytes:
+                if fits():
                     return
         raise PayloadError(
-            f"{self._held + need} bytes pending reassembly would exceed {self.max_pending_bytes}"
+            f"{need} more bytes pending reassembly would exceed the bound "
+            f"({self._held_by[topic]} held on {topic}, {self._held} in all)"
         )
 
     def _drop(self, key: _BlobKey) -> None:
         blob = self._blobs.pop(key)
         self._held -= blob.received
+        self._held_by[key[0]] -= blob.received
+        if not self._held_by[key[0]]:
+            del self._held_by[key[0]]
 
     def _on_message(self, topic: str, msg: Message) -> None:
         with self._lock:

@@ -139,6 +139,25 @@ def test_reassembly_memory_is_bounded_by_bytes_received_not_by_headers():
     rx.close()
 
 
+def test_one_sender_filling_its_bound_does_not_crowd_out_another():
+    broker = InMemoryBroker()
+    rx = Endpoint(
+        broker.connect("rx"), "up/+", max_pending_bytes=1000, max_total_pending_bytes=3000
+    ).open()
+    tx = broker.connect("tx")
+    for i in range(20):  # mallory keeps sending halves of blobs that never complete
+        tx.publish("up/mallory", _chunk(f"m{i}", 0, 2, 400, b"x" * 200))
+    assert rx._held_by["up/mallory"] <= 1000
+    tx.publish("up/alice", _chunk("a", 0, 2, 800, b"y" * 400))
+    tx.publish("up/alice", _chunk("a", 1, 2, 800, b"y" * 400))
+    assert rx._blobs[("up/alice", "a")].complete
+    for who in ("bob", "carol", "dave"):  # many senders: the total bound holds as well
+        for i in range(5):
+            tx.publish(f"up/{who}", _chunk(f"{who}{i}", 0, 2, 400, b"z" * 200))
+    assert rx._held <= 3000
+    rx.close()
+
+
 def test_incomplete_blobs_expire_on_a_timer_without_receive():
     broker = InMemoryBroker()
     rx = Endpoint(broker.connect("rx"), "in", blob_timeout_s=0.1).open()

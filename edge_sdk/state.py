@@ -1,0 +1,107 @@
+"""Crash-safe state files: nested state (tensors + plain values) as one safetensors file.
+
+A coordinator checkpoint and a client's persisted algorithm state have the same shape: a tree of
+dicts and lists whose leaves are tensors or JSON values. `save_state` writes the tensors as
+safetensors and the rest as JSON in the file's metadata (never pickle), atomically: a temporary
+file in the same folder, fsync, rename, fsync of the folder. A reader sees the old file or the
+new one, never half of one. `load_state` is its inverse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+__all__ = ["StateError", "load_state", "save_state"]
+
+_TREE = "edgefl.state"
+_TENSOR = "__tensor__"
+
+
+class StateError(ValueError):
+    """A state file that is missing pieces, corrupt, or holds values that cannot be saved."""
+
+
+def _flatten(node: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(node, torch.Tensor):
+        key = f"t{len(tensors)}"
+        # a contiguous CPU copy in the standard layout (channels_last models included)
+        tensors[key] = torch.empty(node.shape, dtype=node.dtype).copy_(node.detach())
+        return {_TENSOR: key}
+    if isinstance(node, Mapping):
+        if _TENSOR in node:
+            raise StateError(f"{path}: the key {_TENSOR!r} is reserved")
+        out = {}
+        for k, v in node.items():
+            if not isinstance(k, str):
+                raise StateError(f"{path}: keys must be strings, got {k!r}")
+            out[k] = _flatten(v, f"{path}.{k}", tensors)
+        return out
+    if isinstance(node, list | tuple):
+        return [_flatten(v, f"{path}[{i}]", tensors) for i, v in enumerate(node)]
+    if node is None or isinstance(node, bool | int | float | str):
+        return node
+    raise StateError(f"{path}: cannot save a {type(node).__name__} (tensors and JSON values only)")
+
+
+def _unflatten(node: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(node, dict):
+        if set(node) == {_TENSOR}:
+            try:
+                return tensors[node[_TENSOR]]
+            except KeyError:
+                raise StateError(f"the state file lacks tensor {node[_TENSOR]!r}") from None
+        return {k: _unflatten(v, tensors) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_unflatten(v, tensors) for v in node]
+    return node
+
+
+def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> Path:
+    """Write `state` to `path` atomically (temp file, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _flatten(state, "state", tensors)
+    data = st_save(tensors, metadata={_TREE: json.dumps(tree)})
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dirfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dirfd)  # the rename itself survives a crash
+    finally:
+        os.close(dirfd)
+    return path
+
+
+def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a file `save_state` wrote; `StateError` when it is not one."""
+    data = Path(path).read_bytes()
+    try:
+        tensors = st_load(data)
+        n = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+        tree = json.loads(meta[_TREE])
+    except (SafetensorError, ValueError, KeyError, RuntimeError) as exc:
+        raise StateError(f"{path} is not an edgefl state file: {exc}") from exc
+    state = _unflatten(tree, tensors)
+    if not isinstance(state, dict):
+        raise StateError(f"{path} holds no state mapping")
+    return state
