@@ -1,7 +1,9 @@
 """The device half of an algorithm: turns a task (round, incoming models) into a reply.
 
 A ClientAlgorithm owns the client's private state (personalized model, auxiliary model, optimizer
-momentum) and never touches the network: the EdgeClient decodes tasks, calls it, and encodes
+momentum); `state_dict()` / `load_state_dict()` cover all of it (the attributes a class lists in
+`persistent`, plus the trainer's random generator), so a device that restarts continues where it
+left off. It never touches the network: the EdgeClient decodes tasks, calls it, and encodes
 replies. Each algorithm is one file in this package with a frozen config whose defaults come from
 `algorithms.md`, registered by name; its server half lives in `coordinator/strategies/` under the
 same name and reads the same config.
@@ -18,7 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, model_validator
 from torch import nn
 
-from edge_sdk.codec import WireModel
+from edge_sdk.codec import WireModel, state_of
 from edge_sdk.trainer import ClientData, OptimConfig, Trainer
 from model_zoo import ArchSpec, build
 
@@ -96,6 +98,10 @@ class FitResult:
 class ClientAlgorithm(ABC):
     name: ClassVar[str]
     config_cls: ClassVar[type[BaseAlgorithmConfig]]
+    # The attributes that hold this client's private state, in restore order (modules before
+    # the optimizers that step them): modules built by `_build`/`_materialize`, optimizers,
+    # tensors, ArchSpecs and plain values (numbers, strings, lists, dicts).
+    persistent: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: ClientContext, config: BaseAlgorithmConfig) -> None:
         self.ctx = ctx
@@ -127,6 +133,47 @@ class ClientAlgorithm(ABC):
         """After the last round (fine-tuning, distillation...); default: final evaluation."""
         return FitResult(metrics=self.evaluate(models))
 
+    # -- persistence -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this client has learned, as tensors and plain values (no pickle)."""
+        out: dict[str, Any] = {"__rng__": self.ctx.trainer.generator.get_state()}
+        for name in self.persistent:
+            out[name] = _encode(getattr(self, name), f"{self.name}.{name}")
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`'s output (modules in place when their architecture matches)."""
+        missing = [n for n in self.persistent if n not in state]
+        if missing or "__rng__" not in state:
+            raise AlgorithmError(f"{self.name}: the saved state lacks {missing or ['__rng__']}")
+        self.ctx.trainer.generator.set_state(state["__rng__"])
+        for name in self.persistent:
+            setattr(self, name, self._decode(getattr(self, name, None), state[name]))
+
+    def _decode(self, current: Any, value: Any) -> Any:
+        if isinstance(value, dict) and "__module__" in value:
+            spec = ArchSpec.from_json(value["__module__"])
+            module = current
+            if not (isinstance(current, nn.Module) and getattr(current, SPEC_ATTR, None) == spec):
+                module = self.ctx.trainer.prepare(build(spec))
+                setattr(module, SPEC_ATTR, spec)
+            module.load_state_dict(value["weights"])
+            return module
+        if isinstance(value, dict) and "__optimizer__" in value:
+            if not isinstance(current, torch.optim.Optimizer):
+                raise AlgorithmError(f"{self.name}: an optimizer was saved where none exists now")
+            saved = value["__optimizer__"]
+            current.load_state_dict(
+                {
+                    "state": {int(k): v for k, v in saved["state"].items()},
+                    "param_groups": saved["param_groups"],
+                }
+            )
+            return current
+        if isinstance(value, dict) and "__spec__" in value:
+            return ArchSpec.from_json(value["__spec__"])
+        return value
+
     # -- helpers for subclasses ------------------------------------------------------------
     def _scores(self, prefix: str, model: nn.Module) -> dict[str, float]:
         d = self.ctx.data
@@ -138,11 +185,15 @@ class ClientAlgorithm(ABC):
         }
 
     def _build(self, spec: ArchSpec, salt: int = 0) -> nn.Module:
-        return self.ctx.trainer.prepare(build(spec, seed=self.ctx.seed * 1009 + salt))
+        model = self.ctx.trainer.prepare(build(spec, seed=self.ctx.seed * 1009 + salt))
+        setattr(model, SPEC_ATTR, spec)  # what persistence rebuilds it from
+        return model
 
     def _materialize(self, model: WireModel) -> nn.Module:
         """A received model as a network on this client's device."""
-        return self.ctx.trainer.prepare(model.build())
+        module = self.ctx.trainer.prepare(model.build())
+        setattr(module, SPEC_ATTR, model.spec)
+        return module
 
     def _require(self, models: Mapping[str, WireModel], name: str) -> WireModel:
         if name not in models:
@@ -155,6 +206,24 @@ class ClientAlgorithm(ABC):
                 f"{self.name}: the global model is {incoming.spec} but this client's "
                 f"architecture is {self.ctx.spec}; {self.name} needs one architecture everywhere"
             )
+
+
+SPEC_ATTR = "_edgefl_spec"  # the ArchSpec a module was built from (set by _build/_materialize)
+
+
+def _encode(value: Any, where: str) -> Any:
+    if isinstance(value, nn.Module):
+        spec = getattr(value, SPEC_ATTR, None)
+        if spec is None:
+            raise AlgorithmError(f"{where}: a module not built by _build/_materialize")
+        return {"__module__": spec.to_json(), "weights": state_of(value)}
+    if isinstance(value, torch.optim.Optimizer):
+        saved = value.state_dict()
+        state = {str(k): v for k, v in saved["state"].items()}
+        return {"__optimizer__": {"state": state, "param_groups": saved["param_groups"]}}
+    if isinstance(value, ArchSpec):
+        return {"__spec__": value.to_json()}
+    return value
 
 
 _REGISTRY: dict[str, type[ClientAlgorithm]] = {}

@@ -33,6 +33,7 @@ class FedAvg(ClientAlgorithm):
     name = "fedavg"
     config_cls: ClassVar[type[AlgorithmConfig]] = FedAvgConfig
     config: FedAvgConfig
+    persistent: ClassVar[tuple[str, ...]] = ("model",)
 
     def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
         super().__init__(ctx, config)

@@ -30,6 +30,7 @@ class FedAvgFT(FedAvg):
     name = "fedavg_ft"
     config_cls = FedAvgFTConfig
     config: FedAvgFTConfig
+    persistent = ("model", "finetuned")
 
     def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
         super().__init__(ctx, config)

@@ -87,6 +87,7 @@ class FedMeConfig(AlgorithmConfig):
 @register_algorithm
 class FedMe(ClientAlgorithm):
     name = "fedme"
+    persistent = ("personal", "personal_spec")
     config_cls = FedMeConfig
     config: FedMeConfig
 

@@ -63,6 +63,7 @@ def shared_keys(
 @register_algorithm
 class FML(ClientAlgorithm):
     name = "fml"
+    persistent = ("personal", "meme", "meme_spec", "opt_personal")
     config_cls = FMLConfig
     config: FMLConfig
 

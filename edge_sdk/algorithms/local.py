@@ -26,6 +26,7 @@ class LocalConfig(AlgorithmConfig):
 @register_algorithm
 class Local(ClientAlgorithm):
     name = "local"
+    persistent = ("model", "optimizer")
     config_cls = LocalConfig
     config: LocalConfig
 

@@ -25,11 +25,12 @@ stage 2 against them (`personalize`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, field_validator
@@ -148,6 +149,17 @@ class PersFL(ClientAlgorithm):
     name = "persfl"
     config_cls = PersFLConfig
     config: PersFLConfig
+    persistent = (
+        "model",
+        "model_spec",
+        "teacher",
+        "teacher_spec",
+        "teacher_round",
+        "teacher_loss",
+        "student",
+        "student_init",
+        "diverged",
+    )
 
     def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
         super().__init__(ctx, config)
@@ -162,6 +174,17 @@ class PersFL(ClientAlgorithm):
         self.grid: list[GridPoint] = []
         self.diverged: list[tuple[float, float]] = []  # (λ, T) whose training loss went NaN/inf
         self.student_init: Literal["teacher", "scratch"] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        grid = [dataclasses.asdict(p) for p in self.grid]
+        choice = dataclasses.asdict(self.choice) if self.choice is not None else None
+        return super().state_dict() | {"grid": grid, "choice": choice}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.diverged = [(float(lam), float(t)) for lam, t in self.diverged]
+        self.grid = [GridPoint(**p) for p in state["grid"]]
+        self.choice = GridPoint(**state["choice"]) if state["choice"] is not None else None
 
     # -- stage 1 ---------------------------------------------------------------------------
     def _val_loss(self, model: nn.Module) -> float:

@@ -81,6 +81,7 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 @register_algorithm
 class PFML(ClientAlgorithm):
     name = "pfml"
+    persistent = ("local", "aux")
     config_cls = PFMLConfig
     config: PFMLConfig
 
