@@ -80,7 +80,7 @@ class _Blob:
     count: int
     size: int
     started: float
-    parts: dict[int, bytes] = field(default_factory=dict)
+    parts: dict[int, memoryview] = field(default_factory=dict)
     received: int = 0  # bytes actually held
 
     @property
@@ -94,7 +94,7 @@ class _Ready:
 
     message: Message
     topic: str
-    blobs: dict[str, tuple[BlobRef, list[bytes]]]
+    blobs: dict[str, tuple[BlobRef, list[memoryview]]]
 
 
 class Endpoint:
@@ -180,15 +180,16 @@ class Endpoint:
         """Publish blobs as chunks on `topic` (for messages that reference them as shared)."""
         out = []
         for blob_id, data in blobs.items():
+            view = memoryview(data)  # slices without copies; each frame is joined once
             count = max(1, -(-len(data) // self.chunk_bytes))
             for i in range(count):
                 header = json.dumps(
                     {"blob": blob_id, "index": i, "count": count, "size": len(data)}
                 ).encode()
-                piece = data[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
+                piece = view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
                 out.append(
                     self.transport.publish(
-                        topic, _CHUNK + len(header).to_bytes(4, "big") + header + piece
+                        topic, b"".join((_CHUNK, len(header).to_bytes(4, "big"), header, piece))
                     )
                 )
         return out
@@ -265,7 +266,7 @@ class Endpoint:
             count, size = int(header["count"]), int(header["size"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"bad chunk header: {exc}") from exc
-        data = payload[8 + n :]
+        data = memoryview(payload)[8 + n :]  # no copy: the part keeps its frame alive
         if not 0 < len(blob_id) <= 128:
             raise ProtocolError("chunk header names no valid blob id")
         if size > self.max_blob_bytes:
@@ -354,7 +355,7 @@ class Endpoint:
             if blob is None or not blob.complete:
                 return False
             keys[blob_id] = key
-        ready: dict[str, tuple[BlobRef, list[bytes]]] = {}
+        ready: dict[str, tuple[BlobRef, list[memoryview]]] = {}
         now = time.monotonic()
         for blob_id, key in keys.items():
             blob = self._blobs[key]
