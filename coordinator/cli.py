@@ -155,6 +155,9 @@ def coordinator(
         int | None, typer.Option(help="serve Prometheus metrics on this port")
     ] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="output directory")] = None,
+    fresh: Annotated[
+        bool, typer.Option("--fresh", help="ignore (delete) this run's checkpoint; start over")
+    ] = False,
     set_: Annotated[
         list[str] | None,
         typer.Option("--set", help="override any field: key=value, dotted (fml.alpha=0.3)"),
@@ -163,9 +166,12 @@ def coordinator(
 ) -> None:
     """The coordinator daemon: run a federation with clients that connect over an MQTT broker.
 
-    Writes OUT/rounds.jsonl as rounds complete, then results.json, report.md and the plots.
+    Writes OUT/rounds.jsonl as rounds complete, then results.json, report.md and the plots. It
+    checkpoints after every round and, restarted with the same command, resumes at the next one.
+    SIGTERM / Ctrl-C: stops (exit 0); run the same command to resume.
     """
     from coordinator.deploy import run_coordinator
+    from coordinator.server import Interrupted
 
     flags: dict[str, Any] = {
         "broker.url": broker,
@@ -193,8 +199,19 @@ def coordinator(
             f"replied, mean personalized accuracy {acc}, {rec.seconds:.1f} s"
         )
 
+    def resumed(done: int) -> None:
+        typer.echo(f"coordinator {cfg.run_id}: resuming after round {done} (its checkpoint)")
+
     typer.echo(f"coordinator {cfg.run_id}: waiting for {cfg.clients} clients on {cfg.broker.url}")
-    results = _guard(lambda: run_coordinator(cfg, on_round=show))
+    try:
+        results = _guard(
+            lambda: run_coordinator(cfg, fresh=fresh, on_round=show, on_resume=resumed)
+        )
+    except Interrupted as exc:
+        typer.echo(f"coordinator {cfg.run_id}: {exc}; run the same command to resume")
+        raise typer.Exit(code=0) from exc
+    if fresh:
+        typer.echo("(started over: --fresh)")
     _print_summary(results, cfg.out or f"runs/{cfg.run_id}")
 
 
@@ -217,7 +234,8 @@ def client(
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     state_dir: Annotated[
-        Path | None, typer.Option(help="where the personalized ONNX model goes")
+        Path | None,
+        typer.Option(help="its persisted state and, after the run, its personalized ONNX model"),
     ] = None,
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="override any field: key=value")
@@ -256,7 +274,18 @@ def client(
         status = "ok" if t.ok else f"error: {t.error}"
         typer.echo(f"round {t.round}/{t.rounds} {t.phase}: {status}{score}")
 
-    dev = _guard(lambda: run_device(cfg, on_task=show))
+    def started(dev: Any) -> None:
+        if dev.resumed_after is not None:
+            typer.echo(
+                f"{dev.client_id}: resumed from {dev.state_path} (round {dev.resumed_after})"
+            )
+
+    dev = _guard(lambda: run_device(cfg, on_task=show, on_start=started))
+    if not dev.finished:
+        typer.echo(
+            f"{dev.client_id}: stopped; its state is in {dev.state_path}; run again to resume"
+        )
+        return
     typer.echo(f"{dev.client_id}: done; personalized model: {dev.exported}")
 
 

@@ -12,9 +12,12 @@ its personalized model as a verified ONNX file into its state dir after the run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +36,7 @@ from edge_sdk.client import EdgeClient, TaskOutcome
 from edge_sdk.device import resolve_device
 from edge_sdk.transport.mqtt import MqttTransport
 
-__all__ = ["RoundsLog", "metrics_collector", "run_coordinator", "run_device"]
+__all__ = ["RoundsLog", "checkpoint_path", "metrics_collector", "run_coordinator", "run_device"]
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +53,33 @@ class RoundsLog:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
 
-    def append(self, rec: RoundRecord) -> None:
-        line = {
-            "round": rec.round,
-            "seconds": round(rec.seconds, 4),
-            "mean_personal_acc": rec.mean_personal_acc,
-            "global_acc": rec.global_acc,
-            "failed": rec.failed,
-            "trained": rec.trained,
-            "replied": rec.replied,
-        }
-        with self.path.open("a") as f:
-            f.write(json.dumps(line) + "\n")
+    def rewrite(self, records: list[RoundRecord]) -> None:
+        """Replace the file with exactly these rounds (atomically)."""
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        with tmp.open("w") as f:
+            for rec in records:
+                f.write(json.dumps(_line(rec)) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def append(self, rec: RoundRecord) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(_line(rec)) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _line(rec: RoundRecord) -> dict[str, Any]:
+    return {
+        "round": rec.round,
+        "seconds": round(rec.seconds, 4),
+        "mean_personal_acc": rec.mean_personal_acc,
+        "global_acc": rec.global_acc,
+        "failed": rec.failed,
+        "trained": rec.trained,
+        "replied": rec.replied,
+    }
 
 
 def metrics_collector(coordinator: Coordinator) -> Any:
@@ -109,13 +125,47 @@ def metrics_collector(coordinator: Coordinator) -> Any:
     return _Collector()
 
 
+def checkpoint_path(cfg: RunConfig) -> Path:
+    """Where the daemon keeps the checkpoint of run `cfg.run_id` (in its output directory)."""
+    return Path(cfg.out or f"runs/{cfg.run_id}") / f"checkpoint-{cfg.run_id}.state"
+
+
+@contextlib.contextmanager
+def _on_signals(handler: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM and SIGINT call `handler` (when we own the main thread) while the block runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in previous:
+        signal.signal(sig, lambda *_: handler())
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def run_coordinator(
-    cfg: RunConfig, *, on_round: Callable[[RoundRecord], None] | None = None
+    cfg: RunConfig,
+    *,
+    fresh: bool = False,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    on_resume: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """The coordinator daemon: run `cfg.algorithm` with the clients that come over the broker."""
+    """The coordinator daemon: run `cfg.algorithm` with the clients that come over the broker.
+
+    After every round the whole state goes to `checkpoint_path(cfg)`; a daemon that finds it
+    resumes at the next round (`fresh` deletes it and starts over). SIGTERM/SIGINT abandon the
+    round in progress and raise `Interrupted` (every completed round is in the checkpoint).
+    """
     _require_broker(cfg)
     out = Path(cfg.out or f"runs/{cfg.run_id}")
     out.mkdir(parents=True, exist_ok=True)
+    ckpt = checkpoint_path(cfg)
+    if fresh and ckpt.exists():
+        ckpt.unlink()
+        log.warning("--fresh: removed %s; run %s starts over", ckpt, cfg.run_id)
     if cfg.baselines:
         log.warning(
             "baselines %s are simulator-only; the daemon runs %s", cfg.baselines, cfg.algorithm
@@ -143,7 +193,13 @@ def run_coordinator(
         seed=cfg.seed,
         share_models=cfg.broadcast,
         on_round=record,
+        checkpoint_path=ckpt,
     )
+    # The checkpoint is the truth: rounds.jsonl lists its rounds, each exactly once.
+    resumed = coordinator.restore()
+    rounds_log.rewrite(coordinator.records)
+    if resumed and on_resume is not None:
+        on_resume(len(coordinator.records))
     server = None
     if cfg.metrics_port is not None:
         from prometheus_client import CollectorRegistry, start_http_server
@@ -152,10 +208,16 @@ def run_coordinator(
         registry.register(metrics_collector(coordinator))
         server, _ = start_http_server(cfg.metrics_port, registry=registry)
         log.info("Prometheus metrics on port %d", server.server_port)
+    finished = False
     try:
-        result = coordinator.run()
+        with _on_signals(coordinator.stop):
+            result = coordinator.run()
+        finished = True
     finally:
-        transport.close()
+        if finished:
+            transport.close()
+        else:  # keep the session: what clients send meanwhile waits for the restart
+            transport.disconnect()
         if server is not None:
             server.shutdown()
     no_baselines = cfg.model_copy(update={"baselines": []})
@@ -165,9 +227,16 @@ def run_coordinator(
 
 
 def run_device(
-    cfg: RunConfig, *, on_task: Callable[[TaskOutcome], None] | None = None
+    cfg: RunConfig,
+    *,
+    on_task: Callable[[TaskOutcome], None] | None = None,
+    on_start: Callable[[EdgeClient], None] | None = None,
 ) -> EdgeClient:
-    """One device process: client `cfg.client.index` of the configured split, over the broker."""
+    """One device process: client `cfg.client.index` of the configured split, over the broker.
+
+    It persists its algorithm state in `cfg.client.state_dir` after every task and resumes from
+    it when restarted; SIGTERM/SIGINT stop it after the task in progress, leaving cleanly.
+    """
     _require_broker(cfg)
     fed = prepare_federation(cfg)
     i = cfg.client.index
@@ -190,6 +259,11 @@ def run_device(
         normalization=fed.dataset.normalization,
         fp16_upload=cfg.fp16_upload,
         on_task=on_task,
+        state_dir=state_dir,
     )
-    client.run()
+    with _on_signals(client.request_stop):
+        client.start()
+        if on_start is not None:
+            on_start(client)
+        client.run()
     return client

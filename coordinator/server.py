@@ -4,7 +4,7 @@ A round: the strategy picks clients and the models each receives → tasks go ou
 transport → replies are collected until all arrive or the deadline passes → each reply is
 validated (round and task id, schema, model names, architectures, shapes, finite values) → if
 enough valid replies arrived (quorum) the strategy aggregates, else the round is recorded as
-failed and the state is left as it was → checkpoint hook → evaluation on every client.
+failed and the state is left as it was → evaluation on every client → checkpoint.
 After the last round a finalize task goes to every client (fine-tuning, ONNX export) and the
 final per-client scores come back with it. Bad messages are logged and dropped; the loop goes on.
 
@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,6 +41,7 @@ from edge_sdk import topics
 from edge_sdk.algorithms import BaseAlgorithmConfig, Detail
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
 from edge_sdk.protocol import (
+    Capabilities,
     ModelRef,
     Phase,
     Presence,
@@ -49,6 +52,7 @@ from edge_sdk.protocol import (
     Status,
     Task,
 )
+from edge_sdk.state import StateError, load_state, save_state
 from edge_sdk.transport.base import Delivery, Transport, TransportError
 from edge_sdk.wire import (
     Endpoint,
@@ -65,6 +69,7 @@ __all__ = [
     "Coordinator",
     "CoordinatorError",
     "CoordinatorStats",
+    "Interrupted",
     "RoundConfig",
     "RoundRecord",
     "RunResult",
@@ -77,6 +82,10 @@ class CoordinatorError(RuntimeError):
     """The run cannot go on (too few clients registered, incompatible federation)."""
 
 
+class Interrupted(RuntimeError):
+    """`stop()` was called (SIGTERM, Ctrl-C): the run paused; its checkpoint resumes it."""
+
+
 class RoundConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -87,6 +96,9 @@ class RoundConfig(BaseModel):
     # Start once this many clients registered when `register_timeout_s` passes without all of
     # the expected ones (None: all expected clients are needed).
     min_clients: int | None = Field(None, ge=1)
+    # A round that misses quorum runs again (new sampling, the clients start from where they
+    # were before it) up to this many times; then it is recorded as failed, state unchanged.
+    retries: int = Field(1, ge=0)
 
 
 @dataclass
@@ -166,11 +178,13 @@ class Coordinator:
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
         share_models: bool = True,
         on_round: Callable[[RoundRecord], None] | None = None,
-        checkpoint: Callable[[int, dict[str, Any]], None] | None = None,
+        checkpoint_path: str | Path | None = None,
         server_data: ServerData | None = None,
     ) -> None:
         """`share_models`: a model several tasks carry crosses the broker once, on the
-        broadcast topic (False: a copy rides with each task, as before the broadcast topic)."""
+        broadcast topic (False: a copy rides with each task, as before the broadcast topic).
+        `checkpoint_path`: after every round the whole state is written there (atomically);
+        a coordinator that finds it resumes at the next round (see `restore`)."""
         if rounds < 1 or expected_clients < 1:
             raise ValueError(
                 f"need rounds >= 1 and expected_clients >= 1, got {rounds}, {expected_clients}"
@@ -192,7 +206,7 @@ class Coordinator:
         self.max_blob_bytes = max_blob_bytes
         self.share_models = share_models
         self.on_round = on_round
-        self.checkpoint = checkpoint
+        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.server_data = server_data
         self.transport = transport
         self.endpoint = Endpoint(
@@ -208,6 +222,9 @@ class Coordinator:
         self.stats = CoordinatorStats()
         self._started = False
         self._round = 0
+        self.records: list[RoundRecord] = []
+        self._restored: dict[str, Any] | None = None
+        self._stop = threading.Event()
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> Coordinator:
@@ -223,40 +240,142 @@ class Coordinator:
         return self
 
     def run(self) -> RunResult:
+        """Register the clients (or, from a checkpoint, wait for them to come back), run the
+        remaining rounds, finalize. Raises `Interrupted` after `stop()`."""
         self.open()
         t0 = time.perf_counter()
+        finished = False
         try:
-            self._await_registrations()
-            self._started = True
-            global_spec = self._global_spec()
-            self.strategy = self.strategy_cls(
-                self.config,
-                clients=self.clients,
-                global_spec=global_spec,
-                rounds=self.rounds,
-                clients_per_round=self.clients_per_round,
-                seed=self.seed,
-                server_data=self.server_data,
-            )
-            self.strategy.setup()
-            records = []
-            for r in range(1, self.rounds + 1):
+            if self.checkpoint_path is not None and self._restored is None:
+                self.restore()
+            if self._restored is not None:
+                self._await_return()
+            else:
+                self._await_registrations()
+                self._started = True
+                self._new_strategy().setup()
+            assert self.strategy is not None
+            for r in range(len(self.records) + 1, self.rounds + 1):
                 rec = self._run_round(r)
-                records.append(rec)
+                self.records.append(rec)
+                self._save_checkpoint()
                 if self.on_round is not None:
                     self.on_round(rec)
             finals = self._finalize()
+            finished = True
+            spec = self.strategy.global_spec
             return RunResult(
                 algorithm=self.algorithm,
-                rounds=records,
+                rounds=list(self.records),
                 clients=finals,
                 wall_seconds=time.perf_counter() - t0,
-                global_spec=global_spec.model_dump() if global_spec else None,
+                global_spec=spec.model_dump() if spec else None,
                 bytes_out=self.transport.stats.bytes_out,
                 bytes_in=self.transport.stats.bytes_in,
             )
         finally:
-            self.shutdown()
+            if finished:
+                self.shutdown()
+            else:  # interrupted or failed: the clients wait for a coordinator to come back
+                self._publish_status("offline")
+                self.endpoint.close()
+
+    def stop(self) -> None:
+        """Abandon the current phase and return from `run()` by raising `Interrupted`; the
+        last checkpoint holds every completed round (call from a signal handler or a thread)."""
+        self._stop.set()
+
+    def _new_strategy(self) -> Strategy:
+        self.strategy = self.strategy_cls(
+            self.config,
+            clients=self.clients,
+            global_spec=self._global_spec(),
+            rounds=self.rounds,
+            clients_per_round=self.clients_per_round,
+            seed=self.seed,
+            server_data=self.server_data,
+        )
+        return self.strategy
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def _save_checkpoint(self) -> None:
+        if self.checkpoint_path is None:
+            return
+        assert self.strategy is not None
+        save_state(
+            self.checkpoint_path,
+            {
+                "format": 1,
+                "run": self.run_id,
+                "algorithm": self.algorithm,
+                "config": self.config.model_dump_json(),
+                "rounds": self.rounds,
+                "seed": self.seed,
+                "incarnation": self.incarnation,
+                "clients": [
+                    {
+                        "id": c.id,
+                        "spec": c.spec.to_json(),
+                        "capabilities": c.capabilities.model_dump_json(),
+                    }
+                    for c in self.clients.values()
+                ],
+                "records": [asdict(rec) for rec in self.records],
+                "strategy": self.strategy.state_dict(),
+            },
+        )
+
+    def restore(self) -> bool:
+        """Load `checkpoint_path` when it exists: the registry, every completed round and the
+        strategy's state (global model, random generator...). True when there was one."""
+        if self.checkpoint_path is None or not self.checkpoint_path.exists():
+            return False
+        try:
+            state = load_state(self.checkpoint_path)
+            keys = ("run", "algorithm", "config", "rounds", "seed")
+            theirs = tuple(state[k] for k in keys)
+        except (StateError, KeyError) as exc:
+            raise CoordinatorError(f"cannot resume from {self.checkpoint_path}: {exc}") from exc
+        ours = (self.run_id, self.algorithm, self.config.model_dump_json(), self.rounds, self.seed)
+        if theirs != ours:
+            raise CoordinatorError(
+                f"the checkpoint {self.checkpoint_path} was written by a run with another "
+                "run id, algorithm, config, round count or seed; start over with --fresh (or "
+                "restore the original settings)"
+            )
+        for c in state["clients"]:
+            spec = ArchSpec.from_json(c["spec"])
+            caps = Capabilities.model_validate_json(c["capabilities"])
+            self.clients[c["id"]] = ClientInfo(c["id"], spec, caps)
+        self.records = [RoundRecord(**rec) for rec in state["records"]]
+        self.incarnation = max(self.incarnation, int(state["incarnation"]) + 1)
+        self._started = True
+        self._new_strategy().setup()
+        assert self.strategy is not None
+        self.strategy.load_state_dict(state["strategy"])
+        self._round = len(self.records)
+        self._restored = state
+        log.info(
+            "resumed run %s after round %d (incarnation %d)",
+            self.run_id,
+            self._round,
+            self.incarnation,
+        )
+        return True
+
+    def _await_return(self) -> None:
+        """After a restart: the clients see the new incarnation on the status topic and
+        register again; wait for all of them (up to `register_timeout_s`)."""
+        self.online.clear()
+        self._publish_status("registering")
+        deadline = time.monotonic() + self.rc.register_timeout_s
+        while set(self.clients) - self.online:
+            left = deadline - time.monotonic()
+            env = self._receive(left) if left > 0 else None
+            if env is None:
+                log.warning("resuming without %s", sorted(set(self.clients) - self.online))
+                return
+            self._dispatch_control(env)
 
     def shutdown(self, reason: str = "run finished") -> None:
         for cid in self.clients:
@@ -283,10 +402,33 @@ class Coordinator:
             log.error("could not publish the run status (%s): %s", phase, exc)
 
     # -- registration ----------------------------------------------------------------------
+    def _receive(self, timeout: float) -> Envelope | None:
+        """The next envelope within `timeout` s; raises `Interrupted` once `stop()` was called."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._stop.is_set():
+                raise Interrupted(f"stopped during round {self._round}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            env = self.endpoint.receive(timeout=min(left, 0.25))
+            if env is not None:
+                return env
+
+    def _drain(self) -> None:
+        """Handle what already arrived between phases (registrations, presence, late replies)."""
+        while (env := self.endpoint.receive(timeout=0)) is not None:
+            if isinstance(env.message, Reply):
+                sender = self._sender(env)
+                if sender is not None:
+                    self._reject("stale_reply", f"reply {env.message.task_id} from {sender}")
+            else:
+                self._dispatch_control(env)
+
     def _await_registrations(self) -> None:
         deadline = time.monotonic() + self.rc.register_timeout_s
         while len(self.clients) < self.expected_clients:
-            env = self.endpoint.receive(timeout=max(0.0, deadline - time.monotonic()))
+            env = self._receive(deadline - time.monotonic())
             if env is None:
                 enough = (
                     self.rc.min_clients is not None and len(self.clients) >= self.rc.min_clients
@@ -405,22 +547,27 @@ class Coordinator:
         assert self.strategy is not None
         t0 = time.perf_counter()
         self._round = r
-        plan = self.strategy.configure_fit(r)
-        replies = self._run_phase(r, "fit", plan)
-        valid = {cid: rep for cid, rep in sorted(replies.items()) if rep is not None}
-        counted = self.strategy.quorum_clients(plan)  # whose replies the aggregation needs
-        got = sum(cid in valid for cid in counted)
-        need = math.ceil(self.rc.quorum * len(counted))
-        failed = got < need
-        if failed:
-            log.error(
-                "round %d: %d of %d valid replies, quorum needs %d; state unchanged",
-                r,
-                got,
-                len(counted),
-                need,
-            )
-        else:
+        for attempt in range(self.rc.retries + 1):
+            if attempt:
+                log.warning("round %d: attempt %d of %d", r, attempt + 1, self.rc.retries + 1)
+            self._drain()  # who is online now: the latest registrations and wills count
+            self.strategy.available = set(self.online)
+            plan = self.strategy.configure_fit(r)
+            replies = self._run_phase(r, "fit", plan)
+            valid = {cid: rep for cid, rep in sorted(replies.items()) if rep is not None}
+            counted = self.strategy.quorum_clients(plan)  # whose replies the aggregation needs
+            got = sum(cid in valid for cid in counted)
+            need = max(1, math.ceil(self.rc.quorum * len(counted)))  # never over nobody
+            failed = got < need
+            if failed:
+                log.error(
+                    "round %d: %d of %d valid replies, quorum needs %d; state unchanged",
+                    r,
+                    got,
+                    len(counted),
+                    need,
+                )
+                continue
             replies_in = {
                 cid: FitReply(cid, v.models, v.metrics, v.n_samples) for cid, v in valid.items()
             }
@@ -429,8 +576,8 @@ class Coordinator:
             except (StrategyError, ValueError) as exc:  # bad replies cost the round, not the run
                 failed = True
                 log.error("round %d: aggregation refused the replies: %s", r, exc)
-            if not failed and self.checkpoint is not None:
-                self.checkpoint(r, {"round": r, "strategy": self.strategy.state_dict()})
+                continue
+            break
         personal = glob = None
         if r % self.rc.eval_every == 0 or r == self.rounds:
             scores = self._run_phase(r, "evaluate", self.strategy.configure_evaluate(r))
@@ -518,6 +665,10 @@ class Coordinator:
         self, r: int, phase: Phase, plan: Mapping[str, Mapping[str, WireModel]]
     ) -> dict[str, _Collected | None]:
         """Send one task per planned client, collect replies until all or the deadline."""
+        gone = sorted(set(plan) - self.online)
+        if gone:
+            log.warning("round %d %s: %s offline; no task for them", r, phase, gone)
+            plan = {cid: models for cid, models in plan.items() if cid in self.online}
         self._publish_status(phase)
         config = self.config.model_dump(mode="json")
         pending: dict[str, str] = {}
@@ -544,8 +695,7 @@ class Coordinator:
         results: dict[str, _Collected | None] = {cid: None for cid in plan}
         deadline = time.monotonic() + self.rc.deadline_s
         while pending:
-            left = deadline - time.monotonic()
-            env = self.endpoint.receive(timeout=max(0.0, left)) if left > 0 else None
+            env = self._receive(deadline - time.monotonic())
             if env is None:
                 log.warning(
                     "round %d %s: deadline passed; no reply from %s",

@@ -9,12 +9,18 @@ It listens on its own down topic, the run's broadcast topic (models many tasks s
 coordinator's retained status topic; it publishes only on its own up topic (see
 `edge_sdk.topics`). Its will announces it offline if the connection dies.
 
+With a `state_dir` it persists its whole algorithm state (atomically) after every task that
+changed it, and a restarted device (same id, same run) continues from there. A fit task for a
+round it already trained (the coordinator restarted, or retried the round) starts from the state
+it had before that round, so a repeated round trains exactly what the first attempt trained.
+
     client = EdgeClient.connect("mqtt://broker:1883", "phone7", spec, data, run_id="fl-1")
     client.run()             # blocks until the federation ends; or start() ... stop()
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -50,6 +56,7 @@ from edge_sdk.protocol import (
     Status,
     Task,
 )
+from edge_sdk.state import StateError, load_state, save_state
 from edge_sdk.trainer import ClientData, Trainer
 from edge_sdk.transport.base import Transport, TransportError
 from edge_sdk.wire import Endpoint, message_frame, pack_models, unpack_models
@@ -102,6 +109,7 @@ class EdgeClient:
         compute_gate: threading.Semaphore | None = None,
         on_task: Callable[[TaskOutcome], None] | None = None,
         owns_transport: bool = False,
+        state_dir: str | Path | None = None,
     ) -> None:
         self.client_id = topics.check_id(client_id, "client id")
         self.run_id = topics.check_id(run_id, "run id")
@@ -135,6 +143,7 @@ class EdgeClient:
         self.algorithm: ClientAlgorithm | None = None
         self._algo_key: tuple[str, str] | None = None
         self._stop = threading.Event()
+        self._back = threading.Event()  # the connection came back: say we are online
         self._thread: threading.Thread | None = None
         self._seen: deque[str] = deque(maxlen=_SEEN_TASKS)
         self.accepted: bool | None = None
@@ -144,6 +153,10 @@ class EdgeClient:
         self.errors: list[str] = []
         self.last_metrics: dict[str, float] = {}
         self.exported: Path | None = None
+        self.state_path = Path(state_dir) / f"{self.client_id}.state" if state_dir else None
+        self.resumed_after: int | None = None  # the fit round a restored state had reached
+        self._fit_round = 0  # the last round this client trained
+        self._before_fit: dict[str, Any] | None = None  # its state before that round
 
     @classmethod
     def connect(
@@ -169,8 +182,11 @@ class EdgeClient:
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> EdgeClient:
         """Connect, subscribe, register, and serve tasks on a worker thread until the run ends."""
+        if self.state_path is not None and self.algorithm is None:
+            self._restore()
         offline = Presence(run=self.run_id, sender=self.client_id, online=False)
         self.transport.set_will(self._up, message_frame(offline))
+        self.transport.on_reconnect = self._back.set
         self.transport.connect()
         self.endpoint.open()
         self._stop.clear()
@@ -202,16 +218,25 @@ class EdgeClient:
             algorithms=algorithm_names(),
         )
         msg = Register(run=self.run_id, sender=self.client_id, spec=self.spec, capabilities=caps)
-        self._send(msg)
+        self._try_send(msg)
+
+    def request_stop(self) -> None:
+        """Stop after the task in progress (safe from a signal handler); `run()` then returns."""
+        self._stop.set()
 
     def stop(self, timeout: float | None = 10.0) -> None:
-        """Stop serving; leave the broker cleanly when this client owns its transport."""
+        """Stop serving (after the task in progress). A client that owns its transport leaves
+        the broker cleanly, so no will fires: for good once the run finished, otherwise keeping
+        its session, so what the coordinator sends meanwhile waits for its restart."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self.endpoint.close()
         if self._owns_transport:
-            self.transport.close()
+            if self.finished:
+                self.transport.close()
+            else:
+                self.transport.disconnect()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the client has shut down; True when it did."""
@@ -225,6 +250,9 @@ class EdgeClient:
         self.register()
         last_register = time.monotonic()
         while not self._stop.is_set():
+            if self._back.is_set():  # our will may have marked us offline meanwhile
+                self._back.clear()
+                self._try_send(Presence(run=self.run_id, sender=self.client_id, online=True))
             env = self.endpoint.receive(timeout=0.2)
             if env is None:
                 # Until the coordinator answers, registrations may have been lost (it was not
@@ -336,30 +364,97 @@ class EdgeClient:
             task.models, blobs, max_bytes=self.max_blob_bytes, partial=algo.partial_models
         )
         if task.phase == "fit":
-            return algo.fit(task.round, task.rounds, models)
+            if self.state_path is not None:
+                if task.round == self._fit_round and self._before_fit is not None:
+                    log.info(
+                        "%s: round %d again: from the state before it", self.client_id, task.round
+                    )
+                    algo.load_state_dict(self._before_fit)
+                else:
+                    self._before_fit = algo.state_dict()
+                self._fit_round = task.round
+            result = algo.fit(task.round, task.rounds, models)
+            self._save()
+            return result
         if task.phase == "evaluate":
             return FitResult(metrics=algo.evaluate(models))
         result = algo.finalize(task.round, task.rounds, models)
+        self._save()
         if self.onnx_path is not None:
             self.exported = self.export_onnx()
             log.info("%s: exported its personalized model to %s", self.client_id, self.exported)
         return result
+
+    # -- persistence -----------------------------------------------------------------------
+    def _save(self) -> None:
+        """Write the algorithm's whole state (atomically) before the reply goes out."""
+        if self.state_path is None or self.algorithm is None or self._algo_key is None:
+            return
+        save_state(
+            self.state_path,
+            {
+                "run": self.run_id,
+                "client": self.client_id,
+                "algorithm": self._algo_key[0],
+                "config": self._algo_key[1],
+                "fit_round": self._fit_round,
+                "before_fit": self._before_fit,
+                "state": self.algorithm.state_dict(),
+            },
+        )
+
+    def _restore(self) -> None:
+        """Continue from a state this client saved in this run (a restarted device)."""
+        assert self.state_path is not None
+        if not self.state_path.exists():
+            return
+        try:
+            saved = load_state(self.state_path)
+            if (saved["run"], saved["client"]) != (self.run_id, self.client_id):
+                log.warning(
+                    "%s: %s belongs to %s/%s; starting fresh",
+                    self.client_id,
+                    self.state_path,
+                    saved["run"],
+                    saved["client"],
+                )
+                return
+            algo = self._new_algorithm(saved["algorithm"], json.loads(saved["config"]))
+            algo.load_state_dict(saved["state"])
+        except (StateError, KeyError, ValueError) as exc:
+            raise StateError(
+                f"{self.client_id}: cannot resume from {self.state_path}: {exc}"
+            ) from exc
+        self._fit_round, self._before_fit = int(saved["fit_round"]), saved["before_fit"]
+        self.resumed_after = self._fit_round
+        log.info(
+            "%s: resumed from %s (trained up to round %d)",
+            self.client_id,
+            self.state_path,
+            self._fit_round,
+        )
+
+    def _new_algorithm(self, name: str, config: dict[str, Any]) -> ClientAlgorithm:
+        cls = algorithm_class(name)
+        cfg: BaseAlgorithmConfig = cls.config_cls.model_validate(config)
+        ctx = ClientContext(
+            client_id=self.client_id,
+            spec=self.spec,
+            data=self.data,
+            device=self.device,
+            seed=self.seed,
+            trainer=Trainer(self.device, seed=self.seed),
+        )
+        self.algorithm, self._algo_key = cls(ctx, cfg), (name, cfg.model_dump_json())
+        return self.algorithm
 
     def _algorithm_for(self, name: str, config: dict[str, Any]) -> ClientAlgorithm:
         cls = algorithm_class(name)
         cfg: BaseAlgorithmConfig = cls.config_cls.model_validate(config)
         key = (name, cfg.model_dump_json())
         if self.algorithm is None:
-            ctx = ClientContext(
-                client_id=self.client_id,
-                spec=self.spec,
-                data=self.data,
-                device=self.device,
-                seed=self.seed,
-                trainer=Trainer(self.device, seed=self.seed),
-            )
-            self.algorithm, self._algo_key = cls(ctx, cfg), key
-        elif key != self._algo_key:
+            return self._new_algorithm(name, config)
+        if key != self._algo_key:
             # Never wipe what this device has learned because one task says otherwise.
             raise AlgorithmError(
                 f"{self.client_id}: the task's {name} config differs from the one this client "
@@ -369,6 +464,13 @@ class EdgeClient:
 
     def _send(self, msg: Any, blobs: dict[str, bytes] | None = None) -> None:
         self.endpoint.send(self._up, msg, blobs)
+
+    def _try_send(self, msg: Any) -> None:
+        """Send a control message; a transport failure is logged (the serving loop goes on)."""
+        try:
+            self._send(msg)
+        except TransportError as exc:
+            log.warning("%s: could not send %s: %s", self.client_id, msg.kind, exc)
 
     # -- export ----------------------------------------------------------------------------
     def export_onnx(self, path: str | Path | None = None) -> Path:

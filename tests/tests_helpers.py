@@ -49,11 +49,14 @@ def small_federation(
     broker=None,
     config=None,
     clients_per_round=None,
+    state_dir=None,
+    checkpoint_path=None,
     **round_kw,
 ):
     """A Coordinator and n (not yet started) EdgeClients (ids c0..) on one in-memory broker;
     mlr on 8×8 digits, IID. Client c0 is a `client_cls` (a test's misbehaving client).
-    `config`: the algorithm's settings (default: one local epoch)."""
+    `config`: the algorithm's settings (default: one local epoch). `state_dir`: where the
+    clients persist their state; `checkpoint_path`: the coordinator's checkpoint."""
     fed = prepare_federation(tiny_config(clients=n, rounds=rounds))  # the data only
     broker = broker or InMemoryBroker()
     spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
@@ -65,9 +68,12 @@ def small_federation(
         expected_clients=n,
         clients_per_round=clients_per_round,
         round_config=RoundConfig(**{"deadline_s": 30, "register_timeout_s": 30, **round_kw}),
+        checkpoint_path=checkpoint_path,
     ).open()
     clients = [
-        (client_cls if i == 0 else EdgeClient)(cid, spec, data, broker.connect(cid), seed=i)
+        (client_cls if i == 0 else EdgeClient)(
+            cid, spec, data, broker.connect(cid), seed=i, state_dir=state_dir
+        )
         for i, (cid, data) in enumerate(zip(fed.client_ids, fed.client_data, strict=True))
     ]
     return coordinator, clients

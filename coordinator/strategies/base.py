@@ -103,6 +103,8 @@ class Strategy(ABC):
         self.clients_per_round = clients_per_round
         self.seed = seed
         self.rng = np.random.default_rng(seed)
+        # The clients the coordinator can reach now (None: all); offline ones are not sampled.
+        self.available: set[str] | None = None
 
     @classmethod
     def unlabeled_holdout(cls, config: BaseAlgorithmConfig) -> int:
@@ -117,9 +119,14 @@ class Strategy(ABC):
     def setup(self) -> None:  # noqa: B027  (optional hook: most strategies need no setup)
         """Check the clients can run together and build the initial state."""
 
+    def online(self) -> list[str]:
+        """The registered clients that are reachable now, in id order."""
+        return [c for c in self.clients if self.available is None or c in self.available]
+
     def sample(self, round_: int) -> list[str]:
-        """Clients that train this round: all, or `clients_per_round` drawn without replacement."""
-        ids = list(self.clients)
+        """Clients that train this round: all reachable ones, or `clients_per_round` of them
+        drawn without replacement."""
+        ids = self.online()
         k = self.clients_per_round
         if k is None or k >= len(ids):
             return ids

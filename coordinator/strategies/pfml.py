@@ -30,7 +30,7 @@ class PFMLStrategy(GlobalModelStrategy):
     def configure_fit(self, round_: int) -> dict[str, dict[str, WireModel]]:
         # "sampled": only U trains (Algorithm 1); "all": everyone trains, only U is aggregated.
         self._aggregate_ids = self.sample(round_)
-        train = list(self.clients) if self.config.participation == "all" else self._aggregate_ids
+        train = self.online() if self.config.participation == "all" else self._aggregate_ids
         return {cid: self.eval_models() for cid in train}
 
     def quorum_clients(self, plan: Mapping[str, object]) -> set[str]:

@@ -11,6 +11,7 @@ same name and reads the same config.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -218,7 +219,7 @@ def _encode(value: Any, where: str) -> Any:
             raise AlgorithmError(f"{where}: a module not built by _build/_materialize")
         return {"__module__": spec.to_json(), "weights": state_of(value)}
     if isinstance(value, torch.optim.Optimizer):
-        saved = value.state_dict()
+        saved = copy.deepcopy(value.state_dict())  # a snapshot, not the live buffers
         state = {str(k): v for k, v in saved["state"].items()}
         return {"__optimizer__": {"state": state, "param_groups": saved["param_groups"]}}
     if isinstance(value, ArchSpec):

@@ -111,6 +111,8 @@ class TransportStats:
 class Transport(ABC):
     max_payload_bytes: int
     stats: TransportStats
+    # Called (on the transport's thread: only flag or enqueue) after a connection came back.
+    on_reconnect: Callable[[], None] | None = None
 
     def connect(self, timeout: float | None = None) -> Transport:
         """Open the connection (idempotent); in memory there is nothing to open."""

@@ -145,11 +145,15 @@ class InMemoryTransport(Transport):
         self.stats = TransportStats()
         self._closed = False
         self._taken_over = False
+        self._ever_connected = False
         self._will: tuple[str, bytes, bool] | None = None
 
     def connect(self, timeout: float | None = None) -> InMemoryTransport:
         self._check_open()
         self._broker._set_connected(self, True)
+        if self._ever_connected and self.on_reconnect is not None:
+            self.on_reconnect()
+        self._ever_connected = True
         return self
 
     def set_will(self, topic: str, payload: bytes, *, retain: bool = False) -> None:

@@ -367,7 +367,7 @@ class MqttTransport(Transport):
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         code = _code(reason)
         if code == 0:
-            self._ever_connected = True
+            again, self._ever_connected = self._ever_connected, True
             client.backoff = 0.0
             with self._lock:
                 filters = list(self._subs)
@@ -375,6 +375,8 @@ class MqttTransport(Transport):
                 client.subscribe([(f, 1) for f in filters])
             self._connected.set()
             log.debug("%s: connected (MQTT %s)", self.client_id, self.protocol_version)
+            if again and self.on_reconnect is not None:
+                self.on_reconnect()
         elif code == _UNSUPPORTED_PROTOCOL and self.protocol_version == "5":
             if self.settings.protocol == "auto":
                 self._fallback.set()

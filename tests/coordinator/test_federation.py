@@ -7,10 +7,11 @@ import pytest
 import torch
 from tests_helpers import small_federation, tiny_config
 
-from coordinator.server import Coordinator, CoordinatorError, RoundConfig
+from coordinator.server import Coordinator, CoordinatorError, Interrupted, RoundConfig
 from coordinator.simulator import prepare_federation, run_federation, simulate
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.client import EdgeClient
+from edge_sdk.state import load_state
 from edge_sdk.trainer import ClientData
 from edge_sdk.transport import InMemoryBroker
 from model_zoo import ArchSpec
@@ -232,21 +233,54 @@ def test_a_task_with_nan_weights_gets_an_error_reply_and_the_client_keeps_servin
     assert all(c.tasks_done >= 4 for c in clients)  # and they kept answering tasks
 
 
-def test_checkpoint_hook_receives_a_restorable_state_after_each_aggregation():
-    coordinator, clients = small_federation()
-    saved = []
-    coordinator.checkpoint = lambda r, state: saved.append((r, state))
+def test_a_coordinator_stopped_mid_run_resumes_from_its_checkpoint_and_ends_the_same(tmp_path):
+    def federation(sub, **kw):
+        return small_federation(
+            n=3,
+            algorithm="fml",
+            rounds=4,
+            config={"local_epochs": 1, "batch_size": 32, "lr": 0.1},
+            state_dir=tmp_path / sub / "clients",
+            **kw,
+        )
+
+    # Reference: uninterrupted.
+    coordinator, clients = federation("ref")
     for c in clients:
         c.start()
-    coordinator.run()
-    assert [r for r, _ in saved] == [1, 2]
-    strategy = coordinator.strategy
-    fresh = type(strategy)(
-        strategy.config, clients=strategy.clients, global_spec=strategy.global_spec, rounds=2
+    reference = coordinator.run()
+    ref_global = {k: v.clone() for k, v in coordinator.strategy.global_weights.items()}
+
+    # Interrupted: stopped right after round 2 (round 3's tasks are already out and trained on).
+    broker = InMemoryBroker()
+    ckpt = tmp_path / "run" / "checkpoint.state"
+    first, clients = federation("run", broker=broker, checkpoint_path=ckpt)
+    first.on_round = lambda rec: first.stop() if rec.round == 2 else None
+    for c in clients:
+        c.start()
+    with pytest.raises(Interrupted):
+        first.run()
+    assert load_state(ckpt)["records"][-1]["round"] == 2
+
+    # A new coordinator process: same settings, same checkpoint.
+    second = Coordinator(
+        broker.connect("coordinator-2"),
+        algorithm="fml",
+        config=first.config,
+        rounds=4,
+        expected_clients=3,
+        round_config=first.rc,
+        checkpoint_path=ckpt,
     )
-    fresh.setup()
-    fresh.load_state_dict(saved[-1][1]["strategy"])
-    assert all(torch.equal(fresh.global_weights[k], v) for k, v in strategy.global_weights.items())
+    assert second.restore() and [r.round for r in second.records] == [1, 2]
+    resumed = second.run()
+
+    assert [r.round for r in resumed.rounds] == [1, 2, 3, 4]
+    assert [c.personal_acc for c in resumed.clients] == [c.personal_acc for c in reference.clients]
+    assert all(torch.equal(second.strategy.global_weights[k], v) for k, v in ref_global.items())
+    assert second.incarnation > first.incarnation
+    for c in clients:
+        c.stop()
 
 
 def test_a_client_with_an_unknown_architecture_is_refused_and_told_why():
@@ -287,8 +321,42 @@ def test_an_aggregation_that_refuses_the_replies_fails_the_round_not_the_run(mon
     for c in clients:
         c.start()
     result = coordinator.run()
-    assert calls == [1, 2] and all(r.failed for r in result.rounds)
+    assert calls == [1, 1, 2, 2] and all(r.failed for r in result.rounds)  # each retried once
     assert all(c.personal_acc is not None for c in result.clients)
+
+
+def test_a_round_that_misses_quorum_is_retried_and_can_succeed(tmp_path):
+    failures = {"left": 1}
+
+    class FailsOnce(EdgeClient):
+        def run_task(self, task, blobs):
+            if task.phase == "fit" and failures["left"]:
+                failures["left"] -= 1
+                raise RuntimeError("flaky radio")
+            return super().run_task(task, blobs)
+
+    coordinator, clients = small_federation(client_cls=FailsOnce, quorum=1.0, retries=1)
+    for c in clients:
+        c.start()
+    result = coordinator.run()
+    assert not any(r.failed for r in result.rounds)
+    assert result.rounds[0].replied == ["c0", "c1", "c2"]
+
+
+def test_a_round_with_no_valid_reply_is_never_counted_as_aggregated():
+    coordinator, clients = small_federation(algorithm="local", rounds=2, retries=0)
+
+    def everyone_vanishes(rec):  # after round 1 every client's connection dies: wills fire
+        if rec.round == 1:
+            for c in clients:
+                c.transport.abort()
+
+    coordinator.on_round = everyone_vanishes
+    for c in clients:
+        c.start()
+    result = coordinator.run()
+    assert not result.rounds[0].failed and result.rounds[1].failed
+    assert result.rounds[1].trained == []
 
 
 def test_fml_federates_clients_with_different_numbers_of_classes_through_a_shared_backbone():
