@@ -109,6 +109,7 @@ class MosquittoBroker:
         self.anonymous = anonymous
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="edgefl-mosquitto-")
         self.workdir = Path(workdir) if workdir else Path(self._tmp.name)  # type: ignore[union-attr]
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -90,6 +90,9 @@ class RoundConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     deadline_s: float = Field(600.0, gt=0)  # per phase of a round
+    # The finalize phase (fine-tuning, distillation, ONNX export and its verification) may take
+    # longer than a round's phases; None: the same as deadline_s.
+    finalize_deadline_s: float | None = Field(None, gt=0)
     quorum: float = Field(1.0, gt=0, le=1)  # fraction of a round's tasks that must reply validly
     register_timeout_s: float = Field(60.0, gt=0)
     eval_every: int = Field(1, ge=1)  # evaluate on all clients every N rounds (and the last)
@@ -218,6 +221,7 @@ class Coordinator:
         )
         self.clients: dict[str, ClientInfo] = {}
         self.online: set[str] = set()
+        self._epochs: dict[str, int] = {}  # the newest connection each client told us about
         self.strategy: Strategy | None = None
         self.stats = CoordinatorStats()
         self._started = False
@@ -415,6 +419,20 @@ class Coordinator:
             if env is not None:
                 return env
 
+    def _await_back(self) -> None:
+        """Before a retry, give clients that dropped out (a broker restart, a network blip)
+        up to `deadline_s` to come back online."""
+        deadline = time.monotonic() + self.rc.deadline_s
+        while set(self.clients) - self.online:
+            env = self._receive(deadline - time.monotonic())
+            if env is None:
+                return
+            if isinstance(env.message, Reply):
+                if self._sender(env) is not None:
+                    self._reject("stale_reply", f"reply {env.message.task_id}")
+            else:
+                self._dispatch_control(env)
+
     def _drain(self) -> None:
         """Handle what already arrived between phases (registrations, presence, late replies)."""
         while (env := self.endpoint.receive(timeout=0)) is not None:
@@ -472,13 +490,17 @@ class Coordinator:
         if isinstance(msg, Register):
             self._on_register(msg)
         elif isinstance(msg, Presence):
-            self._on_presence(cid, msg.online)
+            self._on_presence(cid, msg.online, msg.epoch)
         elif cid not in self.clients:
             self._reject("unknown_sender", f"a {msg.kind} from unregistered {cid!r}")
         else:
             log.info("ignoring %s from %s outside its phase", msg.kind, cid)
 
-    def _on_presence(self, cid: str, online: bool) -> None:
+    def _on_presence(self, cid: str, online: bool, epoch: int) -> None:
+        if epoch < self._epochs.get(cid, -1):
+            log.info("%s: ignoring news about an older connection (%d)", cid, epoch)
+            return
+        self._epochs[cid] = epoch
         if online:
             self.online.add(cid)
         else:
@@ -515,7 +537,7 @@ class Coordinator:
         reason = self._refusal(msg)
         if reason is None:
             self.clients[msg.sender] = ClientInfo(msg.sender, msg.spec, msg.capabilities)
-            self.online.add(msg.sender)
+            self._on_presence(msg.sender, True, msg.epoch)
             log.info("registered %s (%s, %d train)", msg.sender, msg.spec, msg.capabilities.n_train)
         else:
             log.warning("refused registration of %s: %s", msg.sender, reason)
@@ -550,6 +572,7 @@ class Coordinator:
         for attempt in range(self.rc.retries + 1):
             if attempt:
                 log.warning("round %d: attempt %d of %d", r, attempt + 1, self.rc.retries + 1)
+                self._await_back()
             self._drain()  # who is online now: the latest registrations and wills count
             self.strategy.available = set(self.online)
             plan = self.strategy.configure_fit(r)
@@ -693,7 +716,10 @@ class Coordinator:
             except TransportError as exc:
                 log.error("the %s task to %s was not delivered: %s", phase, cid, exc)
         results: dict[str, _Collected | None] = {cid: None for cid in plan}
-        deadline = time.monotonic() + self.rc.deadline_s
+        limit = self.rc.deadline_s
+        if phase == "finalize" and self.rc.finalize_deadline_s is not None:
+            limit = self.rc.finalize_deadline_s
+        deadline = time.monotonic() + limit
         while pending:
             env = self._receive(deadline - time.monotonic())
             if env is None:

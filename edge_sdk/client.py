@@ -144,6 +144,7 @@ class EdgeClient:
         self._algo_key: tuple[str, str] | None = None
         self._stop = threading.Event()
         self._back = threading.Event()  # the connection came back: say we are online
+        self._epoch_base = time.time_ns() // 1_000_000 * 1000  # a restart starts higher
         self._thread: threading.Thread | None = None
         self._seen: deque[str] = deque(maxlen=_SEEN_TASKS)
         self.accepted: bool | None = None
@@ -184,8 +185,12 @@ class EdgeClient:
         """Connect, subscribe, register, and serve tasks on a worker thread until the run ends."""
         if self.state_path is not None and self.algorithm is None:
             self._restore()
-        offline = Presence(run=self.run_id, sender=self.client_id, online=False)
-        self.transport.set_will(self._up, message_frame(offline))
+        self.transport.set_will(
+            self._up,
+            lambda n: message_frame(
+                Presence(run=self.run_id, sender=self.client_id, online=False, epoch=self._epoch(n))
+            ),
+        )
         self.transport.on_reconnect = self._back.set
         self.transport.connect()
         self.endpoint.open()
@@ -217,7 +222,13 @@ class EdgeClient:
             num_classes=d.num_classes,
             algorithms=algorithm_names(),
         )
-        msg = Register(run=self.run_id, sender=self.client_id, spec=self.spec, capabilities=caps)
+        msg = Register(
+            run=self.run_id,
+            sender=self.client_id,
+            spec=self.spec,
+            capabilities=caps,
+            epoch=self._epoch(self.transport.connection),
+        )
         self._try_send(msg)
 
     def request_stop(self) -> None:
@@ -252,7 +263,10 @@ class EdgeClient:
         while not self._stop.is_set():
             if self._back.is_set():  # our will may have marked us offline meanwhile
                 self._back.clear()
-                self._try_send(Presence(run=self.run_id, sender=self.client_id, online=True))
+                epoch = self._epoch(self.transport.connection)
+                self._try_send(
+                    Presence(run=self.run_id, sender=self.client_id, online=True, epoch=epoch)
+                )
             env = self.endpoint.receive(timeout=0.2)
             if env is None:
                 # Until the coordinator answers, registrations may have been lost (it was not
@@ -464,6 +478,9 @@ class EdgeClient:
 
     def _send(self, msg: Any, blobs: dict[str, bytes] | None = None) -> None:
         self.endpoint.send(self._up, msg, blobs)
+
+    def _epoch(self, connection: int) -> int:
+        return self._epoch_base + connection
 
     def _try_send(self, msg: Any) -> None:
         """Send a control message; a transport failure is logged (the serving loop goes on)."""

@@ -83,6 +83,7 @@ class Register(_Message):
     kind: Literal["register"] = "register"
     spec: ArchSpec
     capabilities: Capabilities
+    epoch: int = Field(0, ge=0)  # see Presence
 
 
 class Registered(_Message):
@@ -154,6 +155,9 @@ class Presence(_Message):
 
     kind: Literal["presence"] = "presence"
     online: bool
+    # Grows with every connection of the client (across restarts too): news about an older
+    # connection, such as its will delivered late after a broker restart, is ignored.
+    epoch: int = Field(0, ge=0)
 
 
 Message = Annotated[

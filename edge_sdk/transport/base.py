@@ -39,6 +39,9 @@ __all__ = [
 ]
 
 Callback = Callable[[str, bytes], None]
+# A will's payload, or a function of the connection number that makes it (so a receiver can
+# tell the will of an old connection from news about the current one).
+WillPayload = bytes | Callable[[int], bytes]
 
 
 class TransportError(RuntimeError):
@@ -113,13 +116,16 @@ class Transport(ABC):
     stats: TransportStats
     # Called (on the transport's thread: only flag or enqueue) after a connection came back.
     on_reconnect: Callable[[], None] | None = None
+    # 0 for the first connection, one more for each new one (after a drop or a disconnect).
+    connection: int = 0
 
     def connect(self, timeout: float | None = None) -> Transport:
         """Open the connection (idempotent); in memory there is nothing to open."""
         return self
 
-    def set_will(self, topic: str, payload: bytes, *, retain: bool = False) -> None:  # noqa: B027
-        """What the broker publishes if this connection drops uncleanly (set before connect)."""
+    def set_will(self, topic: str, payload: WillPayload, *, retain: bool = False) -> None:  # noqa: B027
+        """What the broker publishes if a connection drops uncleanly (set before connect); a
+        callable payload is called with each connection's number."""
 
     @abstractmethod
     def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> Delivery: ...

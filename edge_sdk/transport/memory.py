@@ -13,7 +13,14 @@ import threading
 from dataclasses import dataclass, field
 
 from edge_sdk.topics import topic_matches
-from edge_sdk.transport.base import Callback, ConnectError, Delivery, Transport, TransportStats
+from edge_sdk.transport.base import (
+    Callback,
+    ConnectError,
+    Delivery,
+    Transport,
+    TransportStats,
+    WillPayload,
+)
 
 __all__ = ["InMemoryBroker", "InMemoryTransport"]
 
@@ -146,18 +153,20 @@ class InMemoryTransport(Transport):
         self._closed = False
         self._taken_over = False
         self._ever_connected = False
-        self._will: tuple[str, bytes, bool] | None = None
+        self._will: tuple[str, WillPayload, bool] | None = None
 
     def connect(self, timeout: float | None = None) -> InMemoryTransport:
         self._check_open()
+        if self._ever_connected:
+            self.connection += 1
         self._broker._set_connected(self, True)
         if self._ever_connected and self.on_reconnect is not None:
             self.on_reconnect()
         self._ever_connected = True
         return self
 
-    def set_will(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
-        self._will = (topic, bytes(payload), retain)
+    def set_will(self, topic: str, payload: WillPayload, *, retain: bool = False) -> None:
+        self._will = (topic, payload, retain)
 
     def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> Delivery:
         self._check_open()
@@ -187,7 +196,8 @@ class InMemoryTransport(Transport):
         self._broker._set_connected(self, False)
         if self._will is not None:
             topic, payload, retain = self._will
-            self._broker._route(topic, payload, retain)
+            data = payload(self.connection) if callable(payload) else bytes(payload)
+            self._broker._route(topic, data, retain)
 
     def close(self) -> None:
         if not self._closed:

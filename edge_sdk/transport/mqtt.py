@@ -46,6 +46,7 @@ from edge_sdk.transport.base import (
     Transport,
     TransportError,
     TransportStats,
+    WillPayload,
 )
 
 __all__ = ["BrokerAddress", "BrokerSettings", "MqttTransport", "parse_broker_url"]
@@ -161,10 +162,11 @@ class MqttTransport(Transport):
         self._early: dict[int, tuple[int, str] | None] = {}  # acks that beat their registration
         self._subacks: dict[int, threading.Event] = {}
         self._early_subacks: set[int] = set()
-        self._will: tuple[str, bytes, bool] | None = None
+        self._will: tuple[str, WillPayload, bool] | None = None
         self._connected = threading.Event()
         self._refused: ConnectError | None = None
         self._ever_connected = False
+        self._numbered = False  # the next connection already has its number
         self._fallback = threading.Event()
         self._running = False  # paho's network thread is up
         self._closed = False
@@ -196,9 +198,7 @@ class MqttTransport(Transport):
             )
         if probe:
             return client
-        if self._will is not None:
-            topic, payload, retain = self._will
-            client.will_set(topic, payload, qos=1, retain=retain)
+        self._apply_will(client)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
@@ -223,12 +223,27 @@ class MqttTransport(Transport):
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def set_will(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
-        self._check_size(payload)
-        self._will = (topic, bytes(payload), retain)
-        self._client.will_set(topic, payload, qos=1, retain=retain)
+    def set_will(self, topic: str, payload: WillPayload, *, retain: bool = False) -> None:
+        self._will = (topic, payload, retain)
+        self._apply_will(self._client)
         if self._running:
             log.warning("%s: the new will applies from the next connection", self.client_id)
+
+    def _apply_will(self, client: mqtt.Client) -> None:
+        """Give paho the will of the connection about to be made (numbered `connection`)."""
+        if self._will is None:
+            return
+        topic, payload, retain = self._will
+        data = payload(self.connection) if callable(payload) else bytes(payload)
+        self._check_size(data)
+        client.will_set(topic, data, qos=1, retain=retain)
+
+    def _next_connection(self) -> None:
+        """Number the next connection (once per lost one) and give it its own will."""
+        if self._ever_connected and not self._numbered:
+            self.connection += 1
+            self._numbered = True
+            self._apply_will(self._client)
 
     def connect(self, timeout: float | None = None) -> MqttTransport:
         """Connect and wait for the broker's CONNACK; retries with backoff until `timeout`
@@ -238,6 +253,7 @@ class MqttTransport(Transport):
             raise ConnectError("transport is closed")
         if self._running:
             return self
+        self._next_connection()
         limit = self.settings.connect_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         delay = self.settings.reconnect_min_s
@@ -368,6 +384,7 @@ class MqttTransport(Transport):
         code = _code(reason)
         if code == 0:
             again, self._ever_connected = self._ever_connected, True
+            self._numbered = False
             client.backoff = 0.0
             with self._lock:
                 filters = list(self._subs)
@@ -392,6 +409,7 @@ class MqttTransport(Transport):
     ) -> None:
         was = self._connected.is_set()
         self._connected.clear()
+        self._next_connection()  # before paho's automatic reconnect sends its CONNECT
         if was and _code(reason) != 0:
             log.info("%s: connection lost (%s); reconnecting", self.client_id, reason)
 
