@@ -124,9 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).write_text(text + "\n")
     print()
-    print(
-        f"{'process':<12}{f'peak RSS @ round {early} (MB)':>28}{f'@ round {rounds}':>14}{'growth':>9}"
-    )
+    head = f"peak RSS @ round {early} (MB)"
+    print(f"{'process':<12}{head:>28}{f'@ round {rounds}':>14}{'growth':>9}")
     for name in ("coordinator", "c0"):
         a, b = readings.get(early, {}).get(name), readings[rounds].get(name)
         if a and b:
