@@ -27,10 +27,11 @@ class Mixture(nn.Module):
         super().__init__()
         self.members = nn.ModuleList(members)
         w = torch.tensor(weights, dtype=torch.float32)
+        self.log_weights: torch.Tensor
         self.register_buffer("log_weights", torch.log(w / w.sum()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logp = torch.stack([F.log_softmax(m(x), dim=1) for m in self.members])  # (K, B, C)
+        logp = torch.stack([F.log_softmax(member(x), dim=1) for member in self.members])  # (K,B,C)
         return torch.logsumexp(logp + self.log_weights.view(-1, 1, 1), dim=0)  # (B, C)
 
 
