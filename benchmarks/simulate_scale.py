@@ -260,7 +260,8 @@ def tables(out: dict[str, Any]) -> str:
         lines += [
             "FML Fashion-MNIST Dir(0.1), 20 clients",
             f"peak RSS {f['peak_rss_mb']} MB (goal <= 1024), "
-            f"after data {f['rss_after_data_mb']} MB, median round {f['median_round_s']:.1f} s, personal acc {f['mean_personal_acc']}",
+            f"after data {f['rss_after_data_mb']} MB, median round {f['median_round_s']:.1f} s, "
+            f"personal acc {f['mean_personal_acc']}",
             "RSS per round (MB): " + " ".join(str(r["rss_mb"]) for r in f["rounds"]),
             "",
         ]
