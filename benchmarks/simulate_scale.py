@@ -233,6 +233,7 @@ def run_scale(
             res |= {"family": family, "clients": n}
             res["per_client_ms"] = round(1000 * res["median_round_s"] / n, 2)
             rows.append(res)
+            print(tables({"scale": rows[-1:]}).splitlines()[-1], file=sys.stderr, flush=True)
     if rss_rounds:
         res = in_child(_scale_overrides(families[0], sizes[1], rss_rounds))
         res |= {"family": families[0], "clients": sizes[1], "long": True}
