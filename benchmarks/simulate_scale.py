@@ -237,6 +237,7 @@ def run_scale(
     if rss_rounds:
         res = in_child(_scale_overrides(families[0], sizes[1], rss_rounds))
         res |= {"family": families[0], "clients": sizes[1], "long": True}
+        res["per_client_ms"] = round(1000 * res["median_round_s"] / sizes[1], 2)
         rss = [r["rss_mb"] for r in res["rounds"]]
         res["rss_growth_mb_after_round_5"] = rss[-1] - rss[min(4, len(rss) - 1)]
         rows.append(res)
@@ -315,10 +316,10 @@ def main(argv: list[str] | None = None) -> int:
         out["scale"] = run_scale(a.families, a.sizes, a.scale_rounds, a.rss_rounds)
     out["machine"]["loadavg_end"] = os.getloadavg()
     text = json.dumps(out, indent=1)
-    print(text)
-    print(tables(out))
     if a.json_out:
         a.json_out.write_text(text + "\n")
+    print(text)
+    print(tables(out))
     return 0
 
 
