@@ -280,7 +280,14 @@ class Trainer:
 
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
-    def logits(self, model: nn.Module, x: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
+    def logits(
+        self, model: nn.Module, x: torch.Tensor, batch_size: int | None = None
+    ) -> torch.Tensor:
+        # On the CPU 64 at a time: a batch's activations are held at once in every client thread
+        # of a simulation, and the heaps keep them (1024 put ~700 MB on the FML benchmark's peak
+        # RSS, benchmarks/simulate_scale.py); a GPU gets 1024.
+        if batch_size is None:
+            batch_size = 1024 if self.device.type == "cuda" else 64
         was_training = model.training
         model.eval()
         outs = []

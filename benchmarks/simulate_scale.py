@@ -1,0 +1,327 @@
+"""How fast and how lean the simulator is: PFML against a vectorised reference, FML's memory,
+round time and RSS as the federation grows.
+
+Three measurements (pick with `--parts`):
+
+1. **pfml** — PFML on Synthetic(0.5, 0.5), 100 clients, all train and 10 are aggregated per
+   round, MLR, D = 20 (batch), E = 20 (local iterations), K = 3, λ = 20, β = 2, η = 0.01, by-sample
+   weighting; `edgefl`'s simulator (every client an EdgeClient thread, every model through the
+   in-memory transport) against the reference script `shared/reference/pfml_synthetic.py`
+   (vectorised over clients: one batched matmul per step for all of them), both in this process,
+   one after the other, same rounds. Reports both wall times, their ratio (goal ≤ 3×) and the
+   final mean personalized accuracy of each (goal: within 0.5 point). The two use the same
+   generator but each its own 75/25 split, so accuracies agree only to sampling noise.
+2. **fml** — FML on Fashion-MNIST, Dirichlet(0.1) over 20 clients, batch 10, SGD lr 0.005, one
+   local epoch, CNN2 at width 32 (about the cost of PFLlib's CNN), evaluation every round. Runs in
+   a child process; reports its peak RSS (goal ≤ 1 GB), the RSS after each round and the round
+   times.
+3. **scale** — FML with 100 Fashion-MNIST samples per client (iid), 1 epoch, batch
+   10, for 10, 50, 100 and 200 clients, `mlr` and `lenet5`; each in a child process. Reports
+   the median round time (rounds 2..), time per client (goal: flat, i.e. linear growth) and RSS
+   after each round; `--rss-rounds` runs one configuration longer to show RSS stays flat.
+
+    python benchmarks/simulate_scale.py --parts pfml --rounds 20       # ~3 min on 2 cores
+    python benchmarks/simulate_scale.py                                 # everything, ~10 min
+    python benchmarks/simulate_scale.py --json-out simulate_scale.json
+
+Prints one JSON object, then tables. The 2 cores of the machine this was written on were shared
+with other jobs, so absolute seconds are noisy: compare the ratios taken in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from coordinator.config import load_config
+from coordinator.server import RoundRecord
+from coordinator.simulator import prepare_federation, run_federation
+
+_ROOT = Path(__file__).resolve().parents[1]
+# `../shared/reference/` of the main checkout; a worktree one level deeper finds it one further up.
+REFERENCE = next(
+    (
+        d / "shared/reference/pfml_synthetic.py"
+        for d in (_ROOT.parent, _ROOT.parent.parent)
+        if (d / "shared/reference/pfml_synthetic.py").is_file()
+    ),
+    _ROOT.parent / "shared/reference/pfml_synthetic.py",
+)
+FMNIST = "/usr/share/datasets/fashion-mnist"
+
+
+# -- 1. PFML against the reference -------------------------------------------------------------
+def _pfml_config(rounds: int, eval_every: int) -> Any:
+    return load_config(
+        overrides={
+            "algorithm": "pfml",
+            "rounds": rounds,
+            "clients": 100,
+            "clients_per_round": 10,
+            "models": ["mlr"],
+            "device": "cpu",
+            "data.dataset": "synthetic",
+            "data.partition": "natural",
+            "data.split": [0.75, 0.0, 0.25],
+            "data.options": {"alpha": 0.5, "beta": 0.5},
+            "round.eval_every": eval_every,
+            "pfml.local_iterations": 20,
+            "pfml.batch_size": 20,
+            "pfml.lr": 0.01,
+            "pfml.k_steps": 3,
+            "pfml.lam": 20.0,
+            "pfml.beta": 2.0,
+            "pfml.participation": "all",
+            "pfml.weighting": "by_samples",
+        },
+        environ=False,
+    )
+
+
+def _load_reference(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise SystemExit(f"reference script {path} not found; pass --reference PATH")
+    spec = importlib.util.spec_from_file_location("pfml_reference", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_pfml(rounds: int, eval_every: int, reference: Path) -> dict[str, Any]:
+    ref = _load_reference(reference)
+    args = SimpleNamespace(
+        model="mlr", rounds=rounds, users=10, E=20, D=20, K=3, lr=0.01, lam=20.0, beta=2.0,
+        agg="weighted", protocol="all", aux_reset=False, peval=eval_every, seed=0,
+    )  # fmt: skip
+    data = ref.FedData(0.75, 1)
+    t0 = time.perf_counter()
+    res = ref.run_pfml(args, data, np.random.RandomState(1000), torch.Generator().manual_seed(0))
+    ref_s = time.perf_counter() - t0
+    ref_acc = res["pers_acc_unweighted"]["end"]["final"]
+
+    cfg = _pfml_config(rounds, eval_every)
+    fed = prepare_federation(cfg)
+    t0 = time.perf_counter()
+    out = run_federation(cfg, fed, "pfml")
+    ours_s = time.perf_counter() - t0
+    accs = [c.personal_acc for c in out.clients if c.personal_acc is not None]
+    ours_acc = sum(accs) / len(accs)
+    return {
+        "setting": "Synthetic(0.5,0.5), 100 clients (all train, 10 aggregated), MLR, D=20, E=20, "
+        f"K=3, lam=20, beta=2, lr=0.01, {rounds} rounds, personal eval every {eval_every}",
+        "rounds": rounds,
+        "ours_s": round(ours_s, 2),
+        "ref_s": round(ref_s, 2),
+        "ratio": round(ours_s / ref_s, 2),
+        "goal_ratio": 3.0,
+        "ours_mean_personal_acc": round(ours_acc, 4),
+        "ref_mean_personal_acc": round(ref_acc, 4),
+        "acc_gap_points": round(100 * (ours_acc - ref_acc), 2),
+    }
+
+
+# -- 2./3. federations in a child process ------------------------------------------------------
+def _rss() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def _child(overrides: dict[str, Any], conn: Any) -> None:
+    torch.set_num_threads(1)
+    cfg = load_config(overrides=overrides, environ=False)
+    fed = prepare_federation(cfg)
+    after_data = _rss()
+    rounds: list[dict[str, Any]] = []
+
+    def on_round(rec: RoundRecord) -> None:
+        rounds.append({"round": rec.round, "s": round(rec.seconds, 3), "rss_mb": _rss() >> 20})
+
+    out = run_federation(cfg, fed, cfg.algorithm, on_round=on_round)
+    accs = [c.personal_acc for c in out.clients if c.personal_acc is not None]
+    # ru_maxrss is in KiB on Linux: the high-water mark, which polling would miss.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    conn.send(
+        {
+            "rss_after_data_mb": after_data >> 20,
+            "peak_rss_mb": peak >> 20,
+            "rounds": rounds,
+            "mean_personal_acc": round(sum(accs) / len(accs), 4) if accs else None,
+        }
+    )
+
+
+def in_child(overrides: dict[str, Any]) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")  # a fresh interpreter: its RSS is the federation's alone
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_child, args=(overrides, child))
+    t0 = time.perf_counter()
+    p.start()
+    result: dict[str, Any] = parent.recv()
+    p.join()
+    result["wall_s"] = round(time.perf_counter() - t0, 2)
+    times = [r["s"] for r in result["rounds"]]
+    result["median_round_s"] = round(statistics.median(times[1:] or times), 3)
+    return result
+
+
+def run_fml(rounds: int) -> dict[str, Any]:
+    res = in_child(
+        {
+            "algorithm": "fml",
+            "rounds": rounds,
+            "clients": 20,
+            "models": ["cnn2"],
+            "model_kwargs": {"cnn2": {"width": 32}},
+            "device": "cpu",
+            "data.dataset": "fashion_mnist",
+            "data.root": FMNIST,
+            "data.partition": "dirichlet",
+            "data.partition_params": {"alpha": 0.1},
+            "fml.local_epochs": 1,
+            "fml.batch_size": 10,
+            "fml.lr": 0.005,
+        }
+    )
+    res["setting"] = (
+        "FML, Fashion-MNIST (70k), Dirichlet 0.1, 20 clients, cnn2 width 32, batch 10, "
+        f"lr 0.005, 1 epoch, eval every round, {rounds} rounds"
+    )
+    res["goal_peak_rss_mb"] = 1024
+    return res
+
+
+def _scale_overrides(family: str, clients: int, rounds: int) -> dict[str, Any]:
+    return {
+        "algorithm": "fml",
+        "rounds": rounds,
+        "clients": clients,
+        "models": [family],
+        "device": "cpu",
+        "data.dataset": "fashion_mnist",
+        "data.root": FMNIST,
+        "data.max_samples": 100 * clients,
+        "data.partition": "iid",
+        "fml.local_epochs": 1,
+        "fml.batch_size": 10,
+        "fml.lr": 0.005,
+    }
+
+
+def run_scale(
+    families: list[str], sizes: list[int], rounds: int, rss_rounds: int
+) -> list[dict[str, Any]]:
+    rows = []
+    for family in families:
+        for n in sizes:
+            res = in_child(_scale_overrides(family, n, rounds))
+            res |= {"family": family, "clients": n}
+            res["per_client_ms"] = round(1000 * res["median_round_s"] / n, 2)
+            rows.append(res)
+            print(tables({"scale": rows[-1:]}).splitlines()[-1], file=sys.stderr, flush=True)
+    if rss_rounds:
+        res = in_child(_scale_overrides(families[0], sizes[1], rss_rounds))
+        res |= {"family": families[0], "clients": sizes[1], "long": True}
+        res["per_client_ms"] = round(1000 * res["median_round_s"] / sizes[1], 2)
+        rss = [r["rss_mb"] for r in res["rounds"]]
+        res["rss_growth_mb_after_round_5"] = rss[-1] - rss[min(4, len(rss) - 1)]
+        rows.append(res)
+    return rows
+
+
+# -- output ------------------------------------------------------------------------------------
+def tables(out: dict[str, Any]) -> str:
+    lines = []
+    if "pfml" in out:
+        p = out["pfml"]
+        lines += [
+            f"PFML vs reference ({p['rounds']} rounds)",
+            f"{'':10}{'wall s':>10}{'pers acc':>10}",
+            f"{'ours':10}{p['ours_s']:>10.1f}{p['ours_mean_personal_acc']:>10.4f}",
+            f"{'reference':10}{p['ref_s']:>10.1f}{p['ref_mean_personal_acc']:>10.4f}",
+            f"ratio {p['ratio']:.2f}x (goal <= 3x), accuracy gap {p['acc_gap_points']:+.2f} pt",
+            "",
+        ]
+    if "fml" in out:
+        f = out["fml"]
+        lines += [
+            "FML Fashion-MNIST Dir(0.1), 20 clients",
+            f"peak RSS {f['peak_rss_mb']} MB (goal <= 1024), "
+            f"after data {f['rss_after_data_mb']} MB, median round {f['median_round_s']:.1f} s, "
+            f"personal acc {f['mean_personal_acc']}",
+            "RSS per round (MB): " + " ".join(str(r["rss_mb"]) for r in f["rounds"]),
+            "",
+        ]
+    if "scale" in out:
+        lines.append(
+            f"{'family':8}{'clients':>8}{'round s':>9}{'ms/client':>10}{'peak MB':>9}  RSS/round MB"
+        )
+        for r in out["scale"]:
+            rss = [x["rss_mb"] for x in r["rounds"]]
+            shown = rss if len(rss) <= 6 else [*rss[:3], "...", *rss[-2:]]
+            lines.append(
+                f"{r['family']:8}{r['clients']:>8}{r['median_round_s']:>9.2f}"
+                f"{r['per_client_ms']:>10.1f}{r['peak_rss_mb']:>9}  "
+                + " ".join(map(str, shown))
+                + (f"  ({len(rss)} rounds)" if r.get("long") else "")
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", nargs="+", default=["pfml", "fml", "scale"])
+    ap.add_argument("--rounds", type=int, default=20, help="PFML rounds (the paper: 800)")
+    ap.add_argument("--eval-every", type=int, default=10, help="PFML personal evaluation")
+    ap.add_argument("--reference", type=Path, default=REFERENCE)
+    ap.add_argument("--fml-rounds", type=int, default=2)
+    ap.add_argument("--scale-rounds", type=int, default=3)
+    ap.add_argument("--rss-rounds", type=int, default=50, help="0: skip the long RSS run")
+    ap.add_argument("--families", nargs="+", default=["mlr", "lenet5"])
+    ap.add_argument("--sizes", nargs="+", type=int, default=[10, 50, 100, 200])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    ap.add_argument("--json-out", type=Path)
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    out: dict[str, Any] = {
+        "machine": {
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "loadavg_start": os.getloadavg(),
+        }
+    }
+    if "pfml" in a.parts:
+        out["pfml"] = run_pfml(a.rounds, a.eval_every, a.reference)
+    if "fml" in a.parts:
+        out["fml"] = run_fml(a.fml_rounds)
+    if "scale" in a.parts:
+        out["scale"] = run_scale(a.families, a.sizes, a.scale_rounds, a.rss_rounds)
+    out["machine"]["loadavg_end"] = os.getloadavg()
+    text = json.dumps(out, indent=1)
+    if a.json_out:
+        a.json_out.write_text(text + "\n")
+    print(text)
+    print(tables(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The simulator's speed and memory work must not change what a federation computes.
+
+The expected values were recorded from the simulator before that work (commit 6091666's runtime
+merged with main at ac23b99), for the same seed: per-client personalized accuracies and every
+round's mean training metrics (the losses are floats; any change in the arithmetic shows there).
+"""
+
+import pytest
+from tests_helpers import tiny_config
+
+from coordinator.simulator import prepare_federation, run_federation
+
+PRE_CHANGE = {
+    "pfml": {
+        "acc": [0.7, 0.6, 0.75, 0.75],
+        "metrics": [{"train_loss": 4.284374630451202}, {"train_loss": 3.056099313497543}],
+    },
+    "fml": {
+        "acc": [0.675, 0.575, 0.825, 0.65],
+        "metrics": [
+            {"loss_meme": 1.1854508817195892, "loss_personal": 1.1829951703548431},
+            {"loss_meme": 0.8995947539806366, "loss_personal": 0.8871442824602127},
+        ],
+    },
+    "fedavg": {
+        "acc": [0.8, 0.85, 0.875, 0.875],
+        "metrics": [{"train_loss": 2.1501966565847397}, {"train_loss": 1.2622811272740364}],
+    },
+}
+
+FLAGS = {
+    "pfml": {
+        "lr": 0.05,
+        "overrides": {"pfml.lam": 1.0, "pfml.local_iterations": 10},
+        "models": ["mlr", "mlp"],
+        "global_model": "mlr",
+    },
+    "fml": {"models": ["mlr", "mlp"], "global_model": "mlr", "local_epochs": 1},
+    "fedavg": {"local_epochs": 1},
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(PRE_CHANGE))
+def test_simulator_gives_the_pre_change_results_for_the_same_seed(algorithm):
+    # Prepare: 4 clients on 8×8 digits, 2 rounds, seed 0 (tiny_config's defaults).
+    cfg = tiny_config(algorithm=algorithm, rounds=2, **FLAGS[algorithm])
+
+    # Execute
+    res = run_federation(cfg, prepare_federation(cfg), algorithm)
+
+    # Assert: the same accuracies, and training losses equal to float rounding.
+    expected = PRE_CHANGE[algorithm]
+    assert [c.personal_acc for c in res.clients] == expected["acc"]
+    got = [r.train_metrics for r in res.rounds]
+    assert len(got) == len(expected["metrics"])
+    for g, e in zip(got, expected["metrics"], strict=True):
+        assert g == pytest.approx(e, rel=1e-6, abs=1e-9)
