@@ -399,3 +399,17 @@ def test_dataset_subset_keeps_metadata_and_groups():
 def test_dataset_rejects_inconsistent_fields():
     with pytest.raises(DatasetError, match="2 inputs but 3 labels"):
         Dataset("t", torch.zeros(2, 4), torch.zeros(3, dtype=torch.int64), ["a"], (4,), None)
+
+
+def test_channel_stats_of_many_images_equal_the_float_mean_and_std():
+    # More images than one histogram slice holds, three channels of different levels.
+    from model_zoo.data.base import channel_stats_uint8
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(9000, 3, 4, 4), dtype=np.uint8)
+    images[:, 1] //= 2
+    images[5000:, 2] = 255
+    mean, std = channel_stats_uint8(images)
+    scaled = images.astype(np.float64) / 255.0
+    np.testing.assert_allclose(mean, scaled.mean(axis=(0, 2, 3)), rtol=1e-12)
+    np.testing.assert_allclose(std, scaled.std(axis=(0, 2, 3)), rtol=1e-9)
