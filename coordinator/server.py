@@ -430,21 +430,12 @@ class Coordinator:
             env = self._receive(deadline - time.monotonic())
             if env is None:
                 return
-            if isinstance(env.message, Reply):
-                if self._sender(env) is not None:
-                    self._reject("stale_reply", f"reply {env.message.task_id}")
-            else:
-                self._dispatch_control(env)
+            self._dispatch_control(env)
 
     def _drain(self) -> None:
         """Handle what already arrived between phases (registrations, presence, late replies)."""
         while (env := self.endpoint.receive(timeout=0)) is not None:
-            if isinstance(env.message, Reply):
-                sender = self._sender(env)
-                if sender is not None:
-                    self._reject("stale_reply", f"reply {env.message.task_id} from {sender}")
-            else:
-                self._dispatch_control(env)
+            self._dispatch_control(env)
 
     def _await_registrations(self) -> None:
         deadline = time.monotonic() + self.rc.register_timeout_s
@@ -496,6 +487,8 @@ class Coordinator:
             self._on_presence(cid, msg.online, msg.epoch)
         elif cid not in self.clients:
             self._reject("unknown_sender", f"a {msg.kind} from unregistered {cid!r}")
+        elif isinstance(msg, Reply):  # its task's phase is over (or it never had one)
+            self._reject("stale_reply", f"reply {msg.task_id} from {cid}")
         else:
             log.info("ignoring %s from %s outside its phase", msg.kind, cid)
 
@@ -737,20 +730,18 @@ class Coordinator:
                 )
                 break
             msg = env.message
-            if not isinstance(msg, Reply):
-                self._dispatch_control(env)
-                if isinstance(msg, Presence) and not msg.online:  # stop waiting for it
+            if not isinstance(msg, Reply) or msg.task_id not in pending or msg.round != r:
+                self._dispatch_control(env)  # registrations, presence, stray replies
+                if isinstance(msg, Presence) and msg.sender not in self.online:
                     gone = [t for t, c in pending.items() if c == msg.sender]
-                    for t in gone:
+                    for t in gone:  # stop waiting for it
                         del pending[t]
                         log.warning("round %d %s: %s went offline", r, phase, msg.sender)
                 continue
-            sender = self._sender(env)
-            if sender is None:
-                continue
-            owner = pending.get(msg.task_id)
-            if owner is None or owner != sender or msg.round != r:
-                self._reject("stale_reply", f"reply {msg.task_id} from {sender}")
+            owner, sender = pending[msg.task_id], self._sender(env)
+            if sender != owner:  # someone else's task id: dropped by _sender or here
+                if sender is not None:
+                    self._reject("stale_reply", f"reply {msg.task_id} from {sender}")
                 continue
             del pending[msg.task_id]
             self.online.add(sender)

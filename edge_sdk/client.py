@@ -41,10 +41,12 @@ from edge_sdk.algorithms import (
     ClientAlgorithm,
     ClientContext,
     FitResult,
+    TaskInfo,
     algorithm_class,
     algorithm_names,
 )
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES
+from edge_sdk.peers import PeerChannel
 from edge_sdk.protocol import (
     Capabilities,
     Phase,
@@ -140,6 +142,9 @@ class EdgeClient:
             shared_topic=topics.bcast(run_id),
             max_blob_bytes=max_blob_bytes,
         )
+        self.peers = PeerChannel(
+            transport, self.run_id, self.client_id, max_blob_bytes=max_blob_bytes
+        )
         self.algorithm: ClientAlgorithm | None = None
         self._algo_key: tuple[str, str] | None = None
         self._stop = threading.Event()
@@ -194,6 +199,7 @@ class EdgeClient:
         self.transport.on_reconnect = self._back.set
         self.transport.connect()
         self.endpoint.open()
+        self.peers.open()
         self._stop.clear()
         self._thread = threading.Thread(
             target=self._serve, name=f"edgefl-client-{self.client_id}", daemon=True
@@ -243,6 +249,7 @@ class EdgeClient:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self.endpoint.close()
+        self.peers.close()
         if self._owns_transport:
             if self.finished:
                 self.transport.close()
@@ -374,6 +381,7 @@ class EdgeClient:
     def run_task(self, task: Task, blobs: dict[str, bytes]) -> FitResult:
         """Decode the task's models, run the algorithm phase, export ONNX after the last one."""
         algo = self._algorithm_for(task.algorithm, task.config)
+        algo.ctx.task = TaskInfo(task.step, dict(task.params))
         models = unpack_models(
             task.models, blobs, max_bytes=self.max_blob_bytes, partial=algo.partial_models
         )
@@ -458,6 +466,7 @@ class EdgeClient:
             device=self.device,
             seed=self.seed,
             trainer=Trainer(self.device, seed=self.seed),
+            peers=self.peers,
         )
         self.algorithm, self._algo_key = cls(ctx, cfg), (name, cfg.model_dump_json())
         return self.algorithm

@@ -22,9 +22,11 @@ __all__ = [
     "Capabilities",
     "Message",
     "ModelRef",
+    "PeerMessage",
     "Phase",
     "Presence",
     "ProtocolError",
+    "Published",
     "Register",
     "Registered",
     "Reply",
@@ -105,6 +107,10 @@ class Task(_Message):
     algorithm: str
     config: dict[str, Any] = {}
     models: dict[str, ModelRef] = {}
+    # A round's fit phase may take several steps (barriers), named by the strategy, each with
+    # per-client parameters (e.g. FedeRiCo: who sent this client gradients).
+    step: str = Field("", max_length=64)
+    params: dict[str, Any] = {}
 
 
 class Reply(_Message):
@@ -160,8 +166,27 @@ class Presence(_Message):
     epoch: int = Field(0, ge=0)
 
 
+class Published(_Message):
+    """Client → everyone, retained on its own peer topic: its current model (chunks on the
+    sub-topics), so a peer fetches it by reading the publication, with no one answering."""
+
+    kind: Literal["published"] = "published"
+    name: Id
+    version: int = Field(ge=0)  # the round it is current for
+    models: dict[str, ModelRef]
+
+
+class PeerMessage(_Message):
+    """Client → client on the topic naming both (FedeRiCo's gradients)."""
+
+    kind: Literal["peer"] = "peer"
+    name: Id
+    round: int = Field(ge=0)
+    models: dict[str, ModelRef]
+
+
 Message = Annotated[
-    Register | Registered | Task | Reply | Shutdown | Status | Presence,
+    Register | Registered | Task | Reply | Shutdown | Status | Presence | Published | PeerMessage,
     Field(discriminator="kind"),
 ]
 _ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)

@@ -25,8 +25,9 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,39 @@ _MSG = b"EF1M"
 _CHUNK = b"EF1C"
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 _BlobKey = tuple[str, str]  # (topic it arrived on, blob id)
+
+
+class _Janitor:
+    """One daemon thread for every open endpoint: expires stale blobs and parked messages even
+    when nobody calls receive() (one thread, however many simulated clients)."""
+
+    def __init__(self) -> None:
+        self._endpoints: weakref.WeakSet[Endpoint] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, endpoint: Endpoint) -> None:
+        with self._lock:
+            self._endpoints.add(endpoint)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="edgefl-expiry", daemon=True)
+                self._thread.start()
+
+    def forget(self, endpoint: Endpoint) -> None:
+        with self._lock:
+            self._endpoints.discard(endpoint)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                endpoints = list(self._endpoints)
+            period = min((e.blob_timeout_s / 4 for e in endpoints), default=5.0)
+            time.sleep(max(0.05, min(1.0, period)))
+            for e in endpoints:
+                e._expire()
+
+
+_JANITOR = _Janitor()
 
 
 def message_frame(message: Message) -> bytes:
@@ -116,6 +150,7 @@ class Endpoint:
         max_total_pending_bytes: int | None = None,
         blob_timeout_s: float = 120.0,
         ack_timeout_s: float = 120.0,
+        scope: Callable[[str], str] | None = None,
     ) -> None:
         self.transport = transport
         subs = [subscriptions] if isinstance(subscriptions, str) else list(subscriptions)
@@ -138,7 +173,7 @@ class Endpoint:
         self._parked: list[tuple[Message, str, float]] = []
         self._queue: queue.Queue[_Ready] = queue.Queue()
         self._open = False
-        self._janitor_stop = threading.Event()
+        self._scope = scope
 
     @property
     def is_open(self) -> bool:
@@ -158,8 +193,7 @@ class Endpoint:
             for flt in self.subscriptions:
                 self.transport.subscribe(flt, self._on_payload)
             self._open = True
-            self._janitor_stop.clear()
-            threading.Thread(target=self._janitor, name="edgefl-blob-expiry", daemon=True).start()
+            _JANITOR.watch(self)
         return self
 
     def close(self) -> None:
@@ -167,17 +201,22 @@ class Endpoint:
             for flt in self.subscriptions:
                 self.transport.unsubscribe(flt)
             self._open = False
-            self._janitor_stop.set()
-
-    def _janitor(self) -> None:
-        """Expire stale blobs and parked messages even when nobody calls receive()."""
-        period = max(0.05, min(5.0, self.blob_timeout_s / 4))
-        while not self._janitor_stop.wait(period):
-            self._expire()
+            _JANITOR.forget(self)
 
     # -- sending ---------------------------------------------------------------------------
-    def publish_blobs(self, topic: str, blobs: Mapping[str, bytes]) -> list[Delivery]:
-        """Publish blobs as chunks on `topic` (for messages that reference them as shared)."""
+    def publish_blobs(
+        self,
+        topic: str,
+        blobs: Mapping[str, bytes],
+        *,
+        retain: bool = False,
+        chunk_topics: bool = False,
+    ) -> list[Delivery]:
+        """Publish blobs as chunks on `topic` (for messages that reference them as shared).
+
+        `chunk_topics` puts chunk i on `topic/i` (retained chunks need a topic each); receivers
+        then scope them to `topic` (see `scope`).
+        """
         out = []
         for blob_id, data in blobs.items():
             view = memoryview(data)  # slices without copies; each frame is joined once
@@ -189,7 +228,9 @@ class Endpoint:
                 piece = view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
                 out.append(
                     self.transport.publish(
-                        topic, b"".join((_CHUNK, len(header).to_bytes(4, "big"), header, piece))
+                        f"{topic}/{i}" if chunk_topics else topic,
+                        b"".join((_CHUNK, len(header).to_bytes(4, "big"), header, piece)),
+                        retain=retain,
                     )
                 )
         return out
@@ -222,6 +263,7 @@ class Endpoint:
     # -- receiving -------------------------------------------------------------------------
     def receive(self, timeout: float | None = None) -> Envelope | None:
         """Next complete, verified envelope, or None after `timeout` seconds."""
+        self._expire()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -273,6 +315,7 @@ class Endpoint:
             raise PayloadError(f"blob {blob_id} of {size} bytes is over {self.max_blob_bytes}")
         if not 0 <= index < count or count > max(1, size):
             raise ProtocolError(f"blob {blob_id}: chunk {index} of {count} is inconsistent")
+        topic = self._scope(topic) if self._scope else topic
         key = (topic, blob_id)
         with self._lock:
             if key in self._consumed:
@@ -341,7 +384,7 @@ class Endpoint:
     def _blob_key(self, ref: BlobRef, topic: str) -> _BlobKey | None:
         if ref.shared:
             return None if self.shared_topic is None else (self.shared_topic, ref.id)
-        return (topic, ref.id)
+        return (self._scope(topic) if self._scope else topic, ref.id)
 
     def _try_deliver(self, msg: Message, topic: str) -> bool:
         refs = {m.blob.id: m.blob for m in getattr(msg, "models", {}).values()}

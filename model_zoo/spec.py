@@ -93,29 +93,35 @@ class ArchSpec(BaseModel):
 class _Family:
     builder: Callable[..., nn.Module]
     input_dtype: Callable[[ArchSpec], torch.dtype]
+    composite: bool = False  # made of other families' models (a mixture), not a client's own
 
 
 _REGISTRY: dict[str, _Family] = {}
 
 
 def register(
-    name: str, *, input_dtype: Callable[[ArchSpec], torch.dtype] | None = None
+    name: str,
+    *,
+    input_dtype: Callable[[ArchSpec], torch.dtype] | None = None,
+    composite: bool = False,
 ) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
     """Register `builder(input_shape, num_classes, **kwargs) -> nn.Module` under `name`."""
 
     def deco(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         if name in _REGISTRY:
             raise ValueError(f"architecture family {name!r} is already registered")
-        _REGISTRY[name] = _Family(builder, input_dtype or (lambda spec: torch.float32))
+        dtype = input_dtype or (lambda spec: torch.float32)
+        _REGISTRY[name] = _Family(builder, dtype, composite)
         return builder
 
     return deco
 
 
-def families() -> list[str]:
-    """Names of every registered family, sorted."""
+def families(*, composite: bool = False) -> list[str]:
+    """Names of the families a client can run, sorted; with `composite`, also those made of
+    other families' models (`mixture`)."""
     _load_families()
-    return sorted(_REGISTRY)
+    return sorted(n for n, f in _REGISTRY.items() if composite or not f.composite)
 
 
 def _family(name: str) -> _Family:
@@ -126,7 +132,7 @@ def _family(name: str) -> _Family:
         raise UnknownArchitecture(name, sorted(_REGISTRY)) from None
 
 
-_SEEDED_BUILD = threading.Lock()
+_SEEDED_BUILD = threading.RLock()  # re-entrant: a mixture builds its members inside
 
 
 def build(spec: ArchSpec, *, seed: int | None = None) -> nn.Module:

@@ -94,10 +94,22 @@ CHAR_SPEC = ArchSpec(
     input_shape=(12,),
     kwargs={"mode": "char", "vocab_size": 20, "embed": 8, "hidden": 64, "layers": 2},
 )
+MIXTURE_SPEC = ArchSpec(
+    family="mixture",
+    num_classes=10,
+    input_shape=IMAGE,
+    kwargs={
+        "members": [
+            {"family": "mlr", "num_classes": 10, "input_shape": list(IMAGE), "kwargs": {}},
+            {"family": "lenet5", "num_classes": 10, "input_shape": list(IMAGE), "kwargs": {}},
+        ],
+        "weights": [0.25, 0.75],
+    },
+)
 ZOO_SPECS = [
     ArchSpec(family=f, num_classes=10, input_shape=IMAGE, kwargs=_SMALL_KWARGS.get(f, {}))
     for f in families()
-] + [CHAR_SPEC]
+] + [CHAR_SPEC, MIXTURE_SPEC]
 
 
 def spec_id(spec: ArchSpec) -> str:

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from torch import nn
 
 from edge_sdk.codec import WireModel, state_of
+from edge_sdk.peers import PeerChannel
 from edge_sdk.trainer import ClientData, OptimConfig, Trainer
 from model_zoo import ArchSpec, build
 
@@ -33,6 +34,7 @@ __all__ = [
     "ClientContext",
     "Detail",
     "FitResult",
+    "TaskInfo",
     "algorithm_class",
     "algorithm_names",
     "register_algorithm",
@@ -71,8 +73,18 @@ class AlgorithmConfig(OptimConfig, BaseAlgorithmConfig):
 
 
 @dataclass
+class TaskInfo:
+    """The step of the current task and the parameters the coordinator gave it."""
+
+    step: str = ""
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class ClientContext:
-    """What an algorithm may use: its client's id, architecture, data, device and trainer."""
+    """What an algorithm may use: its client's id, architecture, data, device and trainer;
+    `peers`, the channel to other clients (decentralized algorithms); `task`, the current
+    task's step and parameters."""
 
     client_id: str
     spec: ArchSpec
@@ -80,6 +92,8 @@ class ClientContext:
     device: torch.device
     seed: int
     trainer: Trainer
+    peers: PeerChannel | None = None
+    task: TaskInfo = field(default_factory=TaskInfo)
 
 
 # A per-client fact a reply reports as it is (a choice made on the device, an architecture name),

@@ -154,12 +154,18 @@ def tls_broker(tmp_path_factory):
     cert.cert_chain_pems[0].write_to_path(d / "cert.pem")
     from coordinator.broker import free_port
 
-    port = free_port()
+    port, mutual = free_port(), free_port()
+    files = f"cafile {d / 'ca.pem'}\ncertfile {d / 'cert.pem'}\nkeyfile {d / 'key.pem'}\n"
     extra = (
-        f"listener {port} 127.0.0.1\ncafile {d / 'ca.pem'}\ncertfile {d / 'cert.pem'}\n"
-        f"keyfile {d / 'key.pem'}\n"
+        f"listener {port} 127.0.0.1\n{files}"
+        f"listener {mutual} 127.0.0.1\n{files}require_certificate true\n"
     )
+    for name, issuer in (("alice", ca), ("mallory", trustme.CA())):  # a device's certificate
+        issued = issuer.issue_cert(f"{name}@devices")
+        issued.private_key_pem.write_to_path(d / f"{name}.key")
+        issued.cert_chain_pems[0].write_to_path(d / f"{name}.pem")
     with MosquittoBroker(extra_config=extra) as broker:
+        broker.mutual_port, broker.dir = mutual, d
         yield broker, port, d / "ca.pem"
 
 
@@ -178,6 +184,20 @@ def test_tls_verifies_the_broker_against_the_given_ca(tls_broker):
         bad = MqttTransport(BrokerSettings(url=f"mqtts://127.0.0.1:{port}", ca_file=wrong), "x")
         with pytest.raises(ConnectError, match="TLS"):
             bad.connect(10)
+
+
+def test_client_certificates_from_the_brokers_ca_are_required_when_it_asks(tls_broker):
+    broker, _, ca = tls_broker
+    url, d = f"mqtts://127.0.0.1:{broker.mutual_port}", broker.dir
+
+    def device(name=None):
+        certs = {"cert_file": d / f"{name}.pem", "key_file": d / f"{name}.key"} if name else {}
+        return MqttTransport(BrokerSettings(url=url, ca_file=ca, **certs), f"mtls-{name}")
+
+    device("alice").connect(10).close()  # a certificate the broker's CA signed
+    for name in (None, "mallory"):  # none at all, or one from another CA
+        with pytest.raises(ConnectError):
+            device(name).connect(5)
 
 
 # -- reconnects ----------------------------------------------------------------------------

@@ -1,0 +1,151 @@
+"""The channel between clients for decentralized algorithms (FedeRiCo), over peer topics.
+
+Nothing here passes through the coordinator:
+- `publish(name, model, version)`: the client's current model, retained on its own topic
+  `peer/ME/pub/NAME` (chunks on `peer/ME/pub/NAME/i`, each retained), so a peer fetches it by
+  reading the publication and nobody has to answer requests while it trains;
+- `fetch(owner, name, min_version)`: subscribe to the owner's publication, take the first
+  version at least `min_version`, unsubscribe;
+- `send(to, name, round, model)` / `receive(name, round, senders)`: messages on
+  `peer/TO/from/ME`, the topic that names both (only ME may write it under the broker ACL).
+
+It works the same over the in-memory transport (the simulator) and MQTT. Models are checked like
+any received model (architecture, shapes, finite values) and the sender is taken from the topic.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from edge_sdk import topics
+from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
+from edge_sdk.protocol import PeerMessage, ProtocolError, Published
+from edge_sdk.transport.base import Transport
+from edge_sdk.wire import Endpoint, message_frame, pack_models, unpack_models
+
+__all__ = ["PeerChannel"]
+
+log = logging.getLogger(__name__)
+
+
+class PeerChannel:
+    def __init__(
+        self,
+        transport: Transport,
+        run_id: str,
+        me: str,
+        *,
+        max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
+    ) -> None:
+        self.transport = transport
+        self.run_id = run_id
+        self.me = me
+        self.max_blob_bytes = max_blob_bytes
+        self.inbox = Endpoint(
+            transport, topics.peer_inbox(run_id, me), max_blob_bytes=max_blob_bytes
+        )
+        self._stash: dict[tuple[str, int, str], WireModel] = {}  # (name, round, sender)
+        self._chunks: dict[str, int] = {}  # chunk topics of each publication, to clear stale ones
+
+    def open(self) -> PeerChannel:
+        self.inbox.open()
+        return self
+
+    def close(self) -> None:
+        self.inbox.close()
+
+    # -- publications ----------------------------------------------------------------------
+    def publish(self, name: str, model: WireModel, version: int) -> None:
+        """Make `model` this client's current `name`, retained, for round `version`."""
+        refs, blobs = pack_models({name: model}, max_bytes=self.max_blob_bytes)
+        topic = topics.peer_publication(self.run_id, self.me, name)
+        deliveries = self.inbox.publish_blobs(topic, blobs, retain=True, chunk_topics=True)
+        count = len(deliveries)
+        for i in range(count, self._chunks.get(name, 0)):  # a shorter model: clear the rest
+            deliveries.append(self.transport.publish(f"{topic}/{i}", b"", retain=True))
+        self._chunks[name] = count
+        manifest = Published(
+            run=self.run_id, sender=self.me, name=name, version=version, models=refs
+        )
+        deliveries.append(self.transport.publish(topic, message_frame(manifest), retain=True))
+        self.inbox.wait(deliveries)
+
+    def fetch(
+        self, owner: str, name: str, min_version: int = 0, timeout: float = 60.0
+    ) -> WireModel | None:
+        """The owner's published `name` of version >= `min_version`, or None after `timeout`."""
+        topic = topics.peer_publication(self.run_id, owner, name)
+        reader = Endpoint(
+            self.transport,
+            [topic, f"{topic}/+"],
+            max_blob_bytes=self.max_blob_bytes,
+            scope=_constant(topic),  # the chunks belong to the publication
+        ).open()
+        try:
+            deadline = time.monotonic() + timeout
+            while (left := deadline - time.monotonic()) > 0:
+                env = reader.receive(timeout=left)
+                if env is None:
+                    break
+                msg = env.message
+                if not isinstance(msg, Published) or env.topic != topic:
+                    continue
+                if msg.sender != owner or msg.name != name:
+                    log.warning(
+                        "%s: %s's publication claims %s/%s", self.me, owner, msg.sender, msg.name
+                    )
+                    continue
+                if msg.version < min_version:
+                    continue  # an older version, still retained: wait for the new one
+                try:
+                    return unpack_models(msg.models, env.blobs, max_bytes=self.max_blob_bytes)[name]
+                except (ValueError, KeyError) as exc:
+                    log.warning("%s: %s published an unusable %s: %s", self.me, owner, name, exc)
+            log.warning("%s: no %s of version >= %d from %s", self.me, name, min_version, owner)
+            return None
+        finally:
+            reader.close()
+
+    # -- messages --------------------------------------------------------------------------
+    def send(self, to: str, name: str, round_: int, model: WireModel) -> None:
+        refs, blobs = pack_models({name: model}, max_bytes=self.max_blob_bytes)
+        msg = PeerMessage(run=self.run_id, sender=self.me, name=name, round=round_, models=refs)
+        self.inbox.send(topics.peer_message(self.run_id, to, self.me), msg, blobs)
+
+    def receive(
+        self, name: str, round_: int, senders: list[str], timeout: float = 60.0
+    ) -> dict[str, WireModel]:
+        """The `name` messages of round `round_` from `senders` (what arrived by `timeout`)."""
+        want = set(senders)
+        deadline = time.monotonic() + timeout
+        while want - {s for (n, r, s) in self._stash if (n, r) == (name, round_)}:
+            left = deadline - time.monotonic()
+            env = self.inbox.receive(timeout=left) if left > 0 else None
+            if env is None:
+                break
+            msg, sender = env.message, topics.origin_of(env.topic, self.run_id)
+            try:
+                if not isinstance(msg, PeerMessage) or sender != msg.sender:
+                    raise ProtocolError(f"a {msg.kind} on {env.topic} from {msg.sender}")
+                models = unpack_models(msg.models, env.blobs, max_bytes=self.max_blob_bytes)
+                self._stash[(msg.name, msg.round, sender)] = models[msg.name]
+            except (ValueError, KeyError) as exc:
+                log.warning("%s: dropped a peer message: %s", self.me, exc)
+        got = {
+            s: self._stash.pop((name, round_, s))
+            for s in sorted(want)
+            if (name, round_, s) in self._stash
+        }
+        for key in [k for k in self._stash if k[1] < round_]:  # older rounds: too late now
+            del self._stash[key]
+        if len(got) < len(want):
+            log.warning(
+                "%s: no %s of round %d from %s", self.me, name, round_, sorted(want - set(got))
+            )
+        return got
+
+
+def _constant(value: str) -> Callable[[str], str]:
+    return lambda _topic: value

@@ -1,0 +1,68 @@
+"""A federation behind the broker files `edgefl broker-acl` writes: every participant has its
+own user, and no one can speak for anyone else."""
+
+import pytest
+from tests_helpers import small_federation
+
+from coordinator.acl import write_broker_files
+from coordinator.broker import MosquittoBroker
+from coordinator.server import Coordinator, RoundConfig
+from edge_sdk import topics
+from edge_sdk.algorithms import algorithm_class
+from edge_sdk.client import EdgeClient
+from edge_sdk.protocol import Reply
+from edge_sdk.transport.base import NotAuthorized
+from edge_sdk.transport.mqtt import BrokerSettings, MqttTransport
+from edge_sdk.wire import message_frame
+
+
+@pytest.fixture
+def secured(tmp_path):
+    files = write_broker_files(tmp_path, ["c0", "c1", "c2", "c9"])
+    extra = f"password_file {files['passwd']}\nacl_file {files['acl']}\n"
+    with MosquittoBroker(anonymous=False, extra_config=extra) as broker:
+        yield broker, files["credentials"]
+
+
+def _as(broker, credentials, user):
+    settings = BrokerSettings(
+        url=f"mqtt://{user}@127.0.0.1:{broker.port}", password_file=credentials / user
+    )
+    return MqttTransport(settings, f"edgefl-acl-{user}")
+
+
+def test_a_federation_runs_under_the_acl_and_ignores_an_unregistered_id(secured):
+    broker, creds = secured
+    # The federation's data and clients come from the in-memory helper; their transports are
+    # swapped for MQTT connections under each one's own user.
+    _, template = small_federation(n=3, rounds=2)
+    coordinator = Coordinator(
+        _as(broker, creds, "coordinator"),
+        algorithm="fedavg",
+        config=algorithm_class("fedavg").config_cls(local_epochs=1),
+        rounds=2,
+        expected_clients=3,
+        round_config=RoundConfig(deadline_s=60, register_timeout_s=60),
+    ).open()
+    clients = [
+        EdgeClient(c.client_id, c.spec, c.data, _as(broker, creds, c.client_id), seed=i).start()
+        for i, c in enumerate(template)
+    ]
+    # c9 holds valid credentials but is not in this run: its words carry no weight.
+    rogue = _as(broker, creds, "c9").connect(10)
+    fake = Reply(run="default", sender="c9", task_id="x", round=1, phase="fit", ok=True)
+    rogue.publish(topics.up("default", "c9"), message_frame(fake)).wait(10)
+    # ... nor can it speak for c0: the broker refuses, and says so.
+    with pytest.raises(NotAuthorized):
+        rogue.publish(topics.up("default", "c0"), message_frame(fake)).wait(10)
+    try:
+        result = coordinator.run()
+    finally:
+        for c in clients:
+            c.stop()
+            c.transport.close()
+        rogue.close()
+        coordinator.transport.close()
+    assert [c.id for c in result.clients] == ["c0", "c1", "c2"]
+    assert all(r.replied == ["c0", "c1", "c2"] for r in result.rounds)
+    assert coordinator.stats.rejected["unknown_sender"] == 1
