@@ -210,7 +210,7 @@ def setup_section(setup: Mapping[str, Any]) -> list[str]:
     if not setup:
         return []
     rows = [[str(k), plain(v)] for k, v in setup.items()]
-    return ["## How this ran", "", *table(["", ""], rows), ""]
+    return ["## How this ran", "", *table(["What", "How"], rows), ""]
 
 
 def split_section(split: Mapping[str, Any], arch: Mapping[str, str]) -> list[str]:
