@@ -74,21 +74,9 @@ def test_demo_runs_devices_as_processes_and_writes_the_report(tmp_path: Path) ->
 
 
 def test_demo_sigint_stops_the_broker_and_every_process(tmp_path: Path) -> None:
+    flags = ["--clients", "2", "--rounds", "200", "--dataset", "digits", "--out", str(tmp_path)]
     demo = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "coordinator",
-            "demo",
-            "--clients",
-            "2",
-            "--rounds",
-            "200",
-            "--dataset",
-            "digits",
-            "--out",
-            str(tmp_path),
-        ],  # fmt: skip
+        [sys.executable, "-m", "coordinator", "demo", *flags],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
