@@ -151,6 +151,7 @@ class RunResult:
     global_spec: dict[str, Any] | None
     bytes_out: int = 0  # payload bytes the coordinator sent and received over the whole run
     bytes_in: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # the strategy's own results fields
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -279,6 +280,7 @@ class Coordinator:
                 global_spec=spec.model_dump() if spec else None,
                 bytes_out=self.transport.stats.bytes_out,
                 bytes_in=self.transport.stats.bytes_in,
+                extra=self.strategy.results(),
             )
         finally:
             if finished:
@@ -571,32 +573,38 @@ class Coordinator:
                 self._await_back()
             self._drain()  # who is online now: the latest registrations and wills count
             self.strategy.available = set(self.online)
-            plan = self.strategy.configure_fit(r)
-            replies = self._run_phase(r, "fit", plan)
-            valid = {cid: rep for cid, rep in sorted(replies.items()) if rep is not None}
-            counted = self.strategy.quorum_clients(plan)  # whose replies the aggregation needs
-            got = sum(cid in valid for cid in counted)
-            need = max(1, math.ceil(self.rc.quorum * len(counted)))  # never over nobody
-            failed = got < need
-            if failed:
-                log.error(
-                    "round %d: %d of %d valid replies, quorum needs %d; state unchanged",
-                    r,
-                    got,
-                    len(counted),
-                    need,
-                )
-                continue
-            replies_in = {
-                cid: FitReply(cid, v.models, v.metrics, v.n_samples) for cid, v in valid.items()
-            }
-            try:
-                self.strategy.aggregate_fit(r, replies_in)
-            except (StrategyError, ValueError) as exc:  # bad replies cost the round, not the run
-                failed = True
-                log.error("round %d: aggregation refused the replies: %s", r, exc)
-                continue
-            break
+            trained: set[str] = set()
+            for step in self.strategy.steps:  # one, or several with a barrier after each
+                plan = self.strategy.configure_step(r, step)
+                trained |= set(plan)
+                replies = self._run_phase(r, "fit", plan, step=step)
+                valid = {cid: rep for cid, rep in sorted(replies.items()) if rep is not None}
+                counted = self.strategy.quorum_clients(plan)  # whose replies aggregation needs
+                got = sum(cid in valid for cid in counted)
+                need = max(1, math.ceil(self.rc.quorum * len(counted)))  # never over nobody
+                failed = got < need
+                if failed:
+                    log.error(
+                        "round %d%s: %d of %d valid replies, quorum needs %d; state unchanged",
+                        r,
+                        f" {step}" if step else "",
+                        got,
+                        len(counted),
+                        need,
+                    )
+                    break
+                replies_in = {
+                    cid: FitReply(cid, v.models, v.metrics, v.n_samples, v.details)
+                    for cid, v in valid.items()
+                }
+                try:
+                    self.strategy.aggregate_step(r, step, replies_in)
+                except (StrategyError, ValueError) as exc:  # bad replies cost the round only
+                    failed = True
+                    log.error("round %d: aggregation refused the replies: %s", r, exc)
+                    break
+            if not failed:
+                break
         personal = glob = None
         per_client: dict[str, tuple[float | None, float | None]] = {}
         if r % self.rc.eval_every == 0 or r == self.rounds:
@@ -613,7 +621,7 @@ class Coordinator:
             seconds=seconds,
             mean_personal_acc=personal,
             global_acc=glob,
-            trained=sorted(plan),
+            trained=sorted(trained),
             replied=sorted(valid),
             failed=failed,
             train_metrics=_mean_metrics(valid),
@@ -684,13 +692,14 @@ class Coordinator:
         return out
 
     def _run_phase(
-        self, r: int, phase: Phase, plan: Mapping[str, Mapping[str, WireModel]]
+        self, r: int, phase: Phase, plan: Mapping[str, Mapping[str, WireModel]], step: str = ""
     ) -> dict[str, _Collected | None]:
         """Send one task per planned client, collect replies until all or the deadline."""
         gone = sorted(set(plan) - self.online)
         if gone:
             log.warning("round %d %s: %s offline; no task for them", r, phase, gone)
             plan = {cid: models for cid, models in plan.items() if cid in self.online}
+        assert self.strategy is not None
         self._publish_status(phase)
         config = self.config.model_dump(mode="json")
         pending: dict[str, str] = {}
@@ -699,13 +708,15 @@ class Coordinator:
             task = Task(
                 run=self.run_id,
                 sender=topics.COORDINATOR,
-                task_id=f"{phase}-{r}-{cid}-{uuid.uuid4().hex[:8]}",
+                task_id=f"{phase}{step and '.' + step}-{r}-{cid}-{uuid.uuid4().hex[:8]}",
                 round=r,
                 rounds=self.rounds,
                 phase=phase,
                 algorithm=self.algorithm,
                 config=config,
                 models=refs,
+                step=step,
+                params=self.strategy.task_params(r, step, cid) if phase == "fit" else {},
             )
             pending[task.task_id] = cid
             sent[cid] = self._send(cid, task, blobs, wait=False)

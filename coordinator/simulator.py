@@ -312,6 +312,11 @@ def write_split(fed: Federation, out: Path) -> None:
     )
 
 
+_RESULT_KEYS = frozenset(
+    {"config", "algorithm", "budget", "rounds", "clients", "summary", "baselines"}
+)
+
+
 def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
     """The results.json structure: main run, per-client comparison with baselines, metrics."""
     main = runs[cfg.algorithm]
@@ -391,6 +396,8 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
         ],
         "clients": clients,
         "summary": summary,
+        # what the algorithm's server half adds (FedeRiCo: the collaboration matrix)
+        **{k: v for k, v in main.extra.items() if k not in _RESULT_KEYS},
         "baselines": {
             name: {
                 "summary": {

@@ -143,7 +143,11 @@ class EdgeClient:
             max_blob_bytes=max_blob_bytes,
         )
         self.peers = PeerChannel(
-            transport, self.run_id, self.client_id, max_blob_bytes=max_blob_bytes
+            transport,
+            self.run_id,
+            self.client_id,
+            max_blob_bytes=max_blob_bytes,
+            idle_gate=compute_gate,  # released while waiting on a peer, or peers never run
         )
         self.algorithm: ClientAlgorithm | None = None
         self._algo_key: tuple[str, str] | None = None
@@ -162,6 +166,7 @@ class EdgeClient:
         self.state_path = Path(state_dir) / f"{self.client_id}.state" if state_dir else None
         self.resumed_after: int | None = None  # the fit round a restored state had reached
         self._fit_round = 0  # the last round this client trained
+        self._fit_steps: list[str] = []  # the steps of that round it has run
         self._before_fit: dict[str, Any] | None = None  # its state before that round
 
     @classmethod
@@ -387,14 +392,18 @@ class EdgeClient:
         )
         if task.phase == "fit":
             if self.state_path is not None:
-                if task.round == self._fit_round and self._before_fit is not None:
+                # A step run again means the round is being redone: from the state before it.
+                # The next step of the same round (multi-step rounds) goes on from here.
+                if task.round != self._fit_round or self._before_fit is None:
+                    self._before_fit, self._fit_steps = algo.state_dict(), []
+                elif task.step in self._fit_steps:
                     log.info(
                         "%s: round %d again: from the state before it", self.client_id, task.round
                     )
                     algo.load_state_dict(self._before_fit)
-                else:
-                    self._before_fit = algo.state_dict()
+                    self._fit_steps = []
                 self._fit_round = task.round
+                self._fit_steps.append(task.step)
             result = algo.fit(task.round, task.rounds, models)
             self._save()
             return result
@@ -420,6 +429,7 @@ class EdgeClient:
                 "algorithm": self._algo_key[0],
                 "config": self._algo_key[1],
                 "fit_round": self._fit_round,
+                "fit_steps": list(self._fit_steps),
                 "before_fit": self._before_fit,
                 "state": self.algorithm.state_dict(),
             },
@@ -448,6 +458,7 @@ class EdgeClient:
                 f"{self.client_id}: cannot resume from {self.state_path}: {exc}"
             ) from exc
         self._fit_round, self._before_fit = int(saved["fit_round"]), saved["before_fit"]
+        self._fit_steps = [str(s) for s in saved.get("fit_steps", [""])]
         self.resumed_after = self._fit_round
         log.info(
             "%s: resumed from %s (trained up to round %d)",

@@ -9,6 +9,9 @@ Nothing here passes through the coordinator:
 - `send(to, name, round, model)` / `receive(name, round, senders)`: messages on
   `peer/TO/from/ME`, the topic that names both (only ME may write it under the broker ACL).
 
+A client that waits for a peer gives back the simulator's compute gate (`idle_gate`, held while
+a task runs) until the wait ends: the peer it waits for may need that slot to publish.
+
 It works the same over the in-memory transport (the simulator) and MQTT. Models are checked like
 any received model (architecture, shapes, finite values) and the sender is taken from the topic.
 """
@@ -16,8 +19,10 @@ any received model (architecture, shapes, finite values) and the sender is taken
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from edge_sdk import topics
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
@@ -38,8 +43,10 @@ class PeerChannel:
         me: str,
         *,
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
+        idle_gate: threading.Semaphore | None = None,
     ) -> None:
         self.transport = transport
+        self.idle_gate = idle_gate
         self.run_id = run_id
         self.me = me
         self.max_blob_bytes = max_blob_bytes
@@ -86,7 +93,8 @@ class PeerChannel:
         try:
             deadline = time.monotonic() + timeout
             while (left := deadline - time.monotonic()) > 0:
-                env = reader.receive(timeout=left)
+                with self._idle():
+                    env = reader.receive(timeout=left)
                 if env is None:
                     break
                 msg = env.message
@@ -122,14 +130,21 @@ class PeerChannel:
         deadline = time.monotonic() + timeout
         while want - {s for (n, r, s) in self._stash if (n, r) == (name, round_)}:
             left = deadline - time.monotonic()
-            env = self.inbox.receive(timeout=left) if left > 0 else None
+            with self._idle():
+                env = self.inbox.receive(timeout=left) if left > 0 else None
             if env is None:
                 break
             msg, sender = env.message, topics.origin_of(env.topic, self.run_id)
             try:
                 if not isinstance(msg, PeerMessage) or sender != msg.sender:
                     raise ProtocolError(f"a {msg.kind} on {env.topic} from {msg.sender}")
-                models = unpack_models(msg.models, env.blobs, max_bytes=self.max_blob_bytes)
+                # a message may carry a subset of the model's tensors (gradients: no buffers)
+                models = unpack_models(
+                    msg.models,
+                    env.blobs,
+                    max_bytes=self.max_blob_bytes,
+                    partial=frozenset(msg.models),
+                )
                 self._stash[(msg.name, msg.round, sender)] = models[msg.name]
             except (ValueError, KeyError) as exc:
                 log.warning("%s: dropped a peer message: %s", self.me, exc)
@@ -145,6 +160,18 @@ class PeerChannel:
                 "%s: no %s of round %d from %s", self.me, name, round_, sorted(want - set(got))
             )
         return got
+
+    @contextmanager
+    def _idle(self) -> Iterator[None]:
+        """Give the compute gate back while blocked (the caller holds it while its task runs)."""
+        if self.idle_gate is None:
+            yield
+            return
+        self.idle_gate.release()
+        try:
+            yield
+        finally:
+            self.idle_gate.acquire()
 
 
 def _constant(value: str) -> Callable[[str], str]:

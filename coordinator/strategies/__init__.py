@@ -3,6 +3,7 @@
 from coordinator.strategies import (  # noqa: F401
     fedavg,
     fedavg_ft,
+    federico,
     fedme,
     fedprox,
     fml,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from coordinator.server_data import ServerData
-from edge_sdk.algorithms import BaseAlgorithmConfig, algorithm_class
+from edge_sdk.algorithms import BaseAlgorithmConfig, Detail, algorithm_class
 from edge_sdk.codec import WireModel
 from edge_sdk.protocol import Capabilities
 from model_zoo import ArchSpec, build
@@ -57,6 +57,7 @@ class FitReply:
     models: dict[str, WireModel]
     metrics: dict[str, float] = field(default_factory=dict)
     n_samples: int = 0
+    details: dict[str, Detail] = field(default_factory=dict)
 
 
 def weighted_mean(
@@ -140,6 +141,26 @@ class Strategy(ABC):
     @abstractmethod
     def aggregate_fit(self, round_: int, replies: Mapping[str, FitReply]) -> None:
         """Fold the valid replies (sorted by client id) into the state."""
+
+    # A round's fit phase as several steps with a barrier after each (decentralized algorithms:
+    # exchange, then update); the default is one step, `configure_fit` / `aggregate_fit`.
+    steps: ClassVar[tuple[str, ...]] = ("",)
+
+    def configure_step(self, round_: int, step: str) -> dict[str, dict[str, WireModel]]:
+        """Per client that takes part in this step, the models its task carries."""
+        return self.configure_fit(round_)
+
+    def aggregate_step(self, round_: int, step: str, replies: Mapping[str, FitReply]) -> None:
+        """Fold one step's valid replies in (the last step's are the round's)."""
+        self.aggregate_fit(round_, replies)
+
+    def task_params(self, round_: int, step: str, client_id: str) -> dict[str, Any]:
+        """Per-client parameters of a fit step's task (JSON values; default none)."""
+        return {}
+
+    def results(self) -> dict[str, Any]:
+        """Algorithm-specific fields for results.json (e.g. FedeRiCo's collaboration)."""
+        return {}
 
     def quorum_clients(self, plan: Mapping[str, object]) -> set[str]:
         """The clients of this round's `plan` whose fit replies the aggregation needs: the

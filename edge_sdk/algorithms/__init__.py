@@ -3,6 +3,7 @@
 from edge_sdk.algorithms import (  # noqa: F401
     fedavg,
     fedavg_ft,
+    federico,
     fedme,
     fedprox,
     fml,

@@ -115,7 +115,7 @@ class ClientAlgorithm(ABC):
     config_cls: ClassVar[type[BaseAlgorithmConfig]]
     # The attributes that hold this client's private state, in restore order (modules before
     # the optimizers that step them): modules built by `_build`/`_materialize`, optimizers,
-    # tensors, ArchSpecs and plain values (numbers, strings, lists, dicts).
+    # tensors, ArchSpecs, WireModels, plain values, and dicts of any of these.
     persistent: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: ClientContext, config: BaseAlgorithmConfig) -> None:
@@ -187,6 +187,11 @@ class ClientAlgorithm(ABC):
             return current
         if isinstance(value, dict) and "__spec__" in value:
             return ArchSpec.from_json(value["__spec__"])
+        if isinstance(value, dict) and "__wire__" in value:
+            return WireModel(ArchSpec.from_json(value["__wire__"]), dict(value["weights"]))
+        if isinstance(value, dict):
+            old = current if isinstance(current, dict) else {}
+            return {k: self._decode(old.get(k), v) for k, v in value.items()}
         return value
 
     # -- helpers for subclasses ------------------------------------------------------------
@@ -238,6 +243,10 @@ def _encode(value: Any, where: str) -> Any:
         return {"__optimizer__": {"state": state, "param_groups": saved["param_groups"]}}
     if isinstance(value, ArchSpec):
         return {"__spec__": value.to_json()}
+    if isinstance(value, WireModel):
+        return {"__wire__": value.spec.to_json(), "weights": dict(value.weights)}
+    if isinstance(value, dict):  # e.g. a table per peer, a cache of peers' models
+        return {str(k): _encode(v, f"{where}.{k}") for k, v in value.items()}
     return value
 
 

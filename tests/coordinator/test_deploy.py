@@ -22,13 +22,15 @@ SETS = ["--set", 'data.options={"size": 8}', "--set", "device=cpu"]
 ARCHS = ["mlr", "mlp", "cnn1"]
 
 
-def _deploy(url, tmp_path, run_id):
+FML = ["--algorithm", "fml", "--global-model", "mlr", "--local-epochs", "2", "--lr", "0.1"]
+
+
+def _deploy(url, tmp_path, run_id, algorithm=FML):
     """`edgefl coordinator` and three `edgefl client` processes; returns their outcomes."""
     common = ["--broker", url, "--run-id", run_id]
     out = tmp_path / "out"
-    run = ["--algorithm", "fml", "--clients", "3", "--rounds", "2", "--global-model", "mlr"]
-    training = ["--local-epochs", "2", "--batch-size", "32", "--lr", "0.1"]
-    commands = [[EDGEFL, "coordinator", *common, *run, *training, "--out", str(out), *SETS]]
+    run = ["--clients", "3", "--rounds", "2", "--batch-size", "32", *algorithm]
+    commands = [[EDGEFL, "coordinator", *common, *run, "--out", str(out), *SETS]]
     for i, arch in enumerate(ARCHS):
         me = ["--id", f"c{i}", "--model", arch, "--index", str(i), "--seed", "0", "--threads", "1"]
         state = ["--state-dir", str(tmp_path / f"state{i}")]
@@ -47,15 +49,15 @@ def _deploy(url, tmp_path, run_id):
     return out, logs
 
 
-def _check_deployment(out, tmp_path):
+def _check_deployment(out, tmp_path, families=ARCHS):
     results = json.loads((out / "results.json").read_text())
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2]
     assert all(r["replied"] == ["c0", "c1", "c2"] for r in rounds)
     assert (out / "report.md").is_file()
-    for i, arch in enumerate(ARCHS):
+    for i, family in enumerate(families):
         predictor = OnnxPredictor(tmp_path / f"state{i}" / f"c{i}.onnx")
-        assert predictor.spec.family == arch
+        assert predictor.spec.family == family
     return results
 
 
@@ -82,12 +84,27 @@ def test_coordinator_and_three_client_processes_run_fml_over_mosquitto(mosquitto
     assert deployed == [c["personal_acc"] for c in simulated["clients"]]
 
 
-def test_the_same_deployment_runs_over_the_embedded_amqtt_broker(amqtt_broker, tmp_path):
-    out, _ = _deploy(amqtt_broker.url, tmp_path, "e2e-amqtt")
-    _check_deployment(out, tmp_path)
+def test_federico_clients_as_processes_collaborate_over_mosquitto_and_export_mixtures(
+    mosquitto, tmp_path
+):
+    # Models and gradients go from client to client over peer topics; the coordinator only
+    # keeps the round clock, and each client exports its mixture predictor.
+    federico = ["--algorithm", "federico", "--set", "federico.lr=0.01"]
+    out, logs = _deploy(mosquitto.url, tmp_path, "e2e-federico", federico)
+    results = _check_deployment(out, tmp_path, families=["mixture"] * 3)
+    assert results["collaboration_clients"] == ["c0", "c1", "c2"]
+    for row in results["collaboration"]:
+        assert len(row) == 3 and abs(sum(row) - 1) < 1e-4
+    assert [h["round"] for h in results["collaboration_history"]] == [1, 2]
+    assert "round 2/2 ok" in logs[0]
 
 
-def test_fml_over_mosquitto_gives_the_in_memory_simulators_accuracies(mosquitto):
+# Processes over amqtt cost a minute of the suite and add nothing the processes over mosquitto
+# and the same federation over amqtt in one process do not already show.
+@pytest.mark.parametrize("broker", ["mosquitto", "amqtt_broker"])
+def test_fml_over_a_broker_gives_the_in_memory_simulators_accuracies(broker, request):
+    url = request.getfixturevalue(broker).url
+
     def run(**kw):
         cfg = tiny_config(
             algorithm="fml", models=ARCHS, global_model="mlr", clients=3, rounds=2, **kw
@@ -95,7 +112,7 @@ def test_fml_over_mosquitto_gives_the_in_memory_simulators_accuracies(mosquitto)
         res = simulate(cfg, progress=False)
         return [c["personal_acc"] for c in res["clients"]], [r["global_acc"] for r in res["rounds"]]
 
-    assert run(**{"broker.url": mosquitto.url}) == run()
+    assert run(**{"broker.url": url}) == run()
 
 
 def test_the_daemon_logs_rounds_and_serves_prometheus_metrics(mosquitto, tmp_path):

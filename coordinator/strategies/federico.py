@@ -1,0 +1,94 @@
+"""federico: the coordinator keeps only membership and the round clock.
+
+No model or gradient passes through it. Each round is two steps with a barrier after each:
+`exchange` (every online client fetches its neighbours' published models and sends them
+gradients) and `update` (each client applies its own gradient plus those it was sent; its task
+names who sent it one, from the exchange replies). From the update replies it records each
+client's weights over the others, the matrix FedeRiCo's paper draws (its Figure 3), into
+results.json as `collaboration` (rows: clients, columns: the models they weigh) and its history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from coordinator.strategies.base import FitReply, Strategy, StrategyError, register_strategy
+from edge_sdk.algorithms.federico import FedeRiCoConfig
+from edge_sdk.codec import WireModel
+
+
+@register_strategy
+class FedeRiCoStrategy(Strategy):
+    name = "federico"
+    config: FedeRiCoConfig
+    steps = ("exchange", "update")
+
+    def setup(self) -> None:
+        if len(self.clients) < 2:
+            raise StrategyError("federico needs at least two clients to collaborate")
+        classes = {c.spec.num_classes for c in self.clients.values()}
+        if len(classes) > 1:
+            raise StrategyError("federico mixes whole models: every client needs the same classes")
+        self._members: list[str] = []
+        self._exchanged: list[str] = []
+        self._senders: dict[str, list[str]] = {}
+        self.history: list[dict[str, Any]] = []
+
+    def configure_step(self, round_: int, step: str) -> dict[str, dict[str, WireModel]]:
+        if step == "exchange":
+            self._members = self.sample(round_)
+            return {cid: {} for cid in self._members}
+        return {cid: {} for cid in self._exchanged}
+
+    def task_params(self, round_: int, step: str, client_id: str) -> dict[str, Any]:
+        if step == "exchange":
+            return {"members": list(self._members)}
+        return {"from": self._senders.get(client_id, [])}
+
+    def aggregate_step(self, round_: int, step: str, replies: Mapping[str, FitReply]) -> None:
+        if step == "exchange":
+            self._exchanged = sorted(replies)
+            self._senders = {}
+            for sender, reply in replies.items():
+                sent = reply.details.get("sent_to") or ""
+                if not isinstance(sent, str):
+                    raise StrategyError(f"federico: {sender} reported sent_to={sent!r}")
+                for to in filter(None, sent.split(",")):
+                    self._senders.setdefault(to, []).append(sender)
+            return
+        row = {
+            cid: {
+                k[2:]: float(v)
+                for k, v in reply.details.items()
+                if k.startswith("w:") and isinstance(v, int | float)
+            }
+            for cid, reply in replies.items()
+        }
+        self.history.append({"round": round_, "weights": row})
+
+    def aggregate_fit(self, round_: int, replies: Mapping[str, FitReply]) -> None:
+        self.aggregate_step(round_, self.steps[-1], replies)
+
+    def _matrix(self, weights: Mapping[str, Mapping[str, float]]) -> list[list[float]]:
+        ids = list(self.clients)
+        return [[float(weights.get(i, {}).get(j, 0.0)) for j in ids] for i in ids]
+
+    def results(self) -> dict[str, Any]:
+        latest: dict[str, Mapping[str, float]] = {}
+        for entry in self.history:  # a client that missed the last round keeps its last row
+            latest |= entry["weights"]
+        return {
+            "collaboration_clients": list(self.clients),
+            "collaboration": self._matrix(latest),
+            "collaboration_history": [
+                {"round": e["round"], "matrix": self._matrix(e["weights"])} for e in self.history
+            ],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() | {"history": list(self.history)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.history = list(state["history"])

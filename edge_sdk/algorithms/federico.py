@@ -1,0 +1,248 @@
+"""federico: Find Your Friends: personalized FL with the Right Collaborators (paper 003).
+
+Decentralized: no model or gradient passes through the coordinator, which keeps only
+membership and the round clock. Client i keeps its model θ_i, a moving-average loss table
+ℓ_ij over the models it has seen and weights w_ij = softmax(−ℓ_i· / τ) (the E-step's posterior
+under a uniform prior). Each round has two steps with a barrier between them:
+
+exchange  publish θ_i (retained, on its own peer topic) if not yet current; update ℓ_ii; sample M
+          neighbours (ε-greedy: uniformly with probability ε, else the M highest w_ij); fetch
+          each θ_j from its publication and update ℓ_ij ← (1−m)·ℓ_ij + m·L_i(θ_j); recompute w_i;
+          send w_ij·∇L_i(θ_j) to each j on the peer topic naming both.
+update    θ_i ← θ_i − η·(w_ii·∇L_i(θ_i) + Σ_j w_ji·∇L_j(θ_i)) with the gradients received (the
+          M-step, eq. 8), then publish θ_i for the next round.
+
+L_i is the negative log-likelihood of the client's whole training set: the *sum* of per-sample
+losses by default (`loss_reduction`, see algorithms.md: with mean losses the weights stay near
+uniform). Gradients are taken on one mini-batch, scaled to the whole set (an unbiased estimate
+of ∇ of the sum). The predictor is the mixture p_i(y|x) = Σ_j w_ij·p(y|x; θ_j) over the
+`mixture_top` highest-weight models the client holds (its own and the peers' it fetched), which
+is what it evaluates and exports to ONNX (the zoo's `mixture` family, one graph).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from edge_sdk.algorithms.base import (
+    AlgorithmError,
+    BaseAlgorithmConfig,
+    ClientAlgorithm,
+    ClientContext,
+    FitResult,
+    register_algorithm,
+)
+from edge_sdk.codec import WireModel, state_of
+from edge_sdk.losses import cross_entropy
+from edge_sdk.peers import PeerChannel
+from model_zoo import ArchSpec, build
+from model_zoo.models.mixture import mixture_spec
+
+__all__ = ["FedeRiCo", "FedeRiCoConfig", "posterior_weights"]
+
+MODEL, GRAD = "model", "grad"
+
+
+class FedeRiCoConfig(BaseAlgorithmConfig):
+    neighbours: int = Field(3, ge=1)  # M, neighbours sampled per round [ours, algorithms.md]
+    epsilon: float = Field(0.3, ge=0, le=1)  # ε-greedy exploration [ours]
+    loss_momentum: float = Field(0.6, gt=0, le=1)  # m of the moving-average loss table [ours]
+    temperature: float = Field(1.0, gt=0)  # τ dividing ℓ in the E-step
+    loss_reduction: Literal["sum", "mean"] = "sum"  # L_i: the whole set's NLL (sum) [ours]
+    optimizer: Literal["adam", "sgd"] = "adam"  # [paper]
+    lr: float = Field(1e-3, gt=0)  # [paper]
+    batch_size: int = Field(50, ge=1)  # the M-step's mini-batch [paper, CIFAR]
+    mixture_top: int = Field(3, ge=1)  # models in the predictor (highest weights)
+    peer_timeout_s: float = Field(60.0, gt=0)  # waiting for a peer's model or gradient
+
+
+def posterior_weights(losses: Mapping[str, float], temperature: float) -> dict[str, float]:
+    """w = softmax(−ℓ / τ) over the models with a loss (the E-step, uniform prior)."""
+    ids = sorted(losses)
+    z = torch.tensor([-losses[i] / temperature for i in ids], dtype=torch.float64)
+    return dict(zip(ids, torch.softmax(z, 0).tolist(), strict=True))
+
+
+@register_algorithm
+class FedeRiCo(ClientAlgorithm):
+    name = "federico"
+    config_cls = FedeRiCoConfig
+    config: FedeRiCoConfig
+    persistent = ("model", "optimizer", "losses", "peer_models", "published")
+
+    def __init__(self, ctx: ClientContext, config: BaseAlgorithmConfig) -> None:
+        super().__init__(ctx, config)
+        cfg = self.config
+        self.model = self._build(ctx.spec)
+        params = self.model.parameters()
+        self.optimizer: torch.optim.Optimizer = (
+            torch.optim.Adam(params, lr=cfg.lr)
+            if cfg.optimizer == "adam"
+            else torch.optim.SGD(params, lr=cfg.lr)
+        )
+        self.losses: dict[str, float] = {}  # ℓ_ij over the models seen (self included)
+        self.peer_models: dict[str, WireModel] = {}  # the latest θ_j fetched, for the mixture
+        self.published = 0  # the version of θ_i on its peer topic
+
+    # -- pieces ------------------------------------------------------------------------------
+    @property
+    def peers(self) -> PeerChannel:
+        if self.ctx.peers is None:
+            raise AlgorithmError("federico talks to other clients and this client has no peers")
+        return self.ctx.peers
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return posterior_weights(self.losses, self.config.temperature)
+
+    def _nll(self, model: nn.Module) -> float:
+        """L_i(θ): the negative log-likelihood of the whole training set (sum or mean)."""
+        d = self.ctx.data
+        r = self.ctx.trainer.evaluate(model, d.x_train, d.y_train)
+        return r.loss_sum if self.config.loss_reduction == "sum" else r.loss
+
+    def _observe(self, who: str, loss: float) -> None:
+        m = self.config.loss_momentum
+        old = self.losses.get(who)
+        self.losses[who] = loss if old is None else (1 - m) * old + m * loss
+
+    def _gradient(self, model: nn.Module, scale: float) -> dict[str, torch.Tensor]:
+        """scale·∇L_i(θ) on one mini-batch, L_i as the whole set's sum (or mean) of losses."""
+        d, trainer = self.ctx.data, self.ctx.trainer
+        x, y = trainer.sample_batch(d.x_train, d.y_train, self.config.batch_size)
+        n = d.n_train if self.config.loss_reduction == "sum" else 1
+        model.train()
+        named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+        with trainer.autocast():
+            loss = cross_entropy(model(x), y) * (n * scale)
+        grads = torch.autograd.grad(loss, [p for _, p in named])
+        return {k: g.detach().to("cpu") for (k, _), g in zip(named, grads, strict=True)}
+
+    def _sample(self, members: list[str]) -> list[str]:
+        """M neighbours: uniformly with probability ε, else the highest weights (then unseen)."""
+        others = [c for c in members if c != self.ctx.client_id]
+        k = min(self.config.neighbours, len(others))
+        g = self.ctx.trainer.generator
+        if float(torch.rand((), generator=g, device=g.device)) < self.config.epsilon:
+            pick = torch.randperm(len(others), generator=g, device=g.device)[:k].tolist()
+            return sorted(others[i] for i in pick)
+        w = self.weights
+        seen = sorted((c for c in others if c in w), key=lambda c: -w[c])
+        unseen = [c for c in others if c not in w]
+        order = torch.randperm(len(unseen), generator=g, device=g.device).tolist()
+        return sorted((seen + [unseen[i] for i in order])[:k])
+
+    def _publish(self, version: int) -> None:
+        self.peers.publish(MODEL, WireModel.of(self.ctx.spec, self.model), version)
+        self.published = version
+
+    # -- the round ---------------------------------------------------------------------------
+    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        step, params = self.ctx.task.step, self.ctx.task.params
+        if step == "exchange":
+            return self._exchange(round_, list(params.get("members", [])))
+        if step == "update":
+            return self._update(round_, list(params.get("from", [])))
+        raise AlgorithmError(f"federico has no step {step!r} (exchange, then update)")
+
+    def _exchange(self, round_: int, members: list[str]) -> FitResult:
+        me = self.ctx.client_id
+        if self.published < round_:  # the first round, or after a restart
+            self._publish(round_)
+        self._observe(me, self._nll(self.model))
+        fetched: dict[str, nn.Module] = {}
+        for j in self._sample(members):
+            wire = self.peers.fetch(
+                j, MODEL, min_version=round_, timeout=self.config.peer_timeout_s
+            )
+            if wire is None:
+                continue
+            if wire.spec.num_classes != self.ctx.data.num_classes:
+                raise AlgorithmError(f"federico: {j}'s model predicts other classes than ours")
+            self.peer_models[j] = wire
+            fetched[j] = self._materialize(wire)
+            self._observe(j, self._nll(fetched[j]))
+        w = self.weights  # the E-step, with the losses just observed
+        for j, model in fetched.items():  # the M-step's share this client owes each model
+            grads = self._gradient(model, w[j])
+            self.peers.send(j, GRAD, round_, WireModel(self.peer_models[j].spec, grads))
+        return FitResult(
+            metrics={"loss_self": self.losses[me], "neighbours": float(len(fetched))},
+            n_samples=self.ctx.data.n_train,
+            details={"sent_to": ",".join(sorted(fetched))},
+        )
+
+    def _update(self, round_: int, senders: list[str]) -> FitResult:
+        me = self.ctx.client_id
+        total = self._gradient(self.model, self.weights.get(me, 1.0))
+        received = self.peers.receive(GRAD, round_, senders, timeout=self.config.peer_timeout_s)
+        for sender, grad in received.items():
+            if set(grad.weights) != set(total):
+                raise AlgorithmError(f"federico: {sender}'s gradient does not fit our model")
+            for k, g in grad.weights.items():
+                total[k] = total[k] + g
+        self.optimizer.zero_grad(set_to_none=True)
+        for k, p in self.model.named_parameters():
+            if k in total:
+                p.grad = total[k].to(p.device, p.dtype).contiguous(memory_format=_format(p))
+        self.optimizer.step()
+        self._publish(round_ + 1)  # θ_i for the next round's exchange
+        w = self.weights
+        return FitResult(
+            metrics={"gradients_received": float(len(received))},
+            n_samples=self.ctx.data.n_train,
+            details={f"w:{c}": round(v, 6) for c, v in sorted(w.items())},
+        )
+
+    # -- prediction --------------------------------------------------------------------------
+    def _mixture(self) -> tuple[ArchSpec, nn.Module]:
+        """p_i(y|x) = Σ_j w_ij·p(y|x; θ_j) over the `mixture_top` highest-weight models held."""
+        me = self.ctx.client_id
+        w = self.weights or {me: 1.0}
+        held = [c for c in w if c == me or c in self.peer_models]
+        top = sorted(held, key=lambda c: -w[c])[: self.config.mixture_top]
+        if me not in held:
+            top = [me]
+        members = [
+            (self.ctx.spec, state_of(self.model)) if c == me else
+            (self.peer_models[c].spec, self.peer_models[c].weights)
+            for c in top
+        ]  # fmt: skip
+        weights = [max(w.get(c, 1.0), 1e-12) for c in top]
+        spec = mixture_spec([s for s, _ in members], weights)
+        mixture = self.ctx.trainer.prepare(build(spec))
+        mixture.load_state_dict(
+            {
+                f"members.{i}.{k}": v
+                for i, (_, state) in enumerate(members)
+                for k, v in state.items()
+            }
+        )
+        return spec, mixture
+
+    def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
+        _, mixture = self._mixture()
+        return self._scores("personal", mixture)
+
+    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        w = self.weights
+        top = sorted(w, key=lambda c: -w[c])[: self.config.mixture_top]
+        return FitResult(
+            metrics=self.evaluate(models),
+            n_samples=self.ctx.data.n_train,
+            details={"collaborators": ",".join(top), "mixture_size": len(top)},
+        )
+
+    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+        return self._mixture()
+
+
+def _format(p: torch.Tensor) -> torch.memory_format:
+    if p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
