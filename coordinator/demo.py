@@ -203,6 +203,13 @@ def _split_words(cfg: RunConfig, fed: Federation) -> str:
     )
 
 
+def _budget_words(cfg: RunConfig) -> str:
+    """The algorithm's own local-training settings (not every algorithm has all of TRAINING)."""
+    budget = cfg.algorithm_config().model_dump()
+    keys = ("local_epochs", "local_iterations", "batch_size", "optimizer", "lr")
+    return ", ".join(f"{k.replace('_', ' ')} {budget[k]}" for k in keys if k in budget)
+
+
 # --- after the deployment --------------------------------------------------------------------
 
 
@@ -279,9 +286,11 @@ def _print_outcome(results: dict[str, Any], echo: Callable[[str], None]) -> None
         f"mean: personalized {pct(s['mean_personal_acc'])}, local {pct(local)}, FedAvg "
         f"{pct(sum(fedavg) / len(fedavg) if fedavg else None)}"
     )
+    tied = len(pairs) - won - lost
     echo(
         f"personalization beat training alone on {won} of {len(pairs)} devices"
-        + (f" and lost on {lost}" if lost else "")
+        + (f", lost on {lost}" if lost else "")
+        + (f", tied on {tied}" if tied else "")
     )
 
 
@@ -349,9 +358,8 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> dict[str, Any]:
                 np.save(unlabeled, fed.server_data.unlabeled.numpy())
                 extra.append(f"{cfg.algorithm}.unlabeled_path={unlabeled}")
             echo(
-                f"{cfg.algorithm}: {cfg.rounds} rounds, global model {cfg.global_family}, "
-                f"{TRAINING['local_epochs']} local epochs per round (batch "
-                f"{TRAINING['batch_size']}, lr {TRAINING['lr']})"
+                f"{cfg.algorithm}: {cfg.rounds} rounds, global model {cfg.global_family}; "
+                f"local training per round: {_budget_words(cfg)}"
             )
             with timer.phase("deployment"):
                 deployed = deploy_and_follow(cfg, url, out, arch, procs, echo, extra)
@@ -383,10 +391,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> dict[str, Any]:
                 "Data": f"{fed.dataset.name}, {len(fed.dataset)} images",
                 "Split": f"{cfg.data.partition}: a few classes per device (see Data per client)",
                 "Baselines": "local and fedavg, in-process simulator, same split and budget",
-                "Local training": (
-                    f"{TRAINING['local_epochs']} epochs per round, batch "
-                    f"{TRAINING['batch_size']}, SGD lr {TRAINING['lr']}"
-                ),
+                "Local training": f"per round: {_budget_words(cfg)}",
                 "Wall time": ", ".join(f"{k} {v:.1f} s" for k, v in timer.phases.items())
                 + f"; {timer.total:.1f} s in all before this report",
             }

@@ -8,8 +8,9 @@ then ``os.replace``), so a reader never sees half a report.
 Besides what every run records (config, rounds, clients, summary, baselines), optional keys add
 sections: ``split`` (each client's samples per class: a label-distribution plot), ``onnx`` (each
 client's exported model measured with onnxruntime), ``setup`` (how the run was carried out:
-label -> text) and ``collaboration`` (clients × clients weights, e.g. FedeRiCo's w_ij; with
-optional ``collaboration_history``, one matrix per round: a heatmap).
+label -> text) and ``collaboration`` (clients × clients weights, e.g. FedeRiCo's w_ij, rows and
+columns in the order of ``collaboration_clients`` when given, else of ``clients``; with optional
+``collaboration_history``, ``[{"round": r, "matrix": [[...]]}]``: heatmaps of a few rounds).
 
 Modules: `common` (reading and formatting), `sections` (Markdown), `plots` (figures), `html`.
 """
@@ -88,7 +89,15 @@ def write_report(results: Mapping[str, Any], out_dir: Path) -> Path:
     if split:
         figures[SPLIT_PLOT_NAME] = plots.split_figure(split, arch)
     if results.get("collaboration") is not None:
-        ids = [plain(c.get("id", i)) for i, c in enumerate(clients)]
+        # The matrix's own row/column order when given, else the clients' order.
+        named = results.get("collaboration_clients")
+        if named is not None and not isinstance(named, list):
+            raise ReportError("results['collaboration_clients'] must be a list of client ids")
+        ids = (
+            [plain(x) for x in named]
+            if named is not None
+            else [plain(c.get("id", i)) for i, c in enumerate(clients)]
+        )
         panels = plots.collaboration_matrices(results, len(ids))
         figures[COLLABORATION_PLOT_NAME] = plots.collaboration_figure(panels, ids)
 

@@ -87,7 +87,11 @@ def _results() -> dict[str, Any]:
         ],
         "setup": {"Broker": "mqtt://127.0.0.1:1883 (mosquitto)"},
         "collaboration": WEIGHTS,
-        "collaboration_history": [np.eye(3).tolist(), [[0.5, 0.5, 0.0]] * 3, WEIGHTS],
+        "collaboration_clients": ids,
+        "collaboration_history": [
+            {"round": r, "matrix": m}
+            for r, m in enumerate([np.eye(3).tolist(), [[0.5, 0.5, 0.0]] * 3, WEIGHTS], start=1)
+        ],
     }
 
 
@@ -201,6 +205,8 @@ def test_collaboration_without_history_is_one_heatmap_and_absent_without_a_matri
         ({"collaboration": [[1.0, 0.0], [0.0, 1.0]]}, r"must be 3×3 \(clients × clients\)"),
         ({"collaboration": [["a", "b", "c"]] * 3}, "must be a list of lists of numbers"),
         ({"collaboration_history": [[[1.0]]]}, r"collaboration_history'\] \(1\) must be 3×3"),
+        ({"collaboration_clients": ["c0", "c1"]}, "must be 2×2"),
+        ({"collaboration_clients": "c0"}, "must be a list of client ids"),
     ],
 )
 def test_a_malformed_collaboration_matrix_is_refused_before_writing(
