@@ -120,7 +120,7 @@ def demo(
     ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log INFO messages")] = False,
 ) -> None:
-    """A real federation on this machine, in about a minute, and a report a person can read.
+    """A real federation on this machine (2-3 minutes on 2 cores) and a report a person can read.
 
     Starts an MQTT broker (mosquitto when installed, else the embedded one), a coordinator and
     one process per device, each device with its own architecture (mlr, mlp, lenet5, cnn1, a
