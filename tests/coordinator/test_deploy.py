@@ -84,6 +84,11 @@ def test_coordinator_and_three_client_processes_run_fml_over_mosquitto(mosquitto
     assert deployed == [c["personal_acc"] for c in simulated["clients"]]
 
 
+def test_the_same_deployment_runs_over_the_embedded_amqtt_broker(amqtt_broker, tmp_path):
+    out, _ = _deploy(amqtt_broker.url, tmp_path, "e2e-amqtt")
+    _check_deployment(out, tmp_path)
+
+
 def test_federico_clients_as_processes_collaborate_over_mosquitto_and_export_mixtures(
     mosquitto, tmp_path
 ):
@@ -99,8 +104,6 @@ def test_federico_clients_as_processes_collaborate_over_mosquitto_and_export_mix
     assert "round 2/2 ok" in logs[0]
 
 
-# Processes over amqtt cost a minute of the suite and add nothing the processes over mosquitto
-# and the same federation over amqtt in one process do not already show.
 @pytest.mark.parametrize("broker", ["mosquitto", "amqtt_broker"])
 def test_fml_over_a_broker_gives_the_in_memory_simulators_accuracies(broker, request):
     url = request.getfixturevalue(broker).url

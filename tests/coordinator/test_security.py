@@ -66,3 +66,40 @@ def test_a_federation_runs_under_the_acl_and_ignores_an_unregistered_id(secured)
     assert [c.id for c in result.clients] == ["c0", "c1", "c2"]
     assert all(r.replied == ["c0", "c1", "c2"] for r in result.rounds)
     assert coordinator.stats.rejected["unknown_sender"] == 1
+
+
+def test_peers_under_the_acl_collaborate_and_none_can_forge_another_s_models(secured):
+    # FedeRiCo: models and gradients go client to client over peer topics.
+    broker, creds = secured
+    _, template = small_federation(n=3, rounds=2)
+    coordinator = Coordinator(
+        _as(broker, creds, "coordinator"),
+        algorithm="federico",
+        config=algorithm_class("federico").config_cls(neighbours=2),
+        rounds=2,
+        expected_clients=3,
+        round_config=RoundConfig(deadline_s=60, register_timeout_s=60),
+    ).open()
+    clients = [
+        EdgeClient(c.client_id, c.spec, c.data, _as(broker, creds, c.client_id), seed=i).start()
+        for i, c in enumerate(template)
+    ]
+    rogue = _as(broker, creds, "c9").connect(10)
+    try:
+        # c9 may not replace c0's published model nor send c0 a gradient in c1's name.
+        for topic in (
+            topics.peer_publication("default", "c0"),
+            topics.peer_message("default", "c0", "c1"),
+        ):
+            with pytest.raises(NotAuthorized):
+                rogue.publish(topic, b"forged").wait(10)
+        result = coordinator.run()
+    finally:
+        for c in clients:
+            c.stop()
+            c.transport.close()
+        rogue.close()
+        coordinator.transport.close()
+    assert all(r.replied == ["c0", "c1", "c2"] for r in result.rounds)
+    assert all(c.tasks_done >= 5 and not c.errors for c in clients)  # 2 × 2 steps + finalize
+    assert all(len(row) == 3 for row in result.extra["collaboration"])
