@@ -358,7 +358,8 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> dict[str, Any]:
                 np.save(unlabeled, fed.server_data.unlabeled.numpy())
                 extra.append(f"{cfg.algorithm}.unlabeled_path={unlabeled}")
             echo(
-                f"{cfg.algorithm}: {cfg.rounds} rounds, global model {cfg.global_family}; "
+                f"{cfg.algorithm}: {cfg.rounds} round{'s' if cfg.rounds > 1 else ''}, "
+                f"global model {cfg.global_family}; "
                 f"local training per round: {_budget_words(cfg)}"
             )
             with timer.phase("deployment"):
@@ -408,7 +409,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> dict[str, Any]:
                 with contextlib.suppress(KeyboardInterrupt):
                     while True:
                         time.sleep(1)
-            else:
+            elif broker is not None:
                 echo(
                     "try your own device app: examples/embedded_client.py "
                     "(`edgefl demo --keep-broker` keeps this broker up and shows how)"
