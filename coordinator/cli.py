@@ -259,6 +259,10 @@ def client(
         Path | None,
         typer.Option(help="its persisted state and, after the run, its personalized ONNX model"),
     ] = None,
+    late: Annotated[
+        bool,
+        typer.Option(help="join a finished run: personalize from its archive (PersFL)"),
+    ] = False,
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="override any field: key=value")
     ] = None,
@@ -275,6 +279,7 @@ def client(
         "client.model": model,
         "client.index": index,
         "client.state_dir": str(state_dir) if state_dir else None,
+        "client.late": late or None,
         "data.dataset": dataset,
         "data.root": data_root,
         "data.max_samples": max_samples,

@@ -70,6 +70,8 @@ class DeviceConfig(BaseModel):
     index: int = Field(0, ge=0)  # which client of the partition's split this device holds
     model: str | None = None  # its architecture family (default: models[index % len(models)])
     state_dir: str = "edgefl-state"  # where the exported ONNX model (and later, state) goes
+    # Join a finished run: personalize from what it archived (PersFL), without training in it.
+    late: bool = False
 
 
 class RunConfig(BaseModel):

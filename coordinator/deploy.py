@@ -296,6 +296,11 @@ def run_device(
         on_task=on_task,
         state_dir=state_dir,
     )
+    if cfg.client.late:
+        result = client.join_late(timeout=cfg.round.register_timeout_s)
+        log.info("%s: personalized from the archive: %s", cid, result.details)
+        client.transport.close()
+        return client
     with _on_signals(client.request_stop):
         client.start()
         if on_start is not None:

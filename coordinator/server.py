@@ -41,6 +41,7 @@ from edge_sdk import topics
 from edge_sdk.algorithms import BaseAlgorithmConfig, Detail
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
 from edge_sdk.protocol import (
+    Archive,
     Capabilities,
     ModelRef,
     Phase,
@@ -59,6 +60,7 @@ from edge_sdk.wire import (
     Envelope,
     message_frame,
     pack_models,
+    publish_retained,
     reference_shapes,
     unpack_models,
 )
@@ -270,6 +272,7 @@ class Coordinator:
                 if self.on_round is not None:
                     self.on_round(rec)
             finals = self._finalize()
+            self._publish_archive()
             finished = True
             spec = self.strategy.global_spec
             return RunResult(
@@ -385,6 +388,28 @@ class Coordinator:
                 log.warning("resuming without %s", sorted(set(self.clients) - self.online))
                 return
             self._dispatch_control(env)
+
+    def _publish_archive(self) -> None:
+        """What clients that join after the run need, retained on the archive topic."""
+        assert self.strategy is not None
+        models = self.strategy.late_joiner_models()
+        if not models:
+            return
+        config = self.config.model_dump(mode="json")
+        publish_retained(
+            self.endpoint,
+            topics.archive(self.run_id),
+            models,
+            lambda refs: Archive(
+                run=self.run_id,
+                sender=topics.COORDINATOR,
+                algorithm=self.algorithm,
+                config=config,
+                rounds=self.rounds,
+                models=refs,
+            ),
+        )
+        log.info("published %d archived models for late joiners", len(models))
 
     def shutdown(self, reason: str = "run finished") -> None:
         for cid in self.clients:

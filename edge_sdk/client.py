@@ -48,6 +48,7 @@ from edge_sdk.algorithms import (
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES
 from edge_sdk.peers import PeerChannel
 from edge_sdk.protocol import (
+    Archive,
     Capabilities,
     Phase,
     Presence,
@@ -61,7 +62,7 @@ from edge_sdk.protocol import (
 from edge_sdk.state import StateError, load_state, save_state
 from edge_sdk.trainer import ClientData, Trainer
 from edge_sdk.transport.base import Transport, TransportError
-from edge_sdk.wire import Endpoint, message_frame, pack_models, unpack_models
+from edge_sdk.wire import Endpoint, message_frame, pack_models, read_retained, unpack_models
 from model_zoo import ArchSpec
 
 __all__ = ["EdgeClient", "TaskOutcome"]
@@ -222,6 +223,36 @@ class EdgeClient:
         finally:
             self.stop()
         return dict(self.last_metrics)
+
+    def join_late(self, timeout: float = 60.0) -> FitResult:
+        """Personalize from a finished run's archive, without taking part in it: what the
+        coordinator left retained on the archive topic (PersFL: its last global models, thesis
+        section 7.1) goes through the algorithm's finalize phase, as it would for a participant,
+        and the result is exported to `onnx_path` when one is set."""
+        self.transport.connect()
+        got = read_retained(
+            self.transport,
+            topics.archive(self.run_id),
+            lambda msg: isinstance(msg, Archive) and msg.sender == topics.COORDINATOR,
+            timeout=timeout,
+            max_blob_bytes=self.max_blob_bytes,
+        )
+        if got is None:
+            raise TimeoutError(
+                f"{self.client_id}: run {self.run_id!r} has published no archive in {timeout} s "
+                "(it is not finished, or its algorithm keeps none: PersFL does)"
+            )
+        archive, models = got
+        assert isinstance(archive, Archive)
+        algo = self._algorithm_for(archive.algorithm, archive.config)
+        algo.ctx.task = TaskInfo("", {})
+        result = algo.finalize(archive.rounds, archive.rounds, models)
+        self.finished, self.last_metrics = True, dict(result.metrics)
+        self._save()
+        if self.onnx_path is not None:
+            self.exported = self.export_onnx()
+            log.info("%s: exported its personalized model to %s", self.client_id, self.exported)
+        return result
 
     def register(self) -> None:
         d = self.data

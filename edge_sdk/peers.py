@@ -21,14 +21,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from edge_sdk import topics
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
-from edge_sdk.protocol import PeerMessage, ProtocolError, Published
+from edge_sdk.protocol import Message, PeerMessage, ProtocolError, Published
 from edge_sdk.transport.base import Transport
-from edge_sdk.wire import Endpoint, message_frame, pack_models, unpack_models
+from edge_sdk.wire import (
+    Endpoint,
+    pack_models,
+    publish_retained,
+    read_retained,
+    unpack_models,
+)
 
 __all__ = ["PeerChannel"]
 
@@ -66,55 +72,41 @@ class PeerChannel:
     # -- publications ----------------------------------------------------------------------
     def publish(self, name: str, model: WireModel, version: int) -> None:
         """Make `model` this client's current `name`, retained, for round `version`."""
-        refs, blobs = pack_models({name: model}, max_bytes=self.max_blob_bytes)
-        topic = topics.peer_publication(self.run_id, self.me, name)
-        deliveries = self.inbox.publish_blobs(topic, blobs, retain=True, chunk_topics=True)
-        count = len(deliveries)
-        for i in range(count, self._chunks.get(name, 0)):  # a shorter model: clear the rest
-            deliveries.append(self.transport.publish(f"{topic}/{i}", b"", retain=True))
-        self._chunks[name] = count
-        manifest = Published(
-            run=self.run_id, sender=self.me, name=name, version=version, models=refs
+        self._chunks[name] = publish_retained(
+            self.inbox,
+            topics.peer_publication(self.run_id, self.me, name),
+            {name: model},
+            lambda refs: Published(
+                run=self.run_id, sender=self.me, name=name, version=version, models=refs
+            ),
+            previous_chunks=self._chunks.get(name, 0),
         )
-        deliveries.append(self.transport.publish(topic, message_frame(manifest), retain=True))
-        self.inbox.wait(deliveries)
 
     def fetch(
         self, owner: str, name: str, min_version: int = 0, timeout: float = 60.0
     ) -> WireModel | None:
         """The owner's published `name` of version >= `min_version`, or None after `timeout`."""
-        topic = topics.peer_publication(self.run_id, owner, name)
-        reader = Endpoint(
+
+        def accept(msg: Message) -> bool:
+            if not isinstance(msg, Published):
+                return False
+            if msg.sender != owner or msg.name != name:
+                log.warning("%s: %s's publication claims %s/%s", self.me, owner, msg.sender, name)
+                return False
+            return msg.version >= min_version  # an older one, still retained: wait for the new
+
+        got = read_retained(
             self.transport,
-            [topic, f"{topic}/+"],
+            topics.peer_publication(self.run_id, owner, name),
+            accept,
+            timeout=timeout,
             max_blob_bytes=self.max_blob_bytes,
-            scope=_constant(topic),  # the chunks belong to the publication
-        ).open()
-        try:
-            deadline = time.monotonic() + timeout
-            while (left := deadline - time.monotonic()) > 0:
-                with self._idle():
-                    env = reader.receive(timeout=left)
-                if env is None:
-                    break
-                msg = env.message
-                if not isinstance(msg, Published) or env.topic != topic:
-                    continue
-                if msg.sender != owner or msg.name != name:
-                    log.warning(
-                        "%s: %s's publication claims %s/%s", self.me, owner, msg.sender, msg.name
-                    )
-                    continue
-                if msg.version < min_version:
-                    continue  # an older version, still retained: wait for the new one
-                try:
-                    return unpack_models(msg.models, env.blobs, max_bytes=self.max_blob_bytes)[name]
-                except (ValueError, KeyError) as exc:
-                    log.warning("%s: %s published an unusable %s: %s", self.me, owner, name, exc)
+            waiting=self._idle,
+        )
+        if got is None or name not in got[1]:
             log.warning("%s: no %s of version >= %d from %s", self.me, name, min_version, owner)
             return None
-        finally:
-            reader.close()
+        return got[1][name]
 
     # -- messages --------------------------------------------------------------------------
     def send(self, to: str, name: str, round_: int, model: WireModel) -> None:
@@ -172,7 +164,3 @@ class PeerChannel:
             yield
         finally:
             self.idle_gate.acquire()
-
-
-def _constant(value: str) -> Callable[[str], str]:
-    return lambda _topic: value

@@ -185,8 +185,28 @@ class PeerMessage(_Message):
     models: dict[str, ModelRef]
 
 
+class Archive(_Message):
+    """Coordinator → anyone, retained on the archive topic after the run: what a client that
+    joins later needs to personalize from it (PersFL's archived global models)."""
+
+    kind: Literal["archive"] = "archive"
+    algorithm: str
+    config: dict[str, Any] = {}
+    rounds: int = Field(ge=1)
+    models: dict[str, ModelRef]
+
+
 Message = Annotated[
-    Register | Registered | Task | Reply | Shutdown | Status | Presence | Published | PeerMessage,
+    Register
+    | Registered
+    | Task
+    | Reply
+    | Shutdown
+    | Status
+    | Presence
+    | Published
+    | PeerMessage
+    | Archive,
     Field(discriminator="kind"),
 ]
 _ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)

@@ -62,6 +62,12 @@ def status(run: str) -> str:
     return f"{_run(run)}/status"
 
 
+def archive(run: str) -> str:
+    """Retained after the run: models for clients that join later (PersFL's archive of global
+    models), chunks on its sub-topics; written by the coordinator, read by anyone."""
+    return f"{_run(run)}/archive"
+
+
 def down(run: str, client_id: str) -> str:
     """Coordinator -> one client."""
     return f"{_run(run)}/down/{check_id(client_id, 'client id')}"
@@ -132,6 +138,8 @@ def acl_patterns(run: str = "+") -> dict[str, list[str]]:
             f"{base}/down/%u",
             f"{base}/peer/+/pub/#",
             f"{base}/peer/%u/from/+",
+            f"{base}/archive",
+            f"{base}/archive/+",
         ],
     }
 

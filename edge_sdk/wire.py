@@ -18,6 +18,7 @@ decoding happen in `receive()`, on the consumer's thread.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -29,6 +30,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -214,10 +216,10 @@ class Endpoint:
     ) -> list[Delivery]:
         """Publish blobs as chunks on `topic` (for messages that reference them as shared).
 
-        `chunk_topics` puts chunk i on `topic/i` (retained chunks need a topic each); receivers
-        then scope them to `topic` (see `scope`).
+        `chunk_topics` puts the i-th chunk of all on `topic/i` (retained chunks need a topic
+        each, across blobs); receivers then scope them to `topic` (see `scope`).
         """
-        out = []
+        out: list[Delivery] = []
         for blob_id, data in blobs.items():
             view = memoryview(data)  # slices without copies; each frame is joined once
             count = max(1, -(-len(data) // self.chunk_bytes))
@@ -228,7 +230,7 @@ class Endpoint:
                 piece = view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
                 out.append(
                     self.transport.publish(
-                        f"{topic}/{i}" if chunk_topics else topic,
+                        f"{topic}/{len(out)}" if chunk_topics else topic,
                         b"".join((_CHUNK, len(header).to_bytes(4, "big"), header, piece)),
                         retain=retain,
                     )
@@ -488,3 +490,65 @@ def _reference_shapes(spec_json: str) -> Mapping[str, torch.Tensor]:
     with torch.device("meta"):  # shapes only: no memory, no draws from the global RNG
         model = build(ArchSpec.from_json(spec_json))
     return dict(model.state_dict())
+
+
+# -- retained publications: models anyone may read later, with no one answering ------------------
+def publish_retained(
+    endpoint: Endpoint,
+    topic: str,
+    models: Mapping[str, WireModel],
+    manifest: Callable[[dict[str, ModelRef]], Message],
+    *,
+    previous_chunks: int = 0,
+) -> int:
+    """Publish `models` retained on `topic`: chunks on `topic/i` (each retained), then the
+    manifest `manifest(refs)` on `topic` itself, so a reader that subscribes later gets them all.
+    Chunk topics left over from a longer previous publication (`previous_chunks`) are cleared.
+    Returns the number of chunk topics this publication uses."""
+    refs, blobs = pack_models(models, max_bytes=endpoint.max_blob_bytes)
+    deliveries = endpoint.publish_blobs(topic, blobs, retain=True, chunk_topics=True)
+    count = len(deliveries)
+    for i in range(count, previous_chunks):
+        deliveries.append(endpoint.transport.publish(f"{topic}/{i}", b"", retain=True))
+    frame = message_frame(manifest(refs))
+    deliveries.append(endpoint.transport.publish(topic, frame, retain=True))
+    endpoint.wait(deliveries)
+    return count
+
+
+def read_retained(
+    transport: Transport,
+    topic: str,
+    accept: Callable[[Message], bool],
+    *,
+    timeout: float,
+    max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
+    waiting: Callable[[], Any] | None = None,
+) -> tuple[Message, dict[str, WireModel]] | None:
+    """The first publication on `topic` whose manifest `accept`s, with its models decoded and
+    checked, or None after `timeout` s. `waiting()`, if given, is a context manager entered
+    while blocked (the peer channel gives the simulator's compute slot back)."""
+    reader = Endpoint(
+        transport,
+        [topic, f"{topic}/+"],
+        max_blob_bytes=max_blob_bytes,
+        scope=lambda _topic: topic,  # the chunks belong to the publication
+    ).open()
+    try:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            with waiting() if waiting is not None else contextlib.nullcontext():
+                env = reader.receive(timeout=left)
+            if env is None:
+                break
+            msg = env.message
+            if env.topic != topic or not accept(msg):
+                continue
+            refs: dict[str, ModelRef] = getattr(msg, "models", {})
+            try:
+                return msg, unpack_models(refs, env.blobs, max_bytes=max_blob_bytes)
+            except (ValueError, KeyError) as exc:
+                log.warning("an unusable publication on %s: %s", topic, exc)
+        return None
+    finally:
+        reader.close()

@@ -158,6 +158,11 @@ class Strategy(ABC):
         """Per-client parameters of a fit step's task (JSON values; default none)."""
         return {}
 
+    def late_joiner_models(self) -> dict[str, WireModel]:
+        """Models published (retained) after the run for clients that join later, named as a
+        finalize task would carry them (default none; PersFL: its archived global models)."""
+        return {}
+
     def results(self) -> dict[str, Any]:
         """Algorithm-specific fields for results.json (e.g. FedeRiCo's collaboration)."""
         return {}

@@ -51,6 +51,9 @@ class PersFLStrategy(GlobalModelStrategy):
         self.archive.append((round_, dict(self.global_weights)))
         del self.archive[:-keep]
 
+    def late_joiner_models(self) -> dict[str, WireModel]:
+        return self.archived_models()
+
     def archived_models(self) -> dict[str, WireModel]:
         """The archived global models, oldest first, named as a finalize task carries them."""
         assert self.global_spec is not None

@@ -456,3 +456,44 @@ def test_results_say_what_local_training_budget_each_run_got():
         "pfml": {"local_iterations": 7, "batch_size": 32, "lr": 0.05},
         "local": {"local_epochs": 5, "batch_size": 32, "lr": 0.05},
     }
+
+
+def test_a_client_joining_after_a_persfl_run_personalizes_from_its_archive():
+    # Prepare: a finished PersFL run that archives its last two global models.
+    broker = InMemoryBroker()
+    config = {
+        "local_epochs": 1,
+        "archive_size": 2,
+        "distill_lambdas": [0.0, 0.5],
+        "distill_temperatures": [2.0],
+        "distill_epochs": 1,
+    }
+    coordinator, clients = small_federation(
+        n=2, algorithm="persfl", rounds=3, broker=broker, config=config
+    )
+    for c in clients:
+        c.start()
+    coordinator.run()
+    for c in clients:
+        c.stop()
+    archive = coordinator.strategy.archived_models()
+    # A device that was not in the run: data of a fourth client of the same split.
+    data = prepare_federation(tiny_config(clients=3)).client_data[2]
+    spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
+    late = EdgeClient("late", spec, data, broker.connect("late"), seed=7)
+    # Execute
+    result = late.join_late(timeout=10)
+
+    # Assert: its teacher is the archived model with the lowest validation loss on its own data
+    # (computed here), and it distilled a student (ONNX export is the same path as at a run's end).
+    def val_loss(wire):
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+        model[1].load_state_dict({k.split(".")[-1]: v for k, v in wire.weights.items()})
+        with torch.no_grad():
+            return float(torch.nn.functional.cross_entropy(model(data.x_val), data.y_val))
+
+    losses = {int(name.split("@")[1]): val_loss(m) for name, m in archive.items()}
+    assert sorted(losses) == [2, 3]
+    assert result.details["teacher_round"] == min(losses, key=losses.get)
+    assert late.finished and late.algorithm is not None and late.algorithm.student is not None
+    assert result.metrics["personal_total"] > 0

@@ -18,6 +18,7 @@ from edge_sdk.algorithms import ClientContext, TaskInfo, algorithm_class
 from edge_sdk.codec import WireModel
 from edge_sdk.export import export_onnx
 from edge_sdk.peers import PeerChannel
+from edge_sdk.state import load_state, save_state
 from edge_sdk.trainer import ClientData, Trainer
 from edge_sdk.transport.memory import InMemoryBroker
 from model_zoo import ArchSpec, build
@@ -192,3 +193,24 @@ def test_federico_mixture_export_equals_the_weighted_mixture_of_its_collaborator
     got = torch.from_numpy(out).softmax(1)
     assert torch.allclose(got, probs.detach(), atol=1e-5), (got - probs).abs().max()
     np.testing.assert_allclose(mixture(x).detach().exp().numpy(), probs.detach().numpy(), atol=1e-5)
+
+
+def test_federico_state_survives_a_restart(tmp_path):
+    # Prepare: two rounds trained, the state of a written to disk.
+    algos = _federation(GROUPS, neighbours=2, lr=0.05)
+    for round_ in (1, 2):
+        _round(algos, round_)
+    a = algos["a"]
+    save_state(tmp_path / "a.state", a.state_dict())
+    # Execute: a new instance of the same client (as after a restart) loads it.
+    cls = algorithm_class("federico")
+    fresh = cls(a.ctx, a.config)
+    fresh.load_state_dict(load_state(tmp_path / "a.state"))
+    # Assert: the loss table, the weights, the peers' models it holds, its Adam moments, and
+    # so its predictions.
+    assert fresh.losses == a.losses and fresh.published == a.published == 3
+    assert fresh.peer_models.keys() == a.peer_models.keys() == {"b", "c"}
+    x = a.ctx.data.x_test
+    assert torch.equal(fresh.personalized_model()[1](x), a.personalized_model()[1](x))
+    sa, sb = a.optimizer.state_dict()["state"], fresh.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
