@@ -16,11 +16,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# mosquitto (MQTT tests) and Fashion-MNIST (real-data tests). Installed only when missing and
-# when we are root; otherwise the tests that need them skip with the reason.
+# mosquitto (MQTT tests), chromium (report.html test) and Fashion-MNIST (real-data tests).
+# Installed only when missing and when we are root; otherwise the tests that need them skip with the reason.
 system-packages:
 	@missing=""; \
 	command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || missing="$$missing mosquitto"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	[ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || missing="$$missing dataset-fashion-mnist"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \

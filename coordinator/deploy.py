@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import ConfigError, RunConfig
-from coordinator.server import Coordinator, RoundRecord
+from coordinator.server import ClientResult, Coordinator, RoundRecord, RunResult
 from coordinator.simulator import (
     build_results,
     client_seed,
@@ -36,7 +36,15 @@ from edge_sdk.client import EdgeClient, TaskOutcome
 from edge_sdk.device import resolve_device
 from edge_sdk.transport.mqtt import MqttTransport
 
-__all__ = ["RoundsLog", "checkpoint_path", "metrics_collector", "run_coordinator", "run_device"]
+__all__ = [
+    "RUN_RECORD",
+    "RoundsLog",
+    "checkpoint_path",
+    "metrics_collector",
+    "read_run",
+    "run_coordinator",
+    "run_device",
+]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +87,8 @@ def _line(rec: RoundRecord) -> dict[str, Any]:
         "failed": rec.failed,
         "trained": rec.trained,
         "replied": rec.replied,
+        "online": rec.online,
+        "client_acc": rec.client_acc,  # each client's personalized accuracy after the round
     }
 
 
@@ -223,7 +233,32 @@ def run_coordinator(
     no_baselines = cfg.model_copy(update={"baselines": []})
     results = build_results(no_baselines, {cfg.algorithm: result})
     write_results(results, out)
+    _write_json(out / RUN_RECORD, result.to_dict())
     return results
+
+
+RUN_RECORD = "run.json"  # the coordinator's whole RunResult, for tools that add to its results
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_run(path: Path) -> RunResult:
+    """The RunResult a coordinator daemon left in `OUT/run.json` (see `run_coordinator`)."""
+    raw = json.loads(Path(path).read_text())
+    return RunResult(
+        **{
+            **raw,
+            "rounds": [RoundRecord(**r) for r in raw["rounds"]],
+            "clients": [ClientResult(**c) for c in raw["clients"]],
+        }
+    )
 
 
 def run_device(

@@ -127,6 +127,9 @@ class RoundRecord:
     failed: bool = False
     train_metrics: dict[str, float] = field(default_factory=dict)
     client_details: dict[str, dict[str, Detail]] = field(default_factory=dict)  # from fit replies
+    # each client's personalized accuracy (evaluate phase; {} when the round did not evaluate)
+    client_acc: dict[str, float | None] = field(default_factory=dict)
+    online: list[str] = field(default_factory=list)  # registered clients online at the round's end
 
 
 @dataclass
@@ -628,9 +631,10 @@ class Coordinator:
             if not failed:
                 break
         personal = glob = None
+        per_client: dict[str, tuple[float | None, float | None]] = {}
         if r % self.rc.eval_every == 0 or r == self.rounds:
             scores = self._run_phase(r, "evaluate", self.strategy.configure_evaluate(r))
-            personal, glob, _ = _accuracies(scores)
+            personal, glob, per_client = _accuracies(scores)
         seconds = time.perf_counter() - t0
         self.stats.round_seconds.append(seconds)
         if failed:
@@ -647,6 +651,8 @@ class Coordinator:
             failed=failed,
             train_metrics=_mean_metrics(valid),
             client_details={cid: v.details for cid, v in valid.items() if v.details},
+            client_acc={cid: p for cid, (p, _) in sorted(per_client.items())},
+            online=sorted(self.online),
         )
 
     def _finalize(self) -> list[ClientResult]:

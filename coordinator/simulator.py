@@ -56,6 +56,7 @@ __all__ = [
     "prepare_federation",
     "run_federation",
     "simulate",
+    "split_record",
     "training_budget",
     "transport_factory",
 ]
@@ -350,7 +351,7 @@ def simulate(
             cfg, fed, name, models=models, export_dir=export_dir, on_round=tick
         )
         bar.close()
-    results = build_results(cfg, runs)
+    results = build_results(cfg, runs) | {"split": split_record(fed)}
     if out is not None:
         write_results(results, out)
         write_split(fed, out)
@@ -363,6 +364,26 @@ def split_table(fed: Federation) -> str:
     for row, cid in zip(rows, fed.client_ids, strict=True):
         row["client"] = cid  # the ids the results use, not partition indices
     return format_split_table(rows)
+
+
+def split_record(fed: Federation) -> dict[str, Any]:
+    """Each client's share of the data for results.json (the report plots its classes)."""
+    y = fed.dataset.y.numpy()
+    k = fed.dataset.num_classes
+    return {
+        "scheme": fed.partition.scheme,
+        "classes": list(fed.dataset.classes),
+        "clients": [
+            {
+                "id": cid,
+                "n_train": len(cs.train),
+                "n_val": len(cs.val),
+                "n_test": len(cs.test),
+                "counts": np.bincount(y[cs.train], minlength=k).tolist(),  # training, per class
+            }
+            for cid, cs in zip(fed.client_ids, fed.partition.clients, strict=True)
+        ],
+    }
 
 
 def write_split(fed: Federation, out: Path) -> None:
@@ -456,6 +477,8 @@ def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
                 "trained": len(r.trained),
                 # per client, what its fit reply reported (e.g. the architecture it chose)
                 **({"clients": r.client_details} if r.client_details else {}),
+                # per client, its personalized accuracy after the round (when evaluated)
+                **({"client_acc": r.client_acc} if r.client_acc else {}),
             }
             for r in main.rounds
         ],

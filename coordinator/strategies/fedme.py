@@ -26,8 +26,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from sklearn.cluster import KMeans
-from sklearn.exceptions import ConvergenceWarning
 
 from coordinator.server_data import load_unlabeled
 from coordinator.strategies.base import (
@@ -62,6 +60,11 @@ def cluster_models(features: np.ndarray, k: int, seed: int) -> np.ndarray:
     k = min(k, len(features))
     if k == 1:
         return np.zeros(len(features), dtype=int)
+    # Imported here: scikit-learn's import costs seconds in every process that loads the
+    # strategies (each `edgefl client` does), and only FedMe's coordinator clusters.
+    from sklearn.cluster import KMeans
+    from sklearn.exceptions import ConvergenceWarning
+
     with warnings.catch_warnings():
         # Two clients holding the same model give duplicate points: fewer distinct clusters.
         warnings.simplefilter("ignore", ConvergenceWarning)

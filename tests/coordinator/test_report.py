@@ -12,6 +12,7 @@ import pytest
 from coordinator.metrics import METRIC_KEYS, personalization_metrics
 from coordinator.report import (
     CLIENT_PLOT_NAME,
+    HTML_NAME,
     REPORT_NAME,
     ROUND_PLOT_NAME,
     ReportError,
@@ -184,7 +185,7 @@ def test_write_report_overwrites_previous_report(tmp_path: Path) -> None:
 
     assert "# Results report: fml" in text
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [REPORT_NAME, ROUND_PLOT_NAME, CLIENT_PLOT_NAME]
+        [REPORT_NAME, HTML_NAME, ROUND_PLOT_NAME, CLIENT_PLOT_NAME]
     )
 
 

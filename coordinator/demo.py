@@ -1,0 +1,421 @@
+"""`edgefl demo`: a real federation on this machine, then baselines, an ONNX benchmark and a report.
+
+What it does, in order (each step prints what it did):
+
+1. Data: Fashion-MNIST when its files are installed, else scikit-learn's digits (28×28). The
+   split is the one personalization is for: `label_groups` puts the devices in pairs that share a
+   few classes, each with about 100 training images.
+2. A broker: mosquitto as a child process when it is installed, else the embedded amqtt broker
+   (in this process); `broker` uses an existing one instead.
+3. `OUT/demo.toml`: the whole run config. The coordinator and every device read it.
+4. A coordinator daemon and one device per client, each a separate process (`python -m
+   coordinator coordinator|client`), each device with its own architecture. Their output goes to
+   `OUT/logs/`. Progress comes from the coordinator's round records (`OUT/coordinator/
+   rounds.jsonl`) and, before the first round, from its Prometheus endpoint.
+5. The baselines the report compares against, `local` and `fedavg`, with the in-process
+   simulator on the same split and budget. A simulation and a deployment of one config give the
+   same accuracies (tests/coordinator/test_deploy.py), so they compare like with like.
+6. The ONNX benchmark (quick mode) of each device's exported personalized model, on that
+   device's own test split.
+7. `results.json`, `report.md`, `report.html` and the plots in OUT.
+
+SIGINT / SIGTERM at any point stop every process the demo started (SIGTERM, then SIGKILL after a
+grace period) and the broker, then raise `KeyboardInterrupt`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import tomli_w
+
+from coordinator.broker import EmbeddedBroker, MosquittoBroker, start_broker
+from coordinator.config import RunConfig, load_config
+from coordinator.demo_deploy import DemoError, ProcessGroup, deploy_and_follow, interruptible
+from coordinator.server import RunResult
+from coordinator.simulator import (
+    Federation,
+    build_results,
+    prepare_federation,
+    run_federation,
+    split_record,
+    split_table,
+    write_results,
+)
+from coordinator.strategies import strategy_class
+from coordinator.strategies.fedavg import FedAvgStrategy
+from edge_sdk.onnx_bench import BenchSettings, benchmark_onnx
+from model_zoo.data import DatasetNotFound
+
+__all__ = [
+    "DEFAULT_FAMILIES",
+    "DemoError",
+    "DemoOptions",
+    "demo_config",
+    "run_demo",
+]
+
+log = logging.getLogger(__name__)
+
+# One architecture per device, in this order (round-robin beyond six devices).
+DEFAULT_FAMILIES: Final[tuple[str, ...]] = ("mlr", "mlp", "lenet5", "cnn1", "vgg11", "lstm")
+MODEL_KWARGS: Final[dict[str, dict[str, Any]]] = {"vgg11": {"width": 0.125}}  # a small VGG
+GLOBAL_FAMILY: Final[str] = "lenet5"  # the shared model (FML's meme, FedAvg's global model)
+SAMPLES_PER_CLIENT: Final[int] = 250  # before the split: about 100 train, 25 val, 125 test
+SPLIT: Final[tuple[float, float, float]] = (0.4, 0.1, 0.5)  # a big test split: stable accuracy
+TRAINING: Final[dict[str, Any]] = {"local_epochs": 2, "batch_size": 32, "lr": 0.01}
+BASELINES: Final[tuple[str, ...]] = ("local", "fedavg")
+RUN_ID: Final[str] = "demo"
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What `edgefl demo` takes on its command line."""
+
+    algorithm: str = "fml"
+    rounds: int = 10
+    clients: int = 6
+    dataset: str | None = None  # None: Fashion-MNIST when installed, else digits
+    out: Path = Path("runs/demo")
+    seed: int = 0
+    broker: str | None = None  # None: start one
+    keep_broker: bool = False  # after the report, keep the broker up for your own device app
+
+
+@dataclass
+class _Timer:
+    start: float = field(default_factory=time.perf_counter)
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = round(time.perf_counter() - t, 1)
+
+    @property
+    def total(self) -> float:
+        return time.perf_counter() - self.start
+
+
+# --- the configuration -----------------------------------------------------------------------
+
+
+def _families(algorithm: str, clients: int) -> list[str]:
+    """Each device's architecture: all different, except for algorithms that average one model."""
+    if issubclass(strategy_class(algorithm), FedAvgStrategy):
+        return [GLOBAL_FAMILY]
+    return list(DEFAULT_FAMILIES[: min(clients, len(DEFAULT_FAMILIES))])
+
+
+def demo_config(opts: DemoOptions, dataset: str) -> RunConfig:
+    """The demo's run config for `dataset` (every process of the demo reads this one)."""
+    # Pairs of devices share a group of classes; at least two groups, so no device sees them all.
+    num_groups = min(5, max(2, math.ceil(opts.clients / 2)), opts.clients)
+    flags: dict[str, Any] = {
+        "algorithm": opts.algorithm,
+        "run_id": RUN_ID,
+        "seed": opts.seed,
+        "device": "cpu",
+        "rounds": opts.rounds,
+        "clients": opts.clients,
+        "models": _families(opts.algorithm, opts.clients),
+        "global_model": GLOBAL_FAMILY,
+        # Named here so that TRAINING applies to them too: the same budget for every run.
+        "baselines": [b for b in BASELINES if b != opts.algorithm],
+        "model_kwargs": MODEL_KWARGS,
+        "data.dataset": dataset,
+        "data.max_samples": opts.clients * SAMPLES_PER_CLIENT,
+        "data.partition": "label_groups",
+        "data.partition_params": {"num_groups": num_groups},
+        "data.split": list(SPLIT),
+        # Devices start in seconds here, but a slow machine may need longer to import torch.
+        "round.register_timeout_s": 300,
+    }
+    cfg = load_config(None, flags, training=TRAINING)
+    holdout = strategy_class(cfg.algorithm).unlabeled_holdout(cfg.algorithm_config())
+    if holdout:  # FedMe's unlabeled set comes on top of the clients' samples
+        data = cfg.data.model_copy(update={"max_samples": (cfg.data.max_samples or 0) + holdout})
+        cfg = cfg.model_copy(update={"data": data})
+    return cfg
+
+
+def _without_nulls(value: Any) -> Any:
+    """TOML has no null: drop None fields (their defaults are None) recursively."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def write_config(cfg: RunConfig, path: Path) -> Path:
+    """The config as TOML that `load_config` reads back to the same config (no password)."""
+    tree = _without_nulls(cfg.model_dump(mode="json", exclude={"broker": {"password"}}))
+    path.write_text(
+        "# edgefl demo: the run config every process of the demo read.\n"
+        "# Rerun it in one process, baselines included: edgefl simulate --config demo.toml\n"
+        + tomli_w.dumps(tree)
+    )
+    return path
+
+
+def _federation(opts: DemoOptions, echo: Callable[[str], None]) -> tuple[RunConfig, Federation]:
+    """The config and the split: Fashion-MNIST when installed, else digits (unless asked)."""
+    dataset = opts.dataset or "fashion_mnist"
+    cfg = demo_config(opts, dataset)
+    try:
+        fed = prepare_federation(cfg)
+    except DatasetNotFound as exc:
+        if opts.dataset:
+            raise
+        echo(f"Fashion-MNIST is not installed ({str(exc).splitlines()[0]})")
+        echo("  -> using scikit-learn's digits instead (apt-get install dataset-fashion-mnist)")
+        cfg = demo_config(opts, "digits")
+        fed = prepare_federation(cfg)
+    return cfg, fed
+
+
+def _split_words(cfg: RunConfig, fed: Federation) -> str:
+    part, names = fed.partition, fed.dataset.classes
+    y = fed.dataset.y.numpy()
+    n_train = [len(c.train) for c in part.clients]
+    n_classes = [len(np.unique(y[c.train])) for c in part.clients]
+    groups = part.params.get("label_groups", [])
+    train, val, test = (round(100 * f) for f in cfg.data.split)
+    shown = "; ".join("{" + ", ".join(names[k] for k in g) + "}" for g in groups)
+    return (
+        f"label_groups: the {len(names)} classes cut into {len(groups)} groups ({shown}); "
+        f"each device holds the samples of one group, shared with the other devices of that "
+        f"group: {min(n_classes)}-{max(n_classes)} classes and {min(n_train)}-{max(n_train)} "
+        f"training images per device ({train}/{val}/{test} train/val/test split)"
+    )
+
+
+def _budget_words(cfg: RunConfig) -> str:
+    """The algorithm's own local-training settings (not every algorithm has all of TRAINING)."""
+    budget = cfg.algorithm_config().model_dump()
+    keys = ("local_epochs", "local_iterations", "batch_size", "optimizer", "lr")
+    return ", ".join(f"{k.replace('_', ' ')} {budget[k]}" for k in keys if k in budget)
+
+
+# --- after the deployment --------------------------------------------------------------------
+
+
+def _baselines(cfg: RunConfig, fed: Federation) -> dict[str, RunResult]:
+    """local and fedavg on the same split and budget, in this process (the simulator)."""
+    runs = {}
+    for name in cfg.baselines:
+        # FedAvg averages one architecture: every client trains the global one, as in simulate.
+        models = [cfg.global_family] if issubclass(strategy_class(name), FedAvgStrategy) else None
+        runs[name] = run_federation(cfg, fed, name, models=models)
+    return runs
+
+
+def _onnx_rows(
+    fed: Federation, arch: dict[str, str], results: dict[str, Any], out: Path
+) -> list[dict[str, Any]]:
+    """Each device's exported model, measured with onnxruntime on its own test split."""
+    personal = {c["id"]: c["personal_acc"] for c in results["clients"]}
+    rows = []
+    for i, cid in enumerate(fed.client_ids):
+        path = out / "devices" / cid / f"{cid}.onnx"
+        data = fed.client_data[i]
+        [row] = benchmark_onnx(
+            path, data.x_test, data.y_test, settings=BenchSettings.quick(threads=1)
+        )
+        rows.append(
+            {
+                "client": cid,
+                "arch": arch[cid],
+                "file": str(path.relative_to(out)),
+                "size_bytes": row.size_bytes,
+                "latency_p50_ms": row.latency_p50_ms_b1,
+                "latency_p99_ms": row.latency_p99_ms_b1,
+                "throughput": row.throughput_b64,
+                "accuracy": row.accuracy,
+                "personal_acc": personal.get(cid),
+                "eval_samples": row.eval_samples,
+                "provider": row.provider,
+            }
+        )
+    return rows
+
+
+def _print_outcome(results: dict[str, Any], echo: Callable[[str], None]) -> None:
+    def pct(v: float | None) -> str:
+        return "—" if v is None else f"{100 * v:.1f}%"
+
+    echo("")
+    echo("client  arch     personalized   local   FedAvg   ONNX (size, p50 latency)")
+    onnx = {r["client"]: r for r in results.get("onnx", [])}
+    for c in results["clients"]:
+        o = onnx.get(c["id"])
+        model = f"{o['size_bytes'] / 1024:.0f} KiB, {o['latency_p50_ms']:.3f} ms" if o else "—"
+        diff = (
+            ""
+            if c["personal_acc"] is None or c["local_acc"] is None
+            else f" ({100 * (c['personal_acc'] - c['local_acc']):+.1f} vs local)"
+        )
+        echo(
+            f"{c['id']:<7} {c['arch']:<8} {pct(c['personal_acc']):>12}   {pct(c['local_acc']):>5}"
+            f"   {pct(c['fedavg_acc']):>6}   {model}{diff}"
+        )
+    pairs = [
+        (c["personal_acc"], c["local_acc"])
+        for c in results["clients"]
+        if c["personal_acc"] is not None and c["local_acc"] is not None
+    ]
+    won = sum(p > loc for p, loc in pairs)
+    lost = sum(p < loc for p, loc in pairs)
+    s = results["summary"]
+    local = results["baselines"].get("local", {}).get("summary", {}).get("mean_personal_acc")
+    fedavg = [c["fedavg_acc"] for c in results["clients"] if c["fedavg_acc"] is not None]
+    echo(
+        f"mean: personalized {pct(s['mean_personal_acc'])}, local {pct(local)}, FedAvg "
+        f"{pct(sum(fedavg) / len(fedavg) if fedavg else None)}"
+    )
+    tied = len(pairs) - won - lost
+    echo(
+        f"personalization beat training alone on {won} of {len(pairs)} devices"
+        + (f", lost on {lost}" if lost else "")
+        + (f", tied on {tied}" if tied else "")
+    )
+
+
+def _device_app_hint(url: str, echo: Callable[[str], None]) -> None:
+    echo("your own device app against this broker (examples/embedded_client.py):")
+    echo(
+        f"  edgefl coordinator --broker {url} --run-id phones --algorithm fml --clients 2 "
+        "--rounds 3 --global-model mlr --out runs/phones &"
+    )
+    for i in range(2):
+        echo(
+            f"  python examples/embedded_client.py --broker {url} --run-id phones "
+            f"--id phone{i} --slice {i} &"
+        )
+
+
+def _clean(out: Path) -> None:
+    """Remove what a previous demo run left in OUT (and nothing else)."""
+    for sub in ("coordinator", "devices", "logs"):
+        shutil.rmtree(out / sub, ignore_errors=True)
+
+
+# --- the whole demo --------------------------------------------------------------------------
+
+
+def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> dict[str, Any]:
+    """Run the demo (module docs); `echo` prints a line. Returns the results dict it wrote.
+
+    Raises DemoError when a step fails, KeyboardInterrupt on SIGINT/SIGTERM: either way every
+    process it started has been stopped (and the broker it started).
+    """
+    timer = _Timer()
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _clean(out)
+    broker: MosquittoBroker | EmbeddedBroker | None = None
+    procs = ProcessGroup(out / "logs")
+    with interruptible():
+        try:
+            with timer.phase("data"):
+                cfg, fed = _federation(opts, echo)
+            arch = {cid: cfg.models[i % len(cfg.models)] for i, cid in enumerate(fed.client_ids)}
+            echo(f"data: {fed.dataset.name}, {len(fed.dataset)} images in all")
+            echo(f"split: {_split_words(cfg, fed)}")
+            if len(cfg.models) == 1 and opts.clients > 1:
+                echo(
+                    f"{cfg.algorithm} averages one architecture: every device runs {cfg.models[0]}"
+                )
+            write_config(cfg, out / "demo.toml")
+            (out / "split.txt").write_text(split_table(fed) + "\n")
+            if opts.broker:
+                url, what = opts.broker, "the broker you named"
+            else:
+                broker = start_broker()
+                url = broker.url
+                what = (
+                    f"mosquitto, child process pid {broker.proc.pid}"
+                    if isinstance(broker, MosquittoBroker) and broker.proc is not None
+                    else "the embedded amqtt broker (mosquitto is not installed), in this process"
+                )
+            echo(f"broker: {url} ({what})")
+            extra = []
+            if fed.server_data.unlabeled is not None:  # FedMe's, held out of the split
+                unlabeled = out / "unlabeled.npy"
+                np.save(unlabeled, fed.server_data.unlabeled.numpy())
+                extra.append(f"{cfg.algorithm}.unlabeled_path={unlabeled}")
+            echo(
+                f"{cfg.algorithm}: {cfg.rounds} round{'s' if cfg.rounds > 1 else ''}, "
+                f"global model {cfg.global_family}; "
+                f"local training per round: {_budget_words(cfg)}"
+            )
+            with timer.phase("deployment"):
+                deployed = deploy_and_follow(cfg, url, out, arch, procs, echo, extra)
+            echo(
+                f"deployment finished in {timer.phases['deployment']:.1f} s; personalized "
+                f"models: {out / 'devices'}/<id>/<id>.onnx"
+            )
+            with timer.phase("baselines"):
+                echo("baselines: local and FedAvg, in-process simulator, same split and budget")
+                runs = {cfg.algorithm: deployed, **_baselines(cfg, fed)}
+            results = build_results(cfg, runs)
+            with timer.phase("onnx"):
+                echo("ONNX benchmark: onnxruntime, quick mode, 1 thread, each device's test split")
+                results["onnx"] = _onnx_rows(fed, arch, results, out)
+            results["onnx_note"] = (
+                "Each device's personalized model as exported by the device itself after the "
+                "run, measured with onnxruntime (CPU, 1 thread, quick mode: indicative) on the "
+                "device's own test split. Its accuracy there should equal the federation's "
+                "personalized accuracy."
+            )
+            results["split"] = split_record(fed) | {"description": _split_words(cfg, fed)}
+            results["setup"] = {
+                "Broker": f"{url} ({what})",
+                "Processes": (
+                    f"1 coordinator daemon + {len(arch)} device processes "
+                    "(`python -m coordinator coordinator|client`), over MQTT"
+                ),
+                "Devices": ", ".join(f"{cid}: {a}" for cid, a in arch.items()),
+                "Data": f"{fed.dataset.name}, {len(fed.dataset)} images",
+                "Split": f"{cfg.data.partition}: a few classes per device (see Data per client)",
+                "Baselines": "local and fedavg, in-process simulator, same split and budget",
+                "Local training": f"per round: {_budget_words(cfg)}",
+                "Wall time": ", ".join(f"{k} {v:.1f} s" for k, v in timer.phases.items())
+                + f"; {timer.total:.1f} s in all before this report",
+            }
+            with timer.phase("report"):
+                write_results(results, out)
+            total = timer.total
+            _print_outcome(results, echo)
+            echo(f"report: {out / 'report.html'} (open it in a browser), {out / 'report.md'}")
+            phases = ", ".join(f"{k} {v:.1f} s" for k, v in timer.phases.items())
+            echo(f"wall time: {total:.1f} s ({phases}); the target is 3 minutes on 2 CPU cores")
+            if opts.keep_broker and broker is not None:
+                _device_app_hint(url, echo)
+                echo("the broker stays up for it: Ctrl-C to stop")
+                with contextlib.suppress(KeyboardInterrupt):
+                    while True:
+                        time.sleep(1)
+            elif broker is not None:
+                echo(
+                    "try your own device app: examples/embedded_client.py "
+                    "(`edgefl demo --keep-broker` keeps this broker up and shows how)"
+                )
+            return results
+        finally:
+            procs.stop()
+            if broker is not None:
+                broker.stop()

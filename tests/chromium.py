@@ -1,0 +1,129 @@
+"""Load a page in headless Chromium over the DevTools protocol: what a person's browser would show.
+
+`load_page(path)` starts Debian's `chromium` with a fresh profile, opens the file, waits for its
+load event and returns the console errors, uncaught exceptions, failed requests and every image's
+natural size. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from websockets.sync.client import connect
+
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+_IMAGES = (
+    "JSON.stringify(Array.from(document.images).map("
+    "i => ({w: i.naturalWidth, h: i.naturalHeight, complete: i.complete, alt: i.alt})))"
+)
+
+
+def chromium_path() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _port(profile: Path, proc: subprocess.Popen[bytes], timeout: float) -> int:
+    """Chromium writes its DevTools port into the profile once it listens."""
+    deadline = time.monotonic() + timeout
+    marker = profile / "DevToolsActivePort"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"chromium exited with {proc.returncode} before listening")
+        if marker.exists() and marker.read_text().strip():
+            return int(marker.read_text().split()[0])
+        time.sleep(0.05)
+    raise TimeoutError(f"chromium did not open its DevTools port within {timeout} s")
+
+
+def load_page(path: Path, timeout: float = 60.0) -> dict[str, Any]:
+    """Open `path` and report what the page did (see the module docs)."""
+    exe = chromium_path()
+    assert exe is not None, "chromium is not installed"
+    with tempfile.TemporaryDirectory(prefix="edgefl-chromium-") as tmp:
+        profile = Path(tmp)
+        proc = subprocess.Popen(
+            [
+                exe,
+                *CHROMIUM_FLAGS,
+                f"--user-data-dir={profile}",
+                "--remote-debugging-port=0",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            port = _port(profile, proc, timeout)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as r:
+                pages = [t for t in json.load(r) if t["type"] == "page"]
+            with connect(pages[0]["webSocketDebuggerUrl"], max_size=None) as ws:
+                return _drive(ws, path.resolve().as_uri(), timeout)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _drive(ws: Any, url: str, timeout: float) -> dict[str, Any]:
+    found: dict[str, Any] = {"console_errors": [], "exceptions": [], "failed_requests": []}
+    deadline = time.monotonic() + timeout
+    next_id = 0
+    urls: dict[str, str] = {}
+
+    def send(method: str, **params: Any) -> int:
+        nonlocal next_id
+        next_id += 1
+        ws.send(json.dumps({"id": next_id, "method": method, "params": params}))
+        return next_id
+
+    def until(done: Any) -> dict[str, Any]:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the page did not finish loading in time")
+            msg = json.loads(ws.recv(timeout=left))
+            method, params = msg.get("method"), msg.get("params", {})
+            if method == "Runtime.consoleAPICalled" and params["type"] in ("error", "assert"):
+                found["console_errors"].append(params["args"])
+            elif method == "Runtime.exceptionThrown":
+                found["exceptions"].append(params["exceptionDetails"])
+            elif method == "Log.entryAdded" and params["entry"]["level"] == "error":
+                found["console_errors"].append(params["entry"])
+            elif method == "Network.requestWillBeSent":
+                urls[params["requestId"]] = params["request"]["url"]
+            elif method == "Network.loadingFailed":
+                found["failed_requests"].append(
+                    urls.get(params["requestId"], "?") + ": " + params["errorText"]
+                )
+            if done(msg):
+                return msg
+
+    for method in ("Runtime.enable", "Log.enable", "Network.enable", "Page.enable"):
+        wanted = send(method)
+        until(lambda m, i=wanted: m.get("id") == i)
+    send("Page.navigate", url=url)
+    until(lambda m: m.get("method") == "Page.loadEventFired")
+    wanted = send("Runtime.evaluate", expression=_IMAGES, returnByValue=True)
+    reply = until(lambda m: m.get("id") == wanted)
+    found["images"] = json.loads(reply["result"]["result"]["value"])
+    wanted = send("Runtime.evaluate", expression="document.title", returnByValue=True)
+    found["title"] = until(lambda m: m.get("id") == wanted)["result"]["result"]["value"]
+    return found

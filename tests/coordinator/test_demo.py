@@ -1,0 +1,112 @@
+"""`edgefl demo`: a federation of real processes over a real broker, its report, and Ctrl-C.
+
+Both tests start real processes (a broker, a coordinator daemon, device processes), kept to two
+devices, one or two rounds and scikit-learn's digits so that they stay short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from coordinator.demo import DemoOptions, run_demo
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_demo_runs_devices_as_processes_and_writes_the_report(tmp_path: Path) -> None:
+    lines: list[str] = []
+
+    results = run_demo(
+        DemoOptions(rounds=2, clients=2, dataset="digits", out=tmp_path, seed=3),
+        echo=lines.append,
+    )
+
+    text = "\n".join(lines)
+    # Each device was its own process, with its own architecture, over the broker.
+    pids = [int(p) for p in re.findall(r"c\d \w+ \(pid (\d+)\)", text)]
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert re.search(r"broker: mqtt://127\.0\.0\.1:\d+ \(", text)
+    assert [c["arch"] for c in results["clients"]] == ["mlr", "mlp"]
+    assert psutil.Process().children(recursive=True) == []  # nothing left running
+    # Live progress: one line per round with every client's accuracy.
+    rounds = [ln for ln in lines if ln.startswith("round ")]
+    assert [ln[:11] for ln in rounds] == ["round  1/2 ", "round  2/2 "]
+    assert all("online 2/2" in ln and " c0 " in ln and " c1 " in ln for ln in rounds)
+    last = results["rounds"][-1]["client_acc"]
+    assert f"c1 {100 * last['c1']:5.1f}" in rounds[-1]
+    # The baselines ran on the same split; the metrics come from them.
+    assert all(
+        c["local_acc"] is not None and c["fedavg_acc"] is not None for c in results["clients"]
+    )
+    assert "PUI" in results["summary"]["metrics"]
+    # The ONNX file each device exported scores what the federation measured for that device.
+    for row, client in zip(results["onnx"], results["clients"], strict=True):
+        assert (tmp_path / row["file"]).is_file() and row["size_bytes"] > 0
+        assert row["accuracy"] == pytest.approx(client["personal_acc"], abs=1e-6)
+    # The split is stated, and each device holds a few classes.
+    counts = [c["counts"] for c in results["split"]["clients"]]
+    assert all(0 < sum(1 for n in row if n) < 10 for row in counts)
+    assert "label_groups" in text and "data: digits" in text
+    # The report: Markdown, plots, one page with them embedded, and results.json on disk.
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["onnx"] == results["onnx"]
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("data:image/png;base64,") >= 3
+    assert "## Data per client" in (tmp_path / "report.md").read_text()
+    assert re.search(r"wall time: \d+\.\d s", text)
+
+
+def test_demo_sigint_stops_the_broker_and_every_process(tmp_path: Path) -> None:
+    flags = ["--clients", "2", "--rounds", "200", "--dataset", "digits", "--out", str(tmp_path)]
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "demo", *flags],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
+    seen: list[str] = []
+    try:
+        assert demo.stdout is not None
+        # Until every process is started: the devices are still importing torch, the point where
+        # a child is easiest to leave behind (and the same loop the demo follows rounds in).
+        for line in demo.stdout:
+            seen.append(line)
+            if line.startswith("waiting for 2 devices"):
+                break
+        started = [ln for ln in seen if "pid" in ln]
+        pids = [int(p) for ln in started for p in re.findall(r"pid (\d+)", ln)]
+        # the broker (mosquitto is a child; the embedded one lives in the demo), a coordinator
+        # and two devices
+        assert len(pids) >= 3, "".join(seen)
+        assert all(_alive(p) for p in pids)
+
+        demo.send_signal(signal.SIGINT)
+        rest, _ = demo.communicate(timeout=60)
+    finally:
+        demo.kill()
+
+    assert demo.returncode == 130, "".join(seen) + rest
+    assert "interrupted: every process the demo started has been stopped" in rest
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in pids if _alive(p)] == []
