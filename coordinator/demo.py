@@ -52,6 +52,7 @@ from coordinator.simulator import (
     write_results,
 )
 from coordinator.strategies import strategy_class
+from coordinator.strategies.base import GlobalModelStrategy
 from coordinator.strategies.fedavg import FedAvgStrategy
 from edge_sdk.onnx_bench import BenchSettings, benchmark_onnx
 from model_zoo.data import DatasetNotFound
@@ -357,10 +358,11 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> dict[str, Any]:
                 unlabeled = out / "unlabeled.npy"
                 np.save(unlabeled, fed.server_data.unlabeled.numpy())
                 extra.append(f"{cfg.algorithm}.unlabeled_path={unlabeled}")
+            shared = issubclass(strategy_class(cfg.algorithm), GlobalModelStrategy)
             echo(
                 f"{cfg.algorithm}: {cfg.rounds} round{'s' if cfg.rounds > 1 else ''}, "
-                f"global model {cfg.global_family}; "
-                f"local training per round: {_budget_words(cfg)}"
+                + (f"global model {cfg.global_family}; " if shared else "no global model; ")
+                + f"local training per round: {_budget_words(cfg)}"
             )
             with timer.phase("deployment"):
                 deployed = deploy_and_follow(cfg, url, out, arch, procs, echo, extra)
