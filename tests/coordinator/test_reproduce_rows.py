@@ -1,0 +1,25 @@
+"""benchmarks/reproduce.py: every registered row resolves to a valid run config."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import load_config
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "reproduce.py"
+_spec = importlib.util.spec_from_file_location("reproduce", SCRIPT)
+assert _spec is not None and _spec.loader is not None
+reproduce = importlib.util.module_from_spec(_spec)
+sys.modules["reproduce"] = reproduce  # dataclasses look their module up
+_spec.loader.exec_module(reproduce)
+
+
+@pytest.mark.parametrize("name", sorted(reproduce.ROWS))
+def test_every_row_resolves_to_the_algorithm_and_rounds_it_names(name):
+    row = reproduce.ROWS[name]
+    cfg = load_config(
+        reproduce.ROOT / row.config if row.config else None, reproduce._nest(row.flags)
+    )
+    assert cfg.algorithm in name and f"T={cfg.rounds}" in row.title
