@@ -367,7 +367,14 @@ class MqttTransport(Transport):
             if self.protocol_version == "5":
                 props = Properties(PacketTypes.DISCONNECT)
                 props.SessionExpiryInterval = 0
+            was_connected = self._connected.is_set()
             self._client.disconnect(properties=props)
+            # paho's network thread writes the DISCONNECT, then reports it (on_disconnect clears
+            # `_connected`); stopping the thread earlier can close the socket before the packet
+            # leaves, and the broker then publishes our will although we left cleanly.
+            deadline = time.monotonic() + 5.0
+            while was_connected and self._connected.is_set() and time.monotonic() < deadline:
+                time.sleep(0.005)
             self._halt()
         self._closed = True
 
