@@ -415,3 +415,16 @@ def test_fedavg_refusal_of_mixed_architectures_names_every_alternative():
         IncompatibleClients, match=r"Use fml, pfml, persfl or fedme for heterogeneous models\.$"
     ):
         _strategy("fedavg", _clients(MLR, mlp))
+
+
+def test_a_one_step_round_is_configure_fit_and_aggregate_fit_of_that_round():
+    # The default `steps` is one unnamed step; the step hooks hand the round on unchanged.
+    s = _strategy("fedavg", _clients(MLR, MLR), local_epochs=1)
+    seen = []
+    s.configure_fit = lambda r: seen.append(("configure", r)) or {}
+    s.aggregate_fit = lambda r, replies: seen.append(("aggregate", r, dict(replies)))
+    assert s.steps == ("",)
+    assert s.configure_step(2, "") == {}
+    s.aggregate_step(2, "", {"c0": "reply"})
+    assert seen == [("configure", 2), ("aggregate", 2, {"c0": "reply"})]
+    assert s.task_params(2, "", "c0") == {} and s.results() == {} and not s.late_joiner_models()

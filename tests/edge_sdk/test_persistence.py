@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from edge_sdk.algorithms import ClientContext, algorithm_class
+from edge_sdk.algorithms import AlgorithmError, ClientContext, algorithm_class
 from edge_sdk.codec import WireModel
 from edge_sdk.state import StateError, load_state, save_state
 from edge_sdk.trainer import ClientData, Trainer
@@ -97,3 +97,89 @@ def test_state_files_hold_nested_tensors_and_plain_values(tmp_path):
     back = load_state(save_state(tmp_path / "s", state))
     assert back["a"] == [1, 2.5, "x", None, True] and back["inf"] == float("inf")
     assert torch.equal(back["b"]["t"], state["b"]["t"])
+
+
+class _Keeper(algorithm_class("local")):  # type: ignore[misc]
+    """`local` plus one attribute of every kind the persistence layer encodes."""
+
+    persistent = ("model", "optimizer", "other", "spec", "wire", "table", "peers", "mods", "plain")
+
+    def __init__(self, ctx, config):
+        super().__init__(ctx, config)
+        self.other = self._build(GLOBAL, salt=3)  # a second module, its own architecture
+        self.spec = GLOBAL
+        self.wire = WireModel.of(GLOBAL, build(GLOBAL, seed=11))
+        self.table = {"a": 1.5, "b": {"c": 2.5}}
+        self.peers = {"p1": WireModel.of(MINE, build(MINE, seed=12))}
+        self.mods = {"m": self._build(MINE, salt=4)}  # modules in a dict load in place
+        self.plain = [1, "x"]
+
+
+def _keeper(seed=0):
+    device = torch.device("cpu")
+    ctx = ClientContext("c0", MINE, _data(), device, seed, Trainer(device, seed=seed))
+    return _Keeper(ctx, _Keeper.config_cls(local_epochs=1))
+
+
+def _same_weights(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_every_kind_of_private_state_round_trips_and_modules_change_architecture(tmp_path):
+    # Prepare: trained state; a fresh instance whose `other` holds another architecture and
+    # whose values all differ.
+    original = _keeper()
+    original.fit(1, 3, {})
+    save_state(tmp_path / "s", original.state_dict())
+    fresh = _keeper(seed=5)
+    fresh.other = torch.nn.Linear(2, 2)  # another architecture, not even built by _build
+    fresh.spec, fresh.wire = MINE, WireModel.of(MINE, build(MINE))
+    in_place = fresh.mods["m"]
+    fresh.table, fresh.peers, fresh.plain = {}, {}, []
+    # Execute
+    fresh.load_state_dict(load_state(tmp_path / "s"))
+    # Assert: every value equals the original's; `other` was rebuilt as the saved architecture.
+    assert _same_weights(fresh.other.state_dict(), original.other.state_dict())
+    assert fresh.other._edgefl_spec == GLOBAL and fresh.other is not original.other
+    assert _same_weights(fresh.model.state_dict(), original.model.state_dict())
+    assert fresh.spec == GLOBAL and fresh.plain == [1, "x"] and fresh.table == original.table
+    assert fresh.wire.spec == GLOBAL and _same_weights(fresh.wire.weights, original.wire.weights)
+    assert fresh.peers.keys() == {"p1"} and fresh.peers["p1"].spec == MINE
+    assert _same_weights(fresh.peers["p1"].weights, original.peers["p1"].weights)
+    assert fresh.mods["m"] is in_place  # its optimizer, if any, still steps it
+    assert _same_weights(in_place.state_dict(), original.mods["m"].state_dict())
+
+
+def test_a_saved_state_is_a_snapshot_that_later_training_does_not_change():
+    algo = _keeper()
+    algo.fit(1, 3, {})
+    state = algo.state_dict()
+    momentum = {k: v["momentum_buffer"].clone() for k, v in _moments(state).items()}
+    weights = {k: v.clone() for k, v in state["model"]["weights"].items()}
+    algo.fit(2, 3, {})
+    assert _same_weights(state["model"]["weights"], weights)
+    assert _same_weights({k: v["momentum_buffer"] for k, v in _moments(state).items()}, momentum)
+
+
+def _moments(state):
+    return state["optimizer"]["__optimizer__"]["state"]
+
+
+def test_state_errors_name_what_is_wrong():
+    algo = _keeper()
+    algo.other = torch.nn.Linear(2, 2)  # not built by _build: nothing to rebuild it from
+    with pytest.raises(AlgorithmError, match=r"local\.other: a module not built by _build"):
+        algo.state_dict()
+    algo = _keeper()
+    state = algo.state_dict()
+    algo.optimizer = None
+    with pytest.raises(AlgorithmError, match="an optimizer was saved where none exists now"):
+        algo.load_state_dict(state)
+    with pytest.raises(AlgorithmError, match=r"lacks \['plain'\]"):
+        algo.load_state_dict({k: v for k, v in state.items() if k != "plain"})
+    with pytest.raises(AlgorithmError, match=r"lacks \['__rng__'\]"):
+        algo.load_state_dict({k: v for k, v in state.items() if k != "__rng__"})
+    algo = _keeper()
+    algo.table = {"deep": torch.nn.Linear(2, 2)}
+    with pytest.raises(AlgorithmError, match=r"local\.table\.deep: a module not built"):
+        algo.state_dict()
