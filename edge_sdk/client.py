@@ -248,10 +248,7 @@ class EdgeClient:
         algo.ctx.task = TaskInfo("", {})
         result = algo.finalize(archive.rounds, archive.rounds, models)
         self.finished, self.last_metrics = True, dict(result.metrics)
-        self._save()
-        if self.onnx_path is not None:
-            self.exported = self.export_onnx()
-            log.info("%s: exported its personalized model to %s", self.client_id, self.exported)
+        self._finalized()
         return result
 
     def register(self) -> None:
@@ -441,11 +438,15 @@ class EdgeClient:
         if task.phase == "evaluate":
             return FitResult(metrics=algo.evaluate(models))
         result = algo.finalize(task.round, task.rounds, models)
+        self._finalized()
+        return result
+
+    def _finalized(self) -> None:
+        """After the finalize phase: persist, then export the personalized model if asked."""
         self._save()
         if self.onnx_path is not None:
             self.exported = self.export_onnx()
             log.info("%s: exported its personalized model to %s", self.client_id, self.exported)
-        return result
 
     # -- persistence -----------------------------------------------------------------------
     def _save(self) -> None:

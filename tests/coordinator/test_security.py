@@ -1,6 +1,8 @@
 """A federation behind the broker files `edgefl broker-acl` writes: every participant has its
 own user, and no one can speak for anyone else."""
 
+import contextlib
+
 import pytest
 from tests_helpers import small_federation
 
@@ -31,15 +33,18 @@ def _as(broker, credentials, user):
     return MqttTransport(settings, f"edgefl-acl-{user}")
 
 
-def test_a_federation_runs_under_the_acl_and_ignores_an_unregistered_id(secured):
+@contextlib.contextmanager
+def _federation(secured, algorithm, **config):
+    """A coordinator, clients c0-c2 and the rogue c9, each connected under its own user.
+
+    The federation's data and clients come from the in-memory helper; their transports are
+    swapped for MQTT connections under each one's own user."""
     broker, creds = secured
-    # The federation's data and clients come from the in-memory helper; their transports are
-    # swapped for MQTT connections under each one's own user.
     _, template = small_federation(n=3, rounds=2)
     coordinator = Coordinator(
         _as(broker, creds, "coordinator"),
-        algorithm="fedavg",
-        config=algorithm_class("fedavg").config_cls(local_epochs=1),
+        algorithm=algorithm,
+        config=algorithm_class(algorithm).config_cls(**config),
         rounds=2,
         expected_clients=3,
         round_config=RoundConfig(deadline_s=60, register_timeout_s=60),
@@ -48,21 +53,26 @@ def test_a_federation_runs_under_the_acl_and_ignores_an_unregistered_id(secured)
         EdgeClient(c.client_id, c.spec, c.data, _as(broker, creds, c.client_id), seed=i).start()
         for i, c in enumerate(template)
     ]
-    # c9 holds valid credentials but is not in this run: its words carry no weight.
     rogue = _as(broker, creds, "c9").connect(10)
-    fake = Reply(run="default", sender="c9", task_id="x", round=1, phase="fit", ok=True)
-    rogue.publish(topics.up("default", "c9"), message_frame(fake)).wait(10)
-    # ... nor can it speak for c0: the broker refuses, and says so.
-    with pytest.raises(NotAuthorized):
-        rogue.publish(topics.up("default", "c0"), message_frame(fake)).wait(10)
     try:
-        result = coordinator.run()
+        yield coordinator, clients, rogue
     finally:
         for c in clients:
             c.stop()
             c.transport.close()
         rogue.close()
         coordinator.transport.close()
+
+
+def test_a_federation_runs_under_the_acl_and_ignores_an_unregistered_id(secured):
+    with _federation(secured, "fedavg", local_epochs=1) as (coordinator, _, rogue):
+        # c9 holds valid credentials but is not in this run: its words carry no weight.
+        fake = Reply(run="default", sender="c9", task_id="x", round=1, phase="fit", ok=True)
+        rogue.publish(topics.up("default", "c9"), message_frame(fake)).wait(10)
+        # ... nor can it speak for c0: the broker refuses, and says so.
+        with pytest.raises(NotAuthorized):
+            rogue.publish(topics.up("default", "c0"), message_frame(fake)).wait(10)
+        result = coordinator.run()
     assert [c.id for c in result.clients] == ["c0", "c1", "c2"]
     assert all(r.replied == ["c0", "c1", "c2"] for r in result.rounds)
     assert coordinator.stats.rejected["unknown_sender"] == 1
@@ -70,22 +80,7 @@ def test_a_federation_runs_under_the_acl_and_ignores_an_unregistered_id(secured)
 
 def test_peers_under_the_acl_collaborate_and_none_can_forge_another_s_models(secured):
     # FedeRiCo: models and gradients go client to client over peer topics.
-    broker, creds = secured
-    _, template = small_federation(n=3, rounds=2)
-    coordinator = Coordinator(
-        _as(broker, creds, "coordinator"),
-        algorithm="federico",
-        config=algorithm_class("federico").config_cls(neighbours=2),
-        rounds=2,
-        expected_clients=3,
-        round_config=RoundConfig(deadline_s=60, register_timeout_s=60),
-    ).open()
-    clients = [
-        EdgeClient(c.client_id, c.spec, c.data, _as(broker, creds, c.client_id), seed=i).start()
-        for i, c in enumerate(template)
-    ]
-    rogue = _as(broker, creds, "c9").connect(10)
-    try:
+    with _federation(secured, "federico", neighbours=2) as (coordinator, clients, rogue):
         # c9 may not replace c0's published model nor send c0 a gradient in c1's name.
         for topic in (
             topics.peer_publication("default", "c0"),
@@ -94,12 +89,6 @@ def test_peers_under_the_acl_collaborate_and_none_can_forge_another_s_models(sec
             with pytest.raises(NotAuthorized):
                 rogue.publish(topic, b"forged").wait(10)
         result = coordinator.run()
-    finally:
-        for c in clients:
-            c.stop()
-            c.transport.close()
-        rogue.close()
-        coordinator.transport.close()
     assert all(r.replied == ["c0", "c1", "c2"] for r in result.rounds)
     assert all(c.tasks_done >= 5 and not c.errors for c in clients)  # 2 × 2 steps + finalize
     assert all(len(row) == 3 for row in result.extra["collaboration"])
