@@ -102,6 +102,9 @@ class RunConfig(BaseModel):
     metrics_port: int | None = Field(None, ge=0, le=65535)  # coordinator: Prometheus /metrics
     client: DeviceConfig = DeviceConfig()
     parallel: int | None = Field(None, ge=1)  # simulated clients training at once; None = cores
+    # Simulated clients of one architecture whose algorithm can (pfml) train their fit tasks
+    # together as one stacked model (edge_sdk.cohort); False: each on its own thread.
+    cohort: bool = True
     run_id: str = "sim"
 
     @model_validator(mode="after")

@@ -31,6 +31,7 @@ from coordinator.server_data import ServerData
 from coordinator.strategies import GlobalModelStrategy, strategy_class
 from edge_sdk import topics
 from edge_sdk.client import EdgeClient
+from edge_sdk.cohort import Cohort
 from edge_sdk.device import resolve_device
 from edge_sdk.trainer import ClientData
 from edge_sdk.transport import InMemoryBroker, Transport
@@ -285,16 +286,17 @@ def run_federation(
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel))
     release = _lean_heap(parallel)
+    cohorts: dict[str, Cohort] = {}  # by architecture
     clients: list[EdgeClient] = []
     try:
         coordinator.open()
         for i, (cid, data) in enumerate(zip(fed.client_ids, fed.client_data, strict=True)):
-            family = families[i % len(families)]
+            spec = client_spec(cfg, families[i % len(families)], fed.dataset)
             transports.append(connect(cid))
             clients.append(
                 EdgeClient(
                     cid,
-                    client_spec(cfg, family, fed.dataset),
+                    spec,
                     data,
                     transports[-1],
                     run_id=run_id,
@@ -305,6 +307,7 @@ def run_federation(
                     normalization=fed.dataset.normalization,
                     fp16_upload=cfg.fp16_upload,
                     compute_gate=gate,
+                    cohort=cohorts.setdefault(spec.to_json(), Cohort(gate)) if cfg.cohort else None,
                     on_task=release,
                 ).start()
             )

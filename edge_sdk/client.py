@@ -46,6 +46,7 @@ from edge_sdk.algorithms import (
     algorithm_names,
 )
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES
+from edge_sdk.cohort import Cohort
 from edge_sdk.peers import PeerChannel
 from edge_sdk.protocol import (
     Archive,
@@ -91,7 +92,8 @@ class EdgeClient:
     `onnx_path`: where to export the personalized model (verified) after the last round.
     `on_task`: called on the worker thread after every task (a per-round progress hook).
     `compute_gate` (optional) is a semaphore shared by simulated clients to bound how many train
-    at once on one machine; a real device leaves it unset.
+    at once on one machine; a real device leaves it unset. So does `cohort`: simulated clients
+    that share one train their fit tasks together as one stacked model (`edge_sdk.cohort`).
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class EdgeClient:
         fp16_upload: bool = False,
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
         compute_gate: threading.Semaphore | None = None,
+        cohort: Cohort | None = None,
         on_task: Callable[[TaskOutcome], None] | None = None,
         owns_transport: bool = False,
         state_dir: str | Path | None = None,
@@ -133,6 +136,7 @@ class EdgeClient:
         self.max_blob_bytes = max_blob_bytes
         self.on_task = on_task
         self._gate = compute_gate
+        self.cohort = cohort
         self.transport = transport
         self._owns_transport = owns_transport
         self._up = topics.up(run_id, client_id)
@@ -358,8 +362,12 @@ class EdgeClient:
 
     def _handle(self, task: Task, blobs: dict[str, bytes]) -> None:
         out_blobs: dict[str, bytes] = {}
+        stacked = self._stacked(task)
+        if stacked:
+            self.cohort.announce(self.client_id)  # type: ignore[union-attr]
         try:
-            with self._gate or nullcontext():
+            # A cohort takes the gate itself while it computes, not while its members wait.
+            with nullcontext() if stacked else self._gate or nullcontext():
                 result = self.run_task(task, blobs)
             refs, out_blobs = pack_models(
                 result.models, fp16=self.fp16_upload, max_bytes=self.max_blob_bytes
@@ -378,6 +386,9 @@ class EdgeClient:
             self.errors.append(error)
             out_blobs = {}
             reply = self._reply(task, {"ok": False, "error": error})
+        finally:
+            if stacked:
+                self.cohort.withdraw(self.client_id)  # type: ignore[union-attr]
         try:
             self._send(reply, out_blobs)
         except TransportError as exc:
@@ -393,6 +404,15 @@ class EdgeClient:
                 self.on_task(outcome_)
             except Exception:  # the app's callback must not stop the client
                 log.exception("%s: on_task callback failed", self.client_id)
+
+    def _stacked(self, task: Task) -> bool:
+        """Whether this fit task goes to the cohort (its algorithm trains stacked)."""
+        if self.cohort is None or task.phase != "fit":
+            return False
+        try:
+            return algorithm_class(task.algorithm).stackable
+        except AlgorithmError:
+            return False  # run_task reports the unknown algorithm
 
     def _reply(self, task: Task, outcome: dict[str, Any]) -> Reply:
         base = {
@@ -432,7 +452,11 @@ class EdgeClient:
                     self._fit_steps = []
                 self._fit_round = task.round
                 self._fit_steps.append(task.step)
-            result = algo.fit(task.round, task.rounds, models)
+            if self._stacked(task):
+                assert self.cohort is not None
+                result = self.cohort.fit(self.client_id, algo, task.round, task.rounds, models)
+            else:
+                result = algo.fit(task.round, task.rounds, models)
             self._save()
             return result
         if task.phase == "evaluate":

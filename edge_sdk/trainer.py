@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -214,6 +214,25 @@ class Trainer:
     def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
+
+    def value_and_grad(
+        self,
+        model: nn.Module,
+        objective: Callable[..., torch.Tensor],
+        x: torch.Tensor,
+        *args: torch.Tensor,
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """The gradient of `objective(model(x), *args)` with respect to the model's trainable
+        parameters, and its value (detached). A cohort trainer takes it per stacked row."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        with self.autocast():
+            z = model(x)
+        loss = objective(z, *args)
+        return torch.autograd.grad(loss, params), loss.detach()
+
+    def average(self, values: Sequence[torch.Tensor]) -> float:
+        """The mean of per-step scalar values (a training loss over a round)."""
+        return sum(float(v) for v in values) / max(1, len(values))
 
     def autocast(self) -> contextlib.AbstractContextManager[object]:
         if self.amp:

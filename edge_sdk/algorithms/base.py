@@ -95,6 +95,18 @@ class ClientContext:
     peers: PeerChannel | None = None
     task: TaskInfo = field(default_factory=TaskInfo)
 
+    def build_model(self, spec: ArchSpec, salt: int = 0) -> nn.Module:
+        """A fresh `spec` network on this client's device, seeded by the client and `salt`."""
+        model = self.trainer.prepare(build(spec, seed=self.seed * 1009 + salt))
+        setattr(model, SPEC_ATTR, spec)  # what persistence rebuilds it from
+        return model
+
+    def materialize(self, model: WireModel) -> nn.Module:
+        """A received model as a network on this client's device."""
+        module = self.trainer.prepare(model.build())
+        setattr(module, SPEC_ATTR, model.spec)
+        return module
+
 
 # A per-client fact a reply reports as it is (a choice made on the device, an architecture name),
 # as opposed to a metric, which the coordinator averages over clients.
@@ -117,6 +129,10 @@ class ClientAlgorithm(ABC):
     # the optimizers that step them): modules built by `_build`/`_materialize`, optimizers,
     # tensors, ArchSpecs, WireModels, plain values, and dicts of any of these.
     persistent: ClassVar[tuple[str, ...]] = ()
+    # True when `fit` can run once for many clients on stacked models (edge_sdk.cohort): it
+    # builds models through ctx, draws batches with trainer.sample_batch, takes gradients with
+    # trainer.value_and_grad, averages with trainer.average and updates elementwise.
+    stackable: ClassVar[bool] = False
 
     def __init__(self, ctx: ClientContext, config: BaseAlgorithmConfig) -> None:
         self.ctx = ctx
@@ -205,15 +221,10 @@ class ClientAlgorithm(ABC):
         }
 
     def _build(self, spec: ArchSpec, salt: int = 0) -> nn.Module:
-        model = self.ctx.trainer.prepare(build(spec, seed=self.ctx.seed * 1009 + salt))
-        setattr(model, SPEC_ATTR, spec)  # what persistence rebuilds it from
-        return model
+        return self.ctx.build_model(spec, salt)
 
     def _materialize(self, model: WireModel) -> nn.Module:
-        """A received model as a network on this client's device."""
-        module = self.ctx.trainer.prepare(model.build())
-        setattr(module, SPEC_ATTR, model.spec)
-        return module
+        return self.ctx.materialize(model)
 
     def _require(self, models: Mapping[str, WireModel], name: str) -> WireModel:
         if name not in models:

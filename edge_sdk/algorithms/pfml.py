@@ -74,6 +74,10 @@ class PFMLConfig(BaseAlgorithmConfig):
         return self
 
 
+def _objective(z: torch.Tensor, y: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    return cross_entropy(z, y) + kl_distill(z, teacher)
+
+
 def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.requires_grad]
 
@@ -82,6 +86,7 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 class PFML(ClientAlgorithm):
     name = "pfml"
     persistent = ("local", "aux")
+    stackable = True
     config_cls = PFMLConfig
     config: PFMLConfig
 
@@ -133,12 +138,9 @@ class PFML(ClientAlgorithm):
                 p.copy_(q)
         first: tuple[tuple[torch.Tensor, ...], torch.Tensor] | None = None
         for _ in range(cfg.k_steps):
-            with self.ctx.trainer.autocast():
-                z = work(x)
-            loss = cross_entropy(z, y) + kl_distill(z, teacher)
-            grads = torch.autograd.grad(loss, params)
+            grads, loss = self.ctx.trainer.value_and_grad(work, _objective, x, y, teacher)
             if first is None:
-                first = (grads, loss.detach())
+                first = (grads, loss)
             with torch.no_grad():
                 # + ∇ λ/2·||anchor − ·||² = λ·(· − anchor), written out: through autograd it cost
                 # five ops and their backward per parameter, most of a step of a small model.
@@ -161,7 +163,7 @@ class PFML(ClientAlgorithm):
         w_global = [p.detach().clone() for p in _params(local)]
         m_prev = [p.detach().clone() for p in _params(aux)]
         theta_net, w_hat_net = copy.deepcopy(aux), copy.deepcopy(local)
-        losses = []
+        losses: list[torch.Tensor] = []
         for _ in range(cfg.local_iterations):
             x, y = trainer.sample_batch(data.x_train, data.y_train, cfg.batch_size)
             with torch.no_grad(), trainer.autocast():  # each model is the other's teacher
@@ -173,10 +175,10 @@ class PFML(ClientAlgorithm):
             with torch.no_grad():
                 for p, g, anchor in zip(params, grads_m + grads_w, theta + w_hat, strict=True):
                     p.sub_(eta * (g + lam * (p - anchor)))
-            losses.append(float(loss_m + loss_w))
+            losses.append(loss_m + loss_w)
         return FitResult(
             models={"local": WireModel.of(glob.spec, local)},
-            metrics={"train_loss": sum(losses) / max(1, len(losses))},
+            metrics={"train_loss": trainer.average(losses)},
             n_samples=data.n_train,
         )
 
