@@ -198,14 +198,10 @@ class CohortTrainer(Trainer):
         grads, value = vmap(grad_and_value(loss))(params, x, *args)
         return tuple(grads[n] for n in names), value.detach()
 
-    def average(self, values: Sequence[torch.Tensor]) -> Any:  # one mean per member
-        rows = torch.stack(list(values)).tolist() if values else []
-        n = max(1, len(rows))
-        return (
-            [sum(col) / n for col in zip(*rows, strict=True)]
-            if rows
-            else [float("nan")] * len(self.members)
-        )
+    def average(self, values: Sequence[torch.Tensor]) -> Any:
+        """One mean per member, as Trainer.average takes it for one client."""
+        rows = torch.stack(list(values)).tolist() if values else [[0.0] * len(self.members)]
+        return [sum(col) / max(1, len(values)) for col in zip(*rows, strict=True)]
 
 
 @dataclass
