@@ -16,8 +16,12 @@ __all__ = ["cross_entropy", "kl_distill", "proximal", "soft_cross_entropy"]
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of logits (B, C) against class ids (B,)."""
-    return F.cross_entropy(logits.float(), target)
+    """Mean cross-entropy of logits (B, C) against class ids (B,).
+
+    Written as what F.cross_entropy computes for class ids (log-softmax, then NLL), the same
+    numbers to the bit: under `vmap(grad(...))` (edge_sdk.cohort) that form runs ~10% faster.
+    """
+    return F.nll_loss(F.log_softmax(logits.float(), dim=1), target)
 
 
 def kl_distill(

@@ -98,3 +98,16 @@ def test_kl_distill_at_temperature_two_takes_the_scaled_path():
 def test_proximal_over_no_parameters_is_a_clear_error():
     with pytest.raises(ValueError, match=r"^proximal term over an empty parameter list$"):
         proximal([], [], 1.0)
+
+
+@pytest.mark.parametrize(("batch", "classes"), [(1, 2), (20, 10), (128, 10), (500, 100)])
+def test_cross_entropy_and_its_gradient_equal_torchs_to_the_bit(batch, classes):
+    # The simulator's pinned results depend on it (tests/coordinator/test_simulator_results.py).
+    g = torch.Generator().manual_seed(batch)
+    z = torch.randn(batch, classes, generator=g, requires_grad=True)
+    y = torch.randint(0, classes, (batch,), generator=g)
+
+    ours, theirs = cross_entropy(z, y), F.cross_entropy(z, y)
+
+    assert torch.equal(ours, theirs)
+    assert torch.equal(torch.autograd.grad(ours, z)[0], torch.autograd.grad(theirs, z)[0])
