@@ -362,12 +362,12 @@ class EdgeClient:
 
     def _handle(self, task: Task, blobs: dict[str, bytes]) -> None:
         out_blobs: dict[str, bytes] = {}
-        stacked = self._stacked(task)
-        if stacked:
-            self.cohort.announce(self.client_id)  # type: ignore[union-attr]
+        cohort = self._cohort_for(task)
+        if cohort is not None:
+            cohort.announce(self.client_id)
         try:
             # A cohort takes the gate itself while it computes, not while its members wait.
-            with nullcontext() if stacked else self._gate or nullcontext():
+            with nullcontext() if cohort is not None else self._gate or nullcontext():
                 result = self.run_task(task, blobs)
             refs, out_blobs = pack_models(
                 result.models, fp16=self.fp16_upload, max_bytes=self.max_blob_bytes
@@ -387,8 +387,8 @@ class EdgeClient:
             out_blobs = {}
             reply = self._reply(task, {"ok": False, "error": error})
         finally:
-            if stacked:
-                self.cohort.withdraw(self.client_id)  # type: ignore[union-attr]
+            if cohort is not None:
+                cohort.withdraw(self.client_id)
         try:
             self._send(reply, out_blobs)
         except TransportError as exc:
@@ -405,14 +405,14 @@ class EdgeClient:
             except Exception:  # the app's callback must not stop the client
                 log.exception("%s: on_task callback failed", self.client_id)
 
-    def _stacked(self, task: Task) -> bool:
-        """Whether this fit task goes to the cohort (its algorithm trains stacked)."""
+    def _cohort_for(self, task: Task) -> Cohort | None:
+        """The cohort this task trains in: a fit task of an algorithm that trains stacked."""
         if self.cohort is None or task.phase != "fit":
-            return False
+            return None
         try:
-            return algorithm_class(task.algorithm).stackable
+            return self.cohort if algorithm_class(task.algorithm).stackable else None
         except AlgorithmError:
-            return False  # run_task reports the unknown algorithm
+            return None  # run_task reports the unknown algorithm
 
     def _reply(self, task: Task, outcome: dict[str, Any]) -> Reply:
         base = {
@@ -452,9 +452,9 @@ class EdgeClient:
                     self._fit_steps = []
                 self._fit_round = task.round
                 self._fit_steps.append(task.step)
-            if self._stacked(task):
-                assert self.cohort is not None
-                result = self.cohort.fit(self.client_id, algo, task.round, task.rounds, models)
+            cohort = self._cohort_for(task)
+            if cohort is not None:
+                result = cohort.fit(self.client_id, algo, task.round, task.rounds, models)
             else:
                 result = algo.fit(task.round, task.rounds, models)
             self._save()
