@@ -210,7 +210,7 @@ class CohortContext(ClientContext):
 
     members: list[ClientContext] = field(default_factory=list)
 
-    def build_model(self, spec: ArchSpec, salt: int = 0) -> nn.Module:
+    def build_model(self, spec: ArchSpec, salt: int) -> nn.Module:
         return stack_modules([c.build_model(spec, salt) for c in self.members])
 
     def materialize(self, model: WireModel) -> nn.Module:

@@ -95,7 +95,7 @@ class ClientContext:
     peers: PeerChannel | None = None
     task: TaskInfo = field(default_factory=TaskInfo)
 
-    def build_model(self, spec: ArchSpec, salt: int = 0) -> nn.Module:
+    def build_model(self, spec: ArchSpec, salt: int) -> nn.Module:
         """A fresh `spec` network on this client's device, seeded by the client and `salt`."""
         model = self.trainer.prepare(build(spec, seed=self.seed * 1009 + salt))
         setattr(model, SPEC_ATTR, spec)  # what persistence rebuilds it from
