@@ -20,7 +20,6 @@ import logging
 import math
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -62,6 +61,7 @@ from edge_sdk.wire import (
     pack_models,
     publish_retained,
     reference_shapes,
+    unique_id,
     unpack_models,
 )
 from model_zoo import ArchSpec, ModelZooError
@@ -733,7 +733,7 @@ class Coordinator:
             task = Task(
                 run=self.run_id,
                 sender=topics.COORDINATOR,
-                task_id=f"{phase}{step and '.' + step}-{r}-{cid}-{uuid.uuid4().hex[:8]}",
+                task_id=f"{phase}{step and '.' + step}-{r}-{cid}-{unique_id(32)}",
                 round=r,
                 rounds=self.rounds,
                 phase=phase,

@@ -1,6 +1,8 @@
 """Codec, protocol and framing: bad input gets a specific error and the endpoint keeps serving."""
 
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from edge_sdk.codec import (
 )
 from edge_sdk.protocol import ProtocolError, Register, Reply, Shutdown, decode, encode
 from edge_sdk.transport import InMemoryBroker, PayloadTooLarge
-from edge_sdk.wire import Endpoint, pack_models, unpack_models
+from edge_sdk.wire import Endpoint, pack_models, unique_id, unpack_models
 from model_zoo import ArchSpec, build
 
 SPEC = ArchSpec(family="mlp", num_classes=3, input_shape=(4,), kwargs={"hidden": [5]})
@@ -227,6 +229,34 @@ def test_late_duplicate_chunks_of_a_delivered_blob_are_ignored():
     for p in captured[:-1]:  # QoS 1 redelivers chunks after the message was consumed
         sink.publish("in", p)
     assert rx._blobs == {} and rx.rejected == 0
+
+
+def test_delivered_blobs_are_forgotten_after_the_blob_timeout_and_only_those():
+    # Prepare: one blob delivered, then (after the timeout has passed for it) another
+    _broker, tx, rx = _pair(blob_timeout_s=0.3)
+    first, blobs = pack_models({"model": _model()})
+    tx.send("in", _reply(first), blobs)
+    assert rx.receive(timeout=1) is not None
+    time.sleep(0.35)
+    second, blobs = pack_models({"model": _model()})
+    tx.send("in", _reply(second), blobs)
+    assert rx.receive(timeout=1) is not None
+
+    # Execute
+    rx._expire()
+
+    # Assert: the stale one is gone, the fresh one still guards against late duplicates
+    assert [blob_id for _, blob_id in rx._consumed] == [second["model"].blob.id]
+
+
+def test_a_forked_process_draws_other_ids_than_its_parent():
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its first id, then out without running anything else
+        os.write(write, unique_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 64).decode() != unique_id()
 
 
 def test_a_message_naming_one_blob_twice_is_delivered_once_with_it():
