@@ -3,13 +3,14 @@
 A simulation runs many EdgeClients in one process. Each would run its algorithm's ~100 tiny
 torch ops per step on its own; here the clients that have a fit task at the same time run their
 algorithm's `fit` **once**, on models whose parameters carry a leading client dimension
-(`torch.func.vmap` over `functional_call`), so every op runs once for all of them. The clients'
-losses are separable, so each stacked gradient row is exactly that client's gradient, and the
+(`torch.func.vmap` over `functional_call`), so every op runs once for all of them. The shared
+losses give one value per client for stacked logits; no client's loss depends on another's
+parameters, so the gradient of their sum holds each client's own gradient in its row, and the
 algorithm's update rule, written once, applies row by row.
 
 Nothing is forked: the algorithm's own `fit` runs, on a `CohortContext` whose trainer draws each
-client's batch from that client's own generator and data, whose `build_model` builds each
-client's model with its own seed, and whose gradients are `vmap(grad_and_value(...))`. Every
+client's batch from that client's own generator and data and whose `build_model` builds each
+client's model with its own seed. Every
 message still crosses the transport: each EdgeClient decodes its own task and encodes its own
 reply; only the compute in between is shared. Before the stacked fit each member's persistent
 state is stacked, after it each member gets its row back, so evaluation, persistence, rollback
@@ -29,14 +30,14 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, vmap
 
 from edge_sdk.algorithms.base import (
     SPEC_ATTR,
@@ -148,7 +149,7 @@ class _StackedData(ClientData):
 
 class CohortTrainer(Trainer):
     """A Trainer over stacked models: each member's batch from its own generator and data,
-    gradients per row with `vmap(grad_and_value)`, averages per member."""
+    averages per member (value_and_grad is Trainer's: the losses give one value per row)."""
 
     def __init__(self, members: Sequence[Trainer]) -> None:
         first = members[0]
@@ -176,27 +177,6 @@ class CohortTrainer(Trainer):
 
     def batches(self, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> Any:
         raise CohortUnsupported("epoch batches are not stacked yet")
-
-    def value_and_grad(
-        self,
-        model: nn.Module,
-        objective: Callable[..., torch.Tensor],
-        x: torch.Tensor,
-        *args: torch.Tensor,
-    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        template = getattr(model, _TEMPLATE, None)
-        if template is None:
-            raise CohortUnsupported("value_and_grad of a model that is not stacked")
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
-        params = {n: p.detach() for n, p in model.named_parameters()}
-
-        def loss(p: dict[str, torch.Tensor], xi: torch.Tensor, *ai: torch.Tensor) -> torch.Tensor:
-            with self.autocast():
-                z = functional_call(template, p, (xi,))
-            return objective(z, *ai)
-
-        grads, value = vmap(grad_and_value(loss))(params, x, *args)
-        return tuple(grads[n] for n in names), value.detach()
 
     def average(self, values: Sequence[torch.Tensor]) -> Any:
         """One mean per member, as Trainer.average takes it for one client."""

@@ -18,26 +18,35 @@ __all__ = ["cross_entropy", "kl_distill", "proximal", "soft_cross_entropy"]
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of logits (B, C) against class ids (B,).
 
-    Written as what F.cross_entropy computes for class ids (log-softmax, then NLL), the same
-    numbers to the bit: under `vmap(grad(...))` (edge_sdk.cohort) that form runs ~10% faster.
+    With a leading dimension of clients, logits (N, B, C) and ids (N, B) (a cohort's stacked
+    batch, edge_sdk.cohort), one mean per client, shape (N,). For one client it is what
+    F.cross_entropy computes (log-softmax, then NLL), to the bit.
     """
-    return F.nll_loss(F.log_softmax(logits.float(), dim=1), target)
+    log_p = F.log_softmax(logits.float(), dim=-1)
+    if logits.dim() == 3:
+        nll = F.nll_loss(log_p.flatten(0, 1), target.flatten(), reduction="none")
+        return nll.view(target.shape).mean(-1)
+    return F.nll_loss(log_p, target)
 
 
 def kl_distill(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
-    """T² · KL(softmax(teacher/T) || softmax(student/T)), batch-mean; the teacher is detached."""
+    """T² · KL(softmax(teacher/T) || softmax(student/T)), batch-mean; the teacher is detached.
+
+    Logits (N, B, C) with a leading dimension of clients give one value per client, (N,).
+    """
     t = float(temperature)
-    if t == 1.0:  # skip the no-op scaling: it costs four extra ops per call in the hot loop
-        return F.kl_div(
-            F.log_softmax(student_logits.float(), dim=1),
-            F.softmax(teacher_logits.detach().float(), dim=1),
-            reduction="batchmean",
-        )
-    log_p_student = F.log_softmax(student_logits.float() / t, dim=1)
-    p_teacher = F.softmax(teacher_logits.detach().float() / t, dim=1)
-    return F.kl_div(log_p_student, p_teacher, reduction="batchmean") * (t * t)
+    student, teacher = student_logits.float(), teacher_logits.detach().float()
+    if t != 1.0:  # skip the no-op scaling: it costs four extra ops per call in the hot loop
+        student, teacher = student / t, teacher / t
+    log_p_student = F.log_softmax(student, dim=-1)
+    p_teacher = F.softmax(teacher, dim=-1)
+    if student.dim() == 3:
+        kl = F.kl_div(log_p_student, p_teacher, reduction="none").sum(-1).mean(-1)
+    else:
+        kl = F.kl_div(log_p_student, p_teacher, reduction="batchmean")
+    return kl if t == 1.0 else kl * (t * t)
 
 
 def soft_cross_entropy(

@@ -223,12 +223,17 @@ class Trainer:
         *args: torch.Tensor,
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """The gradient of `objective(model(x), *args)` with respect to the model's trainable
-        parameters, and its value (detached). A cohort trainer takes it per stacked row."""
+        parameters, and its value (detached).
+
+        On a cohort's stacked model (edge_sdk.cohort) the objective gives one value per client
+        (the shared losses do for stacked logits); their sum's gradient is each client's own
+        gradient in its row, since no client's loss depends on another's parameters.
+        """
         params = [p for p in model.parameters() if p.requires_grad]
         with self.autocast():
             z = model(x)
         loss = objective(z, *args)
-        return torch.autograd.grad(loss, params), loss.detach()
+        return torch.autograd.grad(loss.sum(), params), loss.detach()
 
     def average(self, values: Sequence[torch.Tensor]) -> float:
         """The mean of per-step scalar values (a training loss over a round)."""
