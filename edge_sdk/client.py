@@ -366,8 +366,7 @@ class EdgeClient:
         if cohort is not None:
             cohort.announce(self.client_id)
         try:
-            # A cohort takes the gate itself while it computes, not while its members wait.
-            with nullcontext() if cohort is not None else self._gate or nullcontext():
+            with self._gate or nullcontext():
                 result = self.run_task(task, blobs)
             refs, out_blobs = pack_models(
                 result.models, fp16=self.fp16_upload, max_bytes=self.max_blob_bytes

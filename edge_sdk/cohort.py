@@ -31,7 +31,6 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -361,8 +360,10 @@ class Cohort:
     Each EdgeClient calls `announce` when a fit task reaches it and `fit` once it has decoded
     the task. The first member to submit collects: once every member that announced a task has
     submitted it and none has arrived for `settle_s`, it runs the batch while the others wait
-    for their rows. `gate` (the simulator's compute semaphore) is held only while a batch
-    computes, never while members wait.
+    for their rows. `gate` is the simulator's compute semaphore: members call `fit` holding
+    it (as for any task) and give it up while they wait, so that the others decode their tasks
+    a few at a time (not a hundred threads at once, convoying on the interpreter lock); the
+    collector takes it back to compute.
     """
 
     def __init__(
@@ -406,13 +407,30 @@ class Cohort:
             collect = not self._collecting
             self._collecting = True
         self._wake.set()
-        if collect:
-            self._run(self._collect())
-        req.done.wait()
+        held = False
+        self._give_gate()
+        try:
+            if collect:
+                batch = self._collect()
+                self._take_gate()
+                held = True
+                self._run(batch)
+            req.done.wait()
+        finally:
+            if not held:
+                self._take_gate()  # the caller's `with` gives it back
         if req.error is not None:
             raise req.error
         assert req.result is not None
         return req.result
+
+    def _give_gate(self) -> None:
+        if self._gate is not None:
+            self._gate.release()
+
+    def _take_gate(self) -> None:
+        if self._gate is not None:
+            self._gate.acquire()
 
     def _collect(self) -> list[_Request]:
         start = time.monotonic()
@@ -432,9 +450,8 @@ class Cohort:
         groups: dict[tuple[Any, ...], list[_Request]] = {}
         for r in batch:
             groups.setdefault(r.key(), []).append(r)
-        with self._gate or nullcontext():
-            for group in groups.values():
-                self._run_group(group)
+        for group in groups.values():
+            self._run_group(group)
         for r in batch:
             r.done.set()
 
