@@ -17,7 +17,8 @@ Three measurements (pick with `--parts`):
    times.
 3. **scale** — FML with 100 Fashion-MNIST samples per client (iid), 1 epoch, batch
    10, for 10, 50, 100 and 200 clients, `mlr` and `lenet5`; each in a child process. Reports
-   the median round time (rounds 2..), time per client (goal: flat, i.e. linear growth) and RSS
+   the median round time (rounds 2..), time per client (goal: flat, i.e. linear growth), the
+   same for the process's CPU seconds (what other jobs on the machine stretch less) and RSS
    after each round; `--rss-rounds` runs one configuration longer to show RSS stays flat.
 
     python benchmarks/simulate_scale.py --parts pfml --rounds 20       # ~3 min on 2 cores
@@ -149,15 +150,31 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
 def _child(overrides: dict[str, Any], conn: Any) -> None:
     torch.set_num_threads(1)
     cfg = load_config(overrides=overrides, environ=False)
     fed = prepare_federation(cfg)
     after_data = _rss()
     rounds: list[dict[str, Any]] = []
+    cpu = [_cpu_s()]
 
     def on_round(rec: RoundRecord) -> None:
-        rounds.append({"round": rec.round, "s": round(rec.seconds, 3), "rss_mb": _rss() >> 20})
+        # The process's CPU seconds in the round (all threads): the work done, which a machine
+        # shared with other jobs stretches less than the wall time.
+        cpu.append(_cpu_s())
+        rounds.append(
+            {
+                "round": rec.round,
+                "s": round(rec.seconds, 3),
+                "cpu_s": round(cpu[-1] - cpu[-2], 3),
+                "rss_mb": _rss() >> 20,
+            }
+        )
 
     out = run_federation(cfg, fed, cfg.algorithm, on_round=on_round)
     accs = [c.personal_acc for c in out.clients if c.personal_acc is not None]
@@ -184,6 +201,8 @@ def in_child(overrides: dict[str, Any]) -> dict[str, Any]:
     result["wall_s"] = round(time.perf_counter() - t0, 2)
     times = [r["s"] for r in result["rounds"]]
     result["median_round_s"] = round(statistics.median(times[1:] or times), 3)
+    cpus = [r["cpu_s"] for r in result["rounds"]]
+    result["median_round_cpu_s"] = round(statistics.median(cpus[1:] or cpus), 3)
     return result
 
 
@@ -239,12 +258,14 @@ def run_scale(
             res = in_child(_scale_overrides(family, n, rounds))
             res |= {"family": family, "clients": n}
             res["per_client_ms"] = round(1000 * res["median_round_s"] / n, 2)
+            res["per_client_cpu_ms"] = round(1000 * res["median_round_cpu_s"] / n, 2)
             rows.append(res)
             print(tables({"scale": rows[-1:]}).splitlines()[-1], file=sys.stderr, flush=True)
     if rss_rounds:
         res = in_child(_scale_overrides(families[0], sizes[1], rss_rounds))
         res |= {"family": families[0], "clients": sizes[1], "long": True}
         res["per_client_ms"] = round(1000 * res["median_round_s"] / sizes[1], 2)
+        res["per_client_cpu_ms"] = round(1000 * res["median_round_cpu_s"] / sizes[1], 2)
         rss = [r["rss_mb"] for r in res["rounds"]]
         res["rss_growth_mb_after_round_5"] = rss[-1] - rss[min(4, len(rss) - 1)]
         rows.append(res)
@@ -272,21 +293,23 @@ def tables(out: dict[str, Any]) -> str:
         lines += [
             "FML Fashion-MNIST Dir(0.1), 20 clients",
             f"peak RSS {f['peak_rss_mb']} MB (goal <= 1024), "
-            f"after data {f['rss_after_data_mb']} MB, median round {f['median_round_s']:.1f} s, "
+            f"after data {f['rss_after_data_mb']} MB, median round {f['median_round_s']:.1f} s "
+            f"({f['median_round_cpu_s']:.1f} CPU s), "
             f"personal acc {f['mean_personal_acc']}",
             "RSS per round (MB): " + " ".join(str(r["rss_mb"]) for r in f["rounds"]),
             "",
         ]
     if "scale" in out:
         lines.append(
-            f"{'family':8}{'clients':>8}{'round s':>9}{'ms/client':>10}{'peak MB':>9}  RSS/round MB"
+            f"{'family':8}{'clients':>8}{'round s':>9}{'ms/client':>10}{'cpu ms/client':>14}"
+            f"{'peak MB':>9}  RSS/round MB"
         )
         for r in out["scale"]:
             rss = [x["rss_mb"] for x in r["rounds"]]
             shown = rss if len(rss) <= 6 else [*rss[:3], "...", *rss[-2:]]
             lines.append(
                 f"{r['family']:8}{r['clients']:>8}{r['median_round_s']:>9.2f}"
-                f"{r['per_client_ms']:>10.1f}{r['peak_rss_mb']:>9}  "
+                f"{r['per_client_ms']:>10.1f}{r['per_client_cpu_ms']:>14.1f}{r['peak_rss_mb']:>9}  "
                 + " ".join(map(str, shown))
                 + (f"  ({len(rss)} rounds)" if r.get("long") else "")
             )

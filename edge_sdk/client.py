@@ -71,6 +71,10 @@ __all__ = ["EdgeClient", "TaskOutcome"]
 log = logging.getLogger(__name__)
 
 REGISTER_RETRY_S = 2.0
+# How long an idle client waits for a message before looking at its flags again. stop() and a
+# reconnection wake it at once; request_stop() (signal-safe: it only sets a flag) within this.
+# Every wake-up costs CPU: with 0.2 s, 200 simulated clients spent ~7 % of a round waking.
+IDLE_WAIT_S = 1.0
 _SEEN_TASKS = 256  # task ids remembered to ignore QoS 1 redeliveries
 
 
@@ -206,7 +210,7 @@ class EdgeClient:
                 Presence(run=self.run_id, sender=self.client_id, online=False, epoch=self._epoch(n))
             ),
         )
-        self.transport.on_reconnect = self._back.set
+        self.transport.on_reconnect = self._reconnected
         self.transport.connect()
         self.endpoint.open()
         self.peers.open()
@@ -283,6 +287,7 @@ class EdgeClient:
         the broker cleanly, so no will fires: for good once the run finished, otherwise keeping
         its session, so what the coordinator sends meanwhile waits for its restart."""
         self._stop.set()
+        self.endpoint.interrupt()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self.endpoint.close()
@@ -311,11 +316,14 @@ class EdgeClient:
                 self._try_send(
                     Presence(run=self.run_id, sender=self.client_id, online=True, epoch=epoch)
                 )
-            env = self.endpoint.receive(timeout=0.2)
+            wait = IDLE_WAIT_S
+            if self.accepted is None:  # the next registration is due sooner
+                wait = min(wait, max(0.0, last_register + REGISTER_RETRY_S - time.monotonic()))
+            env = self.endpoint.receive(timeout=wait)
             if env is None:
                 # Until the coordinator answers, registrations may have been lost (it was not
                 # listening yet): say hello again every few seconds.
-                if self.accepted is None and time.monotonic() - last_register > REGISTER_RETRY_S:
+                if self.accepted is None and time.monotonic() - last_register >= REGISTER_RETRY_S:
                     self.register()
                     last_register = time.monotonic()
                 continue
@@ -350,6 +358,10 @@ class EdgeClient:
                 self._handle(msg, env.blobs)
                 continue
             log.warning("%s: ignoring unexpected %s message", self.client_id, msg.kind)
+
+    def _reconnected(self) -> None:
+        self._back.set()
+        self.endpoint.interrupt()
 
     def _on_status(self, status: Status) -> None:
         previous, self.status = self.status, status

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset as TorchDataset
 
 from edge_sdk.losses import cross_entropy
+from edge_sdk.optim import SGD, Adam
 
 __all__ = ["ClientData", "EvalResult", "OptimConfig", "Trainer"]
 
@@ -207,8 +208,8 @@ class Trainer:
         lr = cfg.lr if lr is None else lr
         if cfg.optimizer == "adam":
             betas = (cfg.momentum, 0.999)
-            return torch.optim.Adam(params, lr=lr, betas=betas, weight_decay=cfg.weight_decay)
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+            return Adam(params, lr=lr, betas=betas, weight_decay=cfg.weight_decay)
+        return SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
     @staticmethod
     def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -189,7 +189,7 @@ class Endpoint:
         # first one still fresh instead of walking all (a coordinator delivers ~100 per round).
         self._consumed: dict[_BlobKey, float] = {}
         self._parked: list[tuple[Message, str, float]] = []
-        self._queue: queue.Queue[_Ready] = queue.Queue()
+        self._queue: queue.Queue[_Ready | None] = queue.Queue()  # None: interrupt()
         self._open = False
         self._scope = scope
 
@@ -280,7 +280,8 @@ class Endpoint:
 
     # -- receiving -------------------------------------------------------------------------
     def receive(self, timeout: float | None = None) -> Envelope | None:
-        """Next complete, verified envelope, or None after `timeout` seconds."""
+        """Next complete, verified envelope, or None after `timeout` seconds (or sooner, once
+        for each `interrupt()`)."""
         self._expire()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -289,9 +290,15 @@ class Endpoint:
                 ready = self._queue.get(timeout=left)
             except queue.Empty:
                 return None
+            if ready is None:
+                return None
             env = self._verify(ready)
             if env is not None:
                 return env
+
+    def interrupt(self) -> None:
+        """Make a `receive()` in progress (or the next one) return None now."""
+        self._queue.put(None)
 
     def _verify(self, ready: _Ready) -> Envelope | None:
         blobs = {}

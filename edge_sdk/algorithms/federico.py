@@ -39,6 +39,7 @@ from edge_sdk.algorithms.base import (
 )
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.losses import cross_entropy
+from edge_sdk.optim import SGD, Adam
 from edge_sdk.peers import PeerChannel
 from model_zoo import ArchSpec, build
 from model_zoo.models.mixture import mixture_spec
@@ -81,9 +82,7 @@ class FedeRiCo(ClientAlgorithm):
         self.model = self._build(ctx.spec)
         params = self.model.parameters()
         self.optimizer: torch.optim.Optimizer = (
-            torch.optim.Adam(params, lr=cfg.lr)
-            if cfg.optimizer == "adam"
-            else torch.optim.SGD(params, lr=cfg.lr)
+            Adam(params, lr=cfg.lr) if cfg.optimizer == "adam" else SGD(params, lr=cfg.lr)
         )
         self.losses: dict[str, float] = {}  # ℓ_ij over the models seen (self included)
         self.peer_models: dict[str, WireModel] = {}  # the latest θ_j fetched, for the mixture

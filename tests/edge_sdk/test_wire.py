@@ -2,6 +2,7 @@
 
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -123,6 +124,24 @@ def _pair(chunk_bytes=64, **kw):
     rx = Endpoint(broker.connect(), "in", chunk_bytes=chunk_bytes, **kw).open()
     tx = Endpoint(broker.connect(), "out", chunk_bytes=chunk_bytes)
     return broker, tx, rx
+
+
+def test_endpoint_interrupt_wakes_a_waiting_receive_and_messages_still_arrive():
+    # Prepare: a receiver blocked for up to a minute on an empty endpoint.
+    _, tx, rx = _pair()
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(rx.receive(timeout=60)), daemon=True)
+    waiter.start()
+
+    # Execute
+    rx.interrupt()
+    waiter.join(20)
+
+    # Assert: it returned None long before its timeout; the next message is delivered as usual.
+    assert not waiter.is_alive() and got == [None]
+    tx.send("in", Shutdown(run="r", sender="coordinator", reason="done"))
+    env = rx.receive(timeout=5)
+    assert env is not None and isinstance(env.message, Shutdown)
 
 
 def test_models_cross_an_endpoint_in_many_chunks():
