@@ -5,8 +5,10 @@ Three measurements (pick with `--parts`):
 
 1. **pfml** — PFML on Synthetic(0.5, 0.5), 100 clients, all train and 10 are aggregated per
    round, MLR, D = 20 (batch), E = 20 (local iterations), K = 3, λ = 20, β = 2, η = 0.01, by-sample
-   weighting; `edgefl`'s simulator (every client an EdgeClient thread, every model through the
-   in-memory transport) against the reference script `shared/reference/pfml_synthetic.py`
+   weighting; `edgefl`'s simulator (every client an EdgeClient, every model through the
+   in-memory transport; `--executors`: clients of one architecture training as one stacked
+   cohort, the default, and/or each on its own thread) against the reference script
+   `shared/reference/pfml_synthetic.py`
    (vectorised over clients: one batched matmul per step for all of them), both in this process,
    one after the other, same rounds. Reports both wall times, their ratio (goal ≤ 3×) and the
    final mean personalized accuracy of each (goal: within 0.5 point). The two use the same
@@ -21,7 +23,8 @@ Three measurements (pick with `--parts`):
    same for the process's CPU seconds (what other jobs on the machine stretch less) and RSS
    after each round; `--rss-rounds` runs one configuration longer to show RSS stays flat.
 
-    python benchmarks/simulate_scale.py --parts pfml --rounds 20       # ~3 min on 2 cores
+    python benchmarks/simulate_scale.py --parts pfml --rounds 100      # ~2 min on 2 cores
+    python benchmarks/simulate_scale.py --parts pfml --executors cohort threads
     python benchmarks/simulate_scale.py                                 # everything, ~10 min
     python benchmarks/simulate_scale.py --json-out simulate_scale.json
 
