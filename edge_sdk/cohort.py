@@ -360,10 +360,10 @@ class Cohort:
     Each EdgeClient calls `announce` when a fit task reaches it and `fit` once it has decoded
     the task. The first member to submit collects: once every member that announced a task has
     submitted it and none has arrived for `settle_s`, it runs the batch while the others wait
-    for their rows. `gate` is the simulator's compute semaphore: members call `fit` holding
-    it (as for any task) and give it up while they wait, so that the others decode their tasks
-    a few at a time (not a hundred threads at once, convoying on the interpreter lock); the
-    collector takes it back to compute.
+    for their rows. `gate` is the simulator's compute semaphore, the one its EdgeClients get as
+    `compute_gate`: members call `fit` holding it (as for any task) and give it up while they
+    wait, so that the others decode their tasks a few at a time (not a hundred threads at once,
+    convoying on the interpreter lock); the collector takes it back to compute.
     """
 
     def __init__(
