@@ -25,7 +25,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     log_p = F.log_softmax(logits.float(), dim=-1)
     if logits.dim() == 3:
         nll = F.nll_loss(log_p.flatten(0, 1), target.flatten(), reduction="none")
-        return nll.view(target.shape).mean(-1)
+        return nll.view(target.shape).mean(1)
     return F.nll_loss(log_p, target)
 
 
@@ -43,7 +43,7 @@ def kl_distill(
     log_p_student = F.log_softmax(student, dim=-1)
     p_teacher = F.softmax(teacher, dim=-1)
     if student.dim() == 3:
-        kl = F.kl_div(log_p_student, p_teacher, reduction="none").sum(-1).mean(-1)
+        kl = F.kl_div(log_p_student, p_teacher, reduction="none").sum(2).mean(1)
     else:
         kl = F.kl_div(log_p_student, p_teacher, reduction="batchmean")
     return kl if t == 1.0 else kl * (t * t)
