@@ -120,9 +120,9 @@ def run_pfml(rounds: int, eval_every: int, reference: Path, executors: list[str]
     ref_acc = res["pers_acc_unweighted"]["end"]["final"]
 
     ours: dict[str, dict[str, Any]] = {}
+    fed = prepare_federation(_pfml_config(rounds, eval_every))  # the data: the same for each
     for executor in executors:
         cfg = _pfml_config(rounds, eval_every, cohort=executor == "cohort")
-        fed = prepare_federation(cfg)
         t0 = time.perf_counter()
         run = run_federation(cfg, fed, "pfml")
         wall = time.perf_counter() - t0

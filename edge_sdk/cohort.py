@@ -108,24 +108,30 @@ def stack_modules(modules: Sequence[nn.Module]) -> nn.Module:
     with the same parameter names, so that `state_dict()` / `load_state_dict()` take stacked
     tensors under the usual keys. Its forward takes inputs with the same leading dimension."""
     first = modules[0]
-    _check_stackable(first)
     spec = getattr(first, SPEC_ATTR, None)
     if any(getattr(m, SPEC_ATTR, None) != spec or type(m) is not type(first) for m in modules):
         raise CohortUnsupported("the members' models differ in architecture")
-    shell = copy.deepcopy(first)
-    template = copy.deepcopy(first).to("meta")
-    for name, p in first.named_parameters():
+    rows = {
+        name: torch.stack([m.get_parameter(name).detach() for m in modules])
+        for name, _ in first.named_parameters()
+    }
+    return _stacked(first, rows)
+
+
+def _stacked(template: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.Module:
+    """A copy of `template` whose parameters are `params` (stacked rows, under the template's
+    names) and whose forward runs the template's once per row."""
+    _check_stackable(template)
+    shell = copy.deepcopy(template)
+    meta = copy.deepcopy(template).to("meta")
+    for name, p in template.named_parameters():
         owner, _, leaf = name.rpartition(".")
-        rows = [m.get_parameter(name).detach() for m in modules]
-        setattr(
-            shell.get_submodule(owner),
-            leaf,
-            nn.Parameter(torch.stack(rows), requires_grad=p.requires_grad),
-        )
-    shell.__class__ = _stacked_class(type(first))
-    object.__setattr__(shell, _TEMPLATE, template)  # not a submodule: no parameters, no state
-    template.train(first.training)
-    setattr(shell, SPEC_ATTR, spec)
+        stacked = nn.Parameter(params[name], requires_grad=p.requires_grad)
+        setattr(shell.get_submodule(owner), leaf, stacked)
+    shell.__class__ = _stacked_class(type(template))
+    object.__setattr__(shell, _TEMPLATE, meta)  # not a submodule: no parameters, no state
+    meta.train(template.training)
+    setattr(shell, SPEC_ATTR, getattr(template, SPEC_ATTR, None))
     return shell
 
 
@@ -195,15 +201,11 @@ class CohortContext(ClientContext):
     def materialize(self, model: WireModel) -> nn.Module:
         template = build(model.spec)
         setattr(template, SPEC_ATTR, model.spec)
-        stacked = stack_modules([template])  # one row; the weights bring the members' rows
-        for name, _ in list(stacked.named_parameters()):
-            owner, _, leaf = name.rpartition(".")
-            setattr(
-                stacked.get_submodule(owner),
-                leaf,
-                nn.Parameter(model.weights[name].clone().to(self.device)),
-            )
-        return stacked
+        rows = {
+            name: model.weights[name].to(self.device, copy=True)
+            for name, _ in template.named_parameters()
+        }
+        return _stacked(template, rows)
 
 
 def _cohort_context(members: Sequence[ClientContext], task: TaskInfo) -> CohortContext:
@@ -289,7 +291,7 @@ def fit_stacked(
     then give every member its row back. Raises CohortUnsupported before changing anything."""
     first = algos[0]
     cls = type(first)
-    if not getattr(cls, "stackable", False):
+    if not cls.stackable:
         raise CohortUnsupported(f"{cls.name} does not train stacked")
     ctx = _cohort_context([a.ctx for a in algos], first.ctx.task)
     stacked = cls.__new__(cls)
