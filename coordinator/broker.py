@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +218,21 @@ class MosquittoBroker:
         self.close()
 
 
+class _SnapshotDict(dict[str, Any]):
+    """A dict whose iteration walks a snapshot of its keys and items.
+
+    amqtt 0.12 awaits inside loops over its subscription table (`_handle_client_session`,
+    `_run_broadcast`); a subscribe or a session ending meanwhile changed the table under the
+    loop, raising "dictionary changed size during iteration" and leaving that connection dead.
+    """
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(dict.keys(self)))
+
+    def items(self) -> Any:
+        return list(dict.items(self))
+
+
 class EmbeddedBroker:
     """amqtt's MQTT 3.1.1 broker on its own asyncio loop in a daemon thread of this process.
 
@@ -255,6 +271,7 @@ class EmbeddedBroker:
 
         async def start() -> Any:
             broker = Broker(config, loop=loop)
+            broker._subscriptions = _SnapshotDict()
             await broker.start()
             return broker
 

@@ -1,5 +1,7 @@
 """What only the MQTT transport does: URLs, protocol fallback, typed refusals, TLS, reconnects."""
 
+import itertools
+import threading
 import uuid
 
 import pytest
@@ -7,7 +9,7 @@ import trustme
 from tests_helpers import eventually
 
 from coordinator.acl import mosquitto_hash, write_broker_files
-from coordinator.broker import MosquittoBroker
+from coordinator.broker import EmbeddedBroker, MosquittoBroker
 from edge_sdk.transport import ConnectError
 from edge_sdk.transport.base import NotAuthorized
 from edge_sdk.transport.mqtt import BrokerSettings, MqttTransport, parse_broker_url
@@ -228,3 +230,38 @@ def test_reconnect_backoff_doubles_up_to_its_cap():
         client._reconnect_wait()
         seen.append(client.backoff)
     assert seen == [0.25, 0.5, 1.0, 1.0, 1.0]
+
+
+def test_amqtt_serves_a_client_that_connects_while_others_subscribe():
+    """amqtt 0.12 awaits inside its loop over the subscription table when a client connects
+    (sending it retained messages); a subscribe meanwhile raised "dictionary changed size
+    during iteration" and left the new connection dead. EmbeddedBroker guards the table."""
+    with EmbeddedBroker() as broker:
+        filler = MqttTransport(broker.url, "filler").connect(10)
+        for i in range(30):  # retained messages make the connect loop yield at each filter
+            filler.subscribe(f"fill/{i}", lambda t, p: None)
+            filler.publish(f"fill/{i}", b"r", retain=True).wait(10)
+        stop = threading.Event()
+        churn = MqttTransport(broker.url, "churn").connect(10)
+
+        def subscribe_forever() -> None:
+            for i in itertools.count():
+                if stop.is_set():
+                    return
+                churn.subscribe(f"churn/{i}", lambda t, p: None)
+
+        thread = threading.Thread(target=subscribe_forever)
+        thread.start()
+        try:
+            for k in range(3):
+                got: list[bytes] = []
+                client = MqttTransport(broker.url, f"late-{k}").connect(10)
+                client.subscribe(f"own/{k}", lambda t, p, got=got: got.append(p))  # SUBACK
+                filler.publish(f"own/{k}", b"x").wait(10)
+                eventually(lambda got=got: got == [b"x"])
+                client.close()
+        finally:
+            stop.set()
+            thread.join()
+            churn.close()
+            filler.close()
