@@ -38,7 +38,7 @@ from coordinator.strategies import (
 )
 from edge_sdk import topics
 from edge_sdk.algorithms import BaseAlgorithmConfig, Detail
-from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
+from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, Buffer, WireModel
 from edge_sdk.protocol import (
     Archive,
     Capabilities,
@@ -785,7 +785,7 @@ class Coordinator:
         return results
 
     def _validate(
-        self, cid: str, phase: str, msg: Reply, blobs: dict[str, bytes]
+        self, cid: str, phase: str, msg: Reply, blobs: Mapping[str, Buffer]
     ) -> _Collected | None:
         assert self.strategy is not None
         if not msg.ok:

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +45,7 @@ from edge_sdk.algorithms import (
     algorithm_class,
     algorithm_names,
 )
-from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES
+from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, Buffer
 from edge_sdk.cohort import Cohort
 from edge_sdk.peers import PeerChannel
 from edge_sdk.protocol import (
@@ -372,7 +372,7 @@ class EdgeClient:
         elif status.accepting and self.accepted is None:
             self.register()
 
-    def _handle(self, task: Task, blobs: dict[str, bytes]) -> None:
+    def _handle(self, task: Task, blobs: Mapping[str, Buffer]) -> None:
         out_blobs: dict[str, bytes] = {}
         cohort = self._cohort_for(task)
         if cohort is not None:
@@ -442,7 +442,7 @@ class EdgeClient:
             log.error("%s: task %s: %s", self.client_id, task.task_id, error)
             return Reply.model_validate(base | {"ok": False, "error": error})
 
-    def run_task(self, task: Task, blobs: dict[str, bytes]) -> FitResult:
+    def run_task(self, task: Task, blobs: Mapping[str, Buffer]) -> FitResult:
         """Decode the task's models, run the algorithm phase, export ONNX after the last one."""
         algo = self._algorithm_for(task.algorithm, task.config)
         algo.ctx.task = TaskInfo(task.step, dict(task.params))

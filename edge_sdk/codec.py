@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
@@ -22,6 +22,7 @@ from model_zoo import ArchSpec, build
 
 __all__ = [
     "DEFAULT_MAX_BLOB_BYTES",
+    "Buffer",
     "PayloadError",
     "WeightsError",
     "WireModel",
@@ -33,6 +34,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_BLOB_BYTES = 256 * 1024 * 1024
+Buffer = bytes | bytearray | memoryview  # a blob: bytes as sent, a bytearray as received
 _FP16_KEY = "edgefl.fp16"
 
 
@@ -44,7 +46,7 @@ class WeightsError(ValueError):
     """Weights that decode but are unusable: non-finite values, wrong names or shapes."""
 
 
-def sha256_hex(data: bytes) -> str:
+def sha256_hex(data: Buffer) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -98,25 +100,94 @@ def encode_weights(
 
 
 def decode_weights(
-    data: bytes, *, max_bytes: int = DEFAULT_MAX_BLOB_BYTES
+    data: Buffer, *, max_bytes: int = DEFAULT_MAX_BLOB_BYTES
 ) -> dict[str, torch.Tensor]:
-    """Parse safetensors bytes; fp16-encoded float tensors come back as float32."""
-    if len(data) > max_bytes:
-        raise PayloadError(f"weights blob is {len(data)} bytes, over the limit of {max_bytes}")
-    try:
-        tensors = st_load(data)
-    except (SafetensorError, ValueError, RuntimeError) as exc:
-        raise PayloadError(f"corrupt weights blob ({len(data)} bytes): {exc}") from exc
-    # The metadata header says whether float tensors were halved for transport.
-    if _header_says_fp16(data):
-        tensors = {k: v.float() if v.dtype == torch.float16 else v for k, v in tensors.items()}
+    """Parse a safetensors blob; fp16-encoded float tensors come back as float32.
+
+    A writable buffer (what `Endpoint.receive` hands out) is not copied: the tensors are views
+    of it and keep it alive. Read-only bytes are copied once. The header is checked as strictly
+    as safetensors does: known dtypes, sizes that match shapes, offsets that tile the data.
+    """
+    view = memoryview(data).cast("B")
+    if len(view) > max_bytes:
+        raise PayloadError(f"weights blob is {len(view)} bytes, over the limit of {max_bytes}")
+    header, start = _read_header(view)
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise PayloadError("corrupt weights blob: __metadata__ is not an object")
+    fp16 = meta.get(_FP16_KEY) == "1"
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    entries = sorted(
+        (_entry(name, info, len(view) - start) for name, info in header.items()), key=lambda e: e[3]
+    )
+    at = 0
+    tensors: dict[str, torch.Tensor] = {}
+    for name, dtype, shape, begin, end in entries:
+        if begin != at:
+            raise PayloadError(f"corrupt weights blob: tensor {name!r} does not start at {at}")
+        at = end
+        t = (
+            torch.frombuffer(view, dtype=dtype, count=math.prod(shape), offset=start + begin)
+            if end > begin
+            else torch.empty(0, dtype=dtype)
+        )
+        t = t.reshape(shape)
+        tensors[name] = t.float() if fp16 and t.dtype == torch.float16 else t
+    if at != len(view) - start:
+        raise PayloadError(
+            f"corrupt weights blob: {len(view) - start - at} bytes belong to no tensor"
+        )
     return tensors
 
 
-def _header_says_fp16(data: bytes) -> bool:
-    n = int.from_bytes(data[:8], "little")
-    meta = json.loads(data[8 : 8 + n]).get("__metadata__", {})
-    return meta.get(_FP16_KEY) == "1"
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_MAX_HEADER_BYTES = 16 * 1024 * 1024
+
+
+def _read_header(view: memoryview) -> tuple[dict[str, Any], int]:
+    """The header object and where the data starts."""
+    if len(view) < 8:
+        raise PayloadError(f"corrupt weights blob: {len(view)} bytes, no header")
+    n = int.from_bytes(view[:8], "little")
+    if n > min(_MAX_HEADER_BYTES, len(view) - 8):
+        raise PayloadError(f"corrupt weights blob: a {n}-byte header in {len(view)} bytes")
+    try:
+        header = json.loads(bytes(view[8 : 8 + n]))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise PayloadError(f"corrupt weights blob: header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise PayloadError("corrupt weights blob: header is not an object")
+    return header, 8 + n
+
+
+def _entry(name: str, info: Any, size: int) -> tuple[str, torch.dtype, list[int], int, int]:
+    """(name, dtype, shape, begin, end) of one header entry, checked against the data size."""
+    try:
+        dtype = _DTYPES[info["dtype"]]
+        shape = [int(d) for d in info["shape"]]
+        begin, end = (int(o) for o in info["data_offsets"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PayloadError(f"corrupt weights blob: bad entry for {name!r} ({exc!r})") from exc
+    numel = math.prod(shape)
+    if min(shape, default=0) < 0 or not 0 <= begin <= end <= size:
+        raise PayloadError(f"corrupt weights blob: bad shape or offsets for {name!r}")
+    if end - begin != numel * dtype.itemsize:
+        raise PayloadError(
+            f"corrupt weights blob: {name!r} has {end - begin} bytes for {numel} {dtype} values"
+        )
+    return name, dtype, shape, begin, end
 
 
 def check_weights(

@@ -12,14 +12,16 @@ which only the coordinator may write). So one peer cannot pre-empt another's blo
 id. Memory is bounded by the bytes actually received (not by what chunk headers claim), and
 incomplete or unclaimed blobs expire on a timer.
 
-The transport callback (`_on_payload`) only parses and files chunks: joining, checksums and
-decoding happen in `receive()`, on the consumer's thread.
+The transport callback (`_on_payload`) parses and files chunks, appending each in order to its
+blob and hashing it as it comes (bounded work per chunk, and the paho payload is freed at once);
+the checksum comparison happens in `receive()` and decoding in the consumer's thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import itertools
 import json
 import logging
@@ -38,6 +40,7 @@ import torch
 
 from edge_sdk.codec import (
     DEFAULT_MAX_BLOB_BYTES,
+    Buffer,
     PayloadError,
     WireModel,
     check_weights,
@@ -121,21 +124,40 @@ class Envelope:
     """A received message, the topic it came on, and the blobs it references, verified."""
 
     message: Message
-    blobs: dict[str, bytes] = field(default_factory=dict)
+    blobs: dict[str, bytearray] = field(default_factory=dict)
     topic: str = ""
 
 
 @dataclass
 class _Blob:
+    """A blob in reassembly. Chunks join `data` in index order as they arrive, hashed on the
+    way, so nothing is left to copy or hash when the last one lands; a chunk that comes early
+    waits in `early` until the gap before it fills."""
+
     count: int
     size: int
     started: float
-    parts: dict[int, memoryview] = field(default_factory=dict)
+    data: bytearray = field(default_factory=bytearray)
+    digest: Any = field(default_factory=hashlib.sha256)
+    early: dict[int, memoryview] = field(default_factory=dict)
+    joined: int = 0  # chunks in `data`
     received: int = 0  # bytes actually held
 
     @property
     def complete(self) -> bool:
-        return len(self.parts) == self.count
+        return self.joined == self.count
+
+    def has(self, index: int) -> bool:
+        return index < self.joined or index in self.early
+
+    def add(self, index: int, part: memoryview) -> None:
+        self.early[index] = part
+        self.received += len(part)
+        while self.joined in self.early:
+            part = self.early.pop(self.joined)
+            self.data += part
+            self.digest.update(part)
+            self.joined += 1
 
 
 @dataclass
@@ -144,7 +166,7 @@ class _Ready:
 
     message: Message
     topic: str
-    blobs: dict[str, tuple[BlobRef, list[memoryview]]]
+    blobs: dict[str, tuple[BlobRef, _Blob]]
 
 
 class Endpoint:
@@ -302,9 +324,10 @@ class Endpoint:
 
     def _verify(self, ready: _Ready) -> Envelope | None:
         blobs = {}
-        for blob_id, (ref, parts) in ready.blobs.items():
-            data = b"".join(parts)
-            if len(data) != ref.size or sha256_hex(data) != ref.sha256:
+        for blob_id, (ref, blob) in ready.blobs.items():
+            # A bytearray, not bytes: writable, so decode_weights makes views of it, not copies.
+            data = blob.data
+            if len(data) != ref.size or blob.digest.hexdigest() != ref.sha256:
                 self._reject(
                     "checksum", f"blob {blob_id} failed its checksum; message dropped", ready.topic
                 )
@@ -350,13 +373,12 @@ class Endpoint:
                 blob = _Blob(count, size, time.monotonic())
             elif (count, size) != (blob.count, blob.size):
                 raise ProtocolError(f"blob {blob_id}: chunk header disagrees with earlier chunks")
-            if index in blob.parts:
+            if blob.has(index):
                 return  # a duplicate chunk
             if blob.received + len(data) > blob.size:
                 raise PayloadError(f"blob {blob_id}: chunks carry more than its {size} bytes")
             self._make_room(len(data), keep=key)
-            blob.parts[index] = data
-            blob.received += len(data)
+            blob.add(index, data)
             self._held += len(data)
             self._held_by[topic] += len(data)
             self._blobs[key] = blob
@@ -423,11 +445,11 @@ class Endpoint:
             if blob is None or not blob.complete:
                 return False
             keys[blob_id] = key
-        ready: dict[str, tuple[BlobRef, list[memoryview]]] = {}
+        ready: dict[str, tuple[BlobRef, _Blob]] = {}
         now = time.monotonic()
         for blob_id, key in keys.items():
             blob = self._blobs[key]
-            ready[blob_id] = (refs[blob_id], [blob.parts[i] for i in range(blob.count)])
+            ready[blob_id] = (refs[blob_id], blob)
             self._drop(key)
             self._consumed.pop(key, None)  # to the end: the dict stays in time order
             self._consumed[key] = now
@@ -484,7 +506,7 @@ def pack_models(
 
 def unpack_models(
     refs: Mapping[str, ModelRef],
-    blobs: Mapping[str, bytes],
+    blobs: Mapping[str, Buffer],
     *,
     max_bytes: int = DEFAULT_MAX_BLOB_BYTES,
     partial: frozenset[str] = frozenset(),

@@ -4,9 +4,13 @@ import contextlib
 import hashlib
 import json
 
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
+from edge_sdk.codec import PayloadError, decode_weights
 from edge_sdk.protocol import BlobRef, ModelRef, ProtocolError, Reply, decode
 from edge_sdk.transport import InMemoryBroker
 from edge_sdk.wire import Endpoint, message_frame
@@ -136,3 +140,56 @@ def test_chunks_in_any_order_with_duplicates_reassemble_exactly(blob, chunk, ord
     assert env is not None and env.blobs == {"b1": blob}
     assert rx.receive(timeout=0) is None and rx.rejected == 0
     rx.close()
+
+
+# -- weights blobs: our safetensors reader against safetensors' own ---------------------------
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+          torch.int8, torch.uint8, torch.bool]  # fmt: skip
+tensors = st.builds(
+    lambda dtype, shape, seed: (
+        torch.randint(0, 2, shape, generator=torch.Generator().manual_seed(seed)).bool()
+        if dtype == torch.bool
+        else (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 50).to(dtype)
+    ),
+    st.sampled_from(DTYPES),
+    st.lists(st.integers(0, 4), max_size=3),
+    st.integers(0, 2**31),
+)
+state_dicts = st.dictionaries(st.text(min_size=1, max_size=6), tensors, max_size=5)
+
+
+def _same(ours: dict, theirs: dict) -> None:
+    assert ours.keys() == theirs.keys()
+    for k, t in theirs.items():
+        assert ours[k].dtype == t.dtype and ours[k].shape == t.shape, k
+        assert torch.equal(ours[k], t), k
+
+
+@FAST
+@given(state_dicts, st.sampled_from([bytes, bytearray]))
+def test_decode_weights_reads_what_safetensors_reads(weights, kind):
+    data = st_save(weights, metadata={"edgefl.fp16": "0"})
+    _same(decode_weights(kind(data)), st_load(data))
+
+
+@FAST
+@given(state_dicts, st.data())
+def test_a_corrupted_weights_blob_is_refused_or_read_as_safetensors_reads_it(weights, data):
+    blob = bytearray(st_save(weights))
+    header_end = 8 + int.from_bytes(blob[:8], "little")
+    for _ in range(data.draw(st.integers(1, 3))):  # mostly the header, where the checks are
+        at = data.draw(st.integers(0, min(len(blob), header_end + 16) - 1))
+        blob[at] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        blob = blob[: data.draw(st.integers(0, len(blob)))]
+    try:
+        theirs = st_load(bytes(blob))
+    except Exception:
+        theirs = None
+    try:
+        ours = decode_weights(bytes(blob))
+    except PayloadError:
+        ours = None
+    assert (ours is None) == (theirs is None)
+    if ours is not None:
+        _same(ours, theirs)

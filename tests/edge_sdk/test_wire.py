@@ -63,6 +63,37 @@ def test_corrupt_and_oversized_blobs_are_refused():
         encode_weights(_model().weights, max_bytes=10)
 
 
+def test_decoded_tensors_are_views_of_a_received_buffer_and_copies_of_bytes():
+    data = encode_weights(_model().weights)
+    received = bytearray(data)  # what Endpoint.receive hands out: a writable buffer
+    key = next(iter(_model().weights))
+    decode_weights(memoryview(received))[key].add_(1)
+    assert bytes(received) != data  # a view: no copy of a 40 MB model per client
+    frozen = bytes(bytearray(data))  # its own object (bytes(data) would be data itself)
+    decode_weights(frozen)[key].add_(1)
+    assert frozen == data  # immutable bytes are never written through
+
+
+def _blob(entries: dict, body: bytes) -> bytes:
+    header = json.dumps(entries).encode()
+    return len(header).to_bytes(8, "little") + header + body
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [[[0, 4], [0, 4]], [[0, 4], [8, 12]], [[4, 8], [0, 4], [8, 12]]],
+    ids=["overlap", "hole", "unused-tail"],
+)
+def test_weights_blobs_whose_tensors_do_not_tile_the_data_are_refused(offsets):
+    entries = {
+        f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": o}
+        for i, o in enumerate(offsets[:2])
+    }
+    body = bytes(max(e for _, e in offsets))
+    with pytest.raises(PayloadError, match="corrupt"):
+        decode_weights(_blob(entries, body))
+
+
 def test_nan_weights_and_wrong_shapes_are_refused():
     m = _model()
     bad = dict(m.weights)
