@@ -172,14 +172,20 @@ def _read_header(view: memoryview) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(type(v) is int for v in value)  # not bool, not float
+
+
 def _entry(name: str, info: Any, size: int) -> tuple[str, torch.dtype, list[int], int, int]:
     """(name, dtype, shape, begin, end) of one header entry, checked against the data size."""
     try:
         dtype = _DTYPES[info["dtype"]]
-        shape = [int(d) for d in info["shape"]]
-        begin, end = (int(o) for o in info["data_offsets"])
-    except (KeyError, TypeError, ValueError) as exc:
+        shape, offsets = info["shape"], info["data_offsets"]
+    except (KeyError, TypeError) as exc:
         raise PayloadError(f"corrupt weights blob: bad entry for {name!r} ({exc!r})") from exc
+    if not (_int_list(shape) and _int_list(offsets) and len(offsets) == 2):
+        raise PayloadError(f"corrupt weights blob: shape or offsets of {name!r} are not integers")
+    begin, end = offsets
     numel = math.prod(shape)
     if min(shape, default=0) < 0 or not 0 <= begin <= end <= size:
         raise PayloadError(f"corrupt weights blob: bad shape or offsets for {name!r}")

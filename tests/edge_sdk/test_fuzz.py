@@ -193,3 +193,36 @@ def test_a_corrupted_weights_blob_is_refused_or_read_as_safetensors_reads_it(wei
     assert (ours is None) == (theirs is None)
     if ours is not None:
         _same(ours, theirs)
+
+
+odd_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 10),
+    st.floats(allow_nan=False),
+    st.sampled_from(["F32", "I64", "F16", "x", "1"]),
+    st.lists(st.one_of(st.integers(-2, 10), st.floats(allow_nan=False), st.booleans()), max_size=3),
+)
+
+
+@FAST
+@given(st.sampled_from(["dtype", "shape", "data_offsets"]), odd_values, st.integers(0, 2))
+def test_weights_headers_with_odd_values_are_refused_as_safetensors_refuses_them(key, value, at):
+    entry: dict = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    if isinstance(entry[key], list) and at < len(entry[key]) and not isinstance(value, list):
+        entry[key][at] = value  # one element of the list
+    else:
+        entry[key] = value
+    header = json.dumps({"t": entry}).encode()
+    blob = len(header).to_bytes(8, "little") + header + bytes(8)
+    try:
+        theirs = st_load(blob)
+    except Exception:
+        theirs = None
+    try:
+        ours = decode_weights(blob)
+    except PayloadError:
+        ours = None
+    assert (ours is None) == (theirs is None), entry
+    if ours is not None:
+        _same(ours, theirs)
