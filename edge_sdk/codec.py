@@ -112,9 +112,10 @@ def decode_weights(
     if len(view) > max_bytes:
         raise PayloadError(f"weights blob is {len(view)} bytes, over the limit of {max_bytes}")
     header, start = _read_header(view)
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise PayloadError("corrupt weights blob: __metadata__ is not an object")
+    meta = header.pop("__metadata__", None)
+    meta = {} if meta is None else meta
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise PayloadError("corrupt weights blob: __metadata__ is not an object of strings")
     fp16 = meta.get(_FP16_KEY) == "1"
     if view.readonly:
         view = memoryview(bytearray(view))

@@ -206,14 +206,21 @@ odd_values = st.one_of(
 
 
 @FAST
-@given(st.sampled_from(["dtype", "shape", "data_offsets"]), odd_values, st.integers(0, 2))
+@given(
+    st.sampled_from(["dtype", "shape", "data_offsets", "__metadata__"]),
+    odd_values | st.dictionaries(st.text(max_size=3), odd_values, max_size=2),
+    st.integers(0, 2),
+)
 def test_weights_headers_with_odd_values_are_refused_as_safetensors_refuses_them(key, value, at):
     entry: dict = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
-    if isinstance(entry[key], list) and at < len(entry[key]) and not isinstance(value, list):
+    header_obj: dict = {"t": entry}
+    if key == "__metadata__":
+        header_obj[key] = value
+    elif isinstance(entry[key], list) and at < len(entry[key]) and not isinstance(value, list):
         entry[key][at] = value  # one element of the list
     else:
         entry[key] = value
-    header = json.dumps({"t": entry}).encode()
+    header = json.dumps(header_obj).encode()
     blob = len(header).to_bytes(8, "little") + header + bytes(8)
     try:
         theirs = st_load(blob)
@@ -223,6 +230,6 @@ def test_weights_headers_with_odd_values_are_refused_as_safetensors_refuses_them
         ours = decode_weights(blob)
     except PayloadError:
         ours = None
-    assert (ours is None) == (theirs is None), entry
+    assert (ours is None) == (theirs is None), header_obj
     if ours is not None:
         _same(ours, theirs)
