@@ -120,7 +120,8 @@ def decode_weights(
     if view.readonly:
         view = memoryview(bytearray(view))
     entries = sorted(
-        (_entry(name, info, len(view) - start) for name, info in header.items()), key=lambda e: e[3]
+        (_entry(name, info, len(view) - start) for name, info in header.items()),
+        key=lambda e: (e[3], e[4]),  # by (begin, end), as safetensors: empty tensors first
     )
     at = 0
     tensors: dict[str, torch.Tensor] = {}

@@ -94,6 +94,15 @@ def test_weights_blobs_whose_tensors_do_not_tile_the_data_are_refused(offsets):
         decode_weights(_blob(entries, body))
 
 
+def test_an_empty_tensor_may_share_its_offset_with_the_next_one():
+    entries = {
+        "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+        "b": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]},  # listed after "a"
+    }
+    got = decode_weights(_blob(entries, bytes(4)))
+    assert got["a"].tolist() == [0.0] and got["b"].shape == (0,)
+
+
 def test_nan_weights_and_wrong_shapes_are_refused():
     m = _model()
     bad = dict(m.weights)
