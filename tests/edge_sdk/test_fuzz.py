@@ -167,6 +167,21 @@ def _same(ours: dict, theirs: dict) -> None:
         assert torch.equal(*bits), k  # bit for bit: random bytes may be NaN
 
 
+def _agree(blob: bytes) -> None:
+    """Our reader refuses what safetensors refuses and reads the same tensors otherwise."""
+    try:
+        theirs = st_load(blob)
+    except Exception:
+        theirs = None
+    try:
+        ours = decode_weights(blob)
+    except PayloadError:
+        ours = None
+    assert (ours is None) == (theirs is None)
+    if ours is not None:
+        _same(ours, theirs)
+
+
 @FAST
 @given(state_dicts, st.sampled_from([bytes, bytearray]))
 def test_decode_weights_reads_what_safetensors_reads(weights, kind):
@@ -184,17 +199,7 @@ def test_a_corrupted_weights_blob_is_refused_or_read_as_safetensors_reads_it(wei
         blob[at] = data.draw(st.integers(0, 255))
     if data.draw(st.booleans()):
         blob = blob[: data.draw(st.integers(0, len(blob)))]
-    try:
-        theirs = st_load(bytes(blob))
-    except Exception:
-        theirs = None
-    try:
-        ours = decode_weights(bytes(blob))
-    except PayloadError:
-        ours = None
-    assert (ours is None) == (theirs is None)
-    if ours is not None:
-        _same(ours, theirs)
+    _agree(bytes(blob))
 
 
 odd_values = st.one_of(
@@ -224,17 +229,7 @@ def test_weights_headers_with_odd_values_are_refused_as_safetensors_refuses_them
         entry[key] = value
     header = json.dumps(header_obj).encode()
     blob = len(header).to_bytes(8, "little") + header + bytes(8)
-    try:
-        theirs = st_load(blob)
-    except Exception:
-        theirs = None
-    try:
-        ours = decode_weights(blob)
-    except PayloadError:
-        ours = None
-    assert (ours is None) == (theirs is None), header_obj
-    if ours is not None:
-        _same(ours, theirs)
+    _agree(blob)
 
 
 ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U8": 1, "BOOL": 1}
@@ -265,14 +260,4 @@ def near_valid_blobs(draw):
 @FAST
 @given(near_valid_blobs())
 def test_layouts_near_valid_ones_are_read_or_refused_as_safetensors_does(blob):
-    try:
-        theirs = st_load(blob)
-    except Exception:
-        theirs = None
-    try:
-        ours = decode_weights(blob)
-    except PayloadError:
-        ours = None
-    assert (ours is None) == (theirs is None)
-    if ours is not None:
-        _same(ours, theirs)
+    _agree(blob)
