@@ -252,23 +252,24 @@ def _scale_overrides(family: str, clients: int, rounds: int) -> dict[str, Any]:
     }
 
 
+def _scale_row(family: str, n: int, rounds: int) -> dict[str, Any]:
+    res = in_child(_scale_overrides(family, n, rounds))
+    res |= {"family": family, "clients": n}
+    res["per_client_ms"] = round(1000 * res["median_round_s"] / n, 2)
+    res["per_client_cpu_ms"] = round(1000 * res["median_round_cpu_s"] / n, 2)
+    return res
+
+
 def run_scale(
     families: list[str], sizes: list[int], rounds: int, rss_rounds: int
 ) -> list[dict[str, Any]]:
     rows = []
     for family in families:
         for n in sizes:
-            res = in_child(_scale_overrides(family, n, rounds))
-            res |= {"family": family, "clients": n}
-            res["per_client_ms"] = round(1000 * res["median_round_s"] / n, 2)
-            res["per_client_cpu_ms"] = round(1000 * res["median_round_cpu_s"] / n, 2)
-            rows.append(res)
+            rows.append(_scale_row(family, n, rounds))
             print(tables({"scale": rows[-1:]}).splitlines()[-1], file=sys.stderr, flush=True)
     if rss_rounds:
-        res = in_child(_scale_overrides(families[0], sizes[1], rss_rounds))
-        res |= {"family": families[0], "clients": sizes[1], "long": True}
-        res["per_client_ms"] = round(1000 * res["median_round_s"] / sizes[1], 2)
-        res["per_client_cpu_ms"] = round(1000 * res["median_round_cpu_s"] / sizes[1], 2)
+        res = _scale_row(families[0], sizes[1], rss_rounds) | {"long": True}
         rss = [r["rss_mb"] for r in res["rounds"]]
         res["rss_growth_mb_after_round_5"] = rss[-1] - rss[min(4, len(rss) - 1)]
         rows.append(res)
