@@ -345,9 +345,21 @@ def _load(
     from coordinator.config import ConfigError, load_config, parse_overrides
 
     try:
-        return load_config(config, flags, parse_overrides(sets), training=training)
+        cfg = load_config(config, flags, parse_overrides(sets), training=training)
     except ConfigError as exc:
         raise _fail(str(exc)) from exc
+    tune_malloc(cfg)
+    return cfg
+
+
+def tune_malloc(cfg: Any) -> bool:
+    """A process that talks to a broker keeps paho's chunk scratch memory in its heap
+    (edge_sdk.malloc) unless `broker.tune_malloc` is false. True if the allocator was tuned."""
+    if cfg.broker.url is None or not cfg.broker.tune_malloc:
+        return False
+    from edge_sdk.malloc import tune_for_streams
+
+    return tune_for_streams()
 
 
 def _guard(call: Any) -> Any:
@@ -371,13 +383,13 @@ def _run(
     quiet: bool,
     verbose: bool,
 ) -> None:
-    from coordinator.config import ConfigError, load_config, parse_overrides
+    from coordinator.config import ConfigError
     from coordinator.server import CoordinatorError
     from coordinator.simulator import simulate as run_simulation
 
     _setup_logging(verbose)
+    cfg = _load(config, flags, training, sets)
     try:
-        cfg = load_config(config, flags, parse_overrides(sets), training=training)
         results = run_simulation(cfg, progress=not quiet)
     except (ConfigError, CoordinatorError, ValueError, FileNotFoundError, KeyError) as exc:
         raise _fail(str(exc)) from exc

@@ -8,8 +8,6 @@ run the same way on the same split, and their per-client accuracies feed the QoI
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import itertools
 import json
 import logging
@@ -35,6 +33,7 @@ from edge_sdk import topics
 from edge_sdk.client import EdgeClient
 from edge_sdk.cohort import Cohort
 from edge_sdk.device import resolve_device
+from edge_sdk.malloc import M_ARENA_MAX, glibc
 from edge_sdk.trainer import ClientData
 from edge_sdk.transport import InMemoryBroker, Transport
 from edge_sdk.transport.mqtt import MqttTransport
@@ -219,7 +218,6 @@ def transport_factory(cfg: RunConfig, run_id: str) -> Callable[[str], Transport]
     return lambda who: MqttTransport(settings, f"edgefl-{run_id}-{who}")
 
 
-_M_ARENA_MAX = -8  # glibc's mallopt parameter number
 _TRIM_EVERY_S = 1.0
 
 
@@ -235,14 +233,11 @@ def _lean_heap(threads: int) -> Callable[[object], None] | None:
     quarter of a round of 100 lenet5 clients whose tasks last ~50 ms when every task trimmed.
     The cap stays for the rest of the process.
     """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim, mallopt = libc.malloc_trim, libc.mallopt
-    except (OSError, AttributeError):  # not glibc: nothing to release this way
+    libc = glibc()
+    if libc is None:  # not glibc: nothing to release this way
         return None
-    trim.argtypes = [ctypes.c_size_t]
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt(_M_ARENA_MAX, max(2, threads))
+    trim = libc.malloc_trim
+    libc.mallopt(M_ARENA_MAX, max(2, threads))
     last = [-math.inf]
 
     def release(_outcome: object) -> None:

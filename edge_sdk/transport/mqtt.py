@@ -81,6 +81,9 @@ class BrokerSettings(BaseModel):
     max_payload_bytes: int = Field(2 * 1024 * 1024, ge=1024)
     reconnect_min_s: float = Field(0.5, gt=0)
     reconnect_max_s: float = Field(30.0, gt=0)
+    # The edgefl commands tune glibc's allocator for chunk streams (edge_sdk.malloc); an app
+    # that embeds MqttTransport decides for itself. False: leave the allocator alone.
+    tune_malloc: bool = True
 
     def resolved_password(self) -> str | None:
         if self.password is not None:
