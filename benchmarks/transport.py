@@ -1,6 +1,6 @@
 """What MQTT costs: model delivery, bytes on the wire, and a whole FML round, side by side.
 
-Three measurements, each run in this one process against a mosquitto started on loopback and
+Three measurements, each run from this one process against a mosquitto started on loopback and
 against the in-memory transport (the simulator's), so only ratios taken in the same run matter:
 
 1. **Delivery.** A model of 1, 10 and 40 MB goes to 1, 5 and 20 clients the way the coordinator
@@ -13,6 +13,10 @@ against the in-memory transport (the simulator's), so only ratios taken in the s
    — the floor the SDK is held to (goal: 40 MB to 20 clients within 1.5× of it), over MQTT 3.1.1
    (paho's default, as mqtt.md measured it) and over MQTT 5 (what the SDK speaks). The clients
    of both are threads of this one process; `*_cpu_s` is this process's CPU time meanwhile.
+   **Processes** (`--parts processes`): the same delivery with every receiver a process of its
+   own, as on devices: the SDK as `edgefl client` runs it (glibc's allocator tuned,
+   edge_sdk.malloc) and untuned, against raw paho subscriber processes. `*_cpu_s` there is the
+   receivers' CPU time until each held the model.
 2. **Bytes on the wire per round** (what the coordinator's connection carries) for a 10-client
    LeNet5 FML round: global model once on the broadcast topic vs a copy per task (how the SDK
    sent it before the broadcast topic), client uploads in fp32 vs fp16.
@@ -24,6 +28,7 @@ against the in-memory transport (the simulator's), so only ratios taken in the s
     python benchmarks/transport.py --quick            # 1 and 10 MB, 1 and 5 clients, 3 rounds
     python benchmarks/transport.py --json-out transport.json
     python benchmarks/transport.py --parts delivery --sizes 40 --clients 20 --repeat 3
+    python benchmarks/transport.py --parts processes --sizes 40 --clients 20 --repeat 3
 
 Prints one JSON object, then tables.
 """
@@ -31,11 +36,14 @@ Prints one JSON object, then tables.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib.metadata
 import json
+import multiprocessing
 import os
 import platform
+import random
 import statistics
 import sys
 import threading
@@ -51,6 +59,7 @@ from coordinator.broker import MosquittoBroker
 from coordinator.config import load_config
 from coordinator.simulator import prepare_federation, run_federation
 from edge_sdk import topics
+from edge_sdk.malloc import tune_for_streams
 from edge_sdk.protocol import BlobRef, ModelRef, Reply, Task
 from edge_sdk.transport import InMemoryBroker, Transport
 from edge_sdk.transport.mqtt import BrokerSettings, MqttTransport
@@ -60,86 +69,115 @@ from model_zoo import ArchSpec
 MB = 1024 * 1024
 RUN = "bench"
 SPEC = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))  # the refs' label only
+SETTLE_S = 2.0
+MQTT_MD_RAW_S = 1.13  # mqtt.md: raw paho, 40 MB in 1 MiB QoS 1 chunks to 20 subscribers
 
 
 # -- 1. delivery -------------------------------------------------------------------------------
-def _connect(kind: str, url: str | None, memory: InMemoryBroker, who: str) -> Transport:
+def _payload(size: int, seed: int) -> bytes:
+    """The model's bytes, the same in every process that is given the same seed."""
+    return random.Random(seed).randbytes(size)
+
+
+def _blob_ref(payload: bytes, seed: int) -> BlobRef:
+    sha = hashlib.sha256(payload).hexdigest()
+    return BlobRef(id=f"model-{seed}", sha256=sha, size=len(payload), shared=True)
+
+
+def _connect(kind: str, url: str | None, memory: InMemoryBroker | None, who: str) -> Transport:
     if kind == "memory":
+        assert memory is not None
         return memory.connect(who, max_payload_bytes=2 * MB)
     settings = BrokerSettings(url=url, ack_timeout_s=600)
     return MqttTransport(settings, f"{who}-{uuid.uuid4().hex[:6]}").connect(30)
 
 
-def bench_delivery(kind: str, url: str | None, size: int, n: int) -> dict[str, Any]:
-    memory = InMemoryBroker()
-    payload = os.urandom(size)
-    ref = BlobRef(
-        id=uuid.uuid4().hex, sha256=hashlib.sha256(payload).hexdigest(), size=size, shared=True
+def _receiver(
+    kind: str, url: str | None, memory: InMemoryBroker | None, cid: str, size: int
+) -> tuple[Transport, Endpoint]:
+    """A client's connection, subscribed as EdgeClient subscribes (its down topic, broadcast)."""
+    t = _connect(kind, url, memory, cid)
+    topics_ = [topics.down(RUN, cid), topics.bcast(RUN)]
+    ep = Endpoint(t, topics_, shared_topic=topics.bcast(RUN), max_blob_bytes=2 * size).open()
+    return t, ep
+
+
+def _serve(
+    cid: str, ep: Endpoint, ref: BlobRef, payload: bytes, stamp: Any, all_delivered: Any
+) -> None:
+    """One client: receive the task and its model, `stamp()`, and once every client holds the
+    model (as after local training: the replies do not compete with the delivery), reply with
+    a model of the same size."""
+    env = ep.receive(timeout=600)  # verified against the sha256 in the task's BlobRef
+    stamp()
+    all_delivered.wait()
+    assert env is not None and env.blobs[ref.id] == payload  # and byte for byte, untimed
+    back = BlobRef(id=f"r-{cid}", sha256=ref.sha256, size=ref.size)
+    reply = Reply(
+        run=RUN,
+        sender=cid,
+        task_id=cid,
+        round=1,
+        phase="fit",
+        ok=True,
+        models={"m": ModelRef(spec=SPEC, blob=back)},
     )
-    coord_t = _connect(kind, url, memory, "coordinator")
-    coord = Endpoint(
-        coord_t, topics.up_all(RUN), max_blob_bytes=2 * size, max_total_pending_bytes=4 * n * size
-    ).open()
-    clients = []
-    for i in range(n):
-        t = _connect(kind, url, memory, f"c{i}")
-        ep = Endpoint(
-            t,
-            [topics.down(RUN, f"c{i}"), topics.bcast(RUN)],
-            shared_topic=topics.bcast(RUN),
-            max_blob_bytes=2 * size,
-        ).open()
-        clients.append((f"c{i}", t, ep))
-    delivered: list[float] = []
-    cpu: list[float] = []
-    lock = threading.Lock()
-    all_delivered = threading.Barrier(n)
+    ep.send(topics.up(RUN, cid), reply, {back.id: payload})
 
-    def serve(cid: str, ep: Endpoint) -> None:
-        env = ep.receive(timeout=600)  # verified against the sha256 in the task's BlobRef
-        with lock:
-            delivered.append(time.perf_counter())
-            cpu.append(time.process_time())
-        # Replies wait until every client holds the model, as they would after local training:
-        # the delivery is timed without 20 uploads of the same size competing with it.
-        all_delivered.wait()
-        assert env is not None and env.blobs[ref.id] == payload  # and byte for byte, untimed
-        back = BlobRef(id=f"r-{cid}", sha256=ref.sha256, size=size)
-        reply = Reply(
-            run=RUN,
-            sender=cid,
-            task_id=cid,
-            round=1,
-            phase="fit",
-            ok=True,
-            models={"m": ModelRef(spec=SPEC, blob=back)},
-        )
-        ep.send(topics.up(RUN, cid), reply, {back.id: payload})
 
-    threads = [threading.Thread(target=serve, args=(cid, ep)) for cid, _, ep in clients]
-    for th in threads:
-        th.start()
-    t0, c0 = time.perf_counter(), time.process_time()
-    # As the coordinator does (server.py): the broadcast acknowledged, then every task sent
-    # before waiting for their acknowledgements.
+def _coordinate(coord: Endpoint, ref: BlobRef, payload: bytes, n: int) -> float:
+    """As the coordinator does (server.py): the broadcast acknowledged, then every task sent
+    before waiting for their acknowledgements; returns when every reply is in."""
     coord.wait(coord.publish_blobs(topics.bcast(RUN), {ref.id: payload}))
     sent = []
-    for cid, _, _ in clients:
+    for i in range(n):
         task = Task(
             run=RUN,
             sender="coordinator",
-            task_id=cid,
+            task_id=f"c{i}",
             round=1,
             rounds=1,
             phase="fit",
             algorithm="fml",
             models={"m": ModelRef(spec=SPEC, blob=ref)},
         )
-        sent += coord.send(topics.down(RUN, cid), task, wait=False)
+        sent += coord.send(topics.down(RUN, f"c{i}"), task, wait=False)
     coord.wait(sent)
     for _ in range(n):
         assert coord.receive(timeout=600) is not None
-    t1 = time.perf_counter()
+    return time.perf_counter()
+
+
+def _coordinator(
+    kind: str, url: str | None, memory: InMemoryBroker | None, size: int, n: int
+) -> tuple[Transport, Endpoint]:
+    t = _connect(kind, url, memory, "coordinator")
+    pending = 4 * n * size  # every reply in flight at once
+    ep = Endpoint(t, topics.up_all(RUN), max_blob_bytes=2 * size, max_total_pending_bytes=pending)
+    return t, ep.open()
+
+
+def bench_delivery(kind: str, url: str | None, size: int, n: int, seed: int = 0) -> dict[str, Any]:
+    """The clients are threads of this process; `deliver_cpu_s` is this process's CPU time."""
+    memory = InMemoryBroker()
+    payload = _payload(size, seed)
+    ref = _blob_ref(payload, seed)
+    coord_t, coord = _coordinator(kind, url, memory, size, n)
+    clients = [(f"c{i}", *_receiver(kind, url, memory, f"c{i}", size)) for i in range(n)]
+    delivered: list[tuple[float, float]] = []
+    all_delivered = threading.Barrier(n)
+
+    def stamp() -> None:
+        delivered.append((time.perf_counter(), time.process_time()))  # list.append is atomic
+
+    threads = [
+        threading.Thread(target=_serve, args=(cid, ep, ref, payload, stamp, all_delivered))
+        for cid, _, ep in clients
+    ]
+    for th in threads:
+        th.start()
+    t0, c0 = time.perf_counter(), time.process_time()
+    t1 = _coordinate(coord, ref, payload, n)
     for th in threads:
         th.join()
     bytes_out, bytes_in = coord_t.stats.bytes_out, coord_t.stats.bytes_in
@@ -152,68 +190,175 @@ def bench_delivery(kind: str, url: str | None, size: int, n: int) -> dict[str, A
         "transport": kind,
         "size_mb": size / MB,
         "clients": n,
-        "deliver_s": max(delivered) - t0,
-        "deliver_cpu_s": max(cpu) - c0,
+        "deliver_s": max(d[0] for d in delivered) - t0,
+        "deliver_cpu_s": max(d[1] for d in delivered) - c0,
         "round_trip_s": t1 - t0,
         "coordinator_bytes_out": bytes_out,
         "coordinator_bytes_in": bytes_in,
     }
 
 
-def bench_raw_paho(
-    url: str, size: int, n: int, protocol: str = "3.1.1", keep: bool = False
-) -> dict[str, Any]:
-    """The floor: paho alone, 1 MiB QoS 1 chunks, n subscribers, until all hold every byte.
+# Receivers as processes: forked from a server process that has imported this module (and so
+# torch, paho and the SDK) once, not from this process and its threads. perf_counter is
+# CLOCK_MONOTONIC on Linux, one clock for every process of the machine.
+@functools.cache
+def _forks() -> Any:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__"])
+    return ctx
 
-    `protocol` "3.1.1" is paho's default (how mqtt.md measured its 1.13 s); "5" is what the SDK
-    speaks, and paho's MQTT 5 decoding copies each payload twice more. Without `keep` each
-    subscriber only counts the bytes and drops them; with it, it does the least that a receiver
-    that uses the model must do: append every payload to one buffer and hash it (sha256).
-    """
+
+def _sdk_process(
+    url: str, cid: str, size: int, seed: int, tune: bool, ready: Any, out: Any, barrier: Any
+) -> None:
+    if tune:
+        tune_for_streams()  # as the edgefl commands do (broker.tune_malloc, on by default)
+    payload = _payload(size, seed)
+    t, ep = _receiver("mosquitto", url, None, cid, size)
+    ready.put(cid)
+    c0 = time.process_time()
+
+    def stamp() -> None:
+        out.put((time.perf_counter(), time.process_time() - c0))
+
+    _serve(cid, ep, _blob_ref(payload, seed), payload, stamp, barrier)
+    ep.close()
+    t.close()
+
+
+def bench_delivery_processes(
+    url: str, size: int, n: int, *, tune: bool = True, seed: int = 1
+) -> dict[str, Any]:
+    """The SDK's clients as n processes (as devices run them), the coordinator in this one.
+    `tune`: the clients tune glibc's allocator as `edgefl client` does (edge_sdk.malloc).
+    `deliver_cpu_s`: the clients' CPU time until each held the model (not the sender's)."""
+    ctx = _forks()
+    ready, out, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(n)
+    procs = [
+        ctx.Process(target=_sdk_process, args=(url, f"c{i}", size, seed, tune, ready, out, barrier))
+        for i in range(n)
+    ]
+    for pr in procs:
+        pr.start()
+    payload = _payload(size, seed)
+    ref = _blob_ref(payload, seed)
+    coord_t, coord = _coordinator("mosquitto", url, None, size, n)
+    for _ in range(n):
+        ready.get(timeout=300)
+    t0 = time.perf_counter()
+    t1 = _coordinate(coord, ref, payload, n)
+    stamps = [out.get(timeout=600) for _ in range(n)]
+    for pr in procs:
+        pr.join(60)
+    coord.close()
+    coord_t.close()
+    return {
+        "size_mb": size / MB,
+        "clients": n,
+        "deliver_s": max(s[0] for s in stamps) - t0,
+        "deliver_cpu_s": sum(s[1] for s in stamps),
+        "round_trip_s": t1 - t0,
+    }
+
+
+def _raw_subscriber(
+    url: str, i: int, topic: str, protocol: str, size: int, keep: bool
+) -> tuple[Any, threading.Event]:
+    """A paho subscriber on `topic`; its event is set once it has `size` bytes. Without `keep`
+    it counts the bytes and drops them; with it, it does the least that a receiver that uses the
+    model must do: append every payload to one buffer and hash it (sha256)."""
     host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
     version = mqtt.MQTTv5 if protocol == "5" else mqtt.MQTTv311
-    got = [0] * n
-    kept = [bytearray() for _ in range(n)]
-    hashes = [hashlib.sha256() for _ in range(n)]
-    done = threading.Event()
+    c = mqtt.Client(
+        CallbackAPIVersion.VERSION2, client_id=f"raw-sub-{i}-{topic[-6:]}", protocol=version
+    )
+    c.max_inflight_messages_set(100)
+    got, kept, digest = [0], bytearray(), hashlib.sha256()
+    subscribed, done = threading.Event(), threading.Event()
+
+    def on_message(client: Any, userdata: Any, msg: Any) -> None:
+        got[0] += len(msg.payload)
+        if keep:
+            kept.extend(msg.payload)
+            digest.update(msg.payload)
+        if got[0] >= size:
+            done.set()
+
+    c.on_message = on_message
+    c.on_subscribe = lambda *_: subscribed.set()
+    c.connect(host, int(port))
+    c.loop_start()
+    c.subscribe(topic, qos=1)
+    if not subscribed.wait(30):
+        raise RuntimeError(f"raw subscriber {i}: no SUBACK")
+    return c, done
+
+
+def _raw_process(
+    url: str, i: int, topic: str, protocol: str, size: int, keep: bool, ready: Any, out: Any
+) -> None:
+    c, done = _raw_subscriber(url, i, topic, protocol, size, keep)
+    ready.put(i)
+    c0 = time.process_time()
+    done.wait(600)
+    out.put((time.perf_counter(), time.process_time() - c0))
+    c.loop_stop()
+    c.disconnect()
+
+
+def bench_raw_paho(
+    url: str,
+    size: int,
+    n: int,
+    protocol: str = "3.1.1",
+    keep: bool = False,
+    processes: bool = False,
+) -> dict[str, Any]:
+    """The floor: paho alone, 1 MiB QoS 1 chunks, no framing, no checksum, n subscribers
+    (threads of this process, or `processes`), until all hold every byte. `protocol` "3.1.1" is
+    paho's default (how mqtt.md measured its 1.13 s); "5" is what the SDK speaks, and paho's
+    MQTT 5 decoding copies each payload twice more. `keep`: see `_raw_subscriber`. `cpu_s`: this
+    process's CPU time meanwhile, or with `processes` the subscribers' until each had it all."""
     topic = f"raw/{uuid.uuid4().hex[:6]}"
-    subs = []
-    for i in range(n):
-        c = mqtt.Client(
-            CallbackAPIVersion.VERSION2, client_id=f"raw-sub-{i}-{topic[-6:]}", protocol=version
-        )
-        c.max_inflight_messages_set(100)
-
-        def on_message(client: Any, userdata: Any, msg: Any, i: int = i) -> None:
-            got[i] += len(msg.payload)
-            if keep:
-                kept[i] += msg.payload
-                hashes[i].update(msg.payload)
-            if all(g >= size for g in got):
-                done.set()
-
-        c.on_message = on_message
-        c.connect(host, int(port))
-        c.subscribe(topic, qos=1)
-        c.loop_start()
-        subs.append(c)
-    time.sleep(0.5)  # let every SUBACK land
+    if processes:
+        ctx = _forks()
+        ready, out = ctx.Queue(), ctx.Queue()
+        args = (url, topic, protocol, size, keep, ready, out)
+        procs = [ctx.Process(target=_raw_process, args=(url, i, *args[1:])) for i in range(n)]
+        for pr in procs:
+            pr.start()
+        for _ in procs:
+            ready.get(timeout=300)
+    else:
+        subs = [_raw_subscriber(url, i, topic, protocol, size, keep) for i in range(n)]
+    host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+    version = mqtt.MQTTv5 if protocol == "5" else mqtt.MQTTv311
     pub = mqtt.Client(
         CallbackAPIVersion.VERSION2, client_id=f"raw-pub-{topic[-6:]}", protocol=version
     )
     pub.max_inflight_messages_set(100)
     pub.connect(host, int(port))
     pub.loop_start()
-    payload = os.urandom(size)
+    payload = _payload(size, 2)
     t0, c0 = time.perf_counter(), time.process_time()
     infos = [pub.publish(topic, payload[i : i + MB], qos=1) for i in range(0, size, MB)]
     for info in infos:
         info.wait_for_publish(600)
-    done.wait(600)
-    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-    for c in [pub, *subs]:
-        c.loop_stop()
-        c.disconnect()
+    if processes:
+        stamps = [out.get(timeout=600) for _ in procs]
+        elapsed = max(s[0] for s in stamps) - t0
+        cpu = sum(s[1] for s in stamps)
+        for pr in procs:
+            pr.join(60)
+    else:
+        for _, done in subs:
+            done.wait(600)
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+        for c, _ in subs:
+            c.loop_stop()
+            c.disconnect()
+    pub.loop_stop()
+    pub.disconnect()
     return {"size_mb": size / MB, "clients": n, "raw_paho_s": elapsed, "cpu_s": cpu}
 
 
@@ -296,6 +441,42 @@ def delivery_row(url: str, size: int, n: int) -> dict[str, Any]:
     }
 
 
+def processes_row(url: str, size: int, n: int) -> dict[str, Any]:
+    """One size x clients with every receiver a process of its own, as on devices: the SDK as
+    `edgefl client` runs it (allocator tuned) and untuned, raw paho over MQTT 3.1.1 and 5, and
+    raw paho over MQTT 5 that keeps and hashes what it receives."""
+
+    def settled(result: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(SETTLE_S)  # the last run's processes free their memory before the next one
+        return result
+
+    sdk = settled(bench_delivery_processes(url, size, n))
+    plain = settled(bench_delivery_processes(url, size, n, tune=False))
+    raw = settled(bench_raw_paho(url, size, n, processes=True))
+    raw5 = settled(bench_raw_paho(url, size, n, protocol="5", processes=True))
+    kept = settled(bench_raw_paho(url, size, n, protocol="5", keep=True, processes=True))
+    return {
+        "size_mb": size / MB,
+        "clients": n,
+        "mqtt_deliver_s": sdk["deliver_s"],
+        "mqtt_round_trip_s": sdk["round_trip_s"],
+        "mqtt_untuned_deliver_s": plain["deliver_s"],
+        "raw_paho_deliver_s": raw["raw_paho_s"],
+        "raw_paho_v5_deliver_s": raw5["raw_paho_s"],
+        "raw_paho_v5_keep_deliver_s": kept["raw_paho_s"],
+        "mqtt_vs_raw": sdk["deliver_s"] / raw["raw_paho_s"],
+        "mqtt_vs_raw_v5": sdk["deliver_s"] / raw5["raw_paho_s"],
+        "mqtt_vs_raw_v5_keep": sdk["deliver_s"] / kept["raw_paho_s"],
+        "mqtt_vs_mqtt_md": sdk["deliver_s"] / MQTT_MD_RAW_S if (size, n) == (40 * MB, 20) else None,
+        # CPU time of every receiver process until it held the model
+        "mqtt_deliver_cpu_s": sdk["deliver_cpu_s"],
+        "mqtt_untuned_deliver_cpu_s": plain["deliver_cpu_s"],
+        "raw_paho_cpu_s": raw["cpu_s"],
+        "raw_paho_v5_cpu_s": raw5["cpu_s"],
+        "raw_paho_v5_keep_cpu_s": kept["cpu_s"],
+    }
+
+
 def bench_rounds(url: str, rounds: int) -> dict[str, Any]:
     print("FML rounds: memory, mosquitto, per-task copies, fp16 uploads ...", file=sys.stderr)
     overhead = {}
@@ -337,6 +518,29 @@ def print_delivery(rows: list[dict[str, Any]]) -> None:
         )
 
 
+def print_processes(rows: list[dict[str, Any]]) -> None:
+    print("receivers as processes:")
+    print(f"{'MB':>5} {'clients':>7} {'mqtt s':>8} {'untuned s':>9} {'raw 3.1.1 s':>11} "
+          f"{'raw v5 s':>8} {'keep v5 s':>9} {'mqtt/raw':>8} {'mqtt/raw v5':>11} "
+          f"{'mqtt/keep v5':>12} {'cpu mqtt/raw':>12} {'mqtt rt s':>9}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['size_mb']:>5.0f} {r['clients']:>7} {r['mqtt_deliver_s']:>8.3f} "
+            f"{r['mqtt_untuned_deliver_s']:>9.3f} {r['raw_paho_deliver_s']:>11.3f} "
+            f"{r['raw_paho_v5_deliver_s']:>8.3f} {r['raw_paho_v5_keep_deliver_s']:>9.3f} "
+            f"{r['mqtt_vs_raw']:>8.2f} {r['mqtt_vs_raw_v5']:>11.2f} "
+            f"{r['mqtt_vs_raw_v5_keep']:>12.2f} "
+            f"{r['mqtt_deliver_cpu_s'] / r['raw_paho_cpu_s']:>12.2f} "
+            f"{r['mqtt_round_trip_s']:>9.3f}"
+        )
+    for r in rows:
+        if r["mqtt_vs_mqtt_md"] is not None:
+            print(
+                f"40 MB to 20 clients: {r['mqtt_deliver_s']:.2f} s = {r['mqtt_vs_mqtt_md']:.2f}x "
+                f"mqtt.md's raw paho {MQTT_MD_RAW_S} s (goal: 1.5x)"
+            )
+
+
 def print_rounds(rr: dict[str, Any]) -> None:
     for budget, o in rr["overhead"].items():
         m, q = o["memory"], o["mosquitto"]
@@ -353,6 +557,9 @@ def print_rounds(rr: dict[str, Any]) -> None:
     )
 
 
+PARTS = {"delivery", "processes", "rounds"}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1,10,40", help="model sizes in MB")
@@ -360,7 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="FML rounds for the overhead")
     p.add_argument("--quick", action="store_true", help="1,10 MB x 1,5 clients, 3 rounds")
     p.add_argument(
-        "--parts", default="delivery,rounds", help="which parts: delivery, rounds (comma-separated)"
+        "--parts",
+        default=",".join(sorted(PARTS)),
+        help="which parts: delivery, processes, rounds (comma-separated)",
     )
     p.add_argument("--repeat", type=int, default=1, help="measure each delivery row this often")
     p.add_argument("--json-out", help="also write the JSON here")
@@ -380,11 +589,12 @@ def main(argv: list[str] | None = None) -> int:
             "load_avg": os.getloadavg(),
         },
         "delivery": [],
+        "processes": [],
         "rounds": {},
     }
     parts = set(args.parts.split(","))
-    if not parts <= {"delivery", "rounds"}:
-        p.error(f"--parts: unknown part(s) {sorted(parts - {'delivery', 'rounds'})}")
+    if not parts <= PARTS:
+        p.error(f"--parts: unknown part(s) {sorted(parts - PARTS)}")
     with MosquittoBroker() as broker:
         if "delivery" in parts:
             for size in sizes:
@@ -392,6 +602,12 @@ def main(argv: list[str] | None = None) -> int:
                     for _ in range(args.repeat):
                         print(f"delivery {size // MB} MB x {n} ...", file=sys.stderr)
                         report["delivery"].append(delivery_row(broker.url, size, n))
+        if "processes" in parts:
+            for size in sizes:
+                for n in counts:
+                    for _ in range(args.repeat):
+                        print(f"processes {size // MB} MB x {n} ...", file=sys.stderr)
+                        report["processes"].append(processes_row(broker.url, size, n))
         if "rounds" in parts:
             report["rounds"] = bench_rounds(broker.url, args.rounds)
     report["machine"]["load_avg_after"] = os.getloadavg()
@@ -403,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     if report["delivery"]:
         print_delivery(report["delivery"])
+    if report["processes"]:
+        print_processes(report["processes"])
     if report["rounds"]:
         print_rounds(report["rounds"])
     return 0
