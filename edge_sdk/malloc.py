@@ -4,8 +4,8 @@ paho builds every incoming packet in fresh memory and copies a 1 MiB chunk four 
 before the SDK sees it (`bytes +=` per socket read, then a `struct.unpack` per header field).
 Under glibc's default, dynamic thresholds that memory is handed back to the kernel after every
 chunk (the trim threshold follows the largest block freed, ~2 MiB) and faulted back in for the
-next one: a receiver took ~30,000 page faults per 40 MB model where the model itself needs
-~10,000, and twice the CPU (benchmarks/README.md, "Delivery"). `tune_for_streams()` fixes both
+next one: a receiver took ~39,000 page faults per 40 MB model, ~13,000 tuned, and alone about
+1.7x the CPU (benchmarks/README.md, "Receivers as processes"). `tune_for_streams()` fixes both
 thresholds so that the chunks' scratch memory stays in the heap between chunks.
 
 It is process-wide, so a library object never calls it behind the app's back: the `edgefl`
