@@ -419,25 +419,39 @@ def delivery_row(url: str, size: int, n: int) -> dict[str, Any]:
     raw5 = bench_raw_paho(url, size, n, protocol="5")
     kept = bench_raw_paho(url, size, n, protocol="5", keep=True)
     return {
-        "size_mb": size / MB,
-        "clients": n,
+        **_against_floors(size, n, mq, raw, raw5, kept),
         "memory_deliver_s": mem["deliver_s"],
         "memory_round_trip_s": mem["round_trip_s"],
-        "mqtt_deliver_s": mq["deliver_s"],
-        "mqtt_round_trip_s": mq["round_trip_s"],
+        "coordinator_bytes_out": mq["coordinator_bytes_out"],
+    }
+
+
+def _against_floors(
+    size: int,
+    n: int,
+    sdk: dict[str, Any],
+    raw: dict[str, Any],
+    raw5: dict[str, Any],
+    kept: dict[str, Any],
+) -> dict[str, Any]:
+    """A row's SDK figures next to the raw-paho floors: over MQTT 3.1.1, over MQTT 5, and over
+    MQTT 5 keeping and hashing what it receives, as the SDK must. The CPU times are the
+    receivers' (threads: this whole process's) while delivering."""
+    return {
+        "size_mb": size / MB,
+        "clients": n,
+        "mqtt_deliver_s": sdk["deliver_s"],
+        "mqtt_round_trip_s": sdk["round_trip_s"],
         "raw_paho_deliver_s": raw["raw_paho_s"],
         "raw_paho_v5_deliver_s": raw5["raw_paho_s"],
-        "mqtt_vs_raw": mq["deliver_s"] / raw["raw_paho_s"],
-        "mqtt_vs_raw_v5": mq["deliver_s"] / raw5["raw_paho_s"],
-        # raw paho over MQTT 5 that keeps and hashes what it receives, as the SDK must
         "raw_paho_v5_keep_deliver_s": kept["raw_paho_s"],
-        "mqtt_vs_raw_v5_keep": mq["deliver_s"] / kept["raw_paho_s"],
-        # CPU time of this process (all its threads) while delivering
-        "mqtt_deliver_cpu_s": mq["deliver_cpu_s"],
+        "mqtt_vs_raw": sdk["deliver_s"] / raw["raw_paho_s"],
+        "mqtt_vs_raw_v5": sdk["deliver_s"] / raw5["raw_paho_s"],
+        "mqtt_vs_raw_v5_keep": sdk["deliver_s"] / kept["raw_paho_s"],
+        "mqtt_deliver_cpu_s": sdk["deliver_cpu_s"],
         "raw_paho_cpu_s": raw["cpu_s"],
         "raw_paho_v5_cpu_s": raw5["cpu_s"],
         "raw_paho_v5_keep_cpu_s": kept["cpu_s"],
-        "coordinator_bytes_out": mq["coordinator_bytes_out"],
     }
 
 
@@ -456,24 +470,10 @@ def processes_row(url: str, size: int, n: int) -> dict[str, Any]:
     raw5 = settled(bench_raw_paho(url, size, n, protocol="5", processes=True))
     kept = settled(bench_raw_paho(url, size, n, protocol="5", keep=True, processes=True))
     return {
-        "size_mb": size / MB,
-        "clients": n,
-        "mqtt_deliver_s": sdk["deliver_s"],
-        "mqtt_round_trip_s": sdk["round_trip_s"],
+        **_against_floors(size, n, sdk, raw, raw5, kept),
         "mqtt_untuned_deliver_s": plain["deliver_s"],
-        "raw_paho_deliver_s": raw["raw_paho_s"],
-        "raw_paho_v5_deliver_s": raw5["raw_paho_s"],
-        "raw_paho_v5_keep_deliver_s": kept["raw_paho_s"],
-        "mqtt_vs_raw": sdk["deliver_s"] / raw["raw_paho_s"],
-        "mqtt_vs_raw_v5": sdk["deliver_s"] / raw5["raw_paho_s"],
-        "mqtt_vs_raw_v5_keep": sdk["deliver_s"] / kept["raw_paho_s"],
-        "mqtt_vs_mqtt_md": sdk["deliver_s"] / MQTT_MD_RAW_S if (size, n) == (40 * MB, 20) else None,
-        # CPU time of every receiver process until it held the model
-        "mqtt_deliver_cpu_s": sdk["deliver_cpu_s"],
         "mqtt_untuned_deliver_cpu_s": plain["deliver_cpu_s"],
-        "raw_paho_cpu_s": raw["cpu_s"],
-        "raw_paho_v5_cpu_s": raw5["cpu_s"],
-        "raw_paho_v5_keep_cpu_s": kept["cpu_s"],
+        "mqtt_vs_mqtt_md": sdk["deliver_s"] / MQTT_MD_RAW_S if (size, n) == (40 * MB, 20) else None,
     }
 
 
@@ -502,37 +502,42 @@ def bench_rounds(url: str, rounds: int) -> dict[str, Any]:
     }
 
 
-def print_delivery(rows: list[dict[str, Any]]) -> None:
-    print(f"{'MB':>5} {'clients':>7} {'memory s':>9} {'mqtt s':>8} {'raw 3.1.1 s':>11} "
-          f"{'raw v5 s':>8} {'keep v5 s':>9} {'mqtt/raw':>8} {'mqtt/raw v5':>11} "
-          f"{'mqtt/keep v5':>12} {'cpu mqtt/raw':>12} {'mqtt rt s':>9}")  # fmt: skip
+Column = tuple[str, int, str, Any]  # header, width, format, row key or function of the row
+_FLOOR_COLUMNS: list[Column] = [
+    ("raw 3.1.1 s", 11, ".3f", "raw_paho_deliver_s"),
+    ("raw v5 s", 8, ".3f", "raw_paho_v5_deliver_s"),
+    ("keep v5 s", 9, ".3f", "raw_paho_v5_keep_deliver_s"),
+    ("mqtt/raw", 8, ".2f", "mqtt_vs_raw"),
+    ("mqtt/raw v5", 11, ".2f", "mqtt_vs_raw_v5"),
+    ("mqtt/keep v5", 12, ".2f", "mqtt_vs_raw_v5_keep"),
+    ("cpu mqtt/raw", 12, ".2f", lambda r: r["mqtt_deliver_cpu_s"] / r["raw_paho_cpu_s"]),
+    ("mqtt rt s", 9, ".3f", "mqtt_round_trip_s"),
+]
+
+
+def _print_table(rows: list[dict[str, Any]], sdk_columns: list[Column]) -> None:
+    """MB, clients, the SDK's own columns, then the floors (_against_floors)."""
+    columns = [("MB", 5, ".0f", "size_mb"), ("clients", 7, "", "clients")]
+    columns += sdk_columns + _FLOOR_COLUMNS
+    print(" ".join(f"{head:>{width}}" for head, width, _, _ in columns))
     for r in rows:
-        print(
-            f"{r['size_mb']:>5.0f} {r['clients']:>7} {r['memory_deliver_s']:>9.3f} "
-            f"{r['mqtt_deliver_s']:>8.3f} {r['raw_paho_deliver_s']:>11.3f} "
-            f"{r['raw_paho_v5_deliver_s']:>8.3f} {r['raw_paho_v5_keep_deliver_s']:>9.3f} "
-            f"{r['mqtt_vs_raw']:>8.2f} {r['mqtt_vs_raw_v5']:>11.2f} "
-            f"{r['mqtt_vs_raw_v5_keep']:>12.2f} "
-            f"{r['mqtt_deliver_cpu_s'] / r['raw_paho_cpu_s']:>12.2f} "
-            f"{r['mqtt_round_trip_s']:>9.3f}"
-        )
+        cells = (key(r) if callable(key) else r[key] for _, _, _, key in columns)
+        print(" ".join(f"{v:>{c[1]}{c[2]}}" for c, v in zip(columns, cells, strict=True)))
+
+
+def print_delivery(rows: list[dict[str, Any]]) -> None:
+    _print_table(
+        rows, [("memory s", 9, ".3f", "memory_deliver_s"), ("mqtt s", 8, ".3f", "mqtt_deliver_s")]
+    )
 
 
 def print_processes(rows: list[dict[str, Any]]) -> None:
     print("receivers as processes:")
-    print(f"{'MB':>5} {'clients':>7} {'mqtt s':>8} {'untuned s':>9} {'raw 3.1.1 s':>11} "
-          f"{'raw v5 s':>8} {'keep v5 s':>9} {'mqtt/raw':>8} {'mqtt/raw v5':>11} "
-          f"{'mqtt/keep v5':>12} {'cpu mqtt/raw':>12} {'mqtt rt s':>9}")  # fmt: skip
-    for r in rows:
-        print(
-            f"{r['size_mb']:>5.0f} {r['clients']:>7} {r['mqtt_deliver_s']:>8.3f} "
-            f"{r['mqtt_untuned_deliver_s']:>9.3f} {r['raw_paho_deliver_s']:>11.3f} "
-            f"{r['raw_paho_v5_deliver_s']:>8.3f} {r['raw_paho_v5_keep_deliver_s']:>9.3f} "
-            f"{r['mqtt_vs_raw']:>8.2f} {r['mqtt_vs_raw_v5']:>11.2f} "
-            f"{r['mqtt_vs_raw_v5_keep']:>12.2f} "
-            f"{r['mqtt_deliver_cpu_s'] / r['raw_paho_cpu_s']:>12.2f} "
-            f"{r['mqtt_round_trip_s']:>9.3f}"
-        )
+    sdk = [
+        ("mqtt s", 8, ".3f", "mqtt_deliver_s"),
+        ("untuned s", 9, ".3f", "mqtt_untuned_deliver_s"),
+    ]
+    _print_table(rows, sdk)
     for r in rows:
         if r["mqtt_vs_mqtt_md"] is not None:
             print(
