@@ -2,7 +2,9 @@
 stage 1's FedAvg update and stage 2's distillation update, each against a computation of its own.
 """
 
+import logging
 import math
+import re
 
 import pytest
 import torch
@@ -14,9 +16,11 @@ from edge_sdk.algorithms.persfl import (
     PersFL,
     PersFLConfig,
     archive_name,
+    archive_round,
     distillation_loss,
 )
 from edge_sdk.codec import WireModel
+from edge_sdk.state import load_state, save_state
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec, build
 
@@ -50,6 +54,24 @@ def _val_ce(model: WireModel, data: ClientData) -> float:
     z = data.x_val @ model.weights["linear.weight"].T + model.weights["linear.bias"]
     log_p = z - torch.logsumexp(z, dim=1, keepdim=True)
     return float(-log_p[torch.arange(len(data.y_val)), data.y_val].mean())
+
+
+def _test_scores(prefix: str, model: WireModel, data: ClientData) -> dict[str, float]:
+    """An MLR's correct count, total and mean cross-entropy on the test split, by hand."""
+    z = data.x_test @ model.weights["linear.weight"].T + model.weights["linear.bias"]
+    log_p = z - torch.logsumexp(z, dim=1, keepdim=True)
+    return {
+        f"{prefix}_correct": int((z.argmax(1) == data.y_test).sum()),
+        f"{prefix}_total": len(data.y_test),
+        f"{prefix}_loss": float(-log_p[torch.arange(len(data.y_test)), data.y_test].mean()),
+    }
+
+
+def _assert_scores(got: dict[str, float], *want: dict[str, float]) -> None:
+    expected = {k: v for w in want for k, v in w.items()}
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        assert got[k] == pytest.approx(v, rel=1e-5), k
 
 
 # -- stage 1: teacher selection --------------------------------------------------------------
@@ -108,8 +130,27 @@ def test_persfl_without_validation_data_is_a_clear_error():
     d = _data()
     no_val = ClientData(d.x_train, d.y_train, d.x_val[:0], d.y_val[:0], d.x_test, d.y_test, CLASSES)
     client = _client(data=no_val)
-    with pytest.raises(AlgorithmError, match="validation split"):
+    msg = (
+        "persfl picks its teacher (and λ, T) on the validation split and this client has none; "
+        "give it validation data (e.g. data.split = [0.6, 0.2, 0.2])"
+    )
+    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
         client.fit(2, 2, {"global": WireModel.of(MLR, build(MLR))})
+
+
+def test_persfl_refuses_a_global_model_of_other_classes_as_its_teacher():
+    four = ArchSpec(family="mlr", num_classes=4, input_shape=(FEATURES,))
+    msg = "persfl: the global model predicts 4 classes, this client has 3"
+    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
+        _client().consider_teacher(1, WireModel.of(four, build(four)))
+
+
+def test_archive_round_reads_the_round_of_an_archived_name_only():
+    assert archive_round(archive_name(12)) == 12
+    assert archive_round("global") is None and archive_round("model") is None
+    msg = "persfl: archived model name 'global@x' does not end in a round"
+    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
+        archive_round("global@x")
 
 
 # -- the two distillation losses ---------------------------------------------------------------
@@ -221,20 +262,30 @@ class _DivergesAtHalf(PersFL):
         return super().distill(student, z_teacher, lam, temperature)
 
 
-def test_persfl_grid_search_skips_a_point_that_diverges():
+def test_persfl_grid_search_skips_a_point_that_diverges(caplog):
     data = _data()
     ctx = ClientContext("c0", MLR, data, torch.device("cpu"), 0, Trainer(torch.device("cpu")))
     client = _DivergesAtHalf(
         ctx, PersFLConfig(distill_lambdas=[0.0, 0.5, 0.9], distill_temperatures=[2.0])
     )
-    out = client.personalize([(1, _mlr(torch.randn(CLASSES, FEATURES), torch.zeros(CLASSES)))])
+    with caplog.at_level(logging.WARNING, logger="edge_sdk.algorithms.persfl"):
+        out = client.personalize([(1, _mlr(torch.randn(CLASSES, FEATURES), torch.zeros(CLASSES)))])
     assert [p.lam for p in client.grid] == [0.0, 0.9]
+    assert client.diverged == [(0.5, 2.0)]
     assert out.details["diverged_points"] == 1 and out.details["distill_lambda"] in (0.0, 0.9)
+    assert caplog.messages == [
+        "c0: distillation at λ=0.5, T=2 diverged "
+        "(training loss became nan; lower the learning rate)"
+    ]
 
 
 def test_persfl_grid_search_where_every_point_diverges_says_to_lower_the_lr():
     client = _client(lr=1e30, distill_lambdas=[0.5], distill_temperatures=[2.0])
-    with pytest.raises(AlgorithmError, match="lower the learning rate"):
+    msg = (
+        "persfl: distillation diverged at every (λ, T) of the grid [(0.5, 2.0)]; "
+        "lower the learning rate"
+    )
+    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
         client.personalize([(1, _mlr(torch.randn(CLASSES, FEATURES), torch.zeros(CLASSES)))])
 
 
@@ -272,7 +323,8 @@ def test_persfl_new_participant_picks_its_teacher_among_the_archived_models():
 
 
 def test_persfl_finalize_without_any_global_model_is_a_clear_error():
-    with pytest.raises(AlgorithmError, match="no teacher"):
+    msg = "persfl: no teacher to distil from; the finalize task carried no global model"
+    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
         _client().finalize(3, 3, {})
 
 
@@ -286,28 +338,50 @@ def _sgd(params, grads, bufs, lr, momentum, wd):
 
 
 def test_persfl_stage1_round_is_plain_sgd_on_cross_entropy():
-    # Prepare: one full batch per epoch, so the batch order cannot matter.
+    # Prepare: one full batch per epoch, so the batch order cannot matter; the last of three
+    # rounds with a step schedule (one decay per third of the rounds): lr = 0.3 · 0.5².
     data = _data()
-    client = _client(local_epochs=3, batch_size=1000, lr=0.3, momentum=0.9, weight_decay=0.01)
+    client = _client(
+        local_epochs=3,
+        batch_size=1000,
+        lr=0.3,
+        momentum=0.9,
+        weight_decay=0.01,
+        lr_schedule="step",
+        lr_gamma=0.5,
+    )
     start = _mlr(torch.randn(CLASSES, FEATURES), torch.randn(CLASSES))
 
     # Execute
-    out = client.fit(1, 1, {"global": start})
+    out = client.fit(3, 3, {"global": start})
 
-    # Assert: the same three steps, by hand
+    # Assert: the same three steps, by hand, and their mean loss reported
     w = start.weights["linear.weight"].clone().requires_grad_(True)
     b = start.weights["linear.bias"].clone().requires_grad_(True)
     bufs = [None, None]
+    losses = []
     for _ in range(3):
         z = data.x_train @ w.T + b
         log_p = z - torch.logsumexp(z, 1, keepdim=True)
         loss = -log_p[torch.arange(len(data.y_train)), data.y_train].mean()
+        losses.append(float(loss.detach()))
         grads = torch.autograd.grad(loss, [w, b])
         with torch.no_grad():
-            _sgd([w, b], grads, bufs, 0.3, 0.9, 0.01)
+            _sgd([w, b], grads, bufs, 0.3 * 0.5**2, 0.9, 0.01)
     sent = out.models["model"].weights
     assert torch.allclose(sent["linear.weight"], w.detach(), atol=1e-5)
     assert torch.allclose(sent["linear.bias"], b.detach(), atol=1e-5)
+    assert out.metrics == {"train_loss": pytest.approx(sum(losses) / 3, rel=1e-5)}
+    assert out.n_samples == len(data.y_train)
+
+
+def test_persfl_stage1_follows_a_change_of_the_global_architecture():
+    client = _client(local_epochs=1, batch_size=8)
+    client.fit(1, 3, {"global": WireModel.of(MLR, build(MLR, seed=1))})
+    mlp = WireModel.of(MLP, build(MLP, seed=2))
+    out = client.fit(2, 3, {"global": mlp})
+    assert out.models["model"].spec == MLP
+    assert out.models["model"].weights.keys() == mlp.weights.keys()
 
 
 @pytest.mark.parametrize("kind", ["kl", "gd"])
@@ -324,16 +398,167 @@ def test_persfl_stage2_distillation_steps_match_a_hand_written_loop(kind):
     z_t = 2 * torch.randn(len(data.y_train), CLASSES, generator=g)
 
     # Execute
-    client.distill(student, z_t, lam, t)
+    mean_loss = client.distill(student, z_t, lam, t)
 
-    # Assert
+    # Assert: the same steps, and the mean of their losses returned
     w, b = w0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
     bufs = [None, None]
+    losses = []
     for _ in range(2):
         z = data.x_train @ w.T + b
         loss = _by_hand(kind, z, z_t, data.y_train, lam, t)
+        losses.append(float(loss.detach()))
         grads = torch.autograd.grad(loss, [w, b])
         with torch.no_grad():
             _sgd([w, b], grads, bufs, 0.1, 0.9, 1e-3)
     assert torch.allclose(student.linear.weight.detach(), w.detach(), atol=1e-5)
     assert torch.allclose(student.linear.bias.detach(), b.detach(), atol=1e-5)
+    assert mean_loss == pytest.approx(sum(losses) / 2, rel=1e-5)
+
+
+# -- what it evaluates and deploys ---------------------------------------------------------------
+def _two_mlrs(seed: int) -> tuple[WireModel, WireModel]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(  # type: ignore[return-value]
+        _mlr(torch.randn(CLASSES, FEATURES, generator=g), torch.randn(CLASSES, generator=g))
+        for _ in range(2)
+    )
+
+
+def test_persfl_deploys_the_teacher_before_stage_2_and_nothing_before_any_global_model():
+    client = _client()
+    msg = "persfl: no model before the first global model arrived"
+    with pytest.raises(RuntimeError, match=f"^{re.escape(msg)}$"):
+        client.personalized_model()
+    client.consider_teacher(1, _mlr(torch.randn(CLASSES, FEATURES), torch.zeros(CLASSES)))
+    spec, model = client.personalized_model()
+    assert spec == MLR and model is client.teacher
+
+
+def test_persfl_evaluates_a_global_model_that_beats_the_teacher_as_its_personal_model():
+    # Prepare: no teacher yet, then a teacher and a global model on either side of it.
+    data = _data()
+    a, b = _two_mlrs(11)
+    better, worse = (a, b) if _val_ce(a, data) < _val_ce(b, data) else (b, a)
+    client = _client(data=data)
+
+    # Execute / Assert: the global model alone is both
+    got = client.evaluate({"global": worse})
+    _assert_scores(got, _test_scores("personal", worse, data), _test_scores("global", worse, data))
+
+    # ...a kept teacher with a lower validation CE is the personal model...
+    client.consider_teacher(1, better)
+    got = client.evaluate({"global": worse})
+    _assert_scores(got, _test_scores("personal", better, data), _test_scores("global", worse, data))
+
+    # ...and one with a higher CE gives way to the global model, which the next task keeps.
+    client = _client(data=data)
+    client.consider_teacher(1, worse)
+    got = client.evaluate({"global": better})
+    _assert_scores(
+        got, _test_scores("personal", better, data), _test_scores("global", better, data)
+    )
+
+    # Without a global model: the teacher alone.
+    _assert_scores(client.evaluate({}), _test_scores("personal", worse, data))
+
+
+def test_persfl_evaluation_keeps_the_teacher_when_the_global_model_only_ties_it():
+    # Prepare: validation inputs whose last feature is 0, and two MLRs that differ only in the
+    # weights of that feature: the same validation CE, different test predictions.
+    d = _data()
+    x_val = d.x_val.clone()
+    x_val[:, -1] = 0.0
+    data = ClientData(d.x_train, d.y_train, x_val, d.y_val, d.x_test, d.y_test, CLASSES)
+    w = torch.randn(CLASSES, FEATURES, generator=torch.Generator().manual_seed(4))
+    other = w.clone()
+    other[:, -1] = torch.tensor([6.0, -6.0, 0.0])
+    teacher, tie = _mlr(w, torch.zeros(CLASSES)), _mlr(other, torch.zeros(CLASSES))
+    assert _val_ce(teacher, data) == _val_ce(tie, data)
+    assert _test_scores("p", teacher, data) != _test_scores("p", tie, data)
+    client = _client(data=data)
+    client.consider_teacher(1, teacher)
+
+    # Execute
+    got = client.evaluate({"global": tie})
+
+    # Assert: strictly lower only, as for the teacher itself
+    _assert_scores(got, _test_scores("personal", teacher, data), _test_scores("global", tie, data))
+
+
+def test_persfl_evaluates_the_student_after_stage_2_and_a_global_model_of_its_classes_only():
+    # Prepare: stage 2 has run (λ = 0.5 moves the student away from its teacher).
+    data = _data()
+    teacher, glob = _two_mlrs(12)
+    client = _client(data=data, distill_lambdas=[0.5], distill_temperatures=[2.0], lr=0.3)
+    client.personalize([(1, teacher)])
+    student = WireModel.of(MLR, client.student)
+    assert _test_scores("p", student, data) != _test_scores("p", teacher, data)
+    four = ArchSpec(family="mlr", num_classes=4, input_shape=(FEATURES,))
+
+    # Execute / Assert: the student, plus the global model when it predicts this client's classes
+    _assert_scores(
+        client.evaluate({"global": glob}),
+        _test_scores("personal", student, data),
+        _test_scores("global", glob, data),
+    )
+    _assert_scores(
+        client.evaluate({"global": WireModel.of(four, build(four))}),
+        _test_scores("personal", student, data),
+    )
+
+
+def test_persfl_evaluation_before_any_global_model_is_a_clear_error():
+    msg = "persfl: nothing to evaluate before the first global model"
+    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
+        _client().evaluate({})
+
+
+def test_persfl_finalize_distils_from_the_final_global_model_and_scores_it():
+    # Prepare: a client that never trained; its finalize task carries the final global model.
+    data = _data()
+    glob, _ = _two_mlrs(13)
+    client = _client(data=data, distill_lambdas=[0.5], distill_temperatures=[2.0])
+
+    # Execute
+    out = client.finalize(5, 5, {"global": glob})
+
+    # Assert: the global model of round 5 is the teacher; the reply scores student and global.
+    assert out.details["teacher_round"] == 5
+    assert out.details["teacher_val_loss"] == pytest.approx(_val_ce(glob, data), rel=1e-5)
+    assert out.n_samples == len(data.y_train)
+    student = WireModel.of(MLR, client.student)
+    _assert_scores(
+        out.metrics, _test_scores("personal", student, data), _test_scores("global", glob, data)
+    )
+
+
+def test_persfl_finalize_takes_the_archive_and_the_global_model_of_the_same_round():
+    # The last archived model and "global" both belong to the final round (each decoded from
+    # its own message).
+    data = _data()
+    old, glob = _two_mlrs(14)
+    same = WireModel(glob.spec, {k: v.clone() for k, v in glob.weights.items()})
+    client = _client(data=data, distill_lambdas=[0.5], distill_temperatures=[2.0])
+    out = client.finalize(5, 5, {archive_name(4): old, archive_name(5): glob, "global": same})
+    best = 4 if _val_ce(old, data) < _val_ce(glob, data) else 5
+    assert out.details["teacher_round"] == best
+
+
+def test_persfl_grid_and_choice_survive_a_restart(tmp_path):
+    # Prepare: stage 2 ran, one grid point diverged.
+    data = _data()
+    ctx = ClientContext("c0", MLR, data, torch.device("cpu"), 0, Trainer(torch.device("cpu")))
+    config = PersFLConfig(distill_lambdas=[0.0, 0.5, 0.9], distill_temperatures=[2.0])
+    client = _DivergesAtHalf(ctx, config)
+    client.personalize([(1, _mlr(torch.randn(CLASSES, FEATURES), torch.zeros(CLASSES)))])
+    save_state(tmp_path / "c0.state", client.state_dict())
+
+    # Execute: a new instance of the same client loads it.
+    fresh = PersFL(ctx, config)
+    fresh.load_state_dict(load_state(tmp_path / "c0.state"))
+
+    # Assert
+    assert fresh.grid == client.grid and len(fresh.grid) == 2
+    assert fresh.choice == client.choice and fresh.choice is not None
+    assert fresh.diverged == [(0.5, 2.0)]
