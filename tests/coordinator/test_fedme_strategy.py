@@ -1,16 +1,27 @@
 """FedMe's server half: the cluster schedule, exchange within clusters, per-model aggregation,
 returning each client the model it chose, and the unlabeled set it clusters on."""
 
+import re
+import warnings
+
 import numpy as np
 import pytest
+import sklearn.cluster
 import torch
 from safetensors.torch import save_file
+from sklearn.exceptions import ConvergenceWarning
 from tests_helpers import tiny_config
 
 from coordinator.server_data import ServerData, UnlabeledDataError, load_unlabeled
 from coordinator.simulator import prepare_federation
 from coordinator.strategies import ClientInfo, FitReply, IncompatibleClients, StrategyError
-from coordinator.strategies.fedme import FedMeStrategy, exchange_partners, per_model_average
+from coordinator.strategies.fedme import (
+    FedMeStrategy,
+    cluster_models,
+    exchange_partners,
+    model_logits,
+    per_model_average,
+)
 from edge_sdk.algorithms.fedme import FedMeConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.protocol import Capabilities
@@ -21,7 +32,9 @@ MLP = ArchSpec(family="mlp", num_classes=2, input_shape=(3,), kwargs={"hidden": 
 U = torch.randn(40, 3, generator=torch.Generator().manual_seed(0))
 
 
-def _strategy(specs, rounds=10, unlabeled=U, **cfg) -> FedMeStrategy:
+def _strategy(
+    specs, rounds=10, unlabeled=U, seed=0, clients_per_round=None, **cfg
+) -> FedMeStrategy:
     clients = {
         f"c{i}": ClientInfo(f"c{i}", s, Capabilities(n_train=10, num_classes=s.num_classes))
         for i, s in enumerate(specs)
@@ -31,7 +44,8 @@ def _strategy(specs, rounds=10, unlabeled=U, **cfg) -> FedMeStrategy:
         clients=clients,
         global_spec=None,
         rounds=rounds,
-        seed=0,
+        clients_per_round=clients_per_round,
+        seed=seed,
         server_data=ServerData(unlabeled=unlabeled),
     )
     s.setup()
@@ -77,6 +91,12 @@ def test_exchange_never_pairs_across_clusters_when_a_partner_exists():
                 assert labels[ids.index(p)] == label
 
 
+def test_exchange_needs_two_clients():
+    msg = "fedme exchanges models between at least two clients per round"
+    with pytest.raises(StrategyError, match=f"^{re.escape(msg)}$"):
+        exchange_partners(["a"], [0], np.random.default_rng(0))
+
+
 def test_exchange_gives_a_singleton_a_random_other_client():
     rng = np.random.default_rng(1)
     ids, labels = ["a", "b", "c", "d"], [0, 1, 1, 1]  # "a" is alone in its cluster
@@ -106,6 +126,86 @@ def test_fedme_clusters_models_by_their_outputs_on_the_unlabeled_set():
             partner = s.exchange[cid]
             assert partner != cid and group[partner] == group[cid]
             assert models["exchanged"] is s.models[partner]
+
+
+# Twelve models' outputs whose 3-cluster KMeans solution depends on the initialisations tried.
+FEATURES = np.random.default_rng(29).normal(size=(12, 6))
+
+
+def test_cluster_models_is_seeded_kmeans_with_ten_initialisations():
+    # The reference is scikit-learn's KMeans as FedMe's code runs it: 10 k-means++ starts.
+    want = sklearn.cluster.KMeans(n_clusters=3, n_init=10, random_state=5).fit_predict(FEATURES)
+    for _ in range(3):
+        assert cluster_models(FEATURES, 3, seed=5).tolist() == want.tolist()
+
+
+def test_cluster_models_gives_integer_labels_for_one_cluster_too():
+    one = cluster_models(FEATURES, 1, seed=0)
+    assert one.tolist() == [0] * 12 and np.issubdtype(one.dtype, np.integer)
+    assert np.issubdtype(cluster_models(FEATURES, 3, seed=0).dtype, np.integer)
+    assert len(set(cluster_models(FEATURES[:2], 5, seed=0).tolist())) == 2  # k <= models
+
+
+def test_cluster_models_silences_only_kmeans_convergence_warnings(monkeypatch):
+    # Duplicate models (fewer distinct points than clusters) make KMeans warn; nothing else is
+    # hidden.
+    class _Warns:
+        def __init__(self, **kwargs):
+            pass
+
+        def fit_predict(self, features):
+            warnings.warn("fewer distinct points", ConvergenceWarning, stacklevel=1)
+            warnings.warn("something else", UserWarning, stacklevel=1)
+            return np.zeros(len(features), dtype=int)
+
+    monkeypatch.setattr(sklearn.cluster, "KMeans", _Warns)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cluster_models(FEATURES, 2, seed=0)
+    assert [(w.category, str(w.message)) for w in caught] == [(UserWarning, "something else")]
+
+
+def test_model_logits_are_every_models_raw_outputs_on_every_input_flattened():
+    # More inputs than one batch of 1024, so the batching shows.
+    x = torch.randn(2100, 3, generator=torch.Generator().manual_seed(3))
+    models = [WireModel(MLR, _filled(MLR, 0.5)), WireModel.of(MLR, build(MLR, seed=4))]
+    got = model_logits(models, x)
+    assert got.shape == (2, 2100 * 2)
+    for row, m in zip(got, models, strict=True):
+        z = x @ m.weights["linear.weight"].T + m.weights["linear.bias"]
+        np.testing.assert_allclose(row, z.reshape(-1).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_fedme_exchange_plan_is_reproducible_from_the_seed():
+    # Sixteen unrelated models, four clusters: KMeans finds different partitions from different
+    # starts, so its seed must come from the run's seed.
+    def plans(seed):
+        s = _strategy([MLR] * 16, seed=seed, cluster_counts=[4], cluster_starts=[0.0])
+        g = torch.Generator().manual_seed(1)
+        for cid in s.clients:
+            w = {
+                "linear.weight": torch.randn(2, 3, generator=g),
+                "linear.bias": torch.randn(2, generator=g),
+            }
+            s.models[cid] = WireModel(MLR, w)
+        out = []
+        for r in range(1, 5):
+            s.configure_fit(r)
+            out.append(dict(s.exchange))
+        return out
+
+    assert plans(0) == plans(0)
+
+
+def test_fedme_initial_models_are_seeded_per_client_and_per_run():
+    def initial(seed):
+        return {c: m.weights for c, m in _strategy([MLR] * 3, seed=seed).models.items()}
+
+    a, again, other = initial(0), initial(0), initial(1)
+    for c in a:
+        assert all(torch.equal(a[c][k], again[c][k]) for k in a[c])  # reproducible
+        assert not torch.equal(a[c]["linear.weight"], other[c]["linear.weight"])  # run seed
+    assert not torch.equal(a["c0"]["linear.weight"], a["c1"]["linear.weight"])  # per client
 
 
 # -- aggregation ---------------------------------------------------------------------------------
@@ -159,6 +259,27 @@ def test_fedme_returns_each_client_the_aggregate_of_the_model_it_chose():
     assert s.configure_finalize()["c1"]["personal"] is s.models["c1"]
 
 
+def test_fedme_clients_not_sampled_keep_their_models():
+    # Prepare: two of three clients train each round; the third's model is nobody's partner.
+    s = _strategy([MLR, MLR, MLR], clients_per_round=2)
+    plan = s.configure_fit(1)
+    (idle,) = set(s.clients) - set(plan)
+    kept = s.models[idle]
+    replies = {
+        c: _reply(c, WireModel(MLR, _filled(MLR, 2.0)), WireModel(MLR, _filled(MLR, 4.0)), 0)
+        for c in plan
+    }
+
+    # Execute
+    s.aggregate_fit(1, replies)
+
+    # Assert: the trained pair average their models, (2 + 4) / 2; the idle client keeps its own.
+    assert s.models[idle] is kept
+    for c in plan:
+        assert all(torch.allclose(v, torch.full_like(v, 3.0)) for v in s.models[c].weights.values())
+    assert set(s.configure_evaluate(2)) == set(s.clients)
+
+
 def test_fedme_refuses_a_reply_that_does_not_say_whether_it_adopted():
     s = _strategy([MLR, MLR])
     s.configure_fit(1)
@@ -183,16 +304,36 @@ def test_fedme_state_survives_a_checkpoint():
     assert fresh.exchange == s.exchange  # the same rng draws from here on
 
 
+def test_fedme_state_before_the_first_round_survives_a_checkpoint():
+    s = _strategy([MLR, MLP])
+    fresh = _strategy([MLR, MLP])
+    fresh.load_state_dict(s.state_dict())
+    assert fresh.exchange == {}
+
+
 def test_fedme_needs_two_clients_and_one_label_space():
-    with pytest.raises(IncompatibleClients, match="at least 2"):
+    msg = "fedme exchanges models between clients: it needs at least 2 clients per round"
+    with pytest.raises(IncompatibleClients, match=f"^{re.escape(msg)}$"):
         _strategy([MLR])
+    with pytest.raises(IncompatibleClients, match=f"^{re.escape(msg)}$"):
+        _strategy([MLR] * 3, clients_per_round=1)
+    assert _strategy([MLR] * 3, clients_per_round=2).clients_per_round == 2
     with pytest.raises(IncompatibleClients, match="same classes"):
         _strategy([MLR, MLR.with_(num_classes=3)])
 
 
 # -- the unlabeled set ---------------------------------------------------------------------------
+def test_fedme_holds_out_its_unlabeled_set_unless_it_reads_one_from_a_file():
+    assert FedMeStrategy.unlabeled_holdout(FedMeConfig(unlabeled_size=300)) == 300
+    assert FedMeStrategy.unlabeled_holdout(FedMeConfig(unlabeled_path="u.npy")) == 0
+
+
 def test_fedme_without_an_unlabeled_set_says_how_to_give_one():
-    with pytest.raises(StrategyError, match="unlabeled_path"):
+    msg = (
+        "fedme clusters models on an unlabeled set the coordinator holds: name a .npy or "
+        ".safetensors file of inputs in fedme.unlabeled_path"
+    )
+    with pytest.raises(StrategyError, match=f"^{re.escape(msg)}$"):
         _strategy([MLR, MLR], unlabeled=None)
     with pytest.raises(StrategyError, match=r"shape \(4,\)"):
         _strategy([MLR, MLR], unlabeled=torch.zeros(5, 4))

@@ -1,6 +1,8 @@
 """FedMe's device half: model tuning on validation CE and the DML round, each against a
 computation written out here."""
 
+import re
+
 import pytest
 import torch
 
@@ -104,6 +106,23 @@ def test_fedme_evaluates_the_model_the_coordinator_returned_whatever_its_archite
     assert torch.equal(model.layers[0].weight.detach(), returned.weights["layers.0.weight"])
     out = client.finalize(3, 3, {"personal": returned})
     assert out.details == {"arch_start": "mlr", "arch_end": "mlp"}
+    assert out.n_samples == 20
+
+
+def test_fedme_has_no_personalized_model_before_the_coordinator_sends_one():
+    msg = "fedme: no personalized model before the coordinator sent one"
+    with pytest.raises(RuntimeError, match=f"^{re.escape(msg)}$"):
+        _client().personalized_model()
+
+
+@pytest.mark.parametrize("which", ["personal", "exchanged"])
+def test_fedme_refuses_a_model_of_other_classes(which):
+    four = ArchSpec(family="mlr", num_classes=4, input_shape=(FEATURES,))
+    models = {"personal": WireModel.of(MLR, build(MLR)), "exchanged": WireModel.of(MLR, build(MLR))}
+    models[which] = WireModel.of(four, build(four))
+    msg = f"fedme: the {which} model predicts 4 classes, this client has 3"
+    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
+        _client().fit(1, 2, models)
 
 
 def test_fedme_without_validation_data_is_a_clear_error():
@@ -112,7 +131,11 @@ def test_fedme_without_validation_data_is_a_clear_error():
         ClientData(d.x_train, d.y_train, d.x_val[:0], d.y_val[:0], d.x_test, d.y_test, CLASSES)
     )
     m = WireModel.of(MLR, build(MLR))
-    with pytest.raises(AlgorithmError, match="validation split"):
+    msg = (
+        "fedme tunes its model on the validation split and this client has none; give it "
+        "validation data (e.g. data.split = [0.6, 0.2, 0.2])"
+    )
+    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
         client.fit(1, 2, {"personal": m, "exchanged": m})
 
 
@@ -123,29 +146,41 @@ def _clipped(grads, max_norm):
     return [g * scale for g in grads], float(norm)
 
 
-def test_fedme_round_is_deep_mutual_learning_with_clipped_momentum_sgd():
-    # Prepare: an MLR client receives an MLP to exchange; full batches; a clip that bites.
+@pytest.mark.parametrize("epochs", [1, 3])
+def test_fedme_round_is_deep_mutual_learning_with_clipped_momentum_sgd(epochs):
+    # Prepare: an MLR client receives an MLP to exchange; full batches; a clip that bites; the
+    # last of three rounds with a step schedule (one decay per third of the rounds): lr·0.5².
     data = _data()
-    lr, mom, wd, clip, epochs = 0.2, 0.9, 1e-4, 0.5, 2
+    lr, mom, wd, clip = 0.2, 0.9, 1e-4, 0.5
     client = _client(
-        data, local_epochs=epochs, batch_size=1000, lr=lr, clip_norm=clip, weight_decay=wd
+        data,
+        local_epochs=epochs,
+        batch_size=1000,
+        lr=lr,
+        clip_norm=clip,
+        weight_decay=wd,
+        lr_schedule="step",
+        lr_gamma=0.5,
     )
     personal = WireModel.of(MLR, build(MLR, seed=5))
     exchanged = WireModel.of(MLP, build(MLP, seed=6))
 
     # Execute
-    out = client.fit(1, 10, {"personal": personal, "exchanged": exchanged})
+    out = client.fit(3, 3, {"personal": personal, "exchanged": exchanged})
 
-    # Assert: the same round by hand — both losses, per-model clipping, SGD with momentum.
+    # Assert: the same round by hand — both losses, per-model clipping, SGD with momentum —
+    # and the mean of the two models' summed losses over the steps.
+    lr = lr * 0.5**2
     wp = {k: v.clone().requires_grad_(True) for k, v in personal.weights.items()}
     we = {k: v.clone().requires_grad_(True) for k, v in exchanged.weights.items()}
     bufs: dict[str, torch.Tensor] = {}
-    norms = []
+    norms, losses = [], []
     for _ in range(epochs):
         z_p = _logits(WireModel(MLR, wp), data.x_train)
         z_e = _logits(WireModel(MLP, we), data.x_train)
         loss_p = _ce(z_p, data.y_train) + _kl(z_p, z_e.detach())
         loss_e = _ce(z_e, data.y_train) + _kl(z_e, z_p.detach())
+        losses.append(float((loss_p + loss_e).detach()))
         for params, loss, tag in ((wp, loss_p, "p"), (we, loss_e, "e")):
             grads, norm = _clipped(torch.autograd.grad(loss, list(params.values())), clip)
             norms.append(norm)
@@ -160,6 +195,8 @@ def test_fedme_round_is_deep_mutual_learning_with_clipped_momentum_sgd():
         for k, w in mine.items():
             assert torch.allclose(sent.weights[k], w.detach(), atol=1e-5), k
     assert out.models["personal"].spec == MLR and out.models["exchanged"].spec == MLP
+    assert out.metrics["train_loss"] == pytest.approx(sum(losses) / epochs, rel=1e-5)
+    assert out.n_samples == len(data.y_train)
 
 
 def test_fedme_recreates_both_optimizers_every_round():
