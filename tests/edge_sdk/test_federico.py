@@ -8,13 +8,17 @@ E-step and the M-step θ_j ← θ_j − η·Σ_i w_ij·∇L_i(θ_j) with plain S
 
 from __future__ import annotations
 
+import math
+import re
 import threading
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 import torch
 
-from edge_sdk.algorithms import ClientContext, TaskInfo, algorithm_class
+from edge_sdk.algorithms import AlgorithmError, ClientContext, TaskInfo, algorithm_class
+from edge_sdk.algorithms.federico import posterior_weights
 from edge_sdk.codec import WireModel
 from edge_sdk.export import export_onnx
 from edge_sdk.peers import PeerChannel
@@ -41,7 +45,7 @@ def _data(group: str, seed: int) -> ClientData:
     return ClientData(x, y, x[:0], y[:0], x[:8], y[:8], num_classes=CLASSES)
 
 
-def _federation(groups: dict[str, str], **cfg):
+def _federation(groups: dict[str, str], specs: dict[str, ArchSpec] | None = None, **cfg):
     """One FedeRiCo client per id, each with its own peer channel on one broker."""
     broker = InMemoryBroker()
     cls = algorithm_class("federico")
@@ -49,15 +53,17 @@ def _federation(groups: dict[str, str], **cfg):
     for i, cid in enumerate(IDS):
         peers = PeerChannel(broker.connect(f"peer-{cid}"), "run", cid).open()
         cpu = torch.device("cpu")
+        spec = (specs or {}).get(cid, SPEC)
         ctx = ClientContext(
-            cid, SPEC, _data(groups[cid], i), cpu, i, Trainer(cpu, seed=i), peers=peers
+            cid, spec, _data(groups[cid], i), cpu, i, Trainer(cpu, seed=i), peers=peers
         )
         algos[cid] = cls(ctx, cls.config_cls(**cfg))
     return algos
 
 
-def _step(algos, round_: int, step: str, params: dict[str, dict]):
-    """Every client runs `step` at once, as a round's barrier-separated step does."""
+def _step(algos, round_: int, step: str, params: dict[str, dict], limit_s: float = 60.0):
+    """Every client runs `step` at once, as a round's barrier-separated step does (within
+    `limit_s`: a wait that outlasts it fails the test instead of hanging it)."""
     out, errors = {}, []
 
     def work(cid: str) -> None:
@@ -67,11 +73,12 @@ def _step(algos, round_: int, step: str, params: dict[str, dict]):
         except Exception as exc:  # surfaced by the assertion below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(c,)) for c in params]
+    threads = [threading.Thread(target=work, args=(c,), daemon=True) for c in params]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(limit_s)
+    assert not any(t.is_alive() for t in threads), f"{step} still waiting after {limit_s} s"
     assert not errors, errors
     return out
 
@@ -83,19 +90,21 @@ def _round(algos, round_: int):
 
 
 # -- the reference -----------------------------------------------------------------------------
-def _nll_sum(p: list[torch.Tensor], d: ClientData) -> torch.Tensor:
+def _nll_sum(p: list[torch.Tensor], d: ClientData, reduction: str = "sum") -> torch.Tensor:
     z = d.x_train.flatten(1) @ p[0].T + p[1]
-    return -(z.log_softmax(1)[torch.arange(len(d.y_train)), d.y_train]).sum()
+    nll = -(z.log_softmax(1)[torch.arange(len(d.y_train)), d.y_train]).sum()
+    return nll if reduction == "sum" else nll / len(d.y_train)
 
 
-def _grad(p: list[torch.Tensor], d: ClientData) -> list[torch.Tensor]:
+def _grad(p: list[torch.Tensor], d: ClientData, reduction: str = "sum") -> list[torch.Tensor]:
     leaves = [t.detach().clone().requires_grad_(True) for t in p]
-    return list(torch.autograd.grad(_nll_sum(leaves, d), leaves))
+    return list(torch.autograd.grad(_nll_sum(leaves, d, reduction), leaves))
 
 
-def test_federico_rounds_follow_the_loss_table_e_step_and_m_step():
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_federico_rounds_follow_the_loss_table_e_step_and_m_step(reduction):
     # Prepare: three clients that each sample both others (M = 2), full-set gradients (the
-    # batch holds the whole set), plain SGD.
+    # batch holds the whole set), plain SGD; L_i the whole set's summed or mean NLL.
     lr, m, tau = 0.01, 0.6, 5.0
     algos = _federation(
         GROUPS,
@@ -105,6 +114,7 @@ def test_federico_rounds_follow_the_loss_table_e_step_and_m_step():
         loss_momentum=m,
         temperature=tau,
         batch_size=N,
+        loss_reduction=reduction,
     )
     data = {c: algos[c].ctx.data for c in IDS}
     theta = {c: [t.detach().clone() for t in algos[c].model.state_dict().values()] for c in IDS}
@@ -116,7 +126,7 @@ def test_federico_rounds_follow_the_loss_table_e_step_and_m_step():
         # gradients of every client, weighted by how much that client uses it.
         for i in IDS:
             for j in IDS:
-                loss = float(_nll_sum(theta[j], data[i]))
+                loss = float(_nll_sum(theta[j], data[i], reduction))
                 old = table[i].get(j)
                 table[i][j] = loss if old is None else (1 - m) * old + m * loss
         w = {
@@ -133,7 +143,7 @@ def test_federico_rounds_follow_the_loss_table_e_step_and_m_step():
         for j in IDS:
             total = [torch.zeros_like(t) for t in theta[j]]
             for i in IDS:
-                g = _grad(theta[j], data[i])
+                g = _grad(theta[j], data[i], reduction)
                 total = [t + float(w[i][j]) * gi for t, gi in zip(total, g, strict=True)]
             new[j] = [t - lr * g for t, g in zip(theta[j], total, strict=True)]
         theta = new
@@ -214,3 +224,240 @@ def test_federico_state_survives_a_restart(tmp_path):
     assert torch.equal(fresh.personalized_model()[1](x), a.personalized_model()[1](x))
     sa, sb = a.optimizer.state_dict()["state"], fresh.optimizer.state_dict()["state"]
     assert all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
+
+
+# -- the E-step's weights and the choice of neighbours -------------------------------------------
+MEMBERS = ["a", "b", "c", "d", "e"]  # d and e: members this client has never heard from
+
+
+def test_posterior_weights_are_a_double_precision_softmax_of_minus_loss_over_tau():
+    # Summed NLLs differ by hundreds: a far worse model keeps a tiny weight (float32 would
+    # round it to 0 and the others to 7 digits).
+    losses, tau = {"b": 3.0, "a": 0.0, "c": 200.0}, 2.0
+    e = {k: math.exp(-v / tau) for k, v in losses.items()}
+    got = posterior_weights(losses, tau)
+    assert list(got) == ["a", "b", "c"]
+    for k, v in e.items():
+        assert got[k] == pytest.approx(v / sum(e.values()), rel=1e-12), k
+
+
+def test_federico_exploits_the_highest_weights_then_unseen_clients():
+    a = _federation(GROUPS, epsilon=0.0, neighbours=2)["a"]
+    a.losses = {"a": 1.0, "b": 9.0, "c": 2.0, "d": 5.0}  # e unseen
+    assert a._sample(MEMBERS) == ["c", "d"]  # the two highest weights, not the first ids
+    a.losses = {"a": 1.0, "c": 2.0}  # then c, and one of b, d, e at random
+    picks = [a._sample(MEMBERS) for _ in range(30)]
+    assert all(len(p) == 2 and "c" in p for p in picks)
+    assert {x for p in picks for x in p} == {"b", "c", "d", "e"}
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.5, 1.0])
+def test_federico_neighbour_draws_come_from_the_clients_own_generator(epsilon):
+    def draws(global_seed: int) -> list[list[str]]:
+        torch.manual_seed(global_seed)  # torch's global generator must not matter
+        a = _federation(GROUPS, epsilon=epsilon, neighbours=2)["a"]
+        a.losses = {"a": 1.0, "b": 2.0}  # exploit: b and one of c, d, e; explore: any two
+        return [a._sample(MEMBERS) for _ in range(20)]
+
+    assert draws(1) == draws(2)
+
+
+def test_federico_explores_only_on_a_draw_below_epsilon():
+    # A draw u explores exactly when u < ε (probability ε). With ε set to the very draw that
+    # comes next, the client exploits: its single neighbour is the highest weight, b.
+    for seed in range(5):
+        a = _federation(GROUPS, neighbours=1)["a"]
+        a.losses = {"a": 1.0, "b": 2.0, "c": 9.0, "d": 9.0, "e": 9.0}
+        g = a.ctx.trainer.generator
+        g.manual_seed(seed)
+        probe = torch.Generator()
+        probe.set_state(g.get_state())
+        a.config = a.config.model_copy(update={"epsilon": float(torch.rand((), generator=probe))})
+        assert a._sample(MEMBERS) == ["b"], seed
+
+
+# -- the steps' replies and waits ----------------------------------------------------------------
+def test_federico_replies_report_losses_neighbours_gradients_and_rounded_weights():
+    # Prepare: a short wait, so a peer that never published would show as a missing neighbour.
+    algos = _federation(GROUPS, neighbours=2, batch_size=N, peer_timeout_s=2.0)
+    data = {c: algos[c].ctx.data for c in IDS}
+    theta = {c: [t.detach().clone() for t in algos[c].model.state_dict().values()] for c in IDS}
+
+    # Execute / Assert: round 1's exchange fetches both peers' initial models...
+    ex = _step(algos, 1, "exchange", {c: {"members": IDS} for c in IDS})
+    for c in IDS:
+        own = float(_nll_sum(theta[c], data[c]))
+        assert ex[c].metrics == {"loss_self": pytest.approx(own, rel=1e-5), "neighbours": 2.0}
+        assert ex[c].n_samples == N
+        assert ex[c].details == {"sent_to": ",".join(o for o in IDS if o != c)}
+    # ...and the update counts the gradients and reports the weights to 6 decimals.
+    up = _step(algos, 1, "update", {c: {"from": [o for o in IDS if o != c]} for c in IDS})
+    for c in IDS:
+        assert up[c].metrics == {"gradients_received": 2.0}
+        assert up[c].n_samples == N
+        assert set(up[c].details) == {f"w:{o}" for o in IDS}
+        w = algos[c].weights
+        for o in IDS:
+            assert up[c].details[f"w:{o}"] == round(w[o], 6)
+
+
+def test_federico_publishes_each_version_of_its_model_once(monkeypatch):
+    algos = _federation(GROUPS, neighbours=2)
+    versions: dict[str, list[int]] = {c: [] for c in IDS}
+    for c in IDS:
+        peers = algos[c].ctx.peers
+
+        def publish(name, model, version, c=c, original=peers.publish):
+            versions[c].append(version)
+            original(name, model, version)
+
+        monkeypatch.setattr(peers, "publish", publish)
+    for round_ in (1, 2):
+        _round(algos, round_)
+    assert versions == {c: [1, 2, 3] for c in IDS}  # round r's update publishes version r + 1
+
+
+def test_federico_skips_a_peer_whose_model_is_not_current_and_fetches_the_others():
+    # Prepare: round 1 complete except that b never ran its update, so b's publication is still
+    # version 1 when round 2's exchange wants version 2.
+    algos = _federation(GROUPS, neighbours=2, peer_timeout_s=0.5)
+    ex = _step(algos, 1, "exchange", {c: {"members": IDS} for c in IDS})
+    senders = {c: [s for s in IDS if c in str(ex[s].details["sent_to"]).split(",")] for c in IDS}
+    _step(algos, 1, "update", {c: {"from": senders[c]} for c in ("a", "c")})
+
+    # Execute: a's exchange waits peer_timeout_s for b, not longer.
+    out = _step(algos, 2, "exchange", {"a": {"members": IDS}}, limit_s=10)["a"]
+
+    # Assert: b's stale model is not used; c's current one is.
+    assert out.metrics["neighbours"] == 1.0 and out.details == {"sent_to": "c"}
+    assert algos["a"].peer_models["b"] is not None and set(algos["a"].peer_models) == {"b", "c"}
+
+
+def test_federico_update_waits_for_a_missing_gradient_only_peer_timeout_s():
+    algos = _federation(GROUPS, peer_timeout_s=0.5)
+    out = _step(algos, 1, "update", {"a": {"from": ["b"]}}, limit_s=10)["a"]
+    assert out.metrics == {"gradients_received": 0.0}
+
+
+def test_federico_refuses_a_peer_model_of_other_classes():
+    other = ArchSpec(family="mlr", num_classes=CLASSES + 1, input_shape=SHAPE)
+    algos = _federation(GROUPS, specs={"b": other}, neighbours=1)
+    b, a = algos["b"], algos["a"]
+    b.ctx.task = TaskInfo("exchange", {"members": ["b"]})
+    b.fit(1, 9, {})  # b publishes its model (alone, it fetches nobody's)
+    a.ctx.task = TaskInfo("exchange", {"members": ["a", "b"]})
+    with pytest.raises(
+        AlgorithmError, match=r"^federico: b's model predicts other classes than ours$"
+    ):
+        a.fit(1, 9, {})
+
+
+def test_federico_refuses_a_gradient_that_does_not_fit_its_model():
+    algos = _federation(GROUPS)
+    weight_only = {"linear.weight": torch.zeros(CLASSES, 16)}
+    algos["b"].ctx.peers.send("a", "grad", 1, WireModel(SPEC, weight_only))
+    a = algos["a"]
+    a.ctx.task = TaskInfo("update", {"from": ["b"]})
+    with pytest.raises(AlgorithmError, match=r"^federico: b's gradient does not fit our model$"):
+        a.fit(1, 9, {})
+
+
+def test_federico_steps_without_parameters_and_an_unknown_step():
+    a = _federation(GROUPS)["a"]
+    a.ctx.task = TaskInfo("exchange", {})  # no members: nobody to fetch
+    assert a.fit(1, 9, {}).metrics["neighbours"] == 0.0
+    a.ctx.task = TaskInfo("update", {})  # no senders: its own gradient only
+    assert a.fit(1, 9, {}).metrics == {"gradients_received": 0.0}
+    a.ctx.task = TaskInfo("merge", {})
+    msg = "federico has no step 'merge' (exchange, then update)"
+    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
+        a.fit(1, 9, {})
+
+
+# -- the M-step's optimizer ----------------------------------------------------------------------
+def _params(algo) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in algo.model.state_dict().values()]
+
+
+def test_federico_update_before_any_exchange_is_a_full_sgd_step_on_its_own_loss():
+    # No loss table yet: its own gradient counts with weight 1.
+    a = _federation(GROUPS, optimizer="sgd", lr=0.01, batch_size=N)["a"]
+    before = _params(a)
+    a.ctx.task = TaskInfo("update", {"from": []})
+    out = a.fit(1, 9, {})
+    want = [p - 0.01 * g for p, g in zip(before, _grad(before, a.ctx.data), strict=True)]
+    for got, w in zip(_params(a), want, strict=True):
+        assert torch.allclose(got, w, **TOL)
+    assert out.details == {} and a.published == 2
+
+
+def test_federico_adam_first_update_moves_each_weight_by_lr_against_its_gradient():
+    # Adam's bias-corrected first step: lr·g / (|g| + 1e-8).
+    a = _federation(GROUPS, optimizer="adam", lr=0.01, batch_size=N)["a"]
+    before = _params(a)
+    a.ctx.task = TaskInfo("update", {"from": []})
+    a.fit(1, 9, {})
+    grads = _grad(before, a.ctx.data)
+    for got, p, g in zip(_params(a), before, grads, strict=True):
+        assert torch.allclose(got, p - 0.01 * g / (g.abs() + 1e-8), atol=1e-6)
+
+
+def test_federico_sets_each_gradient_in_its_parameters_layout():
+    # A CNN's convolution weights are channels_last on the client (Trainer.prepare).
+    cnn = ArchSpec(family="cnn1", num_classes=CLASSES, input_shape=SHAPE, kwargs={"hidden": 8})
+    a = _federation(GROUPS, specs={c: cnn for c in IDS}, optimizer="sgd", lr=0.01)["a"]
+    assert any(p.dim() == 4 and not p.is_contiguous() for p in a.model.parameters())
+    a.ctx.task = TaskInfo("update", {"from": []})
+    a.fit(1, 9, {})
+    for k, p in a.model.named_parameters():
+        assert p.grad is not None and p.grad.stride() == p.stride(), k
+
+
+# -- the predictor -------------------------------------------------------------------------------
+def _hand_mixture(algo, top: list[str], x: torch.Tensor) -> torch.Tensor:
+    """Σ_j w_j·softmax(f_j(x)) over `top`, weights normalised; its own model as it is now."""
+    w = algo.weights
+    held = dict(algo.peer_models) | {algo.ctx.client_id: WireModel.of(SPEC, algo.model)}
+    total = sum(w[c] for c in top)
+    return sum(w[c] / total * held[c].build()(x).softmax(1) for c in top).detach()
+
+
+def test_federico_predictor_before_any_exchange_is_its_own_model_alone():
+    a = _federation(GROUPS)["a"]
+    spec, mixture = a.personalized_model()
+    assert spec.kwargs["weights"] == [1.0] and len(spec.kwargs["members"]) == 1
+    x = a.ctx.data.x_test
+    assert torch.allclose(mixture(x).exp(), a.model(x).softmax(1), atol=1e-6)
+
+
+def test_federico_mixes_evaluates_and_finalizes_its_highest_weight_models_only():
+    # Prepare: two rounds; c's two highest weights are not its first two ids (a guard on the
+    # case, so that taking the first ids or the lowest weights would show).
+    algos = _federation(GROUPS, neighbours=2, lr=0.05, mixture_top=2)
+    for round_ in (1, 2):
+        _round(algos, round_)
+    c = algos["c"]
+    w = c.weights
+    top = sorted(w, key=lambda k: -w[k])[:2]
+    assert set(top) != {"a", "b"} and min(w, key=lambda k: w[k]) not in top
+    x, y = c.ctx.data.x_test, c.ctx.data.y_test
+    probs = _hand_mixture(c, top, x)
+
+    # Execute
+    spec, mixture = c.personalized_model()
+    scores = c.evaluate({})
+    out = c.finalize(2, 2, {})
+
+    # Assert: the mixture of those two; its scores; the collaborators by weight.
+    assert len(spec.kwargs["members"]) == 2
+    assert torch.allclose(mixture(x).exp(), probs, atol=1e-5)
+    want = {
+        "personal_correct": int((probs.argmax(1) == y).sum()),
+        "personal_total": len(y),
+        "personal_loss": pytest.approx(
+            float(-probs[torch.arange(len(y)), y].log().mean()), rel=1e-4
+        ),
+    }
+    assert scores == want and out.metrics == want
+    assert out.details == {"collaborators": ",".join(top), "mixture_size": 2}
+    assert out.n_samples == N

@@ -1,0 +1,130 @@
+"""FedeRiCo's server half: membership and the round clock (exchange, then update, each client
+told whom to wait for), and the collaboration matrix it records from the weights the clients
+report. No model passes through it."""
+
+import re
+
+import pytest
+
+from coordinator.strategies import ClientInfo, FitReply, StrategyError, strategy_class
+from edge_sdk.algorithms import algorithm_class
+from edge_sdk.protocol import Capabilities
+from model_zoo import ArchSpec
+
+SPEC = ArchSpec(family="mlr", num_classes=3, input_shape=(4,))
+IDS = ["c0", "c1", "c2"]
+
+
+def _strategy(classes=(3, 3, 3), clients_per_round=None):
+    clients = {
+        f"c{i}": ClientInfo(
+            f"c{i}", SPEC.with_(num_classes=k), Capabilities(n_train=10, num_classes=k)
+        )
+        for i, k in enumerate(classes)
+    }
+    config = algorithm_class("federico").config_cls()
+    s = strategy_class("federico")(
+        config,
+        clients=clients,
+        global_spec=None,
+        rounds=4,
+        clients_per_round=clients_per_round,
+        seed=0,
+    )
+    s.setup()
+    return s
+
+
+def _reply(cid: str, **details) -> FitReply:
+    return FitReply(cid, {}, details=details)
+
+
+def _weights(cid: str, **w: float) -> FitReply:
+    return FitReply(cid, {}, details={f"w:{k}": v for k, v in w.items()})
+
+
+def test_federico_round_is_an_exchange_among_members_then_an_update_from_the_senders():
+    # Prepare
+    s = _strategy()
+    assert s.steps == ("exchange", "update")
+
+    # Execute / Assert: every client exchanges, each told who the round's members are...
+    assert s.configure_step(1, "exchange") == {c: {} for c in IDS}
+    assert s.task_params(1, "exchange", "c1") == {"members": IDS}
+    # ...c1's exchange reply is missing; c0 sent c1 a gradient, c2 sent one to c0 and c1.
+    s.aggregate_step(
+        1, "exchange", {"c0": _reply("c0", sent_to="c1"), "c2": _reply("c2", sent_to="c0,c1")}
+    )
+    # ...so the update step is for the clients that exchanged, each waiting for its senders.
+    assert s.configure_step(1, "update") == {"c0": {}, "c2": {}}
+    assert s.task_params(1, "update", "c0") == {"from": ["c2"]}
+    assert s.task_params(1, "update", "c1") == {"from": ["c0", "c2"]}
+    assert s.task_params(1, "update", "c2") == {"from": []}  # nobody sent c2 a gradient
+
+    # The next round starts over: a client that sent nothing names no one.
+    s.configure_step(2, "exchange")
+    s.aggregate_step(2, "exchange", {c: _reply(c, sent_to="") for c in IDS} | {"c1": _reply("c1")})
+    assert s.configure_step(2, "update") == {c: {} for c in IDS}
+    assert all(s.task_params(2, "update", c) == {"from": []} for c in IDS)
+
+
+def test_federico_samples_the_round_members():
+    s = _strategy(clients_per_round=2)
+    plan = s.configure_step(1, "exchange")
+    assert len(plan) == 2 and set(plan) < set(IDS)
+    assert s.task_params(1, "exchange", "c0") == {"members": sorted(plan)}
+
+
+def test_federico_refuses_an_exchange_reply_whose_sent_to_is_not_text():
+    s = _strategy()
+    s.configure_step(1, "exchange")
+    msg = "federico: c0 reported sent_to=3"
+    with pytest.raises(StrategyError, match=f"^{re.escape(msg)}$"):
+        s.aggregate_step(1, "exchange", {"c0": _reply("c0", sent_to=3)})
+
+
+def test_federico_collaboration_matrix_keeps_each_clients_latest_reported_weights():
+    # Prepare: round 1, c0 and c1 report; round 2 (through aggregate_fit), c0 only; c2 never.
+    s = _strategy()
+    s.aggregate_step(
+        1,
+        "update",
+        {
+            "c0": _reply("c0", **{"w:c0": 0.75, "w:c1": 0.25, "note": "x", "w:c2": "n/a"}),
+            "c1": _weights("c1", c0=0.5, c1=0.5),
+        },
+    )
+    s.aggregate_fit(2, {"c0": _weights("c0", c0=1, c2=0.0)})
+
+    # Execute
+    out = s.results()
+
+    # Assert: rows are clients, columns the models they weigh; a client that missed a round
+    # keeps its last row, one that never reported has zeros; non-weights are ignored.
+    assert out == {
+        "collaboration_clients": IDS,
+        "collaboration": [[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 0.0]],
+        "collaboration_history": [
+            {"round": 1, "matrix": [[0.75, 0.25, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 0.0]]},
+            {"round": 2, "matrix": [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]},
+        ],
+    }
+
+
+def test_federico_history_survives_a_checkpoint():
+    s = _strategy()
+    s.aggregate_step(1, "update", {"c0": _weights("c0", c0=0.5, c1=0.5)})
+    s.aggregate_step(2, "update", {"c1": _weights("c1", c1=1.0)})
+    fresh = _strategy()
+    fresh.load_state_dict(s.state_dict())
+    assert fresh.results() == s.results() and len(fresh.results()["collaboration_history"]) == 2
+
+
+def test_federico_needs_two_clients_of_the_same_classes():
+    msg = "federico needs at least two clients to collaborate"
+    with pytest.raises(StrategyError, match=f"^{re.escape(msg)}$"):
+        _strategy(classes=(3,))
+    msg = "federico mixes whole models: every client needs the same classes"
+    with pytest.raises(StrategyError, match=f"^{re.escape(msg)}$"):
+        _strategy(classes=(3, 4))
+    assert list(_strategy(classes=(3, 3)).clients) == ["c0", "c1"]
