@@ -44,7 +44,7 @@ test: $(STAMP) system-packages lint
 	$(BIN)/python -m pytest
 
 # Mutation testing of the algorithms, losses, strategies and metrics (not part of `make test`;
-# about 7-10 minutes on 2 cores). Settings in pyproject's [tool.mutmut]; equivalent survivors
+# about 11-15 minutes on 2 cores). Settings in pyproject's [tool.mutmut]; equivalent survivors
 # in mutation-equivalent.txt; fails when a survivor is neither killed nor listed there.
 mutation: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[test,mutation]'
