@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any
+
+import pytest
 
 from coordinator.config import load_config
 from coordinator.server import Coordinator, RoundConfig
@@ -124,3 +127,8 @@ def eventually(check: Callable[[], object], timeout: float = 10.0, step: float =
             return
         time.sleep(step)
     assert check(), f"condition not met within {timeout} s"
+
+
+def raises_exactly(exc: type[BaseException], message: str) -> Any:
+    """`pytest.raises` that holds the error to this whole message, not a part of it."""
+    return pytest.raises(exc, match=f"^{re.escape(message)}$")

@@ -2,9 +2,7 @@
 told whom to wait for), and the collaboration matrix it records from the weights the clients
 report. No model passes through it."""
 
-import re
-
-import pytest
+from tests_helpers import raises_exactly
 
 from coordinator.strategies import ClientInfo, FitReply, StrategyError, strategy_class
 from edge_sdk.algorithms import algorithm_class
@@ -79,7 +77,7 @@ def test_federico_refuses_an_exchange_reply_whose_sent_to_is_not_text():
     s = _strategy()
     s.configure_step(1, "exchange")
     msg = "federico: c0 reported sent_to=3"
-    with pytest.raises(StrategyError, match=f"^{re.escape(msg)}$"):
+    with raises_exactly(StrategyError, msg):
         s.aggregate_step(1, "exchange", {"c0": _reply("c0", sent_to=3)})
 
 
@@ -122,9 +120,9 @@ def test_federico_history_survives_a_checkpoint():
 
 def test_federico_needs_two_clients_of_the_same_classes():
     msg = "federico needs at least two clients to collaborate"
-    with pytest.raises(StrategyError, match=f"^{re.escape(msg)}$"):
+    with raises_exactly(StrategyError, msg):
         _strategy(classes=(3,))
     msg = "federico mixes whole models: every client needs the same classes"
-    with pytest.raises(StrategyError, match=f"^{re.escape(msg)}$"):
+    with raises_exactly(StrategyError, msg):
         _strategy(classes=(3, 4))
     assert list(_strategy(classes=(3, 3)).clients) == ["c0", "c1"]

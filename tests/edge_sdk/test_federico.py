@@ -9,13 +9,13 @@ E-step and the M-step θ_j ← θ_j − η·Σ_i w_ij·∇L_i(θ_j) with plain S
 from __future__ import annotations
 
 import math
-import re
 import threading
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from tests_helpers import raises_exactly
 
 from edge_sdk.algorithms import AlgorithmError, ClientContext, TaskInfo, algorithm_class
 from edge_sdk.algorithms.federico import posterior_weights
@@ -370,7 +370,7 @@ def test_federico_steps_without_parameters_and_an_unknown_step():
     assert a.fit(1, 9, {}).metrics == {"gradients_received": 0.0}
     a.ctx.task = TaskInfo("merge", {})
     msg = "federico has no step 'merge' (exchange, then update)"
-    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
+    with raises_exactly(AlgorithmError, msg):
         a.fit(1, 9, {})
 
 

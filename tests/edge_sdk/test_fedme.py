@@ -1,10 +1,9 @@
 """FedMe's device half: model tuning on validation CE and the DML round, each against a
 computation written out here."""
 
-import re
-
 import pytest
 import torch
+from tests_helpers import raises_exactly
 
 from edge_sdk.algorithms import AlgorithmError, ClientContext
 from edge_sdk.algorithms.fedme import FedMe, FedMeConfig
@@ -111,7 +110,7 @@ def test_fedme_evaluates_the_model_the_coordinator_returned_whatever_its_archite
 
 def test_fedme_has_no_personalized_model_before_the_coordinator_sends_one():
     msg = "fedme: no personalized model before the coordinator sent one"
-    with pytest.raises(RuntimeError, match=f"^{re.escape(msg)}$"):
+    with raises_exactly(RuntimeError, msg):
         _client().personalized_model()
 
 
@@ -121,7 +120,7 @@ def test_fedme_refuses_a_model_of_other_classes(which):
     models = {"personal": WireModel.of(MLR, build(MLR)), "exchanged": WireModel.of(MLR, build(MLR))}
     models[which] = WireModel.of(four, build(four))
     msg = f"fedme: the {which} model predicts 4 classes, this client has 3"
-    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
+    with raises_exactly(AlgorithmError, msg):
         _client().fit(1, 2, models)
 
 
@@ -135,7 +134,7 @@ def test_fedme_without_validation_data_is_a_clear_error():
         "fedme tunes its model on the validation split and this client has none; give it "
         "validation data (e.g. data.split = [0.6, 0.2, 0.2])"
     )
-    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
+    with raises_exactly(AlgorithmError, msg):
         client.fit(1, 2, {"personal": m, "exchanged": m})
 
 

@@ -4,11 +4,11 @@ stage 1's FedAvg update and stage 2's distillation update, each against a comput
 
 import logging
 import math
-import re
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tests_helpers import raises_exactly
 
 from edge_sdk.algorithms import AlgorithmError, ClientContext
 from edge_sdk.algorithms.persfl import (
@@ -134,14 +134,14 @@ def test_persfl_without_validation_data_is_a_clear_error():
         "persfl picks its teacher (and λ, T) on the validation split and this client has none; "
         "give it validation data (e.g. data.split = [0.6, 0.2, 0.2])"
     )
-    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
+    with raises_exactly(AlgorithmError, msg):
         client.fit(2, 2, {"global": WireModel.of(MLR, build(MLR))})
 
 
 def test_persfl_refuses_a_global_model_of_other_classes_as_its_teacher():
     four = ArchSpec(family="mlr", num_classes=4, input_shape=(FEATURES,))
     msg = "persfl: the global model predicts 4 classes, this client has 3"
-    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
+    with raises_exactly(AlgorithmError, msg):
         _client().consider_teacher(1, WireModel.of(four, build(four)))
 
 
@@ -149,7 +149,7 @@ def test_archive_round_reads_the_round_of_an_archived_name_only():
     assert archive_round(archive_name(12)) == 12
     assert archive_round("global") is None and archive_round("model") is None
     msg = "persfl: archived model name 'global@x' does not end in a round"
-    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
+    with raises_exactly(AlgorithmError, msg):
         archive_round("global@x")
 
 
@@ -285,7 +285,7 @@ def test_persfl_grid_search_where_every_point_diverges_says_to_lower_the_lr():
         "persfl: distillation diverged at every (λ, T) of the grid [(0.5, 2.0)]; "
         "lower the learning rate"
     )
-    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
+    with raises_exactly(AlgorithmError, msg):
         client.personalize([(1, _mlr(torch.randn(CLASSES, FEATURES), torch.zeros(CLASSES)))])
 
 
@@ -324,7 +324,7 @@ def test_persfl_new_participant_picks_its_teacher_among_the_archived_models():
 
 def test_persfl_finalize_without_any_global_model_is_a_clear_error():
     msg = "persfl: no teacher to distil from; the finalize task carried no global model"
-    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
+    with raises_exactly(AlgorithmError, msg):
         _client().finalize(3, 3, {})
 
 
@@ -428,7 +428,7 @@ def _two_mlrs(seed: int) -> tuple[WireModel, WireModel]:
 def test_persfl_deploys_the_teacher_before_stage_2_and_nothing_before_any_global_model():
     client = _client()
     msg = "persfl: no model before the first global model arrived"
-    with pytest.raises(RuntimeError, match=f"^{re.escape(msg)}$"):
+    with raises_exactly(RuntimeError, msg):
         client.personalized_model()
     client.consider_teacher(1, _mlr(torch.randn(CLASSES, FEATURES), torch.zeros(CLASSES)))
     spec, model = client.personalized_model()
@@ -510,7 +510,7 @@ def test_persfl_evaluates_the_student_after_stage_2_and_a_global_model_of_its_cl
 
 def test_persfl_evaluation_before_any_global_model_is_a_clear_error():
     msg = "persfl: nothing to evaluate before the first global model"
-    with pytest.raises(AlgorithmError, match=f"^{re.escape(msg)}$"):
+    with raises_exactly(AlgorithmError, msg):
         _client().evaluate({})
 
 
