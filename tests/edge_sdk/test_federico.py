@@ -83,13 +83,25 @@ def _step(algos, round_: int, step: str, params: dict[str, dict], limit_s: float
     return out
 
 
+def _senders(exchanged) -> dict[str, list[str]]:
+    """Whom each client waits for in the update: the clients whose exchange reply sent it one."""
+    return {
+        c: [s for s in IDS if c in str(exchanged[s].details["sent_to"]).split(",")] for c in IDS
+    }
+
+
 def _round(algos, round_: int):
     ex = _step(algos, round_, "exchange", {c: {"members": IDS} for c in IDS})
-    senders = {c: [s for s in IDS if c in str(ex[s].details["sent_to"]).split(",")] for c in IDS}
+    senders = _senders(ex)
     return _step(algos, round_, "update", {c: {"from": senders[c]} for c in IDS})
 
 
 # -- the reference -----------------------------------------------------------------------------
+def _params(algo) -> list[torch.Tensor]:
+    """A client's weights now, in its state_dict's order (the reference's p)."""
+    return [t.detach().clone() for t in algo.model.state_dict().values()]
+
+
 def _nll_sum(p: list[torch.Tensor], d: ClientData, reduction: str = "sum") -> torch.Tensor:
     z = d.x_train.flatten(1) @ p[0].T + p[1]
     nll = -(z.log_softmax(1)[torch.arange(len(d.y_train)), d.y_train]).sum()
@@ -117,7 +129,7 @@ def test_federico_rounds_follow_the_loss_table_e_step_and_m_step(reduction):
         loss_reduction=reduction,
     )
     data = {c: algos[c].ctx.data for c in IDS}
-    theta = {c: [t.detach().clone() for t in algos[c].model.state_dict().values()] for c in IDS}
+    theta = {c: _params(algos[c]) for c in IDS}
     table: dict[str, dict[str, float]] = {c: {} for c in IDS}
     for round_ in (1, 2):
         # Execute
@@ -281,7 +293,7 @@ def test_federico_replies_report_losses_neighbours_gradients_and_rounded_weights
     # Prepare: a short wait, so a peer that never published would show as a missing neighbour.
     algos = _federation(GROUPS, neighbours=2, batch_size=N, peer_timeout_s=2.0)
     data = {c: algos[c].ctx.data for c in IDS}
-    theta = {c: [t.detach().clone() for t in algos[c].model.state_dict().values()] for c in IDS}
+    theta = {c: _params(algos[c]) for c in IDS}
 
     # Execute / Assert: round 1's exchange fetches both peers' initial models...
     ex = _step(algos, 1, "exchange", {c: {"members": IDS} for c in IDS})
@@ -322,7 +334,7 @@ def test_federico_skips_a_peer_whose_model_is_not_current_and_fetches_the_others
     # version 1 when round 2's exchange wants version 2.
     algos = _federation(GROUPS, neighbours=2, peer_timeout_s=0.5)
     ex = _step(algos, 1, "exchange", {c: {"members": IDS} for c in IDS})
-    senders = {c: [s for s in IDS if c in str(ex[s].details["sent_to"]).split(",")] for c in IDS}
+    senders = _senders(ex)
     _step(algos, 1, "update", {c: {"from": senders[c]} for c in ("a", "c")})
 
     # Execute: a's exchange waits peer_timeout_s for b, not longer.
@@ -375,10 +387,6 @@ def test_federico_steps_without_parameters_and_an_unknown_step():
 
 
 # -- the M-step's optimizer ----------------------------------------------------------------------
-def _params(algo) -> list[torch.Tensor]:
-    return [t.detach().clone() for t in algo.model.state_dict().values()]
-
-
 def test_federico_update_before_any_exchange_is_a_full_sgd_step_on_its_own_loss():
     # No loss table yet: its own gradient counts with weight 1.
     a = _federation(GROUPS, optimizer="sgd", lr=0.01, batch_size=N)["a"]
