@@ -52,8 +52,9 @@ import numpy as np
 import torch
 
 from coordinator.config import load_config
-from coordinator.server import RoundRecord
-from coordinator.simulator import prepare_federation, run_federation
+from coordinator.federation import prepare_federation
+from coordinator.results import RoundRecord
+from coordinator.simulator import run_federation
 
 _ROOT = Path(__file__).resolve().parents[1]
 # `../shared/reference/` of the main checkout; a worktree one level deeper finds it one further up.

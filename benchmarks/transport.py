@@ -57,7 +57,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from coordinator.broker import MosquittoBroker
 from coordinator.config import load_config
-from coordinator.simulator import prepare_federation, run_federation
+from coordinator.federation import prepare_federation
+from coordinator.simulator import run_federation
 from edge_sdk import topics
 from edge_sdk.malloc import tune_for_streams
 from edge_sdk.protocol import BlobRef, ModelRef, Reply, Task

@@ -438,7 +438,7 @@ def split(
 ) -> None:
     """Show how a dataset would be split across clients (no training)."""
     from coordinator.config import ConfigError, load_config, parse_overrides
-    from coordinator.simulator import prepare_federation, split_table
+    from coordinator.federation import prepare_federation, split_table
     from model_zoo.data import plot_label_distribution
 
     flags = {

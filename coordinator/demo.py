@@ -41,16 +41,9 @@ import tomli_w
 from coordinator.broker import EmbeddedBroker, MosquittoBroker, start_broker
 from coordinator.config import RunConfig, load_config
 from coordinator.demo_deploy import DemoError, ProcessGroup, deploy_and_follow, interruptible
-from coordinator.server import RunResult
-from coordinator.simulator import (
-    Federation,
-    build_results,
-    prepare_federation,
-    run_federation,
-    split_record,
-    split_table,
-    write_results,
-)
+from coordinator.federation import Federation, prepare_federation, split_record, split_table
+from coordinator.results import RunResult, build_results, write_results
+from coordinator.simulator import run_federation
 from coordinator.strategies import strategy_class
 from coordinator.strategies.base import GlobalModelStrategy
 from coordinator.strategies.fedavg import FedAvgStrategy

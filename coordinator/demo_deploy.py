@@ -24,7 +24,7 @@ from typing import Any, Final
 from coordinator.broker import free_port
 from coordinator.config import RunConfig
 from coordinator.deploy import RUN_RECORD, read_run
-from coordinator.server import RunResult
+from coordinator.results import RunResult
 
 __all__ = ["STOP_GRACE_S", "DemoError", "ProcessGroup", "deploy_and_follow", "interruptible"]
 

@@ -23,14 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import ConfigError, RunConfig
-from coordinator.server import ClientResult, Coordinator, RoundRecord, RunResult
-from coordinator.simulator import (
+from coordinator.federation import client_seed, client_spec, prepare_federation
+from coordinator.results import (
+    ClientResult,
+    RoundRecord,
+    RunResult,
     build_results,
-    client_seed,
-    client_spec,
-    prepare_federation,
     write_results,
 )
+from coordinator.server import Coordinator
 from edge_sdk import topics
 from edge_sdk.client import EdgeClient, TaskOutcome
 from edge_sdk.device import resolve_device

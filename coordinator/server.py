@@ -28,6 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from coordinator.results import ClientResult, RoundRecord, RunResult
 from coordinator.strategies import (
     ClientInfo,
     FitReply,
@@ -67,14 +68,11 @@ from edge_sdk.wire import (
 from model_zoo import ArchSpec, ModelZooError
 
 __all__ = [
-    "ClientResult",
     "Coordinator",
     "CoordinatorError",
     "CoordinatorStats",
     "Interrupted",
     "RoundConfig",
-    "RoundRecord",
-    "RunResult",
 ]
 
 log = logging.getLogger(__name__)
@@ -114,49 +112,6 @@ class CoordinatorStats:
     rounds_failed: int = 0
     round_seconds: list[float] = field(default_factory=list)
     rejected: Counter[str] = field(default_factory=Counter)  # messages dropped, by reason
-
-
-@dataclass
-class RoundRecord:
-    round: int
-    seconds: float
-    mean_personal_acc: float | None
-    global_acc: float | None
-    trained: list[str]
-    replied: list[str]
-    failed: bool = False
-    train_metrics: dict[str, float] = field(default_factory=dict)
-    client_details: dict[str, dict[str, Detail]] = field(default_factory=dict)  # from fit replies
-    # each client's personalized accuracy (evaluate phase; {} when the round did not evaluate)
-    client_acc: dict[str, float | None] = field(default_factory=dict)
-    online: list[str] = field(default_factory=list)  # registered clients online at the round's end
-
-
-@dataclass
-class ClientResult:
-    id: str
-    arch: str
-    spec: dict[str, Any]
-    n_train: int
-    personal_acc: float | None
-    global_acc: float | None
-    error: str | None = None
-    details: dict[str, Detail] = field(default_factory=dict)  # from the finalize reply
-
-
-@dataclass
-class RunResult:
-    algorithm: str
-    rounds: list[RoundRecord]
-    clients: list[ClientResult]
-    wall_seconds: float
-    global_spec: dict[str, Any] | None
-    bytes_out: int = 0  # payload bytes the coordinator sent and received over the whole run
-    bytes_in: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)  # the strategy's own results fields
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass

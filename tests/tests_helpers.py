@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from coordinator.config import load_config
+from coordinator.federation import prepare_federation
 from coordinator.server import Coordinator, RoundConfig
-from coordinator.simulator import prepare_federation
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.client import EdgeClient
 from edge_sdk.transport import InMemoryBroker

@@ -135,7 +135,8 @@ def test_the_daemon_logs_rounds_and_serves_prometheus_metrics(mosquitto, tmp_pat
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             scraped.append(r.read().decode())
 
-    from coordinator.simulator import prepare_federation, transport_factory
+    from coordinator.federation import prepare_federation
+    from coordinator.simulator import transport_factory
     from edge_sdk.client import EdgeClient
     from model_zoo import ArchSpec
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 from tests_helpers import small_federation, tiny_config
 
+from coordinator.federation import prepare_federation
 from coordinator.server import Coordinator, CoordinatorError, Interrupted, RoundConfig
-from coordinator.simulator import prepare_federation, run_federation, simulate
+from coordinator.simulator import run_federation, simulate
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.client import EdgeClient
 from edge_sdk.state import load_state

@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 from sklearn.exceptions import ConvergenceWarning
 from tests_helpers import raises_exactly, tiny_config
 
+from coordinator.federation import prepare_federation
 from coordinator.server_data import ServerData, UnlabeledDataError, load_unlabeled
-from coordinator.simulator import prepare_federation
 from coordinator.strategies import ClientInfo, FitReply, IncompatibleClients, StrategyError
 from coordinator.strategies.fedme import (
     FedMeStrategy,

@@ -5,8 +5,8 @@ import pytest
 import torch
 from tests_helpers import tiny_config
 
+from coordinator.federation import prepare_federation
 from coordinator.server import Coordinator, RoundConfig
-from coordinator.simulator import prepare_federation
 from coordinator.strategies import ClientInfo, FitReply, IncompatibleClients, strategy_class
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.client import EdgeClient

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 from tests_helpers import tiny_config
 
-from coordinator.simulator import _client_major, prepare_federation
+from coordinator.federation import _client_major, prepare_federation
 from model_zoo.data import ClientSplit, Partition, load_dataset, partition
 
 

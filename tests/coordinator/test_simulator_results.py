@@ -8,7 +8,8 @@ round's mean training metrics (the losses are floats; any change in the arithmet
 import pytest
 from tests_helpers import tiny_config
 
-from coordinator.simulator import prepare_federation, run_federation
+from coordinator.federation import prepare_federation
+from coordinator.simulator import run_federation
 
 PRE_CHANGE = {
     "pfml": {

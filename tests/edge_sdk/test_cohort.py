@@ -10,7 +10,8 @@ from tests_helpers import tiny_config
 from torch import nn
 
 import edge_sdk.cohort as cohort_mod
-from coordinator.simulator import prepare_federation, run_federation
+from coordinator.federation import prepare_federation
+from coordinator.simulator import run_federation
 from edge_sdk.algorithms.base import AlgorithmError, ClientContext
 from edge_sdk.algorithms.pfml import PFML, PFMLConfig
 from edge_sdk.codec import WireModel

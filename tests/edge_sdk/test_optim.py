@@ -54,7 +54,8 @@ _CHILD = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from tests_helpers import tiny_config
-from coordinator.simulator import prepare_federation, run_federation
+from coordinator.federation import prepare_federation
+from coordinator.simulator import run_federation
 cfg = tiny_config(algorithm="fml", rounds=1, models=["mlr", "lenet5"], global_model="mlr",
                   local_epochs=1, **{"data.options": {"size": 28}})
 res = run_federation(cfg, prepare_federation(cfg), "fml")
