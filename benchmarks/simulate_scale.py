@@ -5,9 +5,10 @@ Three measurements (pick with `--parts`):
 
 1. **pfml** — PFML on Synthetic(0.5, 0.5), 100 clients, all train and 10 are aggregated per
    round, MLR, D = 20 (batch), E = 20 (local iterations), K = 3, λ = 20, β = 2, η = 0.01, by-sample
-   weighting; `edgefl`'s simulator (every client an EdgeClient, every model through the
-   in-memory transport; `--executors`: clients of one architecture training as one stacked
-   cohort, the default, and/or each on its own thread) against the reference script
+   weighting; `edgefl`'s simulator (`--fleets`: `local`, the default, every client a ClientNode
+   in this process and clients of one architecture training as one stacked model;
+   `local-one-by-one`, the same without stacking; `network`, every client an EdgeClient and
+   every model through the in-memory transport) against the reference script
    `shared/reference/pfml_synthetic.py`
    (vectorised over clients: one batched matmul per step for all of them), both in this process,
    one after the other, same rounds. Reports both wall times, their ratio (goal ≤ 3×) and the
@@ -24,7 +25,8 @@ Three measurements (pick with `--parts`):
    after each round; `--rss-rounds` runs one configuration longer to show RSS stays flat.
 
     python benchmarks/simulate_scale.py --parts pfml --rounds 100      # ~2 min on 2 cores
-    python benchmarks/simulate_scale.py --parts pfml --executors cohort threads
+    python benchmarks/simulate_scale.py --parts pfml --fleets local local-one-by-one network
+    python benchmarks/simulate_scale.py --parts scale --fleet network   # the other runtime
     python benchmarks/simulate_scale.py                                 # everything, ~10 min
     python benchmarks/simulate_scale.py --json-out simulate_scale.json
 
@@ -70,10 +72,17 @@ FMNIST = "/usr/share/datasets/fashion-mnist"
 
 
 # -- 1. PFML against the reference -------------------------------------------------------------
-def _pfml_config(rounds: int, eval_every: int, cohort: bool = True) -> Any:
+FLEETS = {  # --fleets: the config of each way to run the clients
+    "local": {"fleet": "local", "cohort": True},
+    "local-one-by-one": {"fleet": "local", "cohort": False},
+    "network": {"fleet": "network"},
+}
+
+
+def _pfml_config(rounds: int, eval_every: int, fleet: str = "local") -> Any:
     return load_config(
         overrides={
-            "cohort": cohort,
+            **FLEETS[fleet],
             "algorithm": "pfml",
             "rounds": rounds,
             "clients": 100,
@@ -108,7 +117,7 @@ def _load_reference(path: Path) -> ModuleType:
     return mod
 
 
-def run_pfml(rounds: int, eval_every: int, reference: Path, executors: list[str]) -> dict[str, Any]:
+def run_pfml(rounds: int, eval_every: int, reference: Path, fleets: list[str]) -> dict[str, Any]:
     ref = _load_reference(reference)
     args = SimpleNamespace(
         model="mlr", rounds=rounds, users=10, E=20, D=20, K=3, lr=0.01, lam=20.0, beta=2.0,
@@ -122,14 +131,14 @@ def run_pfml(rounds: int, eval_every: int, reference: Path, executors: list[str]
 
     ours: dict[str, dict[str, Any]] = {}
     fed = prepare_federation(_pfml_config(rounds, eval_every))  # the data: the same for each
-    for executor in executors:
-        cfg = _pfml_config(rounds, eval_every, cohort=executor == "cohort")
+    for fleet in fleets:
+        cfg = _pfml_config(rounds, eval_every, fleet)
         t0 = time.perf_counter()
         run = run_federation(cfg, fed, "pfml")
         wall = time.perf_counter() - t0
         accs = [c.personal_acc for c in run.clients if c.personal_acc is not None]
         acc = sum(accs) / len(accs)
-        ours[executor] = {
+        ours[fleet] = {
             "wall_s": round(wall, 2),
             "ratio": round(wall / ref_s, 2),
             "mean_personal_acc": round(acc, 4),
@@ -143,7 +152,7 @@ def run_pfml(rounds: int, eval_every: int, reference: Path, executors: list[str]
         "ref_s": round(ref_s, 2),
         "ref_mean_personal_acc": round(ref_acc, 4),
         "goal_ratio": 3.0,
-        "ours": ours,  # by executor: "cohort" (stacked, the default) and/or "threads"
+        "ours": ours,  # by fleet: "local" (stacked, the default), "local-one-by-one", "network"
     }
 
 
@@ -210,9 +219,10 @@ def in_child(overrides: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def run_fml(rounds: int) -> dict[str, Any]:
+def run_fml(rounds: int, fleet: str) -> dict[str, Any]:
     res = in_child(
         {
+            **FLEETS[fleet],
             "algorithm": "fml",
             "rounds": rounds,
             "clients": 20,
@@ -230,14 +240,15 @@ def run_fml(rounds: int) -> dict[str, Any]:
     )
     res["setting"] = (
         "FML, Fashion-MNIST (70k), Dirichlet 0.1, 20 clients, cnn2 width 32, batch 10, "
-        f"lr 0.005, 1 epoch, eval every round, {rounds} rounds"
+        f"lr 0.005, 1 epoch, eval every round, {rounds} rounds, fleet {fleet}"
     )
     res["goal_peak_rss_mb"] = 1024
     return res
 
 
-def _scale_overrides(family: str, clients: int, rounds: int) -> dict[str, Any]:
+def _scale_overrides(family: str, clients: int, rounds: int, fleet: str) -> dict[str, Any]:
     return {
+        **FLEETS[fleet],
         "algorithm": "fml",
         "rounds": rounds,
         "clients": clients,
@@ -253,24 +264,24 @@ def _scale_overrides(family: str, clients: int, rounds: int) -> dict[str, Any]:
     }
 
 
-def _scale_row(family: str, n: int, rounds: int) -> dict[str, Any]:
-    res = in_child(_scale_overrides(family, n, rounds))
-    res |= {"family": family, "clients": n}
+def _scale_row(family: str, n: int, rounds: int, fleet: str) -> dict[str, Any]:
+    res = in_child(_scale_overrides(family, n, rounds, fleet))
+    res |= {"family": family, "clients": n, "fleet": fleet}
     res["per_client_ms"] = round(1000 * res["median_round_s"] / n, 2)
     res["per_client_cpu_ms"] = round(1000 * res["median_round_cpu_s"] / n, 2)
     return res
 
 
 def run_scale(
-    families: list[str], sizes: list[int], rounds: int, rss_rounds: int
+    families: list[str], sizes: list[int], rounds: int, rss_rounds: int, fleet: str
 ) -> list[dict[str, Any]]:
     rows = []
     for family in families:
         for n in sizes:
-            rows.append(_scale_row(family, n, rounds))
+            rows.append(_scale_row(family, n, rounds, fleet))
             print(tables({"scale": rows[-1:]}).splitlines()[-1], file=sys.stderr, flush=True)
     if rss_rounds:
-        res = _scale_row(families[0], sizes[1], rss_rounds) | {"long": True}
+        res = _scale_row(families[0], sizes[1], rss_rounds, fleet) | {"long": True}
         rss = [r["rss_mb"] for r in res["rounds"]]
         res["rss_growth_mb_after_round_5"] = rss[-1] - rss[min(4, len(rss) - 1)]
         rows.append(res)
@@ -328,11 +339,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=10, help="PFML personal evaluation")
     ap.add_argument("--reference", type=Path, default=REFERENCE)
     ap.add_argument(
-        "--executors",
+        "--fleets",
         nargs="+",
-        choices=["cohort", "threads"],
-        default=["cohort"],
-        help="PFML: stacked cohorts (the default) and/or a thread per client",
+        choices=list(FLEETS),
+        default=["local"],
+        help="PFML: how the clients run (local: in process, stacked; the default)",
+    )
+    ap.add_argument(
+        "--fleet", choices=list(FLEETS), default="local", help="fml and scale: how clients run"
     )
     ap.add_argument("--fml-rounds", type=int, default=2)
     ap.add_argument("--scale-rounds", type=int, default=3)
@@ -354,11 +368,11 @@ def main(argv: list[str] | None = None) -> int:
         }
     }
     if "pfml" in a.parts:
-        out["pfml"] = run_pfml(a.rounds, a.eval_every, a.reference, a.executors)
+        out["pfml"] = run_pfml(a.rounds, a.eval_every, a.reference, a.fleets)
     if "fml" in a.parts:
-        out["fml"] = run_fml(a.fml_rounds)
+        out["fml"] = run_fml(a.fml_rounds, a.fleet)
     if "scale" in a.parts:
-        out["scale"] = run_scale(a.families, a.sizes, a.scale_rounds, a.rss_rounds)
+        out["scale"] = run_scale(a.families, a.sizes, a.scale_rounds, a.rss_rounds, a.fleet)
     out["machine"]["loadavg_end"] = os.getloadavg()
     text = json.dumps(out, indent=1)
     if a.json_out:

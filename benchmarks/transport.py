@@ -386,6 +386,7 @@ def _round_config(rounds: int, url: str | None, budget: str) -> Any:
         "device": "cpu",
         "round.deadline_s": 600,
         "broker.url": url,
+        "fleet": "network",  # every model through the transport, in memory or over the broker
     }
     if dataset == "digits":
         flags["data.options"] = {"size": 28}

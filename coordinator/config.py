@@ -102,8 +102,11 @@ class RunConfig(BaseModel):
     metrics_port: int | None = Field(None, ge=0, le=65535)  # coordinator: Prometheus /metrics
     client: DeviceConfig = DeviceConfig()
     parallel: int | None = Field(None, ge=1)  # simulated clients training at once; None = cores
-    # Simulated clients of one architecture whose algorithm can (pfml) train their fit tasks
-    # together as one stacked model (edge_sdk.cohort); False: each on its own thread.
+    # Where simulated clients run: "local", in this process (no serialisation); "network", each
+    # an EdgeClient over the in-memory transport (a broker URL implies the network, over MQTT).
+    fleet: Literal["local", "network"] = "local"
+    # In-process clients of one architecture whose algorithm can (pfml) train their fit tasks
+    # together as one stacked model (edge_sdk.cohort); False: one by one.
     cohort: bool = True
     run_id: str = "sim"
 

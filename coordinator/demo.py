@@ -45,8 +45,6 @@ from coordinator.federation import Federation, prepare_federation, split_record,
 from coordinator.results import RunResult, build_results, write_results
 from coordinator.simulator import run_federation
 from coordinator.strategies import strategy_class
-from coordinator.strategies.base import GlobalModelStrategy
-from coordinator.strategies.fedavg import FedAvgStrategy
 from edge_sdk.onnx_bench import BenchSettings, benchmark_onnx
 from model_zoo.data import DatasetNotFound
 
@@ -108,7 +106,7 @@ class _Timer:
 
 def _families(algorithm: str, clients: int) -> list[str]:
     """Each device's architecture: all different, except for algorithms that average one model."""
-    if issubclass(strategy_class(algorithm), FedAvgStrategy):
+    if strategy_class(algorithm).one_architecture:
         return [GLOBAL_FAMILY]
     return list(DEFAULT_FAMILIES[: min(clients, len(DEFAULT_FAMILIES))])
 
@@ -212,7 +210,7 @@ def _baselines(cfg: RunConfig, fed: Federation) -> dict[str, RunResult]:
     runs = {}
     for name in cfg.baselines:
         # FedAvg averages one architecture: every client trains the global one, as in simulate.
-        models = [cfg.global_family] if issubclass(strategy_class(name), FedAvgStrategy) else None
+        models = [cfg.global_family] if strategy_class(name).one_architecture else None
         runs[name] = run_federation(cfg, fed, name, models=models)
     return runs
 
@@ -351,7 +349,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> dict[str, Any]:
                 unlabeled = out / "unlabeled.npy"
                 np.save(unlabeled, fed.server_data.unlabeled.numpy())
                 extra.append(f"{cfg.algorithm}.unlabeled_path={unlabeled}")
-            shared = issubclass(strategy_class(cfg.algorithm), GlobalModelStrategy)
+            shared = strategy_class(cfg.algorithm).has_global_model
             echo(
                 f"{cfg.algorithm}: {cfg.rounds} round{'s' if cfg.rounds > 1 else ''}, "
                 + (f"global model {cfg.global_family}; " if shared else "no global model; ")

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import ConfigError, RunConfig
-from coordinator.federation import client_seed, client_spec, prepare_federation
+from coordinator.federation import build_coordinator, build_node, prepare_federation
+from coordinator.fleet import NetworkFleet
 from coordinator.results import (
     ClientResult,
     RoundRecord,
@@ -34,7 +35,6 @@ from coordinator.results import (
 from coordinator.server import Coordinator
 from edge_sdk import topics
 from edge_sdk.client import EdgeClient, TaskOutcome
-from edge_sdk.device import resolve_device
 from edge_sdk.transport.mqtt import MqttTransport
 
 __all__ = [
@@ -103,7 +103,7 @@ def metrics_collector(coordinator: Coordinator) -> Any:
 
     class _Collector:
         def collect(self) -> Iterator[Any]:
-            c, stats = coordinator, coordinator.stats
+            c, stats, fleet = coordinator, coordinator.stats, coordinator.fleet
             yield CounterMetricFamily(
                 "edgefl_rounds_completed", "Rounds aggregated", value=stats.rounds_completed
             )
@@ -115,7 +115,7 @@ def metrics_collector(coordinator: Coordinator) -> Any:
                 "edgefl_clients_registered", "Clients registered", value=len(c.clients)
             )
             yield GaugeMetricFamily(
-                "edgefl_clients_online", "Registered clients online", value=len(c.online)
+                "edgefl_clients_online", "Registered clients online", value=len(fleet.online())
             )
             yield SummaryMetricFamily(
                 "edgefl_round_seconds",
@@ -123,13 +123,16 @@ def metrics_collector(coordinator: Coordinator) -> Any:
                 count_value=len(stats.round_seconds),
                 sum_value=sum(stats.round_seconds),
             )
-            t = c.transport.stats
-            yield CounterMetricFamily("edgefl_bytes_out", "Payload bytes sent", value=t.bytes_out)
-            yield CounterMetricFamily("edgefl_bytes_in", "Payload bytes received", value=t.bytes_in)
+            yield CounterMetricFamily(
+                "edgefl_bytes_out", "Payload bytes sent", value=fleet.bytes_out
+            )
+            yield CounterMetricFamily(
+                "edgefl_bytes_in", "Payload bytes received", value=fleet.bytes_in
+            )
             rejected = CounterMetricFamily(
                 "edgefl_rejected_messages", "Messages dropped, by reason", labels=["reason"]
             )
-            for reason, n in sorted((stats.rejected + c.endpoint.rejections).items()):
+            for reason, n in sorted(fleet.rejections().items()):
                 rejected.add_metric([reason], n)
             yield rejected
 
@@ -189,23 +192,8 @@ def run_coordinator(
             on_round(rec)
 
     transport = MqttTransport(cfg.broker, f"edgefl-{cfg.run_id}-{topics.COORDINATOR}")
-    coordinator = Coordinator(
-        transport,
-        algorithm=cfg.algorithm,
-        config=cfg.algorithm_config(),
-        rounds=cfg.rounds,
-        expected_clients=cfg.clients,
-        clients_per_round=cfg.clients_per_round,
-        allow=cfg.allow,
-        global_model=cfg.global_model,
-        model_kwargs=cfg.model_kwargs,
-        round_config=cfg.round,
-        run_id=cfg.run_id,
-        seed=cfg.seed,
-        share_models=cfg.broadcast,
-        on_round=record,
-        checkpoint_path=ckpt,
-    )
+    fleet = NetworkFleet(transport, share_models=cfg.broadcast)
+    coordinator = build_coordinator(cfg, fleet, on_round=record, checkpoint_path=ckpt)
     # The checkpoint is the truth: rounds.jsonl lists its rounds, each exactly once.
     resumed = coordinator.restore()
     rounds_log.rewrite(coordinator.records)
@@ -278,24 +266,21 @@ def run_device(
     i = cfg.client.index
     if i >= len(fed.client_ids):
         raise ConfigError(f"client index {i} is out of range for {len(fed.client_ids)} clients")
-    cid = cfg.client.id or fed.client_ids[i]
-    family = cfg.client.model or cfg.models[i % len(cfg.models)]
     state_dir = Path(cfg.client.state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    client = EdgeClient.connect(
-        cfg.broker,
-        cid,
-        client_spec(cfg, family, fed.dataset),
-        fed.client_data[i],
-        run_id=cfg.run_id,
-        device=resolve_device(cfg.device),
-        seed=client_seed(cfg.seed, i),
+    cid = cfg.client.id or fed.client_ids[i]
+    node = build_node(
+        cfg,
+        fed,
+        i,
+        family=cfg.client.model,
+        client_id=cid,
         onnx_path=state_dir / f"{cid}.onnx",
-        class_names=fed.dataset.classes,
-        normalization=fed.dataset.normalization,
-        fp16_upload=cfg.fp16_upload,
-        on_task=on_task,
         state_dir=state_dir,
+    )
+    transport = MqttTransport(cfg.broker, f"edgefl-{cfg.run_id}-{cid}")
+    client = EdgeClient.around(
+        node, transport, fp16_upload=cfg.fp16_upload, on_task=on_task, owns_transport=True
     )
     if cfg.client.late:
         result = client.join_late(timeout=cfg.round.register_timeout_s)

@@ -1,8 +1,12 @@
-"""A simulated federation's data side: the dataset, its split and each client's tensors.
+"""Setting up a federation from one RunConfig: the data, the split, and the two factories.
 
 `prepare_federation(cfg)` loads and partitions the data exactly as every participant of a run
-does (the simulator, the coordinator daemon's baselines and each `edgefl client` process hold
-the same split), so client `i` gets the same tensors, id and seed wherever it runs.
+does (the simulator, the demo's baselines and each `edgefl client` process hold the same split),
+so client `i` gets the same tensors, id, architecture and seed wherever it runs.
+
+The one way to build a federation's parts, used by `simulate`, `edgefl coordinator`,
+`edgefl client`, the demo and the tests: `build_coordinator(cfg, fleet)` for the server side and
+`build_node(cfg, fed, i)` for client `i` (a device wraps its node in an `EdgeClient`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,8 +23,13 @@ import numpy as np
 import torch
 
 from coordinator.config import RunConfig
+from coordinator.fleet import Fleet
+from coordinator.results import RoundRecord
+from coordinator.server import Coordinator
 from coordinator.server_data import ServerData
 from coordinator.strategies import strategy_class
+from edge_sdk.device import resolve_device
+from edge_sdk.node import ClientNode
 from edge_sdk.trainer import ClientData
 from edge_sdk.wire import reference_shapes
 from model_zoo import ArchSpec
@@ -37,6 +47,8 @@ from model_zoo.data.base import stratified_indices
 
 __all__ = [
     "Federation",
+    "build_coordinator",
+    "build_node",
     "client_seed",
     "client_spec",
     "prepare_federation",
@@ -184,6 +196,77 @@ def client_spec(cfg: RunConfig, family: str, dataset: Dataset) -> ArchSpec:
 def client_seed(seed: int, index: int) -> int:
     """The seed of client `index` of a federation seeded `seed` (simulated or deployed alike)."""
     return seed * 7919 + index
+
+
+def build_coordinator(
+    cfg: RunConfig,
+    fleet: Fleet,
+    *,
+    algorithm: str | None = None,
+    fed: Federation | None = None,
+    run_id: str | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    checkpoint_path: Path | None = None,
+) -> Coordinator:
+    """The coordinator of `algorithm` (default: the run's) over `fleet`.
+
+    With the federation's data at hand (`fed`: a simulation), the clients' architectures are
+    the config's `models`, so a strategy with a global model takes `global_family` (the first of
+    them unless `global_model` names one) and the coordinator keeps the samples the strategy
+    holds out (`fed.server_data`). Without it (the daemon), the global model is `global_model`,
+    or the clients' one architecture when they all register the same.
+    """
+    name = algorithm or cfg.algorithm
+    has_global = strategy_class(name).has_global_model
+    return Coordinator(
+        fleet,
+        algorithm=name,
+        config=cfg.algorithm_config(name),
+        rounds=cfg.rounds,
+        expected_clients=len(fed.client_ids) if fed is not None else cfg.clients,
+        clients_per_round=cfg.clients_per_round,
+        allow=cfg.allow,
+        global_model=(cfg.global_family if fed is not None else cfg.global_model)
+        if has_global
+        else None,
+        model_kwargs=cfg.model_kwargs,
+        round_config=cfg.round,
+        run_id=run_id or cfg.run_id,
+        seed=cfg.seed,
+        on_round=on_round,
+        checkpoint_path=checkpoint_path,
+        server_data=fed.server_data if fed is not None else None,
+    )
+
+
+def build_node(
+    cfg: RunConfig,
+    fed: Federation,
+    index: int,
+    *,
+    run_id: str | None = None,
+    family: str | None = None,
+    client_id: str | None = None,
+    onnx_path: Path | None = None,
+    state_dir: Path | None = None,
+) -> ClientNode:
+    """Client `index` of the split: its data, id, architecture (`family`, default the config's
+    `models` round-robin) and seed, on the config's device."""
+    if not 0 <= index < len(fed.client_ids):
+        raise ValueError(f"client index {index} is out of range for {len(fed.client_ids)} clients")
+    family = family or cfg.models[index % len(cfg.models)]
+    return ClientNode(
+        client_id or fed.client_ids[index],
+        client_spec(cfg, family, fed.dataset),
+        fed.client_data[index],
+        run_id=run_id or cfg.run_id,
+        device=resolve_device(cfg.device),
+        seed=client_seed(cfg.seed, index),
+        onnx_path=onnx_path,
+        class_names=fed.dataset.classes,
+        normalization=fed.dataset.normalization,
+        state_dir=state_dir,
+    )
 
 
 def split_table(fed: Federation) -> str:

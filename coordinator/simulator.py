@@ -1,19 +1,19 @@
-"""The simulator: one Coordinator and N EdgeClients over the in-memory transport (the runner).
+"""The simulator: a run's algorithm and its baselines on one split, in one process (the runner).
 
-The data side lives in `coordinator.federation`, the results in `coordinator.results`.
-
-Nothing here calls client code directly: the simulator loads and partitions the data, gives each
-EdgeClient its own split (as a device app brings its own data), starts the clients and the
-coordinator on one in-memory broker, and reads the results back from the coordinator. Baselines
-run the same way on the same split, and their per-client accuracies feed the QoI metrics.
+The data side lives in `coordinator.federation`, the results in `coordinator.results`. Each run
+is a Coordinator and one ClientNode per client (built by the federation's factories, as a
+deployment builds them). By default the nodes run in this process (`LocalFleet`: no
+serialisation, compatible clients trained as one stacked model); `fleet = "network"` serves
+every node as an EdgeClient over the in-memory transport instead, and a broker URL over MQTT,
+the code path of a deployment. Both give the same per-client results for the same seed.
+Baselines run the same way on the same split, and their per-client accuracies feed the QoI
+metrics.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,29 +24,25 @@ import torch
 from coordinator.config import RunConfig
 from coordinator.federation import (
     Federation,
-    client_seed,
-    client_spec,
+    build_coordinator,
+    build_node,
     prepare_federation,
     split_record,
     write_split,
 )
+from coordinator.fleet import LocalFleet, NetworkFleet, cpu_cores
 from coordinator.results import RoundRecord, RunResult, build_results, write_results
-from coordinator.server import Coordinator
-from coordinator.strategies import GlobalModelStrategy, strategy_class
+from coordinator.strategies import strategy_class
 from edge_sdk import topics
 from edge_sdk.client import EdgeClient
-from edge_sdk.cohort import Cohort
-from edge_sdk.device import resolve_device
 from edge_sdk.malloc import M_ARENA_MAX, glibc
+from edge_sdk.node import ClientNode
 from edge_sdk.transport import InMemoryBroker, Transport
 from edge_sdk.transport.mqtt import MqttTransport
 
 __all__ = ["run_federation", "simulate", "transport_factory"]
 
 log = logging.getLogger(__name__)
-
-# Algorithms whose clients all train the global architecture (baselines in a mixed federation).
-_ONE_ARCH = {"fedavg", "fedprox", "fedavg_ft"}
 
 
 def transport_factory(cfg: RunConfig, run_id: str) -> Callable[[str], Transport]:
@@ -62,16 +58,14 @@ _TRIM_EVERY_S = 1.0
 
 
 def _lean_heap(threads: int) -> Callable[[object], None] | None:
-    """Keep glibc from hoarding freed memory across the client threads; returns a task hook
-    that hands what is free back to the system (None where the C library is not glibc).
+    """Keep glibc from hoarding freed memory across training threads; returns a hook that hands
+    what is free back to the system (None where the C library is not glibc).
 
     glibc gives threads their own heaps (arenas), each keeping what was freed in it: with 20
-    client threads, a Fashion-MNIST FML round left about 1 GB of freed memory held. The
-    arenas are capped at one per concurrently training client (new threads share them) and
-    `malloc_trim(0)` after a task releases free pages (benchmarks/simulate_scale.py), at most
-    once a second: a trim costs ~5 ms and the pages it returns fault back in, which took a
-    quarter of a round of 100 lenet5 clients whose tasks last ~50 ms when every task trimmed.
-    The cap stays for the rest of the process.
+    client threads, a Fashion-MNIST FML round left about 1 GB of freed memory held. The arenas
+    are capped at one per concurrently training thread and `malloc_trim(0)` releases free pages
+    (benchmarks/simulate_scale.py), at most once a second: a trim costs ~5 ms and the pages it
+    returns fault back in. The cap stays for the rest of the process.
     """
     libc = glibc()
     if libc is None:  # not glibc: nothing to release this way
@@ -98,67 +92,67 @@ def run_federation(
     export_dir: Path | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
 ) -> RunResult:
-    """Run one algorithm: N EdgeClients and a Coordinator over the in-memory transport, or over
-    the broker `cfg.broker` names (the same code path a deployment takes)."""
-    device = resolve_device(cfg.device)
+    """Run one algorithm on the federation: its clients in this process (`LocalFleet`, the
+    default), or as EdgeClients over the in-memory transport (`fleet = "network"`) or over the
+    broker `cfg.broker` names, the code path a deployment takes."""
     families = models or cfg.models
     run_id = f"{cfg.run_id}-{algorithm}"
+    nodes = [
+        build_node(
+            cfg,
+            fed,
+            i,
+            run_id=run_id,
+            family=families[i % len(families)],
+            onnx_path=export_dir / f"{cid}.onnx" if export_dir else None,
+        )
+        for i, cid in enumerate(fed.client_ids)
+    ]
+    parallel = cfg.parallel or cpu_cores()
+    release = _lean_heap(parallel)
+
+    def round_done(rec: RoundRecord) -> None:
+        if release is not None:
+            release(rec)
+        if on_round is not None:
+            on_round(rec)
+
+    if cfg.fleet == "local" and cfg.broker.url is None:
+        fleet = LocalFleet(nodes, parallel=parallel, stack=cfg.cohort, fp16_upload=cfg.fp16_upload)
+        coordinator = build_coordinator(
+            cfg, fleet, algorithm=algorithm, fed=fed, run_id=run_id, on_round=round_done
+        )
+        return coordinator.run()
+    return _over_network(cfg, fed, algorithm, nodes, run_id, parallel, round_done)
+
+
+def _over_network(
+    cfg: RunConfig,
+    fed: Federation,
+    algorithm: str,
+    nodes: list[ClientNode],
+    run_id: str,
+    parallel: int,
+    on_round: Callable[[RoundRecord], None],
+) -> RunResult:
+    """Every node an EdgeClient on its own thread and transport, the coordinator on another."""
     connect = transport_factory(cfg, run_id)
     transports = [connect(topics.COORDINATOR)]
-    coordinator = Coordinator(
-        transports[0],
-        algorithm=algorithm,
-        config=cfg.algorithm_config(algorithm),
-        rounds=cfg.rounds,
-        expected_clients=len(fed.client_ids),
-        clients_per_round=cfg.clients_per_round,
-        global_model=(
-            cfg.global_family
-            if issubclass(strategy_class(algorithm), GlobalModelStrategy)
-            else None
-        ),
-        model_kwargs=cfg.model_kwargs,
-        round_config=cfg.round,
-        run_id=run_id,
-        seed=cfg.seed,
-        share_models=cfg.broadcast,
-        on_round=on_round,
-        server_data=fed.server_data,
+    fleet = NetworkFleet(transports[0], share_models=cfg.broadcast)
+    coordinator = build_coordinator(
+        cfg, fleet, algorithm=algorithm, fed=fed, run_id=run_id, on_round=on_round
     )
-    parallel = cfg.parallel or os.cpu_count() or 1
-    gate = threading.Semaphore(parallel)
     # Clients train on their own threads: give each an equal share of the cores instead of
-    # letting every one spawn a full intra-op pool (measured 1.7× faster on 2 cores). Set
-    # before the client threads start, restored when the run ends.
+    # letting every one spawn a full intra-op pool. Restored when the run ends.
     threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel))
-    release = _lean_heap(parallel)
-    cohorts: dict[str, Cohort] = {}  # by architecture
+    torch.set_num_threads(max(1, cpu_cores() // parallel))
     clients: list[EdgeClient] = []
     try:
         coordinator.open()
-        for i, (cid, data) in enumerate(zip(fed.client_ids, fed.client_data, strict=True)):
-            spec = client_spec(cfg, families[i % len(families)], fed.dataset)
-            transports.append(connect(cid))
-            clients.append(
-                EdgeClient(
-                    cid,
-                    spec,
-                    data,
-                    transports[-1],
-                    run_id=run_id,
-                    device=device,
-                    seed=client_seed(cfg.seed, i),
-                    onnx_path=export_dir / f"{cid}.onnx" if export_dir else None,
-                    class_names=fed.dataset.classes,
-                    normalization=fed.dataset.normalization,
-                    fp16_upload=cfg.fp16_upload,
-                    compute_gate=gate,
-                    cohort=cohorts.setdefault(spec.to_json(), Cohort(gate)) if cfg.cohort else None,
-                    on_task=release,
-                ).start()
-            )
+        for node in nodes:
+            transports.append(connect(node.client_id))
+            client = EdgeClient.around(node, transports[-1], fp16_upload=cfg.fp16_upload)
+            clients.append(client.start())
         return coordinator.run()
     finally:
         for c in clients:
@@ -196,7 +190,8 @@ def simulate(
                 bar.set_postfix(personal=f"{rec.mean_personal_acc:.3f}")
 
         is_main = name == cfg.algorithm
-        models = [cfg.global_family] if (name in _ONE_ARCH and not is_main) else None
+        one_arch = strategy_class(name).one_architecture
+        models = [cfg.global_family] if (one_arch and not is_main) else None
         export_dir = out / "onnx" if (out and cfg.export_onnx and is_main) else None
         runs[name] = run_federation(
             cfg, fed, name, models=models, export_dir=export_dir, on_round=tick

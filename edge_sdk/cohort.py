@@ -1,8 +1,9 @@
-"""The cohort executor: simulated clients of one architecture train as one stacked model.
+"""Stacked training: clients of one architecture train as one stacked model.
 
-A simulation runs many EdgeClients in one process. Each would run its algorithm's ~100 tiny
-torch ops per step on its own; here the clients that have a fit task at the same time run their
-algorithm's `fit` **once**, on models whose parameters carry a leading client dimension
+A simulation runs many clients in one process. Each would run its algorithm's ~100 tiny torch
+ops per step on its own; here the clients of one fit task group (the simulator's LocalFleet
+groups a phase's tasks, `edge_sdk.node.execute_together`) run their algorithm's `fit`
+**once**, on models whose parameters carry a leading client dimension
 (`torch.func.vmap` over `functional_call`), so every op runs once for all of them. The shared
 losses give one value per client for stacked logits; no client's loss depends on another's
 parameters, so the gradient of their sum holds each client's own gradient in its row, and the
@@ -10,11 +11,9 @@ algorithm's update rule, written once, applies row by row.
 
 Nothing is forked: the algorithm's own `fit` runs, on a `CohortContext` whose trainer draws each
 client's batch from that client's own generator and data and whose `build_model` builds each
-client's model with its own seed. Every
-message still crosses the transport: each EdgeClient decodes its own task and encodes its own
-reply; only the compute in between is shared. Before the stacked fit each member's persistent
-state is stacked, after it each member gets its row back, so evaluation, persistence, rollback
-and ONNX export stay per client.
+client's model with its own seed. Before the stacked fit each member's persistent state is
+stacked, after it each member gets its row back, so evaluation, persistence, rollback and ONNX
+export stay per client.
 
 An algorithm opts in with `stackable = True` (its `fit` uses only what a CohortContext provides:
 `ctx.build_model` / `ctx.materialize`, `trainer.sample_batch`, `trainer.value_and_grad`,
@@ -26,10 +25,7 @@ client, from the same state and random generators, so the result does not depend
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -49,15 +45,9 @@ from edge_sdk.codec import WireModel
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec, build
 
-__all__ = ["Cohort", "CohortUnsupported", "stack_modules", "unstack_module"]
+__all__ = ["CohortUnsupported", "fit_stacked", "stack_modules", "unstack_module"]
 
 log = logging.getLogger(__name__)
-
-# After the last member with a task in hand has submitted, wait this long for more to arrive
-# (tasks reach the client threads one after another) before the stacked fit starts.
-SETTLE_S = 0.02
-# Never wait longer than this for a member that announced a task but has not submitted it.
-MAX_WAIT_S = 2.0
 
 
 class CohortUnsupported(ValueError):
@@ -317,168 +307,3 @@ def fit_stacked(
             saved = {"__module__": spec.to_json(), "weights": unstack_module(value, i)}
             setattr(a, name, a._decode(getattr(a, name), saved))
     return _split_result(result, n)
-
-
-# -- the executor ------------------------------------------------------------------------------
-@dataclass
-class _Request:
-    client_id: str
-    algo: ClientAlgorithm
-    round: int
-    rounds: int
-    models: Mapping[str, WireModel]
-    done: threading.Event = field(default_factory=threading.Event)
-    result: FitResult | None = None
-    error: BaseException | None = None
-
-    def key(self) -> tuple[Any, ...]:
-        a = self.algo
-        task = a.ctx.task
-        state = tuple(_kind(getattr(a, n)) for n in type(a).persistent)
-        return (
-            type(a),
-            a.config.model_dump_json(),
-            a.ctx.spec.to_json(),
-            self.round,
-            self.rounds,
-            task.step,
-            json.dumps(dict(task.params), sort_keys=True, default=str),
-            state,
-            tuple((n, w.spec.to_json()) for n, w in sorted(self.models.items())),
-        )
-
-
-def _kind(value: Any) -> Any:
-    if isinstance(value, nn.Module):
-        spec = getattr(value, SPEC_ATTR, None)
-        return spec.to_json() if spec is not None else type(value)
-    return type(value)
-
-
-class Cohort:
-    """Batches the fit tasks of simulated clients that arrive together and trains each group
-    of compatible ones (same algorithm, config, architecture, round, kind of state) stacked.
-
-    Each EdgeClient calls `announce` when a fit task reaches it and `fit` once it has decoded
-    the task. The first member to submit collects: once every member that announced a task has
-    submitted it and none has arrived for `settle_s`, it runs the batch while the others wait
-    for their rows. `gate` is the simulator's compute semaphore, the one its EdgeClients get as
-    `compute_gate`: members call `fit` holding it (as for any task) and give it up while they
-    wait, so that the others decode their tasks a few at a time (not a hundred threads at once,
-    convoying on the interpreter lock); the collector takes it back to compute.
-    """
-
-    def __init__(
-        self, gate: threading.Semaphore | None = None, *, settle_s: float = SETTLE_S
-    ) -> None:
-        self._lock = threading.Lock()
-        self._wake = threading.Event()  # something changed: the collector looks again
-        self._announced: set[str] = set()
-        self._pending: list[_Request] = []
-        self._collecting = False
-        self._changed = time.monotonic()
-        self._gate = gate
-        self._settle = settle_s
-        self.batches: list[int] = []  # how many members each stacked fit trained
-
-    def announce(self, client_id: str) -> None:
-        with self._lock:
-            self._announced.add(client_id)
-            self._changed = time.monotonic()
-
-    def withdraw(self, client_id: str) -> None:
-        with self._lock:
-            self._announced.discard(client_id)
-            self._changed = time.monotonic()
-        self._wake.set()
-
-    def fit(
-        self,
-        client_id: str,
-        algo: ClientAlgorithm,
-        round_: int,
-        rounds: int,
-        models: Mapping[str, WireModel],
-    ) -> FitResult:
-        """This member's fit, run with whichever members submit theirs at the same time."""
-        req = _Request(client_id, algo, round_, rounds, models)
-        with self._lock:
-            self._announced.add(client_id)
-            self._pending.append(req)
-            self._changed = time.monotonic()
-            collect = not self._collecting
-            self._collecting = True
-        self._wake.set()
-        held = False
-        self._give_gate()
-        try:
-            if collect:
-                batch = self._collect()
-                self._take_gate()
-                held = True
-                self._run(batch)
-            req.done.wait()
-        finally:
-            if not held:
-                self._take_gate()  # the caller's `with` gives it back
-        if req.error is not None:
-            raise req.error
-        assert req.result is not None
-        return req.result
-
-    def _give_gate(self) -> None:
-        if self._gate is not None:
-            self._gate.release()
-
-    def _take_gate(self) -> None:
-        if self._gate is not None:
-            self._gate.acquire()
-
-    def _collect(self) -> list[_Request]:
-        start = time.monotonic()
-        while True:
-            self._wake.clear()
-            with self._lock:
-                waiting = {r.client_id for r in self._pending}
-                settled = time.monotonic() - self._changed >= self._settle
-                if (self._announced <= waiting and settled) or (
-                    time.monotonic() - start > MAX_WAIT_S
-                ):
-                    batch, self._pending, self._collecting = self._pending, [], False
-                    return batch
-            self._wake.wait(self._settle)
-
-    def _run(self, batch: list[_Request]) -> None:
-        groups: dict[tuple[Any, ...], list[_Request]] = {}
-        for r in batch:
-            groups.setdefault(r.key(), []).append(r)
-        for group in groups.values():
-            self._run_group(group)
-        for r in batch:
-            r.done.set()
-
-    def _run_group(self, group: list[_Request]) -> None:
-        if len(group) > 1:
-            try:
-                results = fit_stacked(
-                    [r.algo for r in group],
-                    group[0].round,
-                    group[0].rounds,
-                    [r.models for r in group],
-                )
-            except CohortUnsupported as exc:
-                log.info("%d clients train one by one: %s", len(group), exc)
-            except Exception as exc:  # each member gets its own error below
-                log.info(
-                    "a stacked fit failed (%s); its %d clients train one by one", exc, len(group)
-                )
-            else:
-                self.batches.append(len(group))
-                for r, res in zip(group, results, strict=True):
-                    r.result = res
-                return
-        for r in group:
-            try:
-                r.result = r.algo.fit(r.round, r.rounds, r.models)
-            except Exception as exc:  # that client's error, raised on its thread
-                r.error = exc

@@ -9,11 +9,13 @@ Nothing here passes through the coordinator:
 - `send(to, name, round, model)` / `receive(name, round, senders)`: messages on
   `peer/TO/from/ME`, the topic that names both (only ME may write it under the broker ACL).
 
-A client that waits for a peer gives back the simulator's compute gate (`idle_gate`, held while
-a task runs) until the wait ends: the peer it waits for may need that slot to publish.
+It works the same over the in-memory transport and MQTT. Models are checked like any received
+model (architecture, shapes, finite values) and the sender is taken from the topic.
 
-It works the same over the in-memory transport (the simulator) and MQTT. Models are checked like
-any received model (architecture, shapes, finite values) and the sender is taken from the topic.
+`LocalPeers` is the same channel between the ClientNodes of one process (the simulator's
+LocalFleet): a `PeerBoard` holds the publications and messages, nothing is serialised, and
+nothing waits, since a phase's publications are made before any of its tasks reads one
+(`ClientAlgorithm.before_fit`) and its messages are read in a later phase.
 """
 
 from __future__ import annotations
@@ -21,11 +23,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from typing import Protocol
 
 from edge_sdk import topics
-from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
+from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel, check_weights
 from edge_sdk.protocol import Message, PeerMessage, ProtocolError, Published
 from edge_sdk.transport.base import Transport
 from edge_sdk.wire import (
@@ -33,12 +34,33 @@ from edge_sdk.wire import (
     pack_models,
     publish_retained,
     read_retained,
+    reference_shapes,
     unpack_models,
 )
 
-__all__ = ["PeerChannel"]
+__all__ = ["LocalPeers", "PeerBoard", "PeerChannel", "Peers"]
 
 log = logging.getLogger(__name__)
+
+
+class Peers(Protocol):
+    """What a decentralized algorithm may ask of the other clients."""
+
+    def publish(self, name: str, model: WireModel, version: int) -> None:
+        """Make `model` this client's current `name`, for round `version`."""
+
+    def fetch(
+        self, owner: str, name: str, min_version: int = 0, timeout: float = 60.0
+    ) -> WireModel | None:
+        """The owner's published `name` of version >= `min_version`, or None."""
+
+    def send(self, to: str, name: str, round_: int, model: WireModel) -> None:
+        """A message to one peer."""
+
+    def receive(
+        self, name: str, round_: int, senders: list[str], timeout: float = 60.0
+    ) -> dict[str, WireModel]:
+        """The `name` messages of round `round_` from `senders` (what arrived)."""
 
 
 class PeerChannel:
@@ -49,10 +71,8 @@ class PeerChannel:
         me: str,
         *,
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
-        idle_gate: threading.Semaphore | None = None,
     ) -> None:
         self.transport = transport
-        self.idle_gate = idle_gate
         self.run_id = run_id
         self.me = me
         self.max_blob_bytes = max_blob_bytes
@@ -101,7 +121,6 @@ class PeerChannel:
             accept,
             timeout=timeout,
             max_blob_bytes=self.max_blob_bytes,
-            waiting=self._idle,
         )
         if got is None or name not in got[1]:
             log.warning("%s: no %s of version >= %d from %s", self.me, name, min_version, owner)
@@ -122,8 +141,7 @@ class PeerChannel:
         deadline = time.monotonic() + timeout
         while want - {s for (n, r, s) in self._stash if (n, r) == (name, round_)}:
             left = deadline - time.monotonic()
-            with self._idle():
-                env = self.inbox.receive(timeout=left) if left > 0 else None
+            env = self.inbox.receive(timeout=left) if left > 0 else None
             if env is None:
                 break
             msg, sender = env.message, topics.origin_of(env.topic, self.run_id)
@@ -153,14 +171,75 @@ class PeerChannel:
             )
         return got
 
-    @contextmanager
-    def _idle(self) -> Iterator[None]:
-        """Give the compute gate back while blocked (the caller holds it while its task runs)."""
-        if self.idle_gate is None:
-            yield
-            return
-        self.idle_gate.release()
+
+class PeerBoard:
+    """The peer topics of one process: every client's current publications and the messages
+    sent between clients, shared by the `LocalPeers` of a LocalFleet."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.publications: dict[tuple[str, str], tuple[int, WireModel]] = {}  # (owner, name)
+        self.messages: dict[tuple[str, str, int, str], WireModel] = {}  # (to, name, round, from)
+
+    def channel(self, me: str) -> LocalPeers:
+        return LocalPeers(self, me)
+
+
+def _checked(model: WireModel, what: str) -> WireModel:
+    """A peer's model as a receiver over the network would accept it: finite values, names and
+    shapes that fit its architecture (a gradient may carry only some of the tensors)."""
+    check_weights(model.weights, reference_shapes(model.spec), what=what, partial=True)
+    return model
+
+
+class LocalPeers:
+    """PeerChannel's behaviour between ClientNodes of one process, on a `PeerBoard`: nothing is
+    serialised and nothing waits (what is not on the board now never will be in this phase)."""
+
+    def __init__(self, board: PeerBoard, me: str) -> None:
+        self.board = board
+        self.me = me
+
+    def publish(self, name: str, model: WireModel, version: int) -> None:
+        with self.board._lock:
+            self.board.publications[(self.me, name)] = (version, model)
+
+    def fetch(
+        self, owner: str, name: str, min_version: int = 0, timeout: float = 60.0
+    ) -> WireModel | None:
+        with self.board._lock:
+            got = self.board.publications.get((owner, name))
+        if got is None or got[0] < min_version:
+            log.warning("%s: no %s of version >= %d from %s", self.me, name, min_version, owner)
+            return None
         try:
-            yield
-        finally:
-            self.idle_gate.acquire()
+            return _checked(got[1], f"{owner}'s {name}")
+        except ValueError as exc:
+            log.warning("%s: an unusable publication of %s: %s", self.me, owner, exc)
+            return None
+
+    def send(self, to: str, name: str, round_: int, model: WireModel) -> None:
+        with self.board._lock:
+            self.board.messages[(to, name, round_, self.me)] = model
+
+    def receive(
+        self, name: str, round_: int, senders: list[str], timeout: float = 60.0
+    ) -> dict[str, WireModel]:
+        got: dict[str, WireModel] = {}
+        with self.board._lock:
+            for key in [k for k in self.board.messages if k[0] == self.me]:
+                _, n, r, sender = key
+                if (n, r) == (name, round_) and sender in senders:
+                    got[sender] = self.board.messages.pop(key)
+                elif r < round_:  # older rounds: too late now
+                    del self.board.messages[key]
+        for sender in list(got):
+            try:
+                _checked(got[sender], f"{sender}'s {name}")
+            except ValueError as exc:
+                log.warning("%s: dropped a peer message: %s", self.me, exc)
+                del got[sender]
+        missing = sorted(set(senders) - set(got))
+        if missing:
+            log.warning("%s: no %s of round %d from %s", self.me, name, round_, missing)
+        return got

@@ -19,7 +19,6 @@ the checksum comparison happens in `receive()` and decoding in the consumer's th
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import itertools
@@ -571,11 +570,9 @@ def read_retained(
     *,
     timeout: float,
     max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
-    waiting: Callable[[], Any] | None = None,
 ) -> tuple[Message, dict[str, WireModel]] | None:
     """The first publication on `topic` whose manifest `accept`s, with its models decoded and
-    checked, or None after `timeout` s. `waiting()`, if given, is a context manager entered
-    while blocked (the peer channel gives the simulator's compute slot back)."""
+    checked, or None after `timeout` s."""
     reader = Endpoint(
         transport,
         [topic, f"{topic}/+"],
@@ -585,8 +582,7 @@ def read_retained(
     try:
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            with waiting() if waiting is not None else contextlib.nullcontext():
-                env = reader.receive(timeout=left)
+            env = reader.receive(timeout=left)
             if env is None:
                 break
             msg = env.message

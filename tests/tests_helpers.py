@@ -11,6 +11,7 @@ import pytest
 
 from coordinator.config import load_config
 from coordinator.federation import prepare_federation
+from coordinator.fleet import NetworkFleet
 from coordinator.server import Coordinator, RoundConfig
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.client import EdgeClient
@@ -64,7 +65,7 @@ def small_federation(
     broker = broker or InMemoryBroker()
     spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
     coordinator = Coordinator(
-        broker.connect("coordinator"),
+        NetworkFleet(broker.connect("coordinator")),
         algorithm=algorithm,
         config=algorithm_class(algorithm).config_cls(**(config or {"local_epochs": 1})),
         rounds=rounds,

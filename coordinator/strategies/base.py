@@ -84,6 +84,11 @@ def weighted_mean(
 
 class Strategy(ABC):
     name: ClassVar[str]
+    # Facts of the algorithm, stated once here. Every client trains one architecture, the global
+    # one (a baseline of a mixed federation runs it on every client):
+    one_architecture: ClassVar[bool] = False
+    # The server keeps a global model of `global_spec` (it needs one to start):
+    has_global_model: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -210,6 +215,8 @@ class Strategy(ABC):
 
 class GlobalModelStrategy(Strategy):
     """A strategy with one global model of `global_spec` (FedAvg and friends, FML, PFML)."""
+
+    has_global_model = True
 
     def setup(self) -> None:
         if self.global_spec is None:

@@ -16,10 +16,14 @@ from model_zoo import ArchSpec
 @register_strategy
 class FedAvgStrategy(GlobalModelStrategy):
     name = "fedavg"
+    one_architecture = True
 
     def setup(self) -> None:
         super().setup()
-        self._require_same_arch()
+        if self.one_architecture:
+            self._require_same_arch()
+        else:  # any architecture of its own, as long as the global one fits its classes
+            self._require_classes()
 
     def expected_models(self, client_id: str) -> dict[str, ArchSpec]:
         assert self.global_spec is not None

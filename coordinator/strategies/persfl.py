@@ -14,34 +14,27 @@ from typing import Any
 
 import torch
 
-from coordinator.strategies.base import (
-    FitReply,
-    GlobalModelStrategy,
-    register_strategy,
-    weighted_mean,
-)
+from coordinator.strategies.base import FitReply, register_strategy
+from coordinator.strategies.fedavg import FedAvgStrategy
 from edge_sdk.algorithms.persfl import PersFLConfig, archive_name
 from edge_sdk.codec import WireModel
-from model_zoo import ArchSpec
 
 
 @register_strategy
-class PersFLStrategy(GlobalModelStrategy):
+class PersFLStrategy(FedAvgStrategy):
+    """FedAvg (stage 1), whatever each client's own architecture: every client trains the
+    global one, keeping its teacher and its own student on the device."""
+
     name = "persfl"
+    one_architecture = False
     config: PersFLConfig
 
     def setup(self) -> None:
         super().setup()
-        self._require_classes()  # any architecture: every client trains the global one
         self.archive: list[tuple[int, dict[str, torch.Tensor]]] = []
 
-    def expected_models(self, client_id: str) -> dict[str, ArchSpec]:
-        assert self.global_spec is not None
-        return {"model": self.global_spec}
-
     def aggregate_fit(self, round_: int, replies: Mapping[str, FitReply]) -> None:
-        states = [r.models["model"].weights for r in replies.values()]
-        self.global_weights = weighted_mean(states, self._weights(replies))
+        super().aggregate_fit(round_, replies)
         self._archive(round_)
 
     def _archive(self, round_: int) -> None:

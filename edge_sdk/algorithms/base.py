@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from torch import nn
 
 from edge_sdk.codec import WireModel, state_of
-from edge_sdk.peers import PeerChannel
+from edge_sdk.peers import Peers
 from edge_sdk.trainer import ClientData, OptimConfig, Trainer
 from model_zoo import ArchSpec, build
 
@@ -92,7 +92,7 @@ class ClientContext:
     device: torch.device
     seed: int
     trainer: Trainer
-    peers: PeerChannel | None = None
+    peers: Peers | None = None
     task: TaskInfo = field(default_factory=TaskInfo)
 
     def build_model(self, spec: ArchSpec, salt: int) -> nn.Module:
@@ -142,6 +142,11 @@ class ClientAlgorithm(ABC):
     def partial_models(self) -> frozenset[str]:
         """Names of incoming models that may carry only a subset of their tensors."""
         return frozenset()
+
+    def before_fit(self, round_: int, rounds: int) -> None:  # noqa: B027  (optional hook)
+        """Called for every client of a fit step before any of them runs `fit` (the runtime
+        that hosts many clients calls it for all first): what peers must see before this
+        step starts goes out here (FedeRiCo publishes its model). Default: nothing."""
 
     @abstractmethod
     def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:

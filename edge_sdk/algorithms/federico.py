@@ -5,10 +5,11 @@ membership and the round clock. Client i keeps its model θ_i, a moving-average 
 ℓ_ij over the models it has seen and weights w_ij = softmax(−ℓ_i· / τ) (the E-step's posterior
 under a uniform prior). Each round has two steps with a barrier between them:
 
-exchange  publish θ_i (retained, on its own peer topic) if not yet current; update ℓ_ii; sample M
-          neighbours (ε-greedy: uniformly with probability ε, else the M highest w_ij); fetch
-          each θ_j from its publication and update ℓ_ij ← (1−m)·ℓ_ij + m·L_i(θ_j); recompute w_i;
-          send w_ij·∇L_i(θ_j) to each j on the peer topic naming both.
+exchange  (before it, in `before_fit`, every client publishes θ_i retained on its own peer topic
+          if not yet current) update ℓ_ii; sample M neighbours (ε-greedy: uniformly with
+          probability ε, else the M highest w_ij); fetch each θ_j from its publication and update
+          ℓ_ij ← (1−m)·ℓ_ij + m·L_i(θ_j); recompute w_i; send w_ij·∇L_i(θ_j) to each j on the
+          peer topic naming both.
 update    θ_i ← θ_i − η·(w_ii·∇L_i(θ_i) + Σ_j w_ji·∇L_j(θ_i)) with the gradients received (the
           M-step, eq. 8), then publish θ_i for the next round.
 
@@ -40,7 +41,7 @@ from edge_sdk.algorithms.base import (
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.losses import cross_entropy
 from edge_sdk.optim import SGD, Adam
-from edge_sdk.peers import PeerChannel
+from edge_sdk.peers import Peers
 from model_zoo import ArchSpec, build
 from model_zoo.models.mixture import mixture_spec
 
@@ -90,7 +91,7 @@ class FedeRiCo(ClientAlgorithm):
 
     # -- pieces ------------------------------------------------------------------------------
     @property
-    def peers(self) -> PeerChannel:
+    def peers(self) -> Peers:
         if self.ctx.peers is None:
             raise AlgorithmError("federico talks to other clients and this client has no peers")
         return self.ctx.peers
@@ -149,10 +150,14 @@ class FedeRiCo(ClientAlgorithm):
             return self._update(round_, list(params.get("from", [])))
         raise AlgorithmError(f"federico has no step {step!r} (exchange, then update)")
 
+    def before_fit(self, round_: int, rounds: int) -> None:
+        """θ_i goes out before any client of the exchange step reads a peer's model (round 1,
+        or after a restart; the update step publishes it for the next round otherwise)."""
+        if self.ctx.task.step == "exchange" and self.published < round_:
+            self._publish(round_)
+
     def _exchange(self, round_: int, members: list[str]) -> FitResult:
         me = self.ctx.client_id
-        if self.published < round_:  # the first round, or after a restart
-            self._publish(round_)
         self._observe(me, self._nll(self.model))
         fetched: dict[str, nn.Module] = {}
         for j in self._sample(members):

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import load_config
+from coordinator.fleet import NetworkFleet
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -34,7 +35,7 @@ def test_the_embedded_device_app_runs_against_a_real_broker(mosquitto, tmp_path)
     from edge_sdk.transport.mqtt import MqttTransport
 
     coordinator = Coordinator(
-        MqttTransport(mosquitto.url, "example-coordinator"),
+        NetworkFleet(MqttTransport(mosquitto.url, "example-coordinator")),
         algorithm="fml",
         config=algorithm_class("fml").config_cls(local_epochs=2, batch_size=32, lr=0.05),
         rounds=2,
@@ -63,7 +64,7 @@ def test_the_embedded_device_app_runs_against_a_real_broker(mosquitto, tmp_path)
         for d in devices:
             d.kill()
         runner.join(60)
-        coordinator.transport.close()
+        coordinator.fleet.transport.close()
     assert [d.returncode for d in devices] == [0, 0], "\n".join(logs)
     assert all("predicts" in log and "round 2/2 fit: ok" in log for log in logs)
     assert (tmp_path / "phone0.onnx").is_file() and (tmp_path / "phone1.onnx").is_file()

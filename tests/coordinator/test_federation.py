@@ -8,6 +8,7 @@ import torch
 from tests_helpers import small_federation, tiny_config
 
 from coordinator.federation import prepare_federation
+from coordinator.fleet import NetworkFleet
 from coordinator.server import Coordinator, CoordinatorError, Interrupted, RoundConfig
 from coordinator.simulator import run_federation, simulate
 from edge_sdk.algorithms import algorithm_class
@@ -265,7 +266,7 @@ def test_a_coordinator_stopped_mid_run_resumes_from_its_checkpoint_and_ends_the_
 
     # A new coordinator process: same settings, same checkpoint.
     second = Coordinator(
-        broker.connect("coordinator-2"),
+        NetworkFleet(broker.connect("coordinator-2")),
         algorithm="fml",
         config=first.config,
         rounds=4,
@@ -289,7 +290,7 @@ def test_a_client_with_an_unknown_architecture_is_refused_and_told_why():
     fed = prepare_federation(cfg)
     broker = InMemoryBroker()
     coordinator = Coordinator(
-        broker.connect(),
+        NetworkFleet(broker.connect()),
         algorithm="local",
         config=algorithm_class("local").config_cls(local_epochs=1),
         rounds=1,
@@ -371,7 +372,7 @@ def test_fml_federates_clients_with_different_numbers_of_classes_through_a_share
         local_epochs=2, batch_size=32, lr=0.05, shared_prefixes=["features."]
     )
     coordinator = Coordinator(
-        broker.connect(),
+        NetworkFleet(broker.connect()),
         algorithm="fml",
         config=config,
         rounds=2,

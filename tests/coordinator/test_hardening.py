@@ -47,7 +47,7 @@ def test_replies_with_malformed_metrics_are_rejected_and_the_run_goes_on(corrupt
         c.start()
     result = coordinator.run()
     assert len(result.rounds) == 2 and result.rounds[-1].mean_personal_acc is not None
-    assert coordinator.stats.rejected["invalid_reply"] >= 3  # two evaluations + finalize
+    assert coordinator.fleet.rejected["invalid_reply"] >= 3  # two evaluations + finalize
     by_id = {c.id: c for c in result.clients}
     assert by_id["c0"].personal_acc is None and by_id["c1"].personal_acc is not None
 
@@ -58,7 +58,7 @@ def test_a_reply_claiming_more_samples_than_registered_is_not_averaged():
         c.start()
     result = coordinator.run()
     assert all(r.replied == ["c1", "c2"] for r in result.rounds)
-    assert coordinator.stats.rejected["invalid_reply"] >= 2
+    assert coordinator.fleet.rejected["invalid_reply"] >= 2
 
 
 def _raw(broker, cid):
@@ -84,8 +84,8 @@ def test_registrations_with_invalid_or_mismatched_senders_are_dropped():
         c.start()
     result = coordinator.run()
     assert [c.id for c in result.clients] == ["c0", "c1", "c2"]
-    assert coordinator.endpoint.rejections["malformed"] == 1
-    assert coordinator.stats.rejected["sender_mismatch"] == 1
+    assert coordinator.fleet.endpoint.rejections["malformed"] == 1
+    assert coordinator.fleet.rejected["sender_mismatch"] == 1
 
 
 def test_a_huge_class_count_is_refused_before_anything_is_built():

@@ -6,6 +6,7 @@ import torch
 from tests_helpers import tiny_config
 
 from coordinator.federation import prepare_federation
+from coordinator.fleet import NetworkFleet
 from coordinator.server import Coordinator, RoundConfig
 from coordinator.strategies import ClientInfo, FitReply, IncompatibleClients, strategy_class
 from edge_sdk.algorithms import algorithm_class
@@ -91,7 +92,7 @@ def test_persfl_new_participant_personalizes_from_the_archive_after_training():
         archive_size=2,
     )
     coordinator = Coordinator(
-        broker.connect(),
+        NetworkFleet(broker.connect()),
         algorithm="persfl",
         config=config,
         rounds=3,

@@ -8,6 +8,7 @@ from tests_helpers import small_federation
 
 from coordinator.acl import write_broker_files
 from coordinator.broker import MosquittoBroker
+from coordinator.fleet import NetworkFleet
 from coordinator.server import Coordinator, RoundConfig
 from edge_sdk import topics
 from edge_sdk.algorithms import algorithm_class
@@ -42,7 +43,7 @@ def _federation(secured, algorithm, **config):
     broker, creds = secured
     _, template = small_federation(n=3, rounds=2)
     coordinator = Coordinator(
-        _as(broker, creds, "coordinator"),
+        NetworkFleet(_as(broker, creds, "coordinator")),
         algorithm=algorithm,
         config=algorithm_class(algorithm).config_cls(**config),
         rounds=2,
@@ -61,7 +62,7 @@ def _federation(secured, algorithm, **config):
             c.stop()
             c.transport.close()
         rogue.close()
-        coordinator.transport.close()
+        coordinator.fleet.transport.close()
 
 
 def test_a_federation_runs_under_the_acl_and_ignores_an_unregistered_id(secured):
@@ -75,7 +76,7 @@ def test_a_federation_runs_under_the_acl_and_ignores_an_unregistered_id(secured)
         result = coordinator.run()
     assert [c.id for c in result.clients] == ["c0", "c1", "c2"]
     assert all(r.replied == ["c0", "c1", "c2"] for r in result.rounds)
-    assert coordinator.stats.rejected["unknown_sender"] == 1
+    assert coordinator.fleet.rejected["unknown_sender"] == 1
 
 
 def test_peers_under_the_acl_collaborate_and_none_can_forge_another_s_models(secured):

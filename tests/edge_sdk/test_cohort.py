@@ -1,27 +1,25 @@
-"""The cohort executor: clients of one architecture train their fit tasks as one stacked model,
+"""Stacked training: clients of one architecture train their fit tasks as one stacked model,
 and each gets what its own fit would have given it (to float rounding: a batched matmul's
 rounding is not a single one's)."""
-
-import threading
 
 import pytest
 import torch
 from tests_helpers import tiny_config
 from torch import nn
 
-import edge_sdk.cohort as cohort_mod
+import edge_sdk.node as node_mod
 from coordinator.federation import prepare_federation
 from coordinator.simulator import run_federation
 from edge_sdk.algorithms.base import AlgorithmError, ClientContext
 from edge_sdk.algorithms.pfml import PFML, PFMLConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.cohort import (
-    Cohort,
     CohortContext,
     CohortUnsupported,
     fit_stacked,
     stack_modules,
 )
+from edge_sdk.node import ClientNode, NodeTask, execute_together
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec, build
 
@@ -88,19 +86,52 @@ def test_a_stacked_fit_gives_each_client_what_its_own_fit_gives(family):
             )
 
 
-def test_clients_whose_batches_differ_in_size_train_one_by_one_with_the_same_result():
+@pytest.fixture
+def stacked_fits(monkeypatch):
+    """How each stacked fit the nodes tried ended: its size, or the error that stopped it."""
+    log = []
+    real = node_mod.fit_stacked
+
+    def spy(algos, *args):
+        try:
+            out = real(algos, *args)
+        except Exception as exc:
+            log.append(exc)
+            raise
+        log.append(len(algos))
+        return out
+
+    monkeypatch.setattr(node_mod, "fit_stacked", spy)
+    return log
+
+
+def _together(algos, models):
+    """The clients as ClientNodes running one fit task each, executed as one group."""
+    nodes, tasks = [], []
+    for a, m in zip(algos, models, strict=True):
+        node = ClientNode(a.ctx.client_id, a.ctx.spec, a.ctx.data, seed=a.ctx.seed)
+        node.algorithm, node._algo_key = a, ("pfml", a.config.model_dump_json())
+        task = NodeTask(1, 2, "fit", "pfml", a.config.model_dump(mode="json"), m)
+        node.begin(task)
+        nodes.append(node)
+        tasks.append(task)
+    return execute_together(nodes, tasks)
+
+
+def test_clients_whose_batches_differ_in_size_train_one_by_one_with_the_same_result(
+    stacked_fits,
+):
     # Prepare: c2 has fewer samples than a batch, so its batches are smaller than the others'
     spec, alone = _clients("mlr", n_train=(30, 41, 5))
     _, stacked = _clients("mlr", n_train=(30, 41, 5))
     glob = _global(spec)
-    cohort = Cohort()
 
     # Execute: the stacked fit is refused part way; each client then trains on its own
     expected = [a.fit(1, 2, {"global": glob}) for a in alone]
-    got = _submit_together(cohort, stacked, glob)
+    got = _together(stacked, [{"global": glob}] * 3)
 
     # Assert: nothing of the abandoned stacked fit shows (random streams restored)
-    assert cohort.batches == []
+    assert len(stacked_fits) == 1 and isinstance(stacked_fits[0], CohortUnsupported)
     for e, g in zip(expected, got, strict=True):
         for k, v in e.models["local"].weights.items():
             assert torch.equal(g.models["local"].weights[k], v)
@@ -132,40 +163,18 @@ def test_a_stacked_fit_refused_part_way_leaves_the_random_streams_as_they_were()
         assert torch.equal(a.ctx.trainer.generator.get_state(), f.ctx.trainer.generator.get_state())
 
 
-def _submit_together(cohort, algos, glob, models=None):
-    results = [None] * len(algos)
-    errors = [None] * len(algos)
-    for a in algos:
-        cohort.announce(a.ctx.client_id)
-
-    def one(i, a):
-        try:
-            task_models = models[i] if models is not None else {"global": glob}
-            results[i] = cohort.fit(a.ctx.client_id, a, 1, 2, task_models)
-        except Exception as exc:  # the test inspects it
-            errors[i] = exc
-
-    threads = [threading.Thread(target=one, args=(i, a)) for i, a in enumerate(algos)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return results if models is None else (results, errors)
-
-
-def test_the_cohort_trains_the_clients_that_submit_together_as_one_batch():
+def test_a_group_of_fit_tasks_trains_as_one_stacked_fit(stacked_fits):
     # Prepare
     spec, alone = _clients("mlr")
     _, stacked = _clients("mlr")
     glob = _global(spec)
-    cohort = Cohort()
 
-    # Execute: three client threads submit their fit tasks at once
+    # Execute: three nodes' fit tasks executed as one group
     expected = [a.fit(1, 2, {"global": glob}) for a in alone]
-    got = _submit_together(cohort, stacked, glob)
+    got = _together(stacked, [{"global": glob}] * 3)
 
     # Assert: one stacked fit of all three, each reply its own
-    assert cohort.batches == [3]
+    assert stacked_fits == [3]
     for e, g in zip(expected, got, strict=True):
         assert g.metrics == pytest.approx(e.metrics, rel=1e-6)
         for k, v in e.models["local"].weights.items():
@@ -179,11 +188,10 @@ def test_a_member_whose_task_lacks_the_global_model_gets_its_own_error():
     models = [{"global": glob}, {}, {"global": glob}]
 
     # Execute
-    results, errors = _submit_together(Cohort(), stacked, glob, models)
+    results = _together(stacked, models)
 
     # Assert: c1 fails with the algorithm's own error; the others train
-    assert isinstance(errors[1], AlgorithmError) and "global" in str(errors[1])
-    assert errors[0] is None and errors[2] is None
+    assert isinstance(results[1], AlgorithmError) and "global" in str(results[1])
     assert results[0].models and results[2].models
 
 
@@ -214,16 +222,8 @@ def test_a_stacked_module_runs_each_row_on_its_own_input():
         assert torch.allclose(out[i], x[i] @ w.T + b, atol=1e-6)
 
 
-def test_simulated_pfml_trains_stacked_with_the_results_of_one_thread_per_client(monkeypatch):
-    # Prepare: two architectures (two cohorts of two), and a spy on the stacked fits
-    sizes = []
-    real = cohort_mod.fit_stacked
-
-    def spy(algos, *args):
-        sizes.append(len(algos))
-        return real(algos, *args)
-
-    monkeypatch.setattr(cohort_mod, "fit_stacked", spy)
+def test_simulated_pfml_trains_stacked_with_the_results_of_one_client_at_a_time(stacked_fits):
+    # Prepare: two architectures (two stacks of two)
     flags = dict(
         algorithm="pfml",
         rounds=2,
@@ -232,16 +232,16 @@ def test_simulated_pfml_trains_stacked_with_the_results_of_one_thread_per_client
         models=["mlr", "mlp"],
         global_model="mlr",
     )
-    threads_cfg = tiny_config(**flags, cohort=False)
-    cohort_cfg = tiny_config(**flags, cohort=True)
+    one_by_one_cfg = tiny_config(**flags, cohort=False)
+    stacked_cfg = tiny_config(**flags, cohort=True)
 
     # Execute
-    by_thread = run_federation(threads_cfg, prepare_federation(threads_cfg), "pfml")
-    assert sizes == []
-    stacked = run_federation(cohort_cfg, prepare_federation(cohort_cfg), "pfml")
+    one_by_one = run_federation(one_by_one_cfg, prepare_federation(one_by_one_cfg), "pfml")
+    assert stacked_fits == []
+    stacked = run_federation(stacked_cfg, prepare_federation(stacked_cfg), "pfml")
 
-    # Assert: every fit ran stacked, and every client ends where it ended on its own thread
-    assert sizes and all(n > 1 for n in sizes) and sum(sizes) == 4 * 2
-    assert [c.personal_acc for c in stacked.clients] == [c.personal_acc for c in by_thread.clients]
-    for s, t in zip(stacked.rounds, by_thread.rounds, strict=True):
+    # Assert: every fit ran stacked, and every client ends where it ended on its own
+    assert stacked_fits and all(n > 1 for n in stacked_fits) and sum(stacked_fits) == 4 * 2
+    assert [c.personal_acc for c in stacked.clients] == [c.personal_acc for c in one_by_one.clients]
+    for s, t in zip(stacked.rounds, one_by_one.rounds, strict=True):
         assert s.train_metrics == pytest.approx(t.train_metrics, rel=1e-6)

@@ -62,13 +62,16 @@ def _federation(groups: dict[str, str], specs: dict[str, ArchSpec] | None = None
 
 
 def _step(algos, round_: int, step: str, params: dict[str, dict], limit_s: float = 60.0):
-    """Every client runs `step` at once, as a round's barrier-separated step does (within
-    `limit_s`: a wait that outlasts it fails the test instead of hanging it)."""
+    """Every client runs `step` at once, as a round's barrier-separated step does: first every
+    client's `before_fit` (as a runtime calls it), then the fits together (within `limit_s`: a
+    wait that outlasts it fails the test instead of hanging it)."""
     out, errors = {}, []
+    for cid in params:
+        algos[cid].ctx.task = TaskInfo(step, params[cid])
+        algos[cid].before_fit(round_, 9)
 
     def work(cid: str) -> None:
         try:
-            algos[cid].ctx.task = TaskInfo(step, params[cid])
             out[cid] = algos[cid].fit(round_, 9, {})
         except Exception as exc:  # surfaced by the assertion below
             errors.append(exc)
@@ -356,7 +359,7 @@ def test_federico_refuses_a_peer_model_of_other_classes():
     algos = _federation(GROUPS, specs={"b": other}, neighbours=1)
     b, a = algos["b"], algos["a"]
     b.ctx.task = TaskInfo("exchange", {"members": ["b"]})
-    b.fit(1, 9, {})  # b publishes its model (alone, it fetches nobody's)
+    b.before_fit(1, 9)  # b publishes its model
     a.ctx.task = TaskInfo("exchange", {"members": ["a", "b"]})
     with pytest.raises(
         AlgorithmError, match=r"^federico: b's model predicts other classes than ours$"

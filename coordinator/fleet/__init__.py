@@ -1,0 +1,28 @@
+"""The seam between the round loop and the clients (see `coordinator.fleet.base`)."""
+
+from coordinator.fleet.base import (
+    CoordinatorError,
+    Fleet,
+    Interrupted,
+    PhaseRequest,
+    RunInfo,
+    Validator,
+    check_reply,
+    refusal,
+)
+from coordinator.fleet.local import LocalFleet, cpu_cores
+from coordinator.fleet.network import NetworkFleet
+
+__all__ = [
+    "CoordinatorError",
+    "Fleet",
+    "Interrupted",
+    "LocalFleet",
+    "NetworkFleet",
+    "PhaseRequest",
+    "RunInfo",
+    "Validator",
+    "check_reply",
+    "cpu_cores",
+    "refusal",
+]

@@ -1,0 +1,244 @@
+"""LocalFleet: the simulator's clients as `ClientNode`s in this process.
+
+No transport, no serialisation, no thread per client, no timers. A phase runs in three passes
+over its tasks (see `edge_sdk.node`): every node `begin`s (so what peers must see is out before
+any node reads it: FedeRiCo's exchange needs no waiting), then the tasks execute group by group,
+then every node `end`s (persistence, export). A group is the tasks of one deterministic key
+(architecture, algorithm, config, round, phase, step) and runs through one call,
+`execute_together`: fit tasks of an algorithm that trains stacked run as one stacked model.
+Up to `parallel` groups (or single clients, for what does not stack) run at once on a small
+pool of worker threads.
+
+Replies are checked as a NetworkFleet checks them after decoding them (the same `check_reply`
+and the same weight checks: finite values, names and shapes that fit the architecture), and what
+a device could not have sent (a non-finite metric) becomes a failed task. Models cross by
+reference, never copied: algorithms and strategies treat received weights as read-only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from coordinator.fleet.base import (
+    CoordinatorError,
+    Fleet,
+    PhaseRequest,
+    RunInfo,
+    Validator,
+    refusal,
+)
+from coordinator.strategies import ClientInfo, FitReply
+from edge_sdk.algorithms import FitResult
+from edge_sdk.codec import WireModel, check_weights
+from edge_sdk.node import ClientNode, NodeTask, execute_together
+from edge_sdk.peers import PeerBoard
+from edge_sdk.wire import reference_shapes
+
+__all__ = ["LocalFleet", "cpu_cores"]
+
+log = logging.getLogger(__name__)
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its CPU affinity, not the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class LocalFleet(Fleet):
+    """`nodes` as the clients of a run. `parallel`: how many groups train at once (default: the
+    cores this process may use). `stack`: compatible fit tasks train as one stacked model
+    (False: one by one). `fp16_upload`: replies are rounded through fp16, as a client uploading
+    in fp16 would send them."""
+
+    def __init__(
+        self,
+        nodes: Sequence[ClientNode],
+        *,
+        parallel: int | None = None,
+        stack: bool = True,
+        fp16_upload: bool = False,
+    ) -> None:
+        super().__init__()
+        self.nodes = {n.client_id: n for n in nodes}
+        if len(self.nodes) != len(nodes):
+            raise ValueError("two nodes share a client id")
+        self.parallel = max(1, parallel or cpu_cores())
+        self.stack = stack
+        self.fp16_upload = fp16_upload
+        self.board = PeerBoard()
+        self._run: RunInfo | None = None
+
+    @property
+    def run(self) -> RunInfo:
+        if self._run is None:
+            raise RuntimeError("the fleet is not open")
+        return self._run
+
+    def open(self, run: RunInfo) -> None:
+        self._run = run
+        for cid, node in self.nodes.items():
+            node.peers = self.board.channel(cid)
+
+    def gather(self, timeout_s: float, min_clients: int | None) -> None:
+        refused = {}
+        for cid, node in self.nodes.items():
+            caps = node.capabilities()
+            why = refusal(cid, node.spec, caps, run=self.run, clients=self.clients, started=False)
+            if why is None:
+                self.clients[cid] = ClientInfo(cid, node.spec, caps)
+            else:
+                refused[cid] = why
+                log.warning("refused registration of %s: %s", cid, why)
+        expected = self.run.expected_clients
+        if len(self.clients) < expected and (
+            min_clients is None or len(self.clients) < min_clients
+        ):
+            raise CoordinatorError(
+                f"only {len(self.clients)} of {expected} clients registered; refused: {refused}"
+            )
+        self.started = True
+
+    def rejoin(self, run: RunInfo, timeout_s: float) -> None:
+        self.open(run)
+        self.started = True
+
+    def online(self) -> set[str]:
+        return set(self.clients)
+
+    def await_back(self, timeout_s: float) -> None:
+        """In-process clients never drop out."""
+
+    def finish(self, reason: str) -> None:
+        """Nothing to tell: the nodes are in this process."""
+
+    def pause(self) -> None:
+        """Nothing to tell: the nodes keep their state in memory (and in their state dirs)."""
+
+    # -- phases ----------------------------------------------------------------------------
+    def run_phase(self, request: PhaseRequest, validate: Validator) -> dict[str, FitReply | None]:
+        self.check_stop(request.round)
+        tasks = {cid: self._task(request, cid, models) for cid, models in request.plan.items()}
+        results: dict[str, FitReply | None] = {cid: None for cid in tasks}
+        begun: dict[str, NodeTask] = {}
+        for cid, task in tasks.items():  # everyone begins before anyone executes
+            try:
+                self.nodes[cid].begin(task)
+                begun[cid] = task
+            except Exception as exc:
+                self._failed(cid, request, exc)
+        outcomes = self._execute(begun)
+        for cid, task in begun.items():
+            outcome = outcomes[cid]
+            try:
+                if isinstance(outcome, Exception):
+                    raise outcome
+                result = self.nodes[cid].end(task, outcome)
+            except Exception as exc:
+                self._failed(cid, request, exc)
+                continue
+            results[cid] = self._accept(cid, request, result, validate)
+        self.check_stop(request.round)
+        return results
+
+    def _task(self, request: PhaseRequest, cid: str, models: Mapping[str, WireModel]) -> NodeTask:
+        run = self.run
+        return NodeTask(
+            round=request.round,
+            rounds=run.rounds,
+            phase=request.phase,
+            algorithm=run.algorithm,
+            config=run.config,
+            models=models,
+            step=request.step,
+            params=request.params.get(cid, {}),
+        )
+
+    def _execute(self, begun: Mapping[str, NodeTask]) -> dict[str, FitResult | Exception]:
+        """Run the begun tasks group by group: a stackable fit group as one job, anything
+        else one job per client, up to `parallel` jobs at once."""
+        groups: dict[tuple[object, ...], list[str]] = {}
+        for cid, task in begun.items():
+            key = (self.nodes[cid].spec.to_json(), *task.group_key())
+            groups.setdefault(key, []).append(cid)
+        jobs: list[list[str]] = []
+        for ids in groups.values():
+            first = self.nodes[ids[0]].algorithm
+            stacks = (
+                self.stack
+                and begun[ids[0]].phase == "fit"
+                and first is not None
+                and type(first).stackable
+            )
+            jobs.extend([ids] if stacks else [[cid] for cid in ids])
+
+        def run(ids: list[str]) -> list[FitResult | Exception]:
+            return execute_together([self.nodes[c] for c in ids], [begun[c] for c in ids])
+
+        if self.parallel == 1 or len(jobs) == 1:
+            done = [run(ids) for ids in jobs]
+        else:
+            with _threads_each(self.parallel), ThreadPoolExecutor(self.parallel) as pool:
+                done = list(pool.map(run, jobs))
+        return {
+            cid: out
+            for ids, outs in zip(jobs, done, strict=True)
+            for cid, out in zip(ids, outs, strict=True)
+        }
+
+    def _accept(
+        self, cid: str, request: PhaseRequest, result: FitResult, validate: Validator
+    ) -> FitReply | None:
+        """The reply a NetworkFleet would have decoded from this result, checked alike."""
+        bad = [k for k, v in result.metrics.items() if not math.isfinite(v)]
+        if bad:
+            self._failed(cid, request, ValueError(f"the reply does not validate: metrics {bad}"))
+            return None
+        try:
+            models = {
+                name: self._uploaded(name, m, partial=name in request.partial)
+                for name, m in result.models.items()
+            }
+            reply = FitReply(cid, models, dict(result.metrics), result.n_samples, result.details)
+            validate(cid, reply)
+        except (ValueError, KeyError) as exc:
+            self.rejected["invalid_reply"] += 1
+            log.warning("dropped (invalid_reply): %s reply from %s: %s", request.phase, cid, exc)
+            return None
+        return reply
+
+    def _uploaded(self, name: str, model: WireModel, *, partial: bool) -> WireModel:
+        weights = model.weights
+        if self.fp16_upload:
+            weights = {
+                k: v.to(torch.float16).to(torch.float32) if v.dtype == torch.float32 else v
+                for k, v in weights.items()
+            }
+        check_weights(weights, reference_shapes(model.spec), what=name, partial=partial)
+        return WireModel(model.spec, weights)
+
+    def _failed(self, cid: str, request: PhaseRequest, exc: Exception) -> None:
+        log.error("%s failed its %s task: %s: %s", cid, request.phase, type(exc).__name__, exc)
+
+
+class _threads_each:
+    """Give each of `workers` concurrently training threads an equal share of torch's intra-op
+    threads (instead of each spawning a pool the size of the machine); restored afterwards."""
+
+    def __init__(self, workers: int) -> None:
+        self.share = max(1, cpu_cores() // workers)
+
+    def __enter__(self) -> None:
+        self.saved = torch.get_num_threads()
+        torch.set_num_threads(self.share)
+
+    def __exit__(self, *_exc: object) -> None:
+        torch.set_num_threads(self.saved)

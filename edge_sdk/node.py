@@ -1,0 +1,333 @@
+"""ClientNode: one client's runtime without any network — a task in, a result out.
+
+A ClientNode holds a client's id, architecture, data and device, and the algorithm state it
+accumulates. It owns the algorithm's lifecycle: it creates the ClientAlgorithm on the first task
+(and refuses a task whose config differs from the one it trained with), runs the phase, rolls a
+redone round back to the state before it, persists the whole state after every task that changed
+it (with a `state_dir`), and exports the personalized model to ONNX after the last phase.
+
+Two runtimes drive nodes: `EdgeClient` (one node behind a transport: a device app, or a simulated
+client over the network) and the simulator's `LocalFleet` (many nodes in one process, no
+serialisation). A phase runs in three parts, so that a runtime holding many nodes can do each for
+all of them before the next: `begin` (pick the algorithm, roll back, `before_fit`: FedeRiCo
+publishes its model here, so every peer's model is out before any node reads one), `execute` (the
+algorithm's phase; `execute_together` runs compatible fit tasks as one stacked model) and `end`
+(persist; export after the finalize phase). `run` is the three in a row.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edge_sdk import topics
+from edge_sdk.algorithms import (
+    AlgorithmError,
+    BaseAlgorithmConfig,
+    ClientAlgorithm,
+    ClientContext,
+    FitResult,
+    TaskInfo,
+    algorithm_class,
+    algorithm_names,
+)
+from edge_sdk.codec import WireModel
+from edge_sdk.cohort import CohortUnsupported, fit_stacked
+from edge_sdk.peers import Peers
+from edge_sdk.protocol import Capabilities, Phase
+from edge_sdk.state import StateError, load_state, save_state
+from edge_sdk.trainer import ClientData, Trainer
+from model_zoo import ArchSpec
+
+__all__ = ["ClientNode", "NodeTask", "execute_together"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeTask:
+    """One client's share of a phase: what to run (algorithm, config, round, step, per-client
+    parameters) and on which models."""
+
+    round: int
+    rounds: int
+    phase: Phase
+    algorithm: str
+    config: Mapping[str, Any]
+    models: Mapping[str, WireModel] = field(default_factory=dict)
+    step: str = ""
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def group_key(self) -> tuple[Any, ...]:
+        """Tasks with equal keys may run together (LocalFleet groups a phase's tasks by it)."""
+        config = json.dumps(dict(self.config), sort_keys=True, default=str)
+        return (self.algorithm, config, self.round, self.phase, self.step)
+
+
+class ClientNode:
+    """One client: its id, architecture, private data, device and the algorithm state it keeps.
+
+    `onnx_path`: where to export the personalized model (verified) after the finalize phase.
+    `state_dir`: where to persist the whole algorithm state after every task; a node that finds
+    a state of its own run and id there continues from it (`restore`). `peers`: the channel to
+    other clients (decentralized algorithms), set by the runtime that hosts the node.
+    """
+
+    def __init__(
+        self,
+        client_id: str,
+        spec: ArchSpec,
+        data: ClientData,
+        *,
+        run_id: str = "default",
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        onnx_path: str | Path | None = None,
+        class_names: list[str] | None = None,
+        normalization: dict[str, list[float]] | None = None,
+        state_dir: str | Path | None = None,
+        peers: Peers | None = None,
+    ) -> None:
+        self.client_id = topics.check_id(client_id, "client id")
+        self.run_id = topics.check_id(run_id, "run id")
+        shape = tuple(data.x_train.shape[1:])
+        if shape != tuple(spec.input_shape) or spec.num_classes != data.num_classes:
+            raise ValueError(
+                f"{client_id}: the model {spec} does not fit the data: inputs {shape} with "
+                f"{data.num_classes} classes"
+            )
+        self.spec = spec
+        self.device = torch.device(device)
+        self.data = data.to(self.device)  # moved to the device once
+        self.seed = seed
+        self.onnx_path = Path(onnx_path) if onnx_path else None
+        self.class_names = class_names
+        self.normalization = normalization
+        self.peers = peers
+        self.algorithm: ClientAlgorithm | None = None
+        self._algo_key: tuple[str, str] | None = None
+        self.exported: Path | None = None
+        self.state_path = Path(state_dir) / f"{self.client_id}.state" if state_dir else None
+        self.resumed_after: int | None = None  # the fit round a restored state had reached
+        self._fit_round = 0  # the last round this client trained
+        self._fit_steps: list[str] = []  # the steps of that round it has run
+        self._before_fit: dict[str, Any] | None = None  # its state before that round
+
+    def capabilities(self) -> Capabilities:
+        d = self.data
+        return Capabilities(
+            device=str(self.device),
+            n_train=len(d.y_train),
+            n_val=len(d.y_val),
+            n_test=len(d.y_test),
+            num_classes=d.num_classes,
+            algorithms=algorithm_names(),
+        )
+
+    # -- one task ----------------------------------------------------------------------------
+    def run(self, task: NodeTask) -> FitResult:
+        """Run one task from start to end."""
+        self.begin(task)
+        return self.end(task, self.execute(task))
+
+    def begin(self, task: NodeTask) -> ClientAlgorithm:
+        """Before the phase: the task's algorithm (created on the first task), its step and
+        parameters, and for a fit task the state to start from (a step run again means the round
+        is being redone: from the state before it); then the algorithm's `before_fit`."""
+        algo = self.algorithm_for(task.algorithm, task.config)
+        algo.ctx.task = TaskInfo(task.step, dict(task.params))
+        if task.phase == "fit":
+            if self.state_path is not None:
+                # The next step of the same round (multi-step rounds) goes on from here.
+                if task.round != self._fit_round or self._before_fit is None:
+                    self._before_fit, self._fit_steps = algo.state_dict(), []
+                elif task.step in self._fit_steps:
+                    log.info(
+                        "%s: round %d again: from the state before it", self.client_id, task.round
+                    )
+                    algo.load_state_dict(self._before_fit)
+                    self._fit_steps = []
+                self._fit_round = task.round
+                self._fit_steps.append(task.step)
+            algo.before_fit(task.round, task.rounds)
+        return algo
+
+    def execute(self, task: NodeTask) -> FitResult:
+        """The algorithm's phase (after `begin`)."""
+        algo = self._current()
+        if task.phase == "fit":
+            return algo.fit(task.round, task.rounds, task.models)
+        if task.phase == "evaluate":
+            return FitResult(metrics=algo.evaluate(task.models))
+        return algo.finalize(task.round, task.rounds, task.models)
+
+    def end(self, task: NodeTask, result: FitResult) -> FitResult:
+        """After the phase: persist what changed; after finalize, export the model if asked."""
+        if task.phase == "fit":
+            self._save()
+        elif task.phase == "finalize":
+            self._finalized()
+        return result
+
+    def join_late(
+        self,
+        algorithm: str,
+        config: Mapping[str, Any],
+        rounds: int,
+        models: Mapping[str, WireModel],
+    ) -> FitResult:
+        """Personalize from a finished run's archived models (its finalize phase, as for a
+        participant), then persist and export."""
+        task = NodeTask(rounds, rounds, "finalize", algorithm, config, models)
+        return self.run(task)
+
+    def _finalized(self) -> None:
+        self._save()
+        if self.onnx_path is not None:
+            self.exported = self.export_onnx()
+            log.info("%s: exported its personalized model to %s", self.client_id, self.exported)
+
+    # -- the algorithm -----------------------------------------------------------------------
+    def algorithm_for(self, name: str, config: Mapping[str, Any]) -> ClientAlgorithm:
+        """This node's algorithm: created on first use; a different config is refused."""
+        cls = algorithm_class(name)
+        cfg: BaseAlgorithmConfig = cls.config_cls.model_validate(dict(config))
+        key = (name, cfg.model_dump_json())
+        if self.algorithm is None:
+            return self._new_algorithm(name, cfg)
+        if key != self._algo_key:
+            # Never wipe what this device has learned because one task says otherwise.
+            raise AlgorithmError(
+                f"{self.client_id}: the task's {name} config differs from the one this client "
+                "trained with in this run; its state is kept. Start a new run id to change it."
+            )
+        return self.algorithm
+
+    def _new_algorithm(self, name: str, cfg: BaseAlgorithmConfig) -> ClientAlgorithm:
+        ctx = ClientContext(
+            client_id=self.client_id,
+            spec=self.spec,
+            data=self.data,
+            device=self.device,
+            seed=self.seed,
+            trainer=Trainer(self.device, seed=self.seed),
+            peers=self.peers,
+        )
+        self.algorithm = algorithm_class(name)(ctx, cfg)
+        self._algo_key = (name, cfg.model_dump_json())
+        return self.algorithm
+
+    def _current(self) -> ClientAlgorithm:
+        if self.algorithm is None:
+            raise RuntimeError(f"{self.client_id}: no task has begun")
+        return self.algorithm
+
+    # -- persistence -------------------------------------------------------------------------
+    def _save(self) -> None:
+        """Write the algorithm's whole state (atomically) before the reply goes out."""
+        if self.state_path is None or self.algorithm is None or self._algo_key is None:
+            return
+        save_state(
+            self.state_path,
+            {
+                "run": self.run_id,
+                "client": self.client_id,
+                "algorithm": self._algo_key[0],
+                "config": self._algo_key[1],
+                "fit_round": self._fit_round,
+                "fit_steps": list(self._fit_steps),
+                "before_fit": self._before_fit,
+                "state": self.algorithm.state_dict(),
+            },
+        )
+
+    def restore(self) -> bool:
+        """Continue from a state this client saved in this run (a restarted device); True when
+        there was one."""
+        if self.state_path is None or not self.state_path.exists():
+            return False
+        try:
+            saved = load_state(self.state_path)
+            if (saved["run"], saved["client"]) != (self.run_id, self.client_id):
+                log.warning(
+                    "%s: %s belongs to %s/%s; starting fresh",
+                    self.client_id,
+                    self.state_path,
+                    saved["run"],
+                    saved["client"],
+                )
+                return False
+            cls = algorithm_class(saved["algorithm"])
+            algo = self._new_algorithm(
+                saved["algorithm"], cls.config_cls.model_validate(json.loads(saved["config"]))
+            )
+            algo.load_state_dict(saved["state"])
+        except (StateError, KeyError, ValueError) as exc:
+            raise StateError(
+                f"{self.client_id}: cannot resume from {self.state_path}: {exc}"
+            ) from exc
+        self._fit_round, self._before_fit = int(saved["fit_round"]), saved["before_fit"]
+        self._fit_steps = [str(s) for s in saved.get("fit_steps", [""])]
+        self.resumed_after = self._fit_round
+        log.info(
+            "%s: resumed from %s (trained up to round %d)",
+            self.client_id,
+            self.state_path,
+            self._fit_round,
+        )
+        return True
+
+    # -- export ------------------------------------------------------------------------------
+    def export_onnx(self, path: str | Path | None = None) -> Path:
+        """Export the personalized model to ONNX (verified against PyTorch)."""
+        from edge_sdk.export import export_onnx
+
+        if self.algorithm is None:
+            raise RuntimeError(f"{self.client_id}: nothing trained yet, no model to export")
+        target = Path(path) if path else self.onnx_path
+        if target is None:
+            raise ValueError(f"{self.client_id}: no ONNX path given")
+        spec, model = self.algorithm.personalized_model()
+        return export_onnx(
+            model,
+            spec,
+            target,
+            class_names=self.class_names,
+            normalization=self.normalization,
+            sample_inputs=self.data.x_test[:8].cpu() if len(self.data.x_test) else None,
+        )
+
+
+def execute_together(
+    nodes: Sequence[ClientNode], tasks: Sequence[NodeTask]
+) -> list[FitResult | Exception]:
+    """Execute begun tasks of one group (equal `group_key`) as one call: fit tasks of an
+    algorithm that can train stacked (`ClientAlgorithm.stackable`) run once on models with a
+    leading client dimension (`edge_sdk.cohort`); whatever cannot stack runs node by node, from
+    the same state and random generators. Each node gets its own result, or the exception its
+    task raised."""
+    same_params = all(t.params == tasks[0].params for t in tasks)
+    if len(nodes) > 1 and tasks[0].phase == "fit" and same_params:
+        algos = [n._current() for n in nodes]
+        if type(algos[0]).stackable:
+            try:
+                return list(
+                    fit_stacked(algos, tasks[0].round, tasks[0].rounds, [t.models for t in tasks])
+                )
+            except CohortUnsupported as exc:
+                log.info("%d clients train one by one: %s", len(nodes), exc)
+            except Exception as exc:  # each member gets its own error below
+                log.info("a stacked fit failed (%s); %d clients train one by one", exc, len(nodes))
+    out: list[FitResult | Exception] = []
+    for node, task in zip(nodes, tasks, strict=True):
+        try:
+            out.append(node.execute(task))
+        except Exception as exc:  # that client's error
+            out.append(exc)
+    return out

@@ -1,0 +1,223 @@
+"""The two fleets: LocalFleet (ClientNodes in this process) and NetworkFleet (EdgeClients over the
+in-memory transport) run the same algorithms to the same results, and each fleet's own duties."""
+
+import pytest
+import torch
+from tests_helpers import tiny_config
+
+from coordinator.federation import build_coordinator, build_node, prepare_federation
+from coordinator.fleet import (
+    CoordinatorError,
+    LocalFleet,
+    PhaseRequest,
+    RunInfo,
+    check_reply,
+    refusal,
+)
+from coordinator.simulator import run_federation
+from coordinator.strategies import ClientInfo, FitReply
+from edge_sdk.algorithms import algorithm_names
+from edge_sdk.codec import WireModel
+from edge_sdk.peers import PeerBoard
+from edge_sdk.protocol import Capabilities
+from model_zoo import ArchSpec, build
+
+# Small enough for a test, with every algorithm's own machinery running: two architectures where
+# an algorithm allows them, fit steps (FedeRiCo), PersFL's stage 2, FedMe's exchange.
+SETTINGS = {
+    "persfl": {
+        "persfl.distill_epochs": 1,
+        "persfl.distill_lambdas": [0.0, 0.5],
+        "persfl.distill_temperatures": [2.0],
+    },
+    "fedme": {"fedme.unlabeled_size": 60},
+    "federico": {"federico.neighbours": 2, "federico.lr": 0.05},
+    "pfml": {"pfml.local_iterations": 3, "pfml.lam": 1.0},
+}
+
+
+def _run(algorithm: str, fleet: str):
+    one_arch = algorithm in {"fedavg", "fedprox", "fedavg_ft"}
+    flags = dict(
+        algorithm=algorithm,
+        clients=3,
+        rounds=2,
+        models=["mlr"] if one_arch else ["mlr", "mlp"],
+        global_model="mlr",
+        fleet=fleet,
+        lr=0.05,
+        overrides=SETTINGS.get(algorithm, {}),
+    )
+    cfg = tiny_config(**flags)
+    return run_federation(cfg, prepare_federation(cfg), algorithm)
+
+
+@pytest.mark.parametrize("algorithm", algorithm_names())
+def test_local_and_network_fleets_give_the_same_per_client_results(algorithm):
+    # Execute: the same seed and config, in process and over the in-memory transport
+    local = _run(algorithm, "local")
+    network = _run(algorithm, "network")
+
+    # Assert: every client ends with the same accuracies and reports the same details, round by
+    # round and at the end
+    assert [c.id for c in local.clients] == [c.id for c in network.clients]
+    for a, b in zip(local.clients, network.clients, strict=True):
+        assert (a.personal_acc, a.global_acc, a.error) == (b.personal_acc, b.global_acc, b.error)
+        assert a.details == b.details
+        assert a.personal_acc is not None
+    for a, b in zip(local.rounds, network.rounds, strict=True):
+        assert (a.failed, a.replied, a.client_acc) == (b.failed, b.replied, b.client_acc)
+        assert a.client_details == b.client_details
+        assert a.train_metrics == pytest.approx(b.train_metrics, rel=1e-5)
+    assert local.extra.keys() == network.extra.keys()
+
+
+def _nodes(n=3, algorithm="fedavg"):
+    cfg = tiny_config(algorithm=algorithm, clients=n, rounds=1)
+    fed = prepare_federation(cfg)
+    return cfg, fed, [build_node(cfg, fed, i) for i in range(n)]
+
+
+def _info(**kw):
+    base = dict(
+        run_id="r", algorithm="fedavg", config={}, rounds=1, incarnation=1, expected_clients=3
+    )
+    return RunInfo(**(base | kw))
+
+
+def test_the_local_fleet_admits_by_the_same_rules_and_says_who_it_refused():
+    # Prepare: an allow-list that leaves c2 out
+    _, _, nodes = _nodes()
+    fleet = LocalFleet(nodes)
+    fleet.open(_info(allow=frozenset({"c0", "c1"}), expected_clients=3))
+
+    # Execute / Assert: two of three cannot start a run that needs three
+    with pytest.raises(CoordinatorError, match=r"only 2 of 3 clients registered.*c2.*allow-list"):
+        fleet.gather(0, None)
+
+    # ... but may when two are enough
+    fleet = LocalFleet(nodes)
+    fleet.open(_info(allow=frozenset({"c0", "c1"}), expected_clients=3))
+    fleet.gather(0, min_clients=2)
+    assert sorted(fleet.clients) == ["c0", "c1"] and fleet.online() == {"c0", "c1"}
+
+
+def test_refusal_names_each_reason():
+    spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
+    caps = Capabilities(n_train=10, num_classes=10, algorithms=["fedavg"])
+    known = {"c0": ClientInfo("c0", spec, caps)}
+    run = _info(expected_clients=1)
+    assert refusal("c0", spec, caps, run=run, clients=known, started=True) is None
+    assert "already started" in refusal("c9", spec, caps, run=run, clients=known, started=True)
+    other = spec.with_(family="mlp")
+    assert "change its architecture" in refusal(
+        "c0", other, caps, run=run, clients=known, started=True
+    )
+    assert "full" in refusal("c9", spec, caps, run=run, clients=known, started=False)
+    assert "support" in refusal("c0", spec, caps, run=_info(algorithm="fml"), clients={}, started=0)
+    assert "over the limit" in refusal(
+        "c0", spec, caps, run=_info(max_blob_bytes=100), clients={}, started=False
+    )
+
+
+def test_check_reply_refuses_counts_and_models_the_client_cannot_have():
+    spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
+    caps = Capabilities(n_train=10, n_test=5, num_classes=10)
+    model = WireModel(spec, dict(build(spec).state_dict()))
+    ok = FitReply("c0", {"model": model}, {"personal_correct": 3, "personal_total": 5}, 10)
+    check_reply(ok, caps, {"model": spec})
+    for bad, why in [
+        (FitReply("c0", {"model": model}, {}, 11), "exceeds the 10 training samples"),
+        (FitReply("c0", {}, {"personal_correct": 6, "personal_total": 5}), "above 1"),
+        (FitReply("c0", {}, {"personal_correct": 1}), "come together"),
+        (FitReply("c0", {}, {"personal_correct": 1, "personal_total": 6}), "exceeds the 5 test"),
+        (FitReply("c0", {}, {}, 1), "expected models"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            check_reply(bad, caps, {"model": spec})
+
+
+def test_a_local_reply_with_a_non_finite_weight_or_metric_is_not_counted():
+    # Prepare: c0's model comes back with a NaN, c1's metrics with an infinity
+    cfg, fed, nodes = _nodes()
+    fleet = LocalFleet(nodes, parallel=1)
+    coordinator = build_coordinator(cfg, fleet, fed=fed)
+    coordinator.open()
+    fleet.gather(0, None)
+    coordinator._new_strategy().setup()
+    real = [n.execute for n in nodes]
+
+    def nan_model(task, real=real[0]):
+        out = real(task)
+        w = next(iter(out.models.values())).weights
+        w[next(iter(w))][0] = float("nan")
+        return out
+
+    def inf_metric(task, real=real[1]):
+        out = real(task)
+        out.metrics["loss"] = float("inf")
+        return out
+
+    nodes[0].execute, nodes[1].execute = nan_model, inf_metric
+
+    # Execute
+    replies = coordinator._run_phase(1, "fit", coordinator.strategy.configure_fit(1))
+
+    # Assert: only c2's reply counts
+    assert replies["c0"] is None and replies["c1"] is None and replies["c2"] is not None
+    assert fleet.rejected["invalid_reply"] == 1
+
+
+def test_a_phase_runs_every_begin_before_any_task_executes():
+    # Prepare: a record of what each node does, in order
+    cfg, fed, nodes = _nodes()
+    fleet = LocalFleet(nodes, parallel=1)
+    order = []
+    for n in nodes:
+        begin, execute = n.begin, n.execute
+        n.begin = lambda t, n=n, f=begin: order.append(("begin", n.client_id)) or f(t)
+        n.execute = lambda t, n=n, f=execute: order.append(("execute", n.client_id)) or f(t)
+    coordinator = build_coordinator(cfg, fleet, fed=fed)
+    coordinator.open()
+    fleet.gather(0, None)
+    coordinator._new_strategy().setup()
+
+    # Execute
+    fleet.run_phase(
+        PhaseRequest(1, "fit", coordinator.strategy.configure_fit(1), deadline_s=1),
+        lambda cid, reply: None,
+    )
+
+    # Assert
+    assert [kind for kind, _ in order] == ["begin"] * 3 + ["execute"] * 3
+
+
+def test_local_peers_fetch_what_is_published_and_read_only_their_messages():
+    # Prepare
+    board = PeerBoard()
+    a, b = board.channel("a"), board.channel("b")
+    spec = ArchSpec(family="mlr", num_classes=3, input_shape=(4,))
+    model = WireModel(spec, dict(build(spec, seed=1).state_dict()))
+    a.publish("model", model, 2)
+
+    # Execute / Assert: a version at least the one asked for, or nothing
+    assert b.fetch("a", "model", min_version=2) is model
+    assert b.fetch("a", "model", min_version=3) is None
+    assert b.fetch("c", "model") is None
+    # messages: only this round's, only from the senders asked about
+    a.send("b", "grad", 1, model)
+    a.send("b", "grad", 0, model)  # an older round: dropped when round 1 is read
+    board.channel("c").send("b", "grad", 1, model)
+    got = b.receive("grad", 1, ["a"])
+    assert list(got) == ["a"] and got["a"] is model
+    assert ("b", "grad", 0, "a") not in board.messages
+    assert ("b", "grad", 1, "c") in board.messages  # not asked about: left for later
+
+
+def test_a_peer_model_with_a_nan_is_not_fetched():
+    board = PeerBoard()
+    spec = ArchSpec(family="mlr", num_classes=3, input_shape=(4,))
+    weights = dict(build(spec, seed=1).state_dict())
+    weights["linear.weight"] = torch.full_like(weights["linear.weight"], float("nan"))
+    board.channel("a").publish("model", WireModel(spec, weights), 1)
+    assert board.channel("b").fetch("a", "model") is None
