@@ -62,6 +62,13 @@ def simulate(
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda")] = None,
     baselines: Annotated[str | None, typer.Option(help=f"{_CSV}, e.g. local,fedavg")] = None,
     parallel: Annotated[int | None, typer.Option(help="simulated clients training at once")] = None,
+    fleet: Annotated[
+        str | None,
+        typer.Option(
+            help="local: the clients in this process (default); network: each an EdgeClient "
+            "over the in-memory transport, as a deployment runs them"
+        ),
+    ] = None,
     broker: Annotated[
         str | None, typer.Option(help="run the clients over this MQTT broker (mqtt://host:port)")
     ] = None,
@@ -76,7 +83,7 @@ def simulate(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log INFO messages")] = False,
 ) -> None:
-    """Simulate a federation: one coordinator and N edge clients over the in-memory transport."""
+    """Simulate a federation: a coordinator and N clients, in this process or over a transport."""
     flags: dict[str, Any] = {
         "algorithm": algorithm,
         "data.dataset": dataset,
@@ -92,6 +99,7 @@ def simulate(
         "device": device,
         "baselines": _csv(baselines),
         "parallel": parallel,
+        "fleet": fleet,
         "broker.url": broker,
         "out": str(out) if out else None,
         "export_onnx": True if export_onnx else None,

@@ -138,3 +138,27 @@ def test_split_shows_the_partition_without_training(tmp_path):
     assert res.exit_code == 0, res.output
     assert "c3" in res.output and "n_train" in res.output
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_simulate_runs_in_process_or_over_the_network_to_the_same_results(tmp_path):
+    # Prepare
+    def simulate(*extra):
+        out = tmp_path / "-".join(extra or ("default",))
+        args = ["simulate", "--algorithm", "fml", "--models", "mlr,mlp", "--global-model", "mlr"]
+        args += ["--clients", "3", "--rounds", "2", "--local-epochs", "1", "--device", "cpu"]
+        args += ["--out", str(out), "--quiet", "--set", 'data.options={"size": 8}', *extra]
+        res = runner.invoke(app, args)
+        assert res.exit_code == 0, res.output
+        results = json.loads((out / "results.json").read_text())
+        return results["config"]["fleet"], [c["personal_acc"] for c in results["clients"]]
+
+    # Execute
+    default, network = simulate(), simulate("--fleet", "network")
+
+    # Assert: in process by default; the same accuracies either way
+    assert default[0] == "local" and network[0] == "network"
+    assert default[1] == network[1]
+
+    # ... and a fleet that does not exist is a clean error
+    res = runner.invoke(app, ["simulate", "--fleet", "cloud", "--quiet"])
+    assert res.exit_code == 2 and "fleet" in res.output and "Traceback" not in res.output
