@@ -55,7 +55,7 @@ from edge_sdk.transport.base import Transport, TransportError
 from edge_sdk.wire import Endpoint, message_frame, pack_models, read_retained, unpack_models
 from model_zoo import ArchSpec
 
-__all__ = ["EdgeClient", "TaskOutcome", "failed_reply", "node_task", "reply_for"]
+__all__ = ["EdgeClient", "TaskOutcome"]
 
 log = logging.getLogger(__name__)
 
@@ -419,15 +419,13 @@ class EdgeClient:
             refs, out_blobs = pack_models(
                 result.models, fp16=self.fp16_upload, max_bytes=self.max_blob_bytes
             )
-            reply = reply_for(task, self.client_id, result, refs)
+            reply = _reply_for(task, self.client_id, result, refs)
         except Exception as exc:  # the client reports and keeps serving
             log.exception("%s: task %s (%s) failed", self.client_id, task.task_id, task.phase)
             error = f"{type(exc).__name__}: {exc}"[:2000]
             self.errors.append(error)
             out_blobs = {}
-            reply = failed_reply(task, self.client_id, error)
-        if not reply.ok and reply.error and reply.error not in self.errors:
-            self.errors.append(reply.error)
+            reply = _failed_reply(task, self.client_id, error)
         try:
             self._send(reply, out_blobs if reply.ok else {})
         except TransportError as exc:
@@ -451,7 +449,7 @@ class EdgeClient:
         models = unpack_models(
             task.models, blobs, max_bytes=self.max_blob_bytes, partial=algo.partial_models
         )
-        return self.node.run(node_task(task, models))
+        return self.node.run(_node_task(task, models))
 
     def _send(self, msg: Any, blobs: dict[str, bytes] | None = None) -> None:
         self.endpoint.send(self._up, msg, blobs)
@@ -475,7 +473,7 @@ class EdgeClient:
 _now = time.monotonic
 
 
-def node_task(task: Task, models: Mapping[str, WireModel]) -> NodeTask:
+def _node_task(task: Task, models: Mapping[str, WireModel]) -> NodeTask:
     """The node's view of a task message whose models were decoded."""
     return NodeTask(
         round=task.round,
@@ -489,7 +487,7 @@ def node_task(task: Task, models: Mapping[str, WireModel]) -> NodeTask:
     )
 
 
-def reply_for(
+def _reply_for(
     task: Task, sender: str, result: FitResult, refs: Mapping[str, ModelRef] | None = None
 ) -> Reply:
     """The reply to `task` carrying `result` (its models as `refs`), checked as the coordinator
@@ -508,10 +506,10 @@ def reply_for(
         where = ".".join(str(p) for p in first.get("loc", ()))
         error = f"the reply does not validate: {where}: {first.get('msg')}"
         log.error("%s: task %s: %s", sender, task.task_id, error)
-        return failed_reply(task, sender, error)
+        return _failed_reply(task, sender, error)
 
 
-def failed_reply(task: Task, sender: str, error: str) -> Reply:
+def _failed_reply(task: Task, sender: str, error: str) -> Reply:
     return Reply.model_validate(_reply_base(task, sender) | {"ok": False, "error": error})
 
 

@@ -17,10 +17,11 @@ reference, never copied: algorithms and strategies treat received weights as rea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -229,16 +230,13 @@ class LocalFleet(Fleet):
         log.error("%s failed its %s task: %s: %s", cid, request.phase, type(exc).__name__, exc)
 
 
-class _threads_each:
+@contextlib.contextmanager
+def _threads_each(workers: int) -> Iterator[None]:
     """Give each of `workers` concurrently training threads an equal share of torch's intra-op
     threads (instead of each spawning a pool the size of the machine); restored afterwards."""
-
-    def __init__(self, workers: int) -> None:
-        self.share = max(1, cpu_cores() // workers)
-
-    def __enter__(self) -> None:
-        self.saved = torch.get_num_threads()
-        torch.set_num_threads(self.share)
-
-    def __exit__(self, *_exc: object) -> None:
-        torch.set_num_threads(self.saved)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(max(1, cpu_cores() // workers))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
