@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 
 from coordinator.config import load_config
-from coordinator.federation import prepare_federation
+from coordinator.federation import build_coordinator, build_node, prepare_federation
 from coordinator.fleet import NetworkFleet
-from coordinator.server import Coordinator, RoundConfig
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.client import EdgeClient
 from edge_sdk.transport import InMemoryBroker
@@ -61,24 +60,27 @@ def small_federation(
     mlr on 8×8 digits, IID. Client c0 is a `client_cls` (a test's misbehaving client).
     `config`: the algorithm's settings (default: one local epoch). `state_dir`: where the
     clients persist their state; `checkpoint_path`: the coordinator's checkpoint."""
-    fed = prepare_federation(tiny_config(clients=n, rounds=rounds))  # the data only
-    broker = broker or InMemoryBroker()
-    spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
-    coordinator = Coordinator(
-        NetworkFleet(broker.connect("coordinator")),
+    section = algorithm_class(algorithm).config_cls(**(config or {"local_epochs": 1}))
+    cfg = tiny_config(
         algorithm=algorithm,
-        config=algorithm_class(algorithm).config_cls(**(config or {"local_epochs": 1})),
+        clients=n,
         rounds=rounds,
-        expected_clients=n,
         clients_per_round=clients_per_round,
-        round_config=RoundConfig(**{"deadline_s": 30, "register_timeout_s": 30, **round_kw}),
-        checkpoint_path=checkpoint_path,
-    ).open()
+        run_id="default",
+        overrides={
+            algorithm: section.model_dump(mode="json"),
+            "round": {"deadline_s": 30, "register_timeout_s": 30, **round_kw},
+        },
+    )
+    fed = prepare_federation(cfg)
+    broker = broker or InMemoryBroker()
+    fleet = NetworkFleet(broker.connect("coordinator"))
+    coordinator = build_coordinator(cfg, fleet, fed=fed, checkpoint_path=checkpoint_path).open()
     clients = [
-        (client_cls if i == 0 else EdgeClient)(
-            cid, spec, data, broker.connect(cid), seed=i, state_dir=state_dir
+        (client_cls if i == 0 else EdgeClient).around(
+            build_node(cfg, fed, i, state_dir=state_dir), broker.connect(cid)
         )
-        for i, (cid, data) in enumerate(zip(fed.client_ids, fed.client_data, strict=True))
+        for i, cid in enumerate(fed.client_ids)
     ]
     return coordinator, clients
 
