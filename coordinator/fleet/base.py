@@ -90,6 +90,14 @@ class Fleet(ABC):
         self.started = False  # registrations closed: the rounds have begun
         self.rejected: Counter[str] = Counter()  # messages or replies dropped, by reason
         self._stop = threading.Event()
+        self._run: RunInfo | None = None
+
+    @property
+    def run(self) -> RunInfo:
+        """The run this fleet was opened for."""
+        if self._run is None:
+            raise RuntimeError("the fleet is not open")
+        return self._run
 
     @abstractmethod
     def open(self, run: RunInfo) -> None:

@@ -76,13 +76,6 @@ class LocalFleet(Fleet):
         self.stack = stack
         self.fp16_upload = fp16_upload
         self.board = PeerBoard()
-        self._run: RunInfo | None = None
-
-    @property
-    def run(self) -> RunInfo:
-        if self._run is None:
-            raise RuntimeError("the fleet is not open")
-        return self._run
 
     def open(self, run: RunInfo) -> None:
         self._run = run

@@ -65,16 +65,9 @@ class NetworkFleet(Fleet):
         self.transport = transport
         self.share_models = share_models
         self.endpoint: Endpoint | None = None
-        self._run: RunInfo | None = None
         self._online: set[str] = set()
         self._epochs: dict[str, int] = {}  # the newest connection each client told us about
         self._round = 0
-
-    @property
-    def run(self) -> RunInfo:
-        if self._run is None:
-            raise RuntimeError("the fleet is not open")
-        return self._run
 
     @property
     def _endpoint(self) -> Endpoint:
