@@ -47,6 +47,7 @@ from edge_sdk.algorithms import (
 )
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, Buffer
 from edge_sdk.cohort import Cohort
+from edge_sdk.device import precision
 from edge_sdk.peers import PeerChannel
 from edge_sdk.protocol import (
     Archive,
@@ -95,6 +96,8 @@ class EdgeClient:
 
     `onnx_path`: where to export the personalized model (verified) after the last round.
     `on_task`: called on the worker thread after every task (a per-round progress hook).
+    `dataset`: the name of the data set it trains on, told to the coordinator when it registers
+    (with its device and precision), so that the run's results say what the federation ran.
     `compute_gate` (optional) is a semaphore shared by simulated clients to bound how many train
     at once on one machine; a real device leaves it unset. So does `cohort`: simulated clients
     that share one train their fit tasks together as one stacked model (`edge_sdk.cohort`).
@@ -120,6 +123,7 @@ class EdgeClient:
         on_task: Callable[[TaskOutcome], None] | None = None,
         owns_transport: bool = False,
         state_dir: str | Path | None = None,
+        dataset: str | None = None,
     ) -> None:
         self.client_id = topics.check_id(client_id, "client id")
         self.run_id = topics.check_id(run_id, "run id")
@@ -136,6 +140,7 @@ class EdgeClient:
         self.onnx_path = Path(onnx_path) if onnx_path else None
         self.class_names = class_names
         self.normalization = normalization
+        self.dataset = dataset  # its name, told to the coordinator at registration
         self.fp16_upload = fp16_upload
         self.max_blob_bytes = max_blob_bytes
         self.on_task = on_task
@@ -263,6 +268,8 @@ class EdgeClient:
         d = self.data
         caps = Capabilities(
             device=str(self.device),
+            precision=precision(self.device),
+            dataset=self.dataset,
             n_train=len(d.y_train),
             n_val=len(d.y_val),
             n_test=len(d.y_test),
