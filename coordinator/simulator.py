@@ -30,13 +30,20 @@ from coordinator.federation import (
     split_record,
     write_split,
 )
-from coordinator.results import RoundRecord, RunResult, build_results, write_results
+from coordinator.results import (
+    RoundRecord,
+    RunResult,
+    build_results,
+    device_record,
+    write_results,
+)
+from coordinator.results_model import Results
 from coordinator.server import Coordinator
 from coordinator.strategies import GlobalModelStrategy, strategy_class
 from edge_sdk import topics
 from edge_sdk.client import EdgeClient
 from edge_sdk.cohort import Cohort
-from edge_sdk.device import resolve_device
+from edge_sdk.device import choose_device, resolve_device
 from edge_sdk.malloc import M_ARENA_MAX, glibc
 from edge_sdk.transport import InMemoryBroker, Transport
 from edge_sdk.transport.mqtt import MqttTransport
@@ -154,6 +161,7 @@ def run_federation(
                     class_names=fed.dataset.classes,
                     normalization=fed.dataset.normalization,
                     fp16_upload=cfg.fp16_upload,
+                    dataset=fed.dataset.name,
                     compute_gate=gate,
                     cohort=cohorts.setdefault(spec.to_json(), Cohort(gate)) if cfg.cohort else None,
                     on_task=release,
@@ -172,7 +180,7 @@ def simulate(
     cfg: RunConfig,
     *,
     progress: bool = True,
-) -> dict[str, Any]:
+) -> Results:
     """Run the configured algorithm and its baselines; write results, report and plots to `out`."""
     from tqdm.auto import tqdm
 
@@ -202,7 +210,8 @@ def simulate(
             cfg, fed, name, models=models, export_dir=export_dir, on_round=tick
         )
         bar.close()
-    results = build_results(cfg, runs) | {"split": split_record(fed)}
+    results = build_results(cfg, runs, device=device_record(choose_device(cfg.device)))
+    results.split = split_record(fed)
     if out is not None:
         write_results(results, out)
         write_split(fed, out)
