@@ -15,7 +15,6 @@ from coordinator.deploy import run_coordinator
 from coordinator.results_model import Results
 from coordinator.simulator import simulate
 from edge_sdk.inference import OnnxPredictor
-from model_zoo.data import DatasetNotFound, load_dataset
 
 EDGEFL = str(Path(sys.executable).parent / "edgefl")
 # The same small federation for every test: 3 clients on 8×8 digits, FML, 2 rounds.
@@ -27,17 +26,17 @@ ARCHS = ["mlr", "mlp", "cnn1"]
 FML = ["--algorithm", "fml", "--global-model", "mlr", "--local-epochs", "2", "--lr", "0.1"]
 
 
-def _deploy(url, tmp_path, run_id, algorithm=FML, data=(*DATA, *SETS), archs=ARCHS):
-    """`edgefl coordinator` and three `edgefl client` processes (each client on `data` with its
-    architecture of `archs`); returns their outcomes."""
+def _deploy(url, tmp_path, run_id, algorithm=FML, coordinator_sets=()):
+    """`edgefl coordinator` and three `edgefl client` processes; returns their outcomes."""
     common = ["--broker", url, "--run-id", run_id]
     out = tmp_path / "out"
     run = ["--clients", "3", "--rounds", "2", "--batch-size", "32", *algorithm]
-    commands = [[EDGEFL, "coordinator", *common, *run, "--out", str(out), *SETS]]
-    for i, arch in enumerate(archs):
+    sets = [*SETS, *(x for s in coordinator_sets for x in ("--set", s))]
+    commands = [[EDGEFL, "coordinator", *common, *run, "--out", str(out), *sets]]
+    for i, arch in enumerate(ARCHS):
         me = ["--id", f"c{i}", "--model", arch, "--index", str(i), "--seed", "0", "--threads", "1"]
         state = ["--state-dir", str(tmp_path / f"state{i}")]
-        commands.append([EDGEFL, "client", *common, *me, *data, *state])
+        commands.append([EDGEFL, "client", *common, *me, *DATA, *state, *SETS])
     procs = [
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for cmd in commands
@@ -65,11 +64,27 @@ def _check_deployment(out, tmp_path, families=ARCHS):
 
 
 def test_coordinator_and_three_client_processes_run_fml_over_mosquitto(mosquitto, tmp_path):
-    out, logs = _deploy(mosquitto.url, tmp_path, "e2e-mosquitto")
+    # The daemon's own data and model settings (which it does not use) disagree with what its
+    # clients run: Fashion-MNIST and lenet5 there, 8×8 digits on mlr, mlp and cnn1 here.
+    unused = ["data.dataset=fashion_mnist", 'models=["lenet5"]']
+    out, logs = _deploy(mosquitto.url, tmp_path, "e2e-mosquitto", coordinator_sets=unused)
     results = _check_deployment(out, tmp_path)
     assert [c.arch for c in results.clients] == ARCHS
     assert results.summary.mean_personal_acc > 0.5
     assert "round 2/2 ok" in logs[0]
+    # results.json and the report describe what the clients registered, never those settings.
+    assert [(c.dataset, c.device, c.precision) for c in results.clients] == [
+        ("digits", "cpu", "float32")
+    ] * 3
+    assert "data" not in results.config and "models" not in results.config
+    assert results.device is not None and results.device.used == "cpu"
+    report = (out / "report.md").read_text()
+    assert "trained 3 clients for 2 rounds on digits." in report
+    assert "| Dataset | digits |" in report and "| Models | mlr, mlp, cnn1 |" in report
+    assert "Device: `cpu` (as each client reported when it registered), float32." in report
+    for text in (report, (out / "results.json").read_text()):
+        assert "fashion_mnist" not in text and "lenet5" not in text
+    assert "device: cpu (as each client reported when it registered), float32" in logs[0]
     # Deployed over processes and simulated in one process: the same per-client accuracies.
     cfg = tiny_config(
         algorithm="fml",
@@ -85,38 +100,6 @@ def test_coordinator_and_three_client_processes_run_fml_over_mosquitto(mosquitto
     simulated = simulate(cfg, progress=False)
     deployed = [c.personal_acc for c in results.clients]
     assert deployed == [c.personal_acc for c in simulated.clients]
-
-
-def test_the_coordinators_results_and_report_say_what_its_clients_ran(mosquitto, tmp_path):
-    # Prepare: clients on Fashion-MNIST with mlr, mlp and lenet5; the coordinator is given no
-    # data or models (its config defaults are digits and lenet5, which nobody ran).
-    try:
-        load_dataset("fashion_mnist", max_samples=10)
-    except DatasetNotFound:
-        pytest.skip("Fashion-MNIST is not installed (make test installs it as root)")
-    archs = ["mlr", "mlp", "lenet5"]
-    data = ["--dataset", "fashion_mnist", "--max-samples", "600", "--clients", "3"]
-
-    # Execute: the daemon and three client processes over mosquitto, as a user runs them.
-    out, logs = _deploy(
-        mosquitto.url, tmp_path, "e2e-what-ran", data=[*data, "--set", "device=cpu"], archs=archs
-    )
-
-    # Assert: results.json and the report describe the clients' federation, not the defaults.
-    results = _check_deployment(out, tmp_path, families=archs)
-    assert [(c.arch, c.dataset, c.device) for c in results.clients] == [
-        (arch, "fashion_mnist", "cpu") for arch in archs
-    ]
-    assert "data" not in results.config and "models" not in results.config
-    assert results.device is not None and results.device.used == "cpu"
-    raw = (out / "results.json").read_text()
-    assert "digits" not in raw
-    report = (out / "report.md").read_text()
-    assert "trained 3 clients for 2 rounds on fashion_mnist." in report
-    assert "| Dataset | fashion_mnist |" in report and "| Models | mlr, mlp, lenet5 |" in report
-    assert "Device: `cpu` (as each client reported when it registered), float32." in report
-    assert "digits" not in report
-    assert "device: cpu (as each client reported when it registered), float32" in logs[0]
 
 
 def test_the_same_deployment_runs_over_the_embedded_amqtt_broker(amqtt_broker, tmp_path):
