@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+if TYPE_CHECKING:  # the CLI imports the library lazily: `edgefl --help` stays fast
+    from coordinator.results_model import Results
 
 app = typer.Typer(
     help="edgefl: personalized federated learning on heterogeneous edge devices.",
@@ -133,8 +136,8 @@ def demo(
     Starts an MQTT broker (mosquitto when installed, else the embedded one), a coordinator and
     one process per device, each device with its own architecture (mlr, mlp, lenet5, cnn1, a
     small vgg11, the row-LSTM), on a split where each device sees a few classes and about 100
-    training images. Then the local and FedAvg baselines, an ONNX benchmark of every device's
-    personalized model, and OUT/report.html. Ctrl-C stops everything it started.
+    training images. Then the local, FedAvg and FedAvg+FT baselines, an ONNX benchmark of every
+    device's personalized model, and OUT/report.html. Ctrl-C stops everything it started.
     """
     from coordinator.demo import DemoError, DemoOptions, run_demo
 
@@ -404,26 +407,63 @@ def _run(
     _print_summary(results, cfg.out)
 
 
-def _print_summary(results: dict[str, Any], out: str | None) -> None:
+def _print_summary(results: Results, out: str | None) -> None:
     def pct(v: float | None) -> str:
-        return "—" if v is None else f"{100 * v:6.2f}"
+        return "—" if v is None else f"{100 * v:.2f}"
 
-    typer.echo(f"\n{results['algorithm']}: per-client accuracy on each client's own test split (%)")
-    typer.echo(
-        f"{'client':<8}{'arch':<10}{'personal':>10}{'local':>10}{'global':>10}{'fedavg':>10}"
-    )
-    for c in results["clients"]:
-        typer.echo(
-            f"{c['id']:<8}{c['arch']:<10}{pct(c['personal_acc']):>10}"
-            f"{pct(c['local_acc']):>10}{pct(c['global_acc']):>10}{pct(c.get('fedavg_acc')):>10}"
+    clients = results.clients
+    columns = [
+        ("personal", "personal_acc"),
+        ("local", "local_acc"),
+        ("fedavg", "fedavg_acc"),
+        ("fedavg_ft", "fedavg_ft_acc"),
+        (f"{results.algorithm} global", "global_acc"),
+    ]
+    # A column per accuracy some client has (a baseline that did not run gets none).
+    shown = [(h, k) for h, k in columns if any(getattr(c, k) is not None for c in clients)]
+    mixed = len({c.device for c in clients}) > 1
+    header = f"{'client':<8}{'arch':<10}" + "".join(f"{h:>{max(10, len(h) + 2)}}" for h, _ in shown)
+    typer.echo(f"\n{results.algorithm}: per-client accuracy on each client's own test split (%)")
+    typer.echo(header + ("  device" if mixed else ""))
+    for c in clients:
+        cells = "".join(f"{pct(getattr(c, k)):>{max(10, len(h) + 2)}}" for h, k in shown)
+        typer.echo(f"{c.id:<8}{c.arch or '—':<10}{cells}" + (f"  {c.device}" if mixed else ""))
+    means = ", ".join(
+        f"{name} {pct(value)}%"
+        for name, value in (
+            ("personalized", results.client_mean("personal_acc")),
+            ("local", results.client_mean("local_acc")),
+            ("FedAvg global model", results.client_mean("fedavg_acc")),
+            ("FedAvg+FT", results.client_mean("fedavg_ft_acc")),
+            (f"{results.algorithm} global model", results.client_mean("global_acc")),
         )
-    s = results["summary"]
-    typer.echo(f"mean personalized accuracy: {pct(s['mean_personal_acc']).strip()}%")
-    if s.get("metrics"):
-        m = s["metrics"]
-        shown = {k: m[k] for k in ("PUI", "PUD", "API", "APD", "JI") if k in m}
-        typer.echo("metrics: " + json.dumps(shown))
-    typer.echo(f"wall time: {s['wall_seconds']:.1f} s")
+        if value is not None
+    )
+    typer.echo(f"mean over clients (final): {means}")
+    typer.echo(f"mean personalized accuracy: {pct(results.summary.mean_personal_acc)}%")
+    against = [
+        (c.id, c.personal_acc - best[1], best[0])
+        for c in clients
+        if c.personal_acc is not None and (best := c.best_baseline()) is not None
+    ]
+    if against:
+        lost = sorted((d, cid, name) for cid, d, name in against if d < 0)
+        worse = "; worse on " + ", ".join(
+            f"{cid} ({100 * d:+.2f} vs {name})" for d, cid, name in lost
+        )
+        won = sum(d > 0 for _, d, _ in against)
+        typer.echo(
+            f"against each client's best baseline: better on {won} of {len(against)}"
+            + (worse if lost else "")
+        )
+    if results.summary.metrics:
+        m = results.summary.metrics
+        shown_metrics = {k: m[k] for k in ("PUI", "PUD", "API", "APD", "JI") if k in m}
+        typer.echo("metrics: " + json.dumps(shown_metrics))
+    if results.device is not None:
+        typer.echo(f"device: {results.device.describe()}")
+    if results.summary.wall_seconds is not None:
+        typer.echo(f"wall time: {results.summary.wall_seconds:.1f} s")
     if out:
         typer.echo(f"results: {Path(out) / 'results.json'}  report: {Path(out) / 'report.md'}")
 
@@ -538,8 +578,9 @@ def bench_onnx(
     text = json.dumps(report, indent=2)
     typer.echo(text)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(text + "\n")
+        from model_zoo.files import write_atomic
+
+        write_atomic(json_out, text + "\n")
     m = report["machine"]
     typer.echo(
         f"\n{m['cpu']} ({m['cpu_count']} cores), device {m['device']}, {m['torch_threads']} "

@@ -12,8 +12,9 @@ What it does, in order (each step prints what it did):
    coordinator coordinator|client`), each device with its own architecture. Their output goes to
    `OUT/logs/`. Progress comes from the coordinator's round records (`OUT/coordinator/
    rounds.jsonl`) and, before the first round, from its Prometheus endpoint.
-5. The baselines the report compares against, `local` and `fedavg`, with the in-process
-   simulator on the same split and budget. A simulation and a deployment of one config give the
+5. The baselines the report compares against, `local`, `fedavg` and `fedavg_ft` (FedAvg, then
+   each device fine-tunes the global model on its own data), with the in-process simulator on
+   the same split and budget. A simulation and a deployment of one config give the
    same accuracies (tests/coordinator/test_deploy.py), so they compare like with like.
 6. The ONNX benchmark (quick mode) of each device's exported personalized model, on that
    device's own test split.
@@ -43,10 +44,12 @@ from coordinator.config import RunConfig, load_config
 from coordinator.demo_deploy import DemoError, ProcessGroup, deploy_and_follow, interruptible
 from coordinator.federation import Federation, prepare_federation, split_record, split_table
 from coordinator.results import RunResult, build_results, write_results
+from coordinator.results_model import OnnxRow, Results
 from coordinator.simulator import run_federation
 from coordinator.strategies import strategy_class
 from edge_sdk.onnx_bench import BenchSettings, benchmark_onnx
 from model_zoo.data import DatasetNotFound
+from model_zoo.files import atomic_open, write_atomic
 
 __all__ = [
     "DEFAULT_FAMILIES",
@@ -65,7 +68,7 @@ GLOBAL_FAMILY: Final[str] = "lenet5"  # the shared model (FML's meme, FedAvg's g
 SAMPLES_PER_CLIENT: Final[int] = 250  # before the split: about 100 train, 25 val, 125 test
 SPLIT: Final[tuple[float, float, float]] = (0.4, 0.1, 0.5)  # a big test split: stable accuracy
 TRAINING: Final[dict[str, Any]] = {"local_epochs": 2, "batch_size": 32, "lr": 0.01}
-BASELINES: Final[tuple[str, ...]] = ("local", "fedavg")
+BASELINES: Final[tuple[str, ...]] = ("local", "fedavg", "fedavg_ft")
 RUN_ID: Final[str] = "demo"
 
 
@@ -155,12 +158,12 @@ def _without_nulls(value: Any) -> Any:
 def write_config(cfg: RunConfig, path: Path) -> Path:
     """The config as TOML that `load_config` reads back to the same config (no password)."""
     tree = _without_nulls(cfg.model_dump(mode="json", exclude={"broker": {"password"}}))
-    path.write_text(
+    return write_atomic(
+        path,
         "# edgefl demo: the run config every process of the demo read.\n"
         "# Rerun it in one process, baselines included: edgefl simulate --config demo.toml\n"
-        + tomli_w.dumps(tree)
+        + tomli_w.dumps(tree),
     )
-    return path
 
 
 def _federation(opts: DemoOptions, echo: Callable[[str], None]) -> tuple[RunConfig, Federation]:
@@ -206,7 +209,8 @@ def _budget_words(cfg: RunConfig) -> str:
 
 
 def _baselines(cfg: RunConfig, fed: Federation) -> dict[str, RunResult]:
-    """local and fedavg on the same split and budget, in this process (the simulator)."""
+    """local, fedavg and fedavg_ft on the same split and budget, in this process (the
+    simulator)."""
     runs = {}
     for name in cfg.baselines:
         # FedAvg averages one architecture: every client trains the global one, as in simulate.
@@ -215,11 +219,9 @@ def _baselines(cfg: RunConfig, fed: Federation) -> dict[str, RunResult]:
     return runs
 
 
-def _onnx_rows(
-    fed: Federation, arch: dict[str, str], results: dict[str, Any], out: Path
-) -> list[dict[str, Any]]:
+def _onnx_rows(fed: Federation, arch: dict[str, str], results: Results, out: Path) -> list[OnnxRow]:
     """Each device's exported model, measured with onnxruntime on its own test split."""
-    personal = {c["id"]: c["personal_acc"] for c in results["clients"]}
+    personal = {c.id: c.personal_acc for c in results.clients}
     rows = []
     for i, cid in enumerate(fed.client_ids):
         path = out / "devices" / cid / f"{cid}.onnx"
@@ -228,62 +230,67 @@ def _onnx_rows(
             path, data.x_test, data.y_test, settings=BenchSettings.quick(threads=1)
         )
         rows.append(
-            {
-                "client": cid,
-                "arch": arch[cid],
-                "file": str(path.relative_to(out)),
-                "size_bytes": row.size_bytes,
-                "latency_p50_ms": row.latency_p50_ms_b1,
-                "latency_p99_ms": row.latency_p99_ms_b1,
-                "throughput": row.throughput_b64,
-                "accuracy": row.accuracy,
-                "personal_acc": personal.get(cid),
-                "eval_samples": row.eval_samples,
-                "provider": row.provider,
-            }
+            OnnxRow(
+                client=cid,
+                arch=arch[cid],
+                file=str(path.relative_to(out)),
+                size_bytes=row.size_bytes,
+                latency_p50_ms=row.latency_p50_ms_b1,
+                latency_p99_ms=row.latency_p99_ms_b1,
+                throughput=row.throughput_b64,
+                accuracy=row.accuracy,
+                personal_acc=personal.get(cid),
+                eval_samples=row.eval_samples,
+                provider=row.provider,
+            )
         )
     return rows
 
 
-def _print_outcome(results: dict[str, Any], echo: Callable[[str], None]) -> None:
+def _print_outcome(results: Results, echo: Callable[[str], None]) -> None:
     def pct(v: float | None) -> str:
         return "—" if v is None else f"{100 * v:.1f}%"
 
     echo("")
-    echo("client  arch     personalized   local   FedAvg   ONNX (size, p50 latency)")
-    onnx = {r["client"]: r for r in results.get("onnx", [])}
-    for c in results["clients"]:
-        o = onnx.get(c["id"])
-        model = f"{o['size_bytes'] / 1024:.0f} KiB, {o['latency_p50_ms']:.3f} ms" if o else "—"
+    echo("client  arch     personalized   local   FedAvg   FedAvg+FT   ONNX (size, p50 latency)")
+    onnx = {r.client: r for r in results.onnx or []}
+    for c in results.clients:
+        o = onnx.get(c.id)
+        model = (
+            f"{(o.size_bytes or 0) / 1024:.0f} KiB, {o.latency_p50_ms or 0:.3f} ms" if o else "—"
+        )
+        best = c.best_baseline()
         diff = (
             ""
-            if c["personal_acc"] is None or c["local_acc"] is None
-            else f" ({100 * (c['personal_acc'] - c['local_acc']):+.1f} vs local)"
+            if c.personal_acc is None or best is None
+            else f" ({100 * (c.personal_acc - best[1]):+.1f} vs {best[0]}, the best baseline)"
         )
         echo(
-            f"{c['id']:<7} {c['arch']:<8} {pct(c['personal_acc']):>12}   {pct(c['local_acc']):>5}"
-            f"   {pct(c['fedavg_acc']):>6}   {model}{diff}"
+            f"{c.id:<7} {c.arch or '—':<8} {pct(c.personal_acc):>12}   {pct(c.local_acc):>5}"
+            f"   {pct(c.fedavg_acc):>6}   {pct(c.fedavg_ft_acc):>9}   {model}{diff}"
         )
-    pairs = [
-        (c["personal_acc"], c["local_acc"])
-        for c in results["clients"]
-        if c["personal_acc"] is not None and c["local_acc"] is not None
-    ]
-    won = sum(p > loc for p, loc in pairs)
-    lost = sum(p < loc for p, loc in pairs)
-    s = results["summary"]
-    local = results["baselines"].get("local", {}).get("summary", {}).get("mean_personal_acc")
-    fedavg = [c["fedavg_acc"] for c in results["clients"] if c["fedavg_acc"] is not None]
     echo(
-        f"mean: personalized {pct(s['mean_personal_acc'])}, local {pct(local)}, FedAvg "
-        f"{pct(sum(fedavg) / len(fedavg) if fedavg else None)}"
+        f"mean over devices: personalized {pct(results.client_mean('personal_acc'))}, local "
+        f"{pct(results.client_mean('local_acc'))}, FedAvg global model "
+        f"{pct(results.client_mean('fedavg_acc'))}, FedAvg+FT "
+        f"{pct(results.client_mean('fedavg_ft_acc'))}"
     )
-    tied = len(pairs) - won - lost
-    echo(
-        f"personalization beat training alone on {won} of {len(pairs)} devices"
-        + (f", lost on {lost}" if lost else "")
-        + (f", tied on {tied}" if tied else "")
-    )
+    for what, pairs in (
+        ("training alone", [(c.personal_acc, c.local_acc) for c in results.clients]),
+        (
+            "the best baseline",
+            [(c.personal_acc, (c.best_baseline() or (None, None))[1]) for c in results.clients],
+        ),
+    ):
+        known = [(p, b) for p, b in pairs if p is not None and b is not None]
+        won = sum(p > b for p, b in known)
+        lost = sum(p < b for p, b in known)
+        tied = len(known) - won - lost
+        echo(
+            f"personalization beat {what} on {won} of {len(known)} devices"
+            + (f", lost on {lost}" if lost else "")
+            + (f", tied on {tied}" if tied else "")
+        )
 
 
 def _device_app_hint(url: str, echo: Callable[[str], None]) -> None:
@@ -308,8 +315,8 @@ def _clean(out: Path) -> None:
 # --- the whole demo --------------------------------------------------------------------------
 
 
-def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> dict[str, Any]:
-    """Run the demo (module docs); `echo` prints a line. Returns the results dict it wrote.
+def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> Results:
+    """Run the demo (module docs); `echo` prints a line. Returns the results it wrote.
 
     Raises DemoError when a step fails, KeyboardInterrupt on SIGINT/SIGTERM: either way every
     process it started has been stopped (and the broker it started).
@@ -332,7 +339,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> dict[str, Any]:
                     f"{cfg.algorithm} averages one architecture: every device runs {cfg.models[0]}"
                 )
             write_config(cfg, out / "demo.toml")
-            (out / "split.txt").write_text(split_table(fed) + "\n")
+            write_atomic(out / "split.txt", split_table(fed) + "\n")
             if opts.broker:
                 url, what = opts.broker, "the broker you named"
             else:
@@ -347,7 +354,8 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> dict[str, Any]:
             extra = []
             if fed.server_data.unlabeled is not None:  # FedMe's, held out of the split
                 unlabeled = out / "unlabeled.npy"
-                np.save(unlabeled, fed.server_data.unlabeled.numpy())
+                with atomic_open(unlabeled) as handle:
+                    np.save(handle, fed.server_data.unlabeled.numpy())
                 extra.append(f"{cfg.algorithm}.unlabeled_path={unlabeled}")
             shared = strategy_class(cfg.algorithm).has_global_model
             echo(
@@ -362,20 +370,26 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> dict[str, Any]:
                 f"models: {out / 'devices'}/<id>/<id>.onnx"
             )
             with timer.phase("baselines"):
-                echo("baselines: local and FedAvg, in-process simulator, same split and budget")
+                echo(
+                    f"baselines: {', '.join(cfg.baselines)}, in-process simulator, same split "
+                    "and budget"
+                )
                 runs = {cfg.algorithm: deployed, **_baselines(cfg, fed)}
+            # The devices trained where they registered they did (the deployment's clients).
             results = build_results(cfg, runs)
             with timer.phase("onnx"):
                 echo("ONNX benchmark: onnxruntime, quick mode, 1 thread, each device's test split")
-                results["onnx"] = _onnx_rows(fed, arch, results, out)
-            results["onnx_note"] = (
+                results.onnx = _onnx_rows(fed, arch, results, out)
+            results.onnx_note = (
                 "Each device's personalized model as exported by the device itself after the "
                 "run, measured with onnxruntime (CPU, 1 thread, quick mode: indicative) on the "
                 "device's own test split. Its accuracy there should equal the federation's "
                 "personalized accuracy."
             )
-            results["split"] = split_record(fed) | {"description": _split_words(cfg, fed)}
-            results["setup"] = {
+            results.split = split_record(fed).model_copy(
+                update={"description": _split_words(cfg, fed)}
+            )
+            results.setup = {
                 "Broker": f"{url} ({what})",
                 "Processes": (
                     f"1 coordinator daemon + {len(arch)} device processes "
@@ -384,7 +398,9 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> dict[str, Any]:
                 "Devices": ", ".join(f"{cid}: {a}" for cid, a in arch.items()),
                 "Data": f"{fed.dataset.name}, {len(fed.dataset)} images",
                 "Split": f"{cfg.data.partition}: a few classes per device (see Data per client)",
-                "Baselines": "local and fedavg, in-process simulator, same split and budget",
+                "Baselines": (
+                    f"{', '.join(cfg.baselines)}, in-process simulator, same split and budget"
+                ),
                 "Local training": f"per round: {_budget_words(cfg)}",
                 "Wall time": ", ".join(f"{k} {v:.1f} s" for k, v in timer.phases.items())
                 + f"; {timer.total:.1f} s in all before this report",

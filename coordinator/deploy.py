@@ -3,7 +3,8 @@
 `run_coordinator(cfg)` is `edgefl coordinator`: it waits for its clients on the broker, runs the
 rounds, appends one JSON line per completed round to `OUT/rounds.jsonl` (follow it with
 `tail -f`), serves Prometheus metrics when `metrics_port` is set, and writes `results.json`,
-`report.md` and the plots with the simulator's own writer.
+`report.md` and the plots with the simulator's own writer. They describe the federation as its
+clients registered it (architectures, data set, devices), not the daemon's own config defaults.
 
 `run_device(cfg)` is `edgefl client`: one device holding client `index` of the same split the
 simulator would make (same data, ids and seeds), registering, training when asked and exporting
@@ -32,10 +33,12 @@ from coordinator.results import (
     build_results,
     write_results,
 )
+from coordinator.results_model import Results
 from coordinator.server import Coordinator
 from edge_sdk import topics
 from edge_sdk.client import EdgeClient, TaskOutcome
 from edge_sdk.transport.mqtt import MqttTransport
+from model_zoo.files import write_atomic
 
 __all__ = [
     "RUN_RECORD",
@@ -64,13 +67,7 @@ class RoundsLog:
 
     def rewrite(self, records: list[RoundRecord]) -> None:
         """Replace the file with exactly these rounds (atomically)."""
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        with tmp.open("w") as f:
-            for rec in records:
-                f.write(json.dumps(_line(rec)) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(json.dumps(_line(rec)) + "\n" for rec in records))
 
     def append(self, rec: RoundRecord) -> None:
         with self.path.open("a") as f:
@@ -160,13 +157,17 @@ def _on_signals(handler: Callable[[], None]) -> Iterator[None]:
             signal.signal(sig, old)
 
 
+# Config sections the daemon does not use: each client picks its data and its model.
+_CLIENT_SIDE = frozenset({"data", "models", "client"})
+
+
 def run_coordinator(
     cfg: RunConfig,
     *,
     fresh: bool = False,
     on_round: Callable[[RoundRecord], None] | None = None,
     on_resume: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
+) -> Results:
     """The coordinator daemon: run `cfg.algorithm` with the clients that come over the broker.
 
     After every round the whole state goes to `checkpoint_path(cfg)`; a daemon that finds it
@@ -221,21 +222,16 @@ def run_coordinator(
             server.shutdown()
     no_baselines = cfg.model_copy(update={"baselines": []})
     results = build_results(no_baselines, {cfg.algorithm: result})
+    # The data and the models are the clients' choice, not the daemon's: the results describe
+    # the federation from the clients' registrations (each client's arch, dataset and device),
+    # never from the daemon's unused defaults for them.
+    results.config = {k: v for k, v in results.config.items() if k not in _CLIENT_SIDE}
     write_results(results, out)
-    _write_json(out / RUN_RECORD, result.to_dict())
+    write_atomic(out / RUN_RECORD, json.dumps(result.to_dict(), indent=1))
     return results
 
 
 RUN_RECORD = "run.json"  # the coordinator's whole RunResult, for tools that add to its results
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_run(path: Path) -> RunResult:

@@ -12,12 +12,9 @@ The one way to build a federation's parts, used by `simulate`, `edgefl coordinat
 from __future__ import annotations
 
 import itertools
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +22,7 @@ import torch
 from coordinator.config import RunConfig
 from coordinator.fleet import Fleet
 from coordinator.results import RoundRecord
+from coordinator.results_model import Split, SplitClient
 from coordinator.server import Coordinator
 from coordinator.server_data import ServerData
 from coordinator.strategies import strategy_class
@@ -44,6 +42,7 @@ from model_zoo.data import (
     split_summary,
 )
 from model_zoo.data.base import stratified_indices
+from model_zoo.files import write_atomic
 
 __all__ = [
     "Federation",
@@ -266,6 +265,7 @@ def build_node(
         class_names=fed.dataset.classes,
         normalization=fed.dataset.normalization,
         state_dir=state_dir,
+        dataset=fed.dataset.name,
     )
 
 
@@ -277,32 +277,29 @@ def split_table(fed: Federation) -> str:
     return format_split_table(rows)
 
 
-def split_record(fed: Federation) -> dict[str, Any]:
+def split_record(fed: Federation) -> Split:
     """Each client's share of the data for results.json (the report plots its classes)."""
     y = fed.dataset.y.numpy()
     k = fed.dataset.num_classes
-    return {
-        "scheme": fed.partition.scheme,
-        "classes": list(fed.dataset.classes),
-        "clients": [
-            {
-                "id": cid,
-                "n_train": len(cs.train),
-                "n_val": len(cs.val),
-                "n_test": len(cs.test),
-                "counts": np.bincount(y[cs.train], minlength=k).tolist(),  # training, per class
-            }
+    return Split(
+        scheme=fed.partition.scheme,
+        classes=list(fed.dataset.classes),
+        clients=[
+            SplitClient(
+                id=cid,
+                n_train=len(cs.train),
+                n_val=len(cs.val),
+                n_test=len(cs.test),
+                counts=np.bincount(y[cs.train], minlength=k).tolist(),  # training, per class
+            )
             for cid, cs in zip(fed.client_ids, fed.partition.clients, strict=True)
         ],
-    }
+    )
 
 
 def write_split(fed: Federation, out: Path) -> None:
     """split.txt (samples and top classes per client) and label_distribution.png."""
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=".split-", suffix=".txt")
-    with os.fdopen(fd, "w") as f:
-        f.write(split_table(fed) + "\n")
-    os.replace(tmp, out / "split.txt")
+    write_atomic(out / "split.txt", split_table(fed) + "\n")
     plot_label_distribution(
         fed.partition,
         fed.dataset.y.numpy(),

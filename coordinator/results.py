@@ -1,36 +1,52 @@
 """What a run produced: per-round records, per-client results, and the results.json document.
 
 `build_results` turns the runs of one configuration (the algorithm and its baselines, same
-split) into the results.json structure: per-client comparison with the baselines, the
-personalization metrics, each run's budget. `write_results` writes it with the report.
+split) into the typed results document (`coordinator.results_model.Results`): per-client
+comparison with the baselines, the personalization metrics, each run's budget, the device.
+`write_results` writes it as results.json (atomically, fsynced) with the report.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
 from coordinator.metrics import personalization_metrics
+from coordinator.results_model import (
+    Baseline,
+    BaselineClient,
+    BaselineSummary,
+    ClientEntry,
+    DeviceRecord,
+    Results,
+    RoundEntry,
+    Summary,
+)
 from edge_sdk.algorithms import Detail
+from model_zoo.files import write_atomic
 
 if TYPE_CHECKING:  # config imports the server, which builds these records
     from coordinator.config import RunConfig
+    from edge_sdk.device import DeviceChoice
 
 __all__ = [
+    "RESULTS_NAME",
     "ClientResult",
     "RoundRecord",
     "RunResult",
     "build_results",
+    "device_record",
     "training_budget",
     "write_results",
 ]
+
+RESULTS_NAME: Final[str] = "results.json"
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +77,10 @@ class ClientResult:
     global_acc: float | None
     error: str | None = None
     details: dict[str, Detail] = field(default_factory=dict)  # from the finalize reply
+    # as the client registered: its data set's name, its torch device and precision
+    dataset: str | None = None
+    device: str | None = None
+    precision: str | None = None
 
 
 @dataclass
@@ -78,117 +98,167 @@ class RunResult:
         return asdict(self)
 
 
-_RESULT_KEYS = frozenset(
-    {"config", "algorithm", "budget", "rounds", "clients", "summary", "baselines"}
-)
+def build_results(
+    cfg: RunConfig, runs: dict[str, RunResult], *, device: DeviceRecord | None = None
+) -> Results:
+    """The results.json document: main run, per-client comparison with baselines, metrics.
 
-
-def build_results(cfg: RunConfig, runs: dict[str, RunResult]) -> dict[str, Any]:
-    """The results.json structure: main run, per-client comparison with baselines, metrics."""
+    `device`: where the run trained and why (the simulator's choice); None: the devices the
+    main run's clients registered with.
+    """
     main = runs[cfg.algorithm]
-    local = {c.id: c.personal_acc for c in runs["local"].clients} if "local" in runs else {}
+    local = _accs(runs, "local", "personal_acc")
     # QoI compares against the global *FedAvg* model (PersFL's G_i) when that baseline ran.
-    fedavg = {c.id: c.global_acc for c in runs["fedavg"].clients} if "fedavg" in runs else {}
-    clients: list[dict[str, Any]] = []
-    for c in main.clients:
-        glob = c.global_acc if c.global_acc is not None else fedavg.get(c.id)
-        entry: dict[str, Any] = {
-            "id": c.id,
-            "arch": c.arch,
-            "n_train": c.n_train,
-            "personal_acc": c.personal_acc,
-            "global_acc": glob,
-            "local_acc": local.get(c.id),
-            "fedavg_acc": fedavg.get(c.id),
-            **({"error": c.error} if c.error else {}),
-        }
-        # What the algorithm reported about this client at the end (teacher round, λ, T, the
-        # architecture it ended with...); it never overrides the fields above.
-        for key, value in c.details.items():
-            if key in entry:
-                log.warning("%s: detail %r collides with a results field; dropped", c.id, key)
-            else:
-                entry[key] = value
-        clients.append(entry)
+    fedavg = _accs(runs, "fedavg", "global_acc")
+    fedavg_ft = _accs(runs, "fedavg_ft", "personal_acc")  # the fine-tuned models it deploys
+    clients = [
+        _client_entry(c, local.get(c.id), fedavg.get(c.id), fedavg_ft.get(c.id))
+        for c in main.clients
+    ]
     personal = [c.personal_acc for c in main.clients]
     curve = [r.mean_personal_acc for r in main.rounds if r.mean_personal_acc is not None]
     globals_ = [r.global_acc for r in main.rounds if r.global_acc is not None]
     final_personal = _mean(personal)
-    summary: dict[str, Any] = {
-        "mean_personal_acc": final_personal,
-        "global_acc": main.rounds[-1].global_acc if main.rounds else None,
+    summary = Summary(
+        mean_personal_acc=final_personal,
+        # The same mean over clients as every round's global_acc, of the final models.
+        global_acc=_mean([c.global_acc for c in main.clients]),
         # pFedMe-style reporting takes the best round; we report both final and best. The final
         # models count too: fedavg_ft's personalized models exist only after its fine-tuning.
-        "best_mean_personal_acc": max(
+        best_mean_personal_acc=max(
             [*curve, *([final_personal] if final_personal is not None else [])], default=None
         ),
-        "best_global_acc": max(globals_, default=None),
-        "failed_rounds": sum(r.failed for r in main.rounds),
-        "wall_seconds": sum(r.wall_seconds for r in runs.values()),
+        best_global_acc=max(globals_, default=None),
+        failed_rounds=sum(r.failed for r in main.rounds),
+        wall_seconds=sum(r.wall_seconds for r in runs.values()),
         # what crossed the coordinator's connection (payload bytes, the whole run)
-        "coordinator_bytes_out": main.bytes_out,
-        "coordinator_bytes_in": main.bytes_in,
-    }
-    source = "fedavg" if fedavg else cfg.algorithm
-    g: list[float | None] = [c["fedavg_acc"] if fedavg else c["global_acc"] for c in clients]
-    loc: list[float | None] = [c["local_acc"] for c in clients]
+        coordinator_bytes_out=main.bytes_out,
+        coordinator_bytes_in=main.bytes_in,
+    )
+    g = [c.fedavg_acc if fedavg else c.global_acc for c in clients]
+    loc = [c.local_acc for c in clients]
     if clients and all(v is not None for v in personal + g + loc):
-        summary["metrics"] = personalization_metrics(
+        summary.metrics = personalization_metrics(
             np.array(personal, dtype=float), np.array(g, dtype=float), np.array(loc, dtype=float)
         )
-        summary["metrics_global_from"] = source
+        summary.metrics_global_from = "fedavg" if fedavg else cfg.algorithm
     elif cfg.baselines:
         log.warning("metrics skipped: some client lacks a personal, global or local accuracy")
-    return {
-        "config": cfg.model_dump(mode="json"),
-        "algorithm": cfg.algorithm,
-        # What local training each run got: epochs, or iterations of one batch (pfml).
-        "budget": {name: training_budget(cfg, name) for name in runs},
-        "rounds": [
-            {
-                "round": r.round,
-                "seconds": round(r.seconds, 4),
-                "mean_personal_acc": r.mean_personal_acc,
-                "global_acc": r.global_acc,
-                "failed": r.failed,
-                "replied": len(r.replied),
-                "trained": len(r.trained),
-                # per client, what its fit reply reported (e.g. the architecture it chose)
-                **({"clients": r.client_details} if r.client_details else {}),
-                # per client, its personalized accuracy after the round (when evaluated)
-                **({"client_acc": r.client_acc} if r.client_acc else {}),
-            }
-            for r in main.rounds
+    extra = {k: v for k, v in main.extra.items() if k not in Results.model_fields or k in _EXTRA}
+    return Results.model_validate(
+        {
+            **extra,  # what the algorithm's server half adds (FedeRiCo: the collaboration matrix)
+            "config": cfg.model_dump(mode="json"),
+            "algorithm": cfg.algorithm,
+            # What local training each run got: epochs, or iterations of one batch (pfml).
+            "budget": {name: training_budget(cfg, name) for name in runs},
+            "rounds": [_round_entry(r) for r in main.rounds],
+            "clients": clients,
+            "summary": summary,
+            "device": device or _registered_devices(main.clients),
+            "baselines": {
+                name: _baseline(run) for name, run in runs.items() if name != cfg.algorithm
+            },
+        }
+    )
+
+
+# Results fields a strategy's `results()` may fill (FedeRiCo's collaboration matrices).
+_EXTRA = frozenset({"collaboration_clients", "collaboration", "collaboration_history"})
+
+
+def _accs(runs: Mapping[str, RunResult], name: str, field: str) -> dict[str, float | None]:
+    run = runs.get(name)
+    return {c.id: getattr(c, field) for c in run.clients} if run else {}
+
+
+def _client_entry(
+    c: ClientResult, local: float | None, fedavg: float | None, fedavg_ft: float | None
+) -> ClientEntry:
+    entry = ClientEntry(
+        id=c.id,
+        arch=c.arch,
+        n_train=c.n_train,
+        personal_acc=c.personal_acc,
+        global_acc=c.global_acc,
+        local_acc=local,
+        fedavg_acc=fedavg,
+        fedavg_ft_acc=fedavg_ft,
+        dataset=c.dataset,
+        device=c.device,
+        precision=c.precision,
+        error=c.error,
+    )
+    # What the algorithm reported about this client at the end (teacher round, λ, T, the
+    # architecture it ended with, a guard's choice...); it never overrides the fields above.
+    details = {}
+    for key, value in c.details.items():
+        if key in ClientEntry.model_fields:
+            log.warning("%s: detail %r collides with a results field; dropped", c.id, key)
+        else:
+            details[key] = value
+    return ClientEntry.model_validate(entry.model_dump() | details)
+
+
+def _round_entry(r: RoundRecord) -> RoundEntry:
+    return RoundEntry(
+        round=r.round,
+        seconds=round(r.seconds, 4),
+        mean_personal_acc=r.mean_personal_acc,
+        global_acc=r.global_acc,
+        failed=r.failed,
+        replied=len(r.replied),
+        trained=len(r.trained),
+        clients=dict(r.client_details),  # per client, what its fit reply reported
+        client_acc=dict(r.client_acc),  # per client, its personalized accuracy (when evaluated)
+    )
+
+
+def _baseline(run: RunResult) -> Baseline:
+    return Baseline(
+        summary=BaselineSummary(
+            mean_personal_acc=_mean([c.personal_acc for c in run.clients]),
+            global_acc=_mean([c.global_acc for c in run.clients]),
+            best_global_acc=max(
+                (r.global_acc for r in run.rounds if r.global_acc is not None), default=None
+            ),
+            wall_seconds=run.wall_seconds,
+        ),
+        clients=[
+            BaselineClient(
+                id=c.id, arch=c.arch, personal_acc=c.personal_acc, global_acc=c.global_acc
+            )
+            for c in run.clients
         ],
-        "clients": clients,
-        "summary": summary,
-        # what the algorithm's server half adds (FedeRiCo: the collaboration matrix)
-        **{k: v for k, v in main.extra.items() if k not in _RESULT_KEYS},
-        "baselines": {
-            name: {
-                "summary": {
-                    "mean_personal_acc": _mean([c.personal_acc for c in run.clients]),
-                    "global_acc": run.rounds[-1].global_acc if run.rounds else None,
-                    "best_global_acc": max(
-                        (r.global_acc for r in run.rounds if r.global_acc is not None),
-                        default=None,
-                    ),
-                    "wall_seconds": run.wall_seconds,
-                },
-                "clients": [
-                    {
-                        "id": c.id,
-                        "arch": c.arch,
-                        "personal_acc": c.personal_acc,
-                        "global_acc": c.global_acc,
-                    }
-                    for c in run.clients
-                ],
-            }
-            for name, run in runs.items()
-            if name != cfg.algorithm
-        },
-    }
+    )
+
+
+def _registered_devices(clients: list[ClientResult]) -> DeviceRecord | None:
+    """The devices the clients registered with (a deployment: each device chose its own)."""
+    devices = Counter(c.device for c in clients if c.device is not None)
+    if not devices:
+        return None
+    precisions = sorted({c.precision for c in clients if c.precision is not None})
+    used = (
+        next(iter(devices))
+        if len(devices) == 1
+        else ", ".join(f"{d} ×{n}" for d, n in sorted(devices.items()))
+    )
+    return DeviceRecord(
+        used=used,
+        reason="as each client reported when it registered",
+        precision=", ".join(precisions) or None,
+    )
+
+
+def device_record(choice: DeviceChoice) -> DeviceRecord:
+    """The results' record of the device a simulation chose."""
+    return DeviceRecord(
+        requested=choice.requested,
+        used=str(choice.device),
+        reason=choice.reason,
+        precision=choice.precision,
+    )
 
 
 _BUDGET_FIELDS = ("local_epochs", "local_iterations", "batch_size", "lr", "ft_epochs")
@@ -200,24 +270,13 @@ def training_budget(cfg: RunConfig, algorithm: str) -> dict[str, Any]:
     return {k: section[k] for k in _BUDGET_FIELDS if k in section}
 
 
-def write_results(results: dict[str, Any], out: Path) -> Path:
-    """results.json (atomically) plus report.md and its plots."""
+def write_results(results: Results, out: Path) -> Path:
+    """results.json (atomically, fsynced) plus report.md, report.html and their plots."""
     from coordinator.report import write_report
 
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "results.json"
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=".results-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(results, f, indent=2, default=_json_default)
-    os.replace(tmp, path)
+    path = write_atomic(Path(out) / RESULTS_NAME, results.to_json())
     write_report(results, out)
     return path
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.generic):
-        return o.item()
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
 def _mean(values: list[float | None]) -> float | None:

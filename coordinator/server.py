@@ -387,6 +387,9 @@ class Coordinator:
                     arch=info.spec.family,
                     spec=info.spec.model_dump(),
                     n_train=info.capabilities.n_train,
+                    dataset=info.capabilities.dataset,
+                    device=info.capabilities.device,
+                    precision=info.capabilities.precision,
                     personal_acc=p,
                     global_acc=g,
                     error=None if reply else "no valid finalize reply",
@@ -435,25 +438,19 @@ class Coordinator:
 def _accuracies(
     scores: Mapping[str, FitReply | None],
 ) -> tuple[float | None, float | None, dict[str, tuple[float | None, float | None]]]:
-    """Mean personalized accuracy over clients, union global accuracy, per-client pairs."""
+    """The mean over clients of each client's personalized and global-model accuracy on its own
+    test split (both averaged alike, one client one vote), and the per-client pairs."""
     per_client: dict[str, tuple[float | None, float | None]] = {}
-    g_correct = g_total = 0.0
     for cid, s in scores.items():
         if s is None:
             continue
         m = s.metrics
         p = m["personal_correct"] / m["personal_total"] if m.get("personal_total") else None
         g = m["global_correct"] / m["global_total"] if m.get("global_total") else None
-        if "global_total" in m:
-            g_correct += m["global_correct"]
-            g_total += m["global_total"]
         per_client[cid] = (p, g)
     ps = [p for p, _ in per_client.values() if p is not None]
-    return (
-        sum(ps) / len(ps) if ps else None,
-        g_correct / g_total if g_total else None,
-        per_client,
-    )
+    gs = [g for _, g in per_client.values() if g is not None]
+    return (sum(ps) / len(ps) if ps else None, sum(gs) / len(gs) if gs else None, per_client)
 
 
 def _mean_metrics(valid: Mapping[str, FitReply]) -> dict[str, float]:

@@ -31,10 +31,18 @@ from coordinator.federation import (
     write_split,
 )
 from coordinator.fleet import LocalFleet, NetworkFleet, cpu_cores
-from coordinator.results import RoundRecord, RunResult, build_results, write_results
+from coordinator.results import (
+    RoundRecord,
+    RunResult,
+    build_results,
+    device_record,
+    write_results,
+)
+from coordinator.results_model import Results
 from coordinator.strategies import strategy_class
 from edge_sdk import topics
 from edge_sdk.client import EdgeClient
+from edge_sdk.device import choose_device
 from edge_sdk.malloc import M_ARENA_MAX, glibc
 from edge_sdk.node import ClientNode
 from edge_sdk.transport import InMemoryBroker, Transport
@@ -166,7 +174,7 @@ def simulate(
     cfg: RunConfig,
     *,
     progress: bool = True,
-) -> dict[str, Any]:
+) -> Results:
     """Run the configured algorithm and its baselines; write results, report and plots to `out`."""
     from tqdm.auto import tqdm
 
@@ -197,7 +205,8 @@ def simulate(
             cfg, fed, name, models=models, export_dir=export_dir, on_round=tick
         )
         bar.close()
-    results = build_results(cfg, runs) | {"split": split_record(fed)}
+    results = build_results(cfg, runs, device=device_record(choose_device(cfg.device)))
+    results.split = split_record(fed)
     if out is not None:
         write_results(results, out)
         write_split(fed, out)

@@ -86,6 +86,8 @@ class EdgeClient:
     `onnx_path`: where to export the personalized model (verified) after the last round.
     `on_task`: called on the worker thread after every task (a per-round progress hook).
     `state_dir`: where the node persists its state after every task (a restarted device resumes).
+    `dataset`: the name of the data set it trains on, told to the coordinator when it registers
+    (with its device and precision), so that the run's results say what the federation ran.
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class EdgeClient:
         on_task: Callable[[TaskOutcome], None] | None = None,
         owns_transport: bool = False,
         state_dir: str | Path | None = None,
+        dataset: str | None = None,
     ) -> None:
         node = ClientNode(
             client_id,
@@ -118,6 +121,7 @@ class EdgeClient:
             class_names=class_names,
             normalization=normalization,
             state_dir=state_dir,
+            dataset=dataset,
         )
         self._attach(
             node,

@@ -1,26 +1,78 @@
-"""Device selection: chosen once (`auto` = CUDA when available, else CPU) and passed down."""
+"""Device selection: chosen once (`auto` = CUDA when available, else CPU) and passed down.
+
+`choose_device` also says why (what was asked, and what `auto` found) and what precision the
+SDK's trainer computes in there, so that a run can report the device it actually used.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-__all__ = ["DeviceName", "resolve_device"]
+__all__ = [
+    "DeviceChoice",
+    "DeviceName",
+    "autocast_dtype",
+    "choose_device",
+    "precision",
+    "resolve_device",
+]
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 
 
-def resolve_device(name: str = "auto") -> torch.device:
-    """Turn `auto | cpu | cuda | cuda:N` into a torch.device; asking for CUDA without one fails."""
+@dataclass(frozen=True)
+class DeviceChoice:
+    """The device a name resolved to, and why."""
+
+    requested: str  # what was asked: auto, cpu, cuda, cuda:N
+    device: torch.device
+    reason: str  # e.g. "auto: CUDA is not available"
+
+    @property
+    def precision(self) -> str:
+        return precision(self.device)
+
+
+def choose_device(name: str = "auto") -> DeviceChoice:
+    """Turn `auto | cpu | cuda | cuda:N` into a device and the reason for it; asking for CUDA
+    without one fails."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            device = torch.device("cuda")
+            why = f"auto: CUDA is available ({torch.cuda.get_device_name(device)})"
+            return DeviceChoice(name, device, why)
+        return DeviceChoice(name, torch.device("cpu"), "auto: CUDA is not available")
     if name == "cpu":
-        return torch.device("cpu")
+        return DeviceChoice(name, torch.device("cpu"), "asked for cpu")
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ValueError(
                 f"device {name!r} requested but CUDA is not available; use 'auto' or 'cpu'"
             )
-        return torch.device(name)
+        device = torch.device(name)
+        return DeviceChoice(
+            name, device, f"asked for {name} ({torch.cuda.get_device_name(device)})"
+        )
     raise ValueError(f"unknown device {name!r}; expected 'auto', 'cpu' or 'cuda'")
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """Turn `auto | cpu | cuda | cuda:N` into a torch.device; asking for CUDA without one fails."""
+    return choose_device(name).device
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype the SDK's trainer autocasts to on `device`: bfloat16 on a CUDA device that
+    supports it, else float16 (with loss scaling) on CUDA; None (plain float32) elsewhere."""
+    if device.type != "cuda":
+        return None
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def precision(device: torch.device) -> str:
+    """How the trainer computes on `device`, in words: `float32`, or `bfloat16 autocast`."""
+    dtype = autocast_dtype(device)
+    return "float32" if dtype is None else f"{str(dtype).removeprefix('torch.')} autocast"

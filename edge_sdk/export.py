@@ -48,13 +48,13 @@ from edge_sdk.onnx_format import (
     OUTPUT_NAME,
     OnnxMetadata,
     OnnxMetadataError,
-    atomic_target,
     check_class_names,
     check_normalization,
     metadata_from_props,
     read_metadata,
     set_metadata_props,
 )
+from model_zoo.files import atomic_path
 from model_zoo.models import example_input
 from model_zoo.spec import ArchSpec, input_dtype
 
@@ -334,7 +334,7 @@ def export_onnx(
             diff = _verify(tmp, cpu_model, spec, sample_inputs, atol)
             logger.debug("verified %s (%s exporter): max abs logit diff %.3g", spec, which, diff)
 
-    with atomic_target(path) as tmp:
+    with atomic_path(path) as tmp:
         if exporter != "auto":
             write(tmp, exporter, {})
         else:

@@ -39,6 +39,7 @@ from edge_sdk.algorithms import (
 )
 from edge_sdk.codec import WireModel
 from edge_sdk.cohort import CohortUnsupported, fit_stacked
+from edge_sdk.device import precision
 from edge_sdk.peers import Peers
 from edge_sdk.protocol import Capabilities, Phase
 from edge_sdk.state import StateError, load_state, save_state
@@ -77,6 +78,8 @@ class ClientNode:
     `state_dir`: where to persist the whole algorithm state after every task; a node that finds
     a state of its own run and id there continues from it (`restore`). `peers`: the channel to
     other clients (decentralized algorithms), set by the runtime that hosts the node.
+    `dataset`: the name of the data set it trains on (its registration reports it, with its
+    device and precision, so a run's results say what the federation ran).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class ClientNode:
         normalization: dict[str, list[float]] | None = None,
         state_dir: str | Path | None = None,
         peers: Peers | None = None,
+        dataset: str | None = None,
     ) -> None:
         self.client_id = topics.check_id(client_id, "client id")
         self.run_id = topics.check_id(run_id, "run id")
@@ -110,6 +114,7 @@ class ClientNode:
         self.class_names = class_names
         self.normalization = normalization
         self.peers = peers
+        self.dataset = dataset
         self.algorithm: ClientAlgorithm | None = None
         self._algo_key: tuple[str, str] | None = None
         self.exported: Path | None = None
@@ -123,6 +128,8 @@ class ClientNode:
         d = self.data
         return Capabilities(
             device=str(self.device),
+            precision=precision(self.device),
+            dataset=self.dataset,
             n_train=len(d.y_train),
             n_val=len(d.y_val),
             n_test=len(d.y_test),

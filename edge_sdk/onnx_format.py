@@ -3,7 +3,8 @@
 The graph has one input ``input`` (batch, *input_shape) and one output ``logits``; the
 metadata_props under ``edgefl.*`` carry the `ArchSpec`, the class names, the input
 normalisation, the exporter and any quantization (`OnnxMetadata`). Files are written through
-`atomic_target`, so a failed export or quantization never leaves half a file behind.
+`model_zoo.files.atomic_path`, so a failed export or quantization never leaves half a file
+behind.
 """
 
 from __future__ import annotations
@@ -11,11 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import onnx
 import torch
@@ -35,7 +33,6 @@ __all__ = [
     "OUTPUT_NAME",
     "OnnxMetadata",
     "OnnxMetadataError",
-    "atomic_target",
     "check_class_names",
     "check_normalization",
     "metadata_from_props",
@@ -152,20 +149,3 @@ def read_metadata(path: str | os.PathLike[str]) -> OnnxMetadata:
 def set_metadata_props(proto: onnx.ModelProto, props: Mapping[str, str]) -> None:
     kept = {p.key: p.value for p in proto.metadata_props if p.key not in props}
     onnx.helper.set_model_props(proto, {**kept, **props})
-
-
-@contextmanager
-def atomic_target(path: Path) -> Iterator[Path]:
-    """A temporary file next to `path` that replaces it on success and is removed on failure."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
-    # mkstemp creates the file 0600; give the result the usual permissions of a data file.
-    os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        with suppress(FileNotFoundError):
-            tmp.unlink()

@@ -65,7 +65,11 @@ class ModelRef(_Frozen):
 
 
 class Capabilities(_Frozen):
-    device: str = Field("cpu", max_length=64)
+    device: str = Field("cpu", max_length=64)  # the torch device it trains on: cpu, cuda:0
+    # How it computes there (`float32`, `bfloat16 autocast`) and the name of the data set it
+    # trains on, for the coordinator's results; None from clients that do not say.
+    precision: str | None = Field(None, max_length=64)
+    dataset: str | None = Field(None, max_length=128)
     n_train: int = Field(ge=0)
     n_val: int = Field(ge=0, default=0)
     n_test: int = Field(ge=0, default=0)

@@ -42,10 +42,10 @@ from edge_sdk.onnx_format import (
     META_QUANTIZATION,
     OUTPUT_NAME,
     OnnxMetadata,
-    atomic_target,
     metadata_from_props,
     set_metadata_props,
 )
+from model_zoo.files import atomic_path
 from model_zoo.spec import input_dtype
 
 __all__ = [
@@ -164,7 +164,7 @@ def _quantize(
         labels = _as_numpy(eval_labels).astype(np.int64, copy=False).reshape(-1)
         if len(inputs) != len(labels):
             raise ValueError(f"{len(inputs)} eval_inputs but {len(labels)} eval_labels")
-    with atomic_target(dst) as tmp, _quiet_preprocessing_hint():
+    with atomic_path(dst) as tmp, _quiet_preprocessing_hint():
         run(proto, meta, tmp)
         quantized = onnx.load(os.fspath(tmp))
         set_metadata_props(quantized, {**props, META_QUANTIZATION: kind})

@@ -3,15 +3,15 @@
 A coordinator checkpoint and a client's persisted algorithm state have the same shape: a tree of
 dicts and lists whose leaves are tensors or JSON values. `save_state` writes the tensors as
 safetensors and the rest as JSON in the file's metadata (never pickle), atomically: a temporary
-file in the same folder, fsync, rename, fsync of the folder. A reader sees the old file or the
-new one, never half of one. `load_state` is its inverse.
+file in the same folder, fsync, rename, fsync of the folder (`model_zoo.files`), readable by its
+owner only. A reader sees the old file or the new one, never half of one. `load_state` is its
+inverse.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+from model_zoo.files import write_atomic
 
 __all__ = ["StateError", "load_state", "save_state"]
 
@@ -67,28 +69,12 @@ def _unflatten(node: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 
 def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> Path:
-    """Write `state` to `path` atomically (temp file, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write `state` to `path` atomically (temp file, fsync, rename, fsync of the folder), mode
+    0o600: a model trained on a device's data is that device's owner's alone."""
     tensors: dict[str, torch.Tensor] = {}
     tree = _flatten(state, "state", tensors)
     data = st_save(tensors, metadata={_TREE: json.dumps(tree)})
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dirfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dirfd)  # the rename itself survives a crash
-    finally:
-        os.close(dirfd)
-    return path
+    return write_atomic(path, data, mode=0o600)
 
 
 def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:

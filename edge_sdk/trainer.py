@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from torch.utils.data import Dataset as TorchDataset
 
+from edge_sdk.device import autocast_dtype
 from edge_sdk.losses import cross_entropy
 from edge_sdk.optim import SGD, Adam
 
@@ -158,10 +159,9 @@ class Trainer:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self.amp = amp and device.type == "cuda"
-        self._amp_dtype = (
-            torch.bfloat16 if self.amp and torch.cuda.is_bf16_supported() else torch.float16
-        )
+        dtype = autocast_dtype(device) if amp else None  # what results report as precision
+        self.amp = dtype is not None
+        self._amp_dtype = dtype or torch.float16
         # fp16 needs loss scaling; bf16 does not.
         self._scaler = (
             torch.amp.GradScaler("cuda") if self.amp and self._amp_dtype == torch.float16 else None

@@ -1,39 +1,31 @@
-"""What every part of the report shares: reading the results dict, formatting cells, atomic writes.
+"""What every part of the report shares: formatting cells, numbers and tables.
 
-Reading is strict: a section of the wrong type raises `ReportError` naming where it is (e.g.
-``results['clients'][0]['personal_acc'] must be a number or null``), so a malformed results.json
-never turns into a report that silently shows something else.
+The report reads a typed `Results` (validated when it was built or read from results.json), so
+nothing here checks types; `ReportError` is for what only the report can find wrong (an image
+that is not where the Markdown says).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
+
+from coordinator.results_model import ResultsError
 
 __all__ = [
     "MISSING",
     "ReportError",
     "cell",
-    "find_config_value",
-    "is_number",
-    "mapping",
     "metric_value",
-    "number",
     "pct",
     "plain",
     "pp",
-    "records",
     "table",
-    "write_atomic",
 ]
 
 MISSING: Final[str] = "—"
 _MAX_CELL_CHARS: Final[int] = 120
-_FILE_MODE: Final[int] = 0o644  # mkstemp creates 0o600; reports are meant to be shared
 
 _UNITS: Final[dict[str, str]] = {
     "PUI": "%",
@@ -46,63 +38,8 @@ _UNITS: Final[dict[str, str]] = {
 }
 
 
-class ReportError(ValueError):
-    """The results dict does not have the shape the simulator writes."""
-
-
-# --- reading the results ---------------------------------------------------------------------
-
-
-def records(results: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
-    """``results[key]`` as a list of mappings ([] when absent), or raise ReportError."""
-    value = results.get(key)
-    if value is None:
-        return []
-    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
-        raise ReportError(f"results[{key!r}] must be a list of objects; got {type(value).__name__}")
-    for index, item in enumerate(value):
-        if not isinstance(item, Mapping):
-            raise ReportError(
-                f"results[{key!r}][{index}] must be an object; got {type(item).__name__}"
-            )
-    return list(value)
-
-
-def mapping(value: Any, where: str) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ReportError(f"{where} must be an object; got {type(value).__name__}")
-    return value
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def number(record: Mapping[str, Any], key: str, where: str) -> float | None:
-    """A numeric field as float, None when absent or null; ReportError when not a number."""
-    value = record.get(key)
-    if value is None:
-        return None
-    if not is_number(value):
-        raise ReportError(f"{where}[{key!r}] must be a number or null; got {value!r}")
-    return float(value)
-
-
-def find_config_value(config: Mapping[str, Any], keys: Sequence[str], depth: int) -> Any:
-    """The first of `keys` found in `config`, searching nested sections `depth` levels deep."""
-    for key in keys:
-        if config.get(key) is not None:
-            return config[key]
-    if depth <= 0:
-        return None
-    for value in config.values():
-        if isinstance(value, Mapping):
-            found = find_config_value(value, keys, depth - 1)
-            if found is not None:
-                return found
-    return None
+class ReportError(ResultsError):
+    """The results cannot be turned into a report (a malformed part the report needs)."""
 
 
 # --- formatting ------------------------------------------------------------------------------
@@ -149,7 +86,7 @@ def metric_value(key: str, value: Any) -> str:
     """A PersFL metric in its unit: % of clients, pp of QoI, pp², or a plain ratio."""
     if value is None:
         return MISSING
-    if not is_number(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return plain(value)
     unit = _UNITS.get(key)
     if unit == "%":
@@ -166,22 +103,3 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     lines.append("|" + "|".join("---" for _ in header) + "|")
     lines.extend("| " + " | ".join(cell(c) for c in row) + " |" for row in rows)
     return lines
-
-
-# --- atomic writes ---------------------------------------------------------------------------
-
-
-def write_atomic(path: Path, write: Callable[[Any], None], *, text: bool) -> None:
-    """Write ``path`` through a temporary sibling file and ``os.replace``."""
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        mode = "w" if text else "wb"
-        with os.fdopen(fd, mode, encoding="utf-8" if text else None) as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp_name, _FILE_MODE)
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise

@@ -1,4 +1,4 @@
-"""The report's figures, drawn from the results dict.
+"""The report's figures, drawn from the typed results.
 
 Every plot is drawn on a ``matplotlib.figure.Figure`` attached to the Agg canvas directly: no
 pyplot, no global backend switch, safe to call from a process that already uses another backend.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
 from matplotlib import colormaps
@@ -16,7 +16,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from coordinator.report.common import ReportError, mapping, number, plain, write_atomic
+from coordinator.results_model import Baseline, ClientEntry, Results, RoundEntry, Split
+from model_zoo.files import atomic_open
 
 __all__ = [
     "SERIES",
@@ -28,22 +29,22 @@ __all__ = [
     "split_figure",
 ]
 
-# Per-client accuracies the client plot compares: results key -> legend label. The FedAvg
-# baseline's model when it ran, else this run's global model.
+# Per-client accuracies the client plot compares: ClientEntry field -> legend label.
 SERIES: Final[tuple[tuple[str, str], ...]] = (
     ("personal_acc", "personalized"),
     ("local_acc", "local only"),
-    ("fedavg_acc", "FedAvg global"),
-    ("global_acc", "this run's global"),
+    ("fedavg_acc", "FedAvg global model"),
+    ("fedavg_ft_acc", "FedAvg+FT"),
+    ("global_acc", "this run's global model"),
 )
-_BASELINE_LINES: Final[tuple[tuple[str, str], ...]] = (
-    ("local", "local only (final mean)"),
-    ("fedavg", "FedAvg (final mean)"),
+_BASELINE_LINES: Final[tuple[tuple[str, str, str], ...]] = (
+    ("local", "local only (final mean)", "tab:gray"),
+    ("fedavg", "FedAvg (final mean)", "tab:red"),
+    ("fedavg_ft", "FedAvg+FT (final mean)", "tab:purple"),
 )
 
 
-def _series(records: Sequence[Mapping[str, Any]], key: str, where: str) -> np.ndarray:
-    values = [number(record, key, f"{where}[{i}]") for i, record in enumerate(records)]
+def _percent(values: Sequence[float | None]) -> np.ndarray:
     return np.array([np.nan if v is None else v * 100 for v in values], dtype=float)
 
 
@@ -54,10 +55,10 @@ def _empty(figure: Figure, text: str) -> Figure:
 
 
 def round_figure(
-    rounds: Sequence[Mapping[str, Any]], baselines: Mapping[str, Any] | None = None
+    rounds: Sequence[RoundEntry], baselines: Mapping[str, Baseline] | None = None
 ) -> Figure:
-    """Mean personalized and global accuracy per round; each client's own line when the rounds
-    carry `client_acc`; the baselines' final means as horizontal lines."""
+    """Mean personalized and global-model accuracy per round; each client's own line when the
+    rounds carry `client_acc`; the baselines' final means as horizontal lines."""
     figure = Figure(figsize=(8, 4.5), layout="constrained")
     axes = figure.add_subplot()
     axes.set_title("Accuracy per round")
@@ -65,33 +66,26 @@ def round_figure(
     axes.set_ylabel("accuracy (%)")
     if not rounds:
         return _empty(figure, "no rounds recorded")
-    numbers = [
-        number(record, "round", f"results['rounds'][{i}]") for i, record in enumerate(rounds)
-    ]
-    x = [float(i + 1) if n is None else n for i, n in enumerate(numbers)]
+    x = [float(r.round) for r in rounds]
     per_client: dict[str, list[float]] = {}
-    for i, record in enumerate(rounds):
-        where = f"results['rounds'][{i}]['client_acc']"
-        accs = mapping(record.get("client_acc"), where)
-        for cid in accs:
-            acc = number(accs, cid, where)
-            line = per_client.setdefault(str(cid), [np.nan] * len(rounds))
+    for i, r in enumerate(rounds):
+        for cid, acc in r.client_acc.items():
+            line = per_client.setdefault(cid, [np.nan] * len(rounds))
             line[i] = np.nan if acc is None else acc * 100
     for cid, values in per_client.items():
         axes.plot(x, values, linewidth=0.9, alpha=0.55, label=f"{cid}")
-    for key, label, style in (
-        ("mean_personal_acc", "mean personalized", "-"),
-        ("global_acc", "global model", "--"),
+    for means, label, style in (
+        ([r.mean_personal_acc for r in rounds], "mean personalized", "-"),
+        ([r.global_acc for r in rounds], "mean global model", "--"),
     ):
-        y = _series(rounds, key, "results['rounds']")
+        y = _percent(means)
         if np.isfinite(y).any():
             axes.plot(
                 x, y, style, color="black", linewidth=2.2, marker="o", markersize=3, label=label
             )
-    for (name, label), color in zip(_BASELINE_LINES, ("tab:gray", "tab:red"), strict=True):
-        block = mapping((baselines or {}).get(name), f"results['baselines'][{name!r}]")
-        summary = mapping(block.get("summary"), f"results['baselines'][{name!r}]['summary']")
-        value = number(summary, "mean_personal_acc", f"results['baselines'][{name!r}]")
+    for name, label, color in _BASELINE_LINES:
+        baseline = (baselines or {}).get(name)
+        value = baseline.summary.mean_personal_acc if baseline else None
         if value is not None:
             axes.axhline(value * 100, color=color, linestyle=":", linewidth=1.5, label=label)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -101,8 +95,8 @@ def round_figure(
     return figure
 
 
-def client_figure(clients: Sequence[Mapping[str, Any]]) -> Figure:
-    """Grouped bars per client: personalized, local-only and global accuracy."""
+def client_figure(clients: Sequence[ClientEntry]) -> Figure:
+    """Grouped bars per client: personalized, local-only, the baselines' and global accuracy."""
     width = min(max(7.0, 0.45 * len(clients) + 2.0), 40.0)
     figure = Figure(figsize=(width, 4.5), layout="constrained")
     axes = figure.add_subplot()
@@ -111,23 +105,18 @@ def client_figure(clients: Sequence[Mapping[str, Any]]) -> Figure:
     if not clients:
         return _empty(figure, "no clients recorded")
     present = [
-        (label, values)
+        (key, label, values)
         for key, label in SERIES
-        if np.isfinite(values := _series(clients, key, "results['clients']")).any()
+        if np.isfinite(values := _percent([getattr(c, key) for c in clients])).any()
     ]
-    if any(label == "FedAvg global" for label, _ in present):  # the comparison PersFL makes
-        present = [(label, v) for label, v in present if label != "this run's global"]
+    if any(key == "fedavg_acc" for key, _, _ in present):  # the global model PersFL compares with
+        present = [p for p in present if p[0] != "global_acc"]
     positions = np.arange(len(clients))
     bar_width = 0.8 / max(len(present), 1)
-    for offset, (label, values) in enumerate(present):
+    for offset, (_, label, values) in enumerate(present):
         shift = (offset - (len(present) - 1) / 2) * bar_width
         axes.bar(positions + shift, np.nan_to_num(values), bar_width, label=label)
-    labels = [
-        f"{plain(record.get('id', i))}\n{plain(record.get('arch'))}"
-        if record.get("arch")
-        else plain(record.get("id", i))
-        for i, record in enumerate(clients)
-    ]
+    labels = [f"{c.id}\n{c.arch}" if c.arch else c.id for c in clients]
     axes.set_xticks(positions, labels, rotation=90 if len(clients) > 12 else 0)
     axes.set_ylim(0, 100)
     axes.grid(axis="y", alpha=0.3)
@@ -136,28 +125,26 @@ def client_figure(clients: Sequence[Mapping[str, Any]]) -> Figure:
     return figure
 
 
-def split_figure(split: Mapping[str, Any], arch: Mapping[str, str]) -> Figure:
+def split_figure(split: Split, arch: Mapping[str, str]) -> Figure:
     """Stacked horizontal bars: each client's training samples per class."""
-    classes = [str(c) for c in split.get("classes") or []]
-    rows = split.get("clients") or []
-    counts = np.array([list(mapping(r, "results['split']['clients']")["counts"]) for r in rows])
-    if counts.ndim != 2 or (classes and counts.shape[1] != len(classes)):
-        raise ReportError(
-            "results['split']['clients'][*]['counts'] must each hold one count per class "
-            f"({len(classes)} classes)"
-        )
-    figure = Figure(figsize=(9, min(max(2.5, 0.35 * len(rows) + 1.5), 30.0)), layout="constrained")
+    classes = split.classes
+    counts = np.array([c.counts for c in split.clients], dtype=np.int64).reshape(
+        len(split.clients), -1
+    )
+    figure = Figure(
+        figsize=(9, min(max(2.5, 0.35 * len(split.clients) + 1.5), 30.0)), layout="constrained"
+    )
     axes = figure.add_subplot()
     axes.set_title("Training samples per class, per client")
     palette = colormaps["tab20" if counts.shape[1] > 10 else "tab10"]
-    left = np.zeros(len(rows))
-    positions = np.arange(len(rows))
+    left = np.zeros(len(split.clients))
+    positions = np.arange(len(split.clients))
     for k in range(counts.shape[1]):
         if counts[:, k].any():
-            name = classes[k] if classes else str(k)
+            name = classes[k] if k < len(classes) else str(k)
             axes.barh(positions, counts[:, k], left=left, color=palette(k % palette.N), label=name)
         left += counts[:, k]
-    names = [str(r.get("id", i)) for i, r in enumerate(rows)]
+    names = [c.id for c in split.clients]
     axes.set_yticks(positions, [f"{n} ({arch[n]})" if n in arch else n for n in names])
     axes.invert_yaxis()
     axes.set_xlabel("training samples")
@@ -166,36 +153,16 @@ def split_figure(split: Mapping[str, Any], arch: Mapping[str, str]) -> Figure:
     return figure
 
 
-def collaboration_matrices(
-    results: Mapping[str, Any], n_clients: int
-) -> list[tuple[str, np.ndarray]]:
+def collaboration_matrices(results: Results) -> list[tuple[str, np.ndarray]]:
     """(title, clients × clients matrix) panels: up to three rounds of `collaboration_history`
-    (a list with one matrix per round, or of {"round", "matrix"}) and the final `collaboration`."""
-
-    def as_matrix(value: Any, where: str) -> np.ndarray:
-        try:
-            m = np.array(value, dtype=float)
-        except (TypeError, ValueError) as exc:
-            raise ReportError(f"{where} must be a list of lists of numbers: {exc}") from exc
-        if m.shape != (n_clients, n_clients):
-            raise ReportError(
-                f"{where} must be {n_clients}×{n_clients} (clients × clients); got {m.shape}"
-            )
-        return m
-
-    panels: list[tuple[str, np.ndarray]] = []
-    history = results.get("collaboration_history") or []
-    picked: list[tuple[int, Any]] = []
-    for i, entry in enumerate(history):
-        if isinstance(entry, Mapping):
-            picked.append((int(entry.get("round", i + 1)), entry.get("matrix")))
-        else:
-            picked.append((i + 1, entry))
-    if len(picked) > 3:  # first, middle, last-but-final: the final matrix is shown on its own
-        picked = [picked[0], picked[len(picked) // 2], picked[-1]]
-    for r, value in picked:
-        panels.append((f"round {r}", as_matrix(value, f"results['collaboration_history'] ({r})")))
-    final = as_matrix(results["collaboration"], "results['collaboration']")
+    and the final `collaboration` (validated square when the results were)."""
+    panels = [
+        (f"round {h.round}", np.array(h.matrix, dtype=float))
+        for h in results.collaboration_history or []
+    ]
+    if len(panels) > 3:  # first, middle, last-but-final: the final matrix is shown on its own
+        panels = [panels[0], panels[len(panels) // 2], panels[-1]]
+    final = np.array(results.collaboration, dtype=float)
     if not panels or not np.array_equal(panels[-1][1], final):
         panels.append(("final", final))
     return panels
@@ -233,4 +200,5 @@ def collaboration_figure(panels: Sequence[tuple[str, np.ndarray]], ids: Sequence
 
 def save_png(figure: Figure, path: Path) -> None:
     FigureCanvasAgg(figure)
-    write_atomic(path, lambda handle: figure.savefig(handle, format="png", dpi=110), text=False)
+    with atomic_open(path) as handle:
+        figure.savefig(handle, format="png", dpi=110)

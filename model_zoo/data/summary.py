@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..files import atomic_open
 from .partition import Partition
 
 __all__ = ["format_split_table", "plot_label_distribution", "split_summary"]
@@ -83,8 +82,8 @@ def plot_label_distribution(
     class_names: Sequence[str] | None = None,
 ) -> Path:
     """Stacked horizontal bars, one per client, one colour per class (all of the client's
-    samples). Written to a temporary file beside `path` and renamed, so a reader never sees a
-    half-written PNG. Returns the path."""
+    samples). Written atomically (`model_zoo.files`), so a reader never sees a half-written PNG.
+    Returns the path."""
     # The object-oriented API with the Agg canvas: no pyplot state, no GUI backend.
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -117,14 +116,7 @@ def plot_label_distribution(
     if 0 < num_classes <= 20:
         ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, title="class")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=100)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path) as f:
+        fig.savefig(f, format="png", dpi=100)
     logger.info("wrote label distribution plot %s", path)
     return path

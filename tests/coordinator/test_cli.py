@@ -76,6 +76,15 @@ def test_simulate_writes_results_report_plots_and_onnx(tmp_path):
     probs = predictor.predict_proba(np.zeros((2, 1, 8, 8), dtype=np.float32))
     assert probs.shape == (2, 10)
     assert "mean personalized accuracy" in res.output
+    # The console names the device it used and why, and each mean for what it is.
+    assert "device: cpu (asked for cpu), float32" in res.output
+    assert results["device"] == {
+        "requested": "cpu",
+        "used": "cpu",
+        "reason": "asked for cpu",
+        "precision": "float32",
+    }
+    assert "FedAvg global model" in res.output and "fml global model" in res.output
 
 
 def test_simulate_reports_bad_input_cleanly(tmp_path):

@@ -6,7 +6,6 @@ devices, one or two rounds and scikit-learn's digits so that they stay short.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -19,6 +18,7 @@ import psutil
 import pytest
 
 from coordinator.demo import DemoOptions, run_demo
+from coordinator.results_model import Results
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,30 +43,33 @@ def test_demo_runs_devices_as_processes_and_writes_the_report(tmp_path: Path) ->
     pids = [int(p) for p in re.findall(r"c\d \w+ \(pid (\d+)\)", text)]
     assert len(pids) == 2 and os.getpid() not in pids
     assert re.search(r"broker: mqtt://127\.0\.0\.1:\d+ \(", text)
-    assert [c["arch"] for c in results["clients"]] == ["mlr", "mlp"]
+    assert [c.arch for c in results.clients] == ["mlr", "mlp"]
     assert psutil.Process().children(recursive=True) == []  # nothing left running
     # Live progress: one line per round with every client's accuracy.
     rounds = [ln for ln in lines if ln.startswith("round ")]
     assert [ln[:11] for ln in rounds] == ["round  1/2 ", "round  2/2 "]
     assert all("online 2/2" in ln and " c0 " in ln and " c1 " in ln for ln in rounds)
-    last = results["rounds"][-1]["client_acc"]
+    last = results.rounds[-1].client_acc
     assert f"c1 {100 * last['c1']:5.1f}" in rounds[-1]
-    # The baselines ran on the same split; the metrics come from them.
-    assert all(
-        c["local_acc"] is not None and c["fedavg_acc"] is not None for c in results["clients"]
-    )
-    assert "PUI" in results["summary"]["metrics"]
+    # The baselines, FedAvg+FT too, ran on the same split; the metrics come from them.
+    assert all(None not in (c.local_acc, c.fedavg_acc, c.fedavg_ft_acc) for c in results.clients)
+    assert results.summary.metrics is not None and "PUI" in results.summary.metrics
+    assert "FedAvg+FT" in text.split("client  arch", 1)[1].splitlines()[0]  # its column
+    # Each device trained where it registered it did, and the report says so.
+    assert [c.device for c in results.clients] == ["cpu", "cpu"]
+    assert results.device is not None and results.device.used == "cpu"
     # The ONNX file each device exported scores what the federation measured for that device.
-    for row, client in zip(results["onnx"], results["clients"], strict=True):
-        assert (tmp_path / row["file"]).is_file() and row["size_bytes"] > 0
-        assert row["accuracy"] == pytest.approx(client["personal_acc"], abs=1e-6)
+    assert results.onnx is not None
+    for row, client in zip(results.onnx, results.clients, strict=True):
+        assert (tmp_path / str(row.file)).is_file() and (row.size_bytes or 0) > 0
+        assert row.accuracy == pytest.approx(client.personal_acc, abs=1e-6)
     # The split is stated, and each device holds a few classes.
-    counts = [c["counts"] for c in results["split"]["clients"]]
+    assert results.split is not None
+    counts = [c.counts for c in results.split.clients]
     assert all(0 < sum(1 for n in row if n) < 10 for row in counts)
     assert "label_groups" in text and "data: digits" in text
     # The report: Markdown, plots, one page with them embedded, and results.json on disk.
-    saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["onnx"] == results["onnx"]
+    assert Results.read(tmp_path / "results.json") == results
     page = (tmp_path / "report.html").read_text()
     assert page.count("data:image/png;base64,") >= 3
     assert "## Data per client" in (tmp_path / "report.md").read_text()

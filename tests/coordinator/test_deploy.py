@@ -12,6 +12,7 @@ from tests_helpers import tiny_config
 
 from coordinator.broker import free_port
 from coordinator.deploy import run_coordinator
+from coordinator.results_model import Results
 from coordinator.simulator import simulate
 from edge_sdk.inference import OnnxPredictor
 
@@ -25,12 +26,13 @@ ARCHS = ["mlr", "mlp", "cnn1"]
 FML = ["--algorithm", "fml", "--global-model", "mlr", "--local-epochs", "2", "--lr", "0.1"]
 
 
-def _deploy(url, tmp_path, run_id, algorithm=FML):
+def _deploy(url, tmp_path, run_id, algorithm=FML, coordinator_sets=()):
     """`edgefl coordinator` and three `edgefl client` processes; returns their outcomes."""
     common = ["--broker", url, "--run-id", run_id]
     out = tmp_path / "out"
     run = ["--clients", "3", "--rounds", "2", "--batch-size", "32", *algorithm]
-    commands = [[EDGEFL, "coordinator", *common, *run, "--out", str(out), *SETS]]
+    sets = [*SETS, *(x for s in coordinator_sets for x in ("--set", s))]
+    commands = [[EDGEFL, "coordinator", *common, *run, "--out", str(out), *sets]]
     for i, arch in enumerate(ARCHS):
         me = ["--id", f"c{i}", "--model", arch, "--index", str(i), "--seed", "0", "--threads", "1"]
         state = ["--state-dir", str(tmp_path / f"state{i}")]
@@ -50,7 +52,7 @@ def _deploy(url, tmp_path, run_id, algorithm=FML):
 
 
 def _check_deployment(out, tmp_path, families=ARCHS):
-    results = json.loads((out / "results.json").read_text())
+    results = Results.read(out / "results.json")  # a file that validates
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2]
     assert all(r["replied"] == ["c0", "c1", "c2"] for r in rounds)
@@ -62,11 +64,27 @@ def _check_deployment(out, tmp_path, families=ARCHS):
 
 
 def test_coordinator_and_three_client_processes_run_fml_over_mosquitto(mosquitto, tmp_path):
-    out, logs = _deploy(mosquitto.url, tmp_path, "e2e-mosquitto")
+    # The daemon's own data and model settings (which it does not use) disagree with what its
+    # clients run: Fashion-MNIST and lenet5 there, 8×8 digits on mlr, mlp and cnn1 here.
+    unused = ["data.dataset=fashion_mnist", 'models=["lenet5"]']
+    out, logs = _deploy(mosquitto.url, tmp_path, "e2e-mosquitto", coordinator_sets=unused)
     results = _check_deployment(out, tmp_path)
-    assert [c["arch"] for c in results["clients"]] == ARCHS
-    assert results["summary"]["mean_personal_acc"] > 0.5
+    assert [c.arch for c in results.clients] == ARCHS
+    assert results.summary.mean_personal_acc > 0.5
     assert "round 2/2 ok" in logs[0]
+    # results.json and the report describe what the clients registered, never those settings.
+    assert [(c.dataset, c.device, c.precision) for c in results.clients] == [
+        ("digits", "cpu", "float32")
+    ] * 3
+    assert "data" not in results.config and "models" not in results.config
+    assert results.device is not None and results.device.used == "cpu"
+    report = (out / "report.md").read_text()
+    assert "trained 3 clients for 2 rounds on digits." in report
+    assert "| Dataset | digits |" in report and "| Models | mlr, mlp, cnn1 |" in report
+    assert "Device: `cpu` (as each client reported when it registered), float32." in report
+    for text in (report, (out / "results.json").read_text()):
+        assert "fashion_mnist" not in text and "lenet5" not in text
+    assert "device: cpu (as each client reported when it registered), float32" in logs[0]
     # Deployed over processes and simulated in one process: the same per-client accuracies.
     cfg = tiny_config(
         algorithm="fml",
@@ -80,8 +98,8 @@ def test_coordinator_and_three_client_processes_run_fml_over_mosquitto(mosquitto
         parallel=2,
     )
     simulated = simulate(cfg, progress=False)
-    deployed = [c["personal_acc"] for c in results["clients"]]
-    assert deployed == [c["personal_acc"] for c in simulated["clients"]]
+    deployed = [c.personal_acc for c in results.clients]
+    assert deployed == [c.personal_acc for c in simulated.clients]
 
 
 def test_the_same_deployment_runs_over_the_embedded_amqtt_broker(amqtt_broker, tmp_path):
@@ -97,10 +115,11 @@ def test_federico_clients_as_processes_collaborate_over_mosquitto_and_export_mix
     federico = ["--algorithm", "federico", "--set", "federico.lr=0.01"]
     out, logs = _deploy(mosquitto.url, tmp_path, "e2e-federico", federico)
     results = _check_deployment(out, tmp_path, families=["mixture"] * 3)
-    assert results["collaboration_clients"] == ["c0", "c1", "c2"]
-    for row in results["collaboration"]:
+    assert results.collaboration_clients == ["c0", "c1", "c2"]
+    assert results.collaboration is not None and results.collaboration_history is not None
+    for row in results.collaboration:
         assert len(row) == 3 and abs(sum(row) - 1) < 1e-4
-    assert [h["round"] for h in results["collaboration_history"]] == [1, 2]
+    assert [h.round for h in results.collaboration_history] == [1, 2]
     assert "round 2/2 ok" in logs[0]
 
 
@@ -113,7 +132,7 @@ def test_fml_over_a_broker_gives_the_in_memory_simulators_accuracies(broker, req
             algorithm="fml", models=ARCHS, global_model="mlr", clients=3, rounds=2, **kw
         )
         res = simulate(cfg, progress=False)
-        return [c["personal_acc"] for c in res["clients"]], [r["global_acc"] for r in res["rounds"]]
+        return [c.personal_acc for c in res.clients], [r.global_acc for r in res.rounds]
 
     assert run(**{"broker.url": url}) == run()
 
@@ -163,7 +182,7 @@ def test_the_daemon_logs_rounds_and_serves_prometheus_metrics(mosquitto, tmp_pat
     assert "edgefl_bytes_out_total" in second and "edgefl_round_seconds_count 2.0" in second
     lines = (tmp_path / "rounds.jsonl").read_text().splitlines()
     assert [json.loads(x)["round"] for x in lines] == [1, 2]
-    assert results["summary"]["mean_personal_acc"] is not None
+    assert results.summary.mean_personal_acc is not None
 
 
 def test_a_password_on_the_command_line_is_refused():

@@ -137,7 +137,7 @@ def _reference(rounds):
         lr=0.1,
         parallel=2,
     )
-    return [c["personal_acc"] for c in simulate(cfg, progress=False)["clients"]]
+    return [c.personal_acc for c in simulate(cfg, progress=False).clients]
 
 
 def test_a_coordinator_killed_after_round_r_resumes_and_ends_like_an_uninterrupted_run(

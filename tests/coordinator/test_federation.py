@@ -40,12 +40,12 @@ def test_tiny_federation_learns(algorithm, flags):
     results = simulate(cfg, progress=False)
 
     # Assert: well above chance on each client's own test split, every round recorded.
-    assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
-    assert not any(r["failed"] for r in results["rounds"])
-    assert results["summary"]["mean_personal_acc"] > 4 * CHANCE
-    assert all(c["personal_acc"] > 3 * CHANCE for c in results["clients"])
+    assert [r.round for r in results.rounds] == [1, 2, 3]
+    assert not any(r.failed for r in results.rounds)
+    assert results.summary.mean_personal_acc > 4 * CHANCE
+    assert all(c.personal_acc > 3 * CHANCE for c in results.clients)
     if algorithm != "local":
-        assert results["summary"]["global_acc"] > 3 * CHANCE
+        assert results.summary.global_acc > 3 * CHANCE
 
 
 def test_fml_with_six_architectures_runs_end_to_end():
@@ -60,10 +60,10 @@ def test_fml_with_six_architectures_runs_end_to_end():
         model_kwargs={"vgg11": {"width": 0.125}},
     )
     results = simulate(cfg, progress=False)
-    archs = [c["arch"] for c in results["clients"]]
+    archs = [c.arch for c in results.clients]
     assert archs == ["mlr", "mlp", "lenet5", "cnn1", "vgg11", "lstm"]
-    assert all(c["personal_acc"] is not None for c in results["clients"])
-    assert results["summary"]["mean_personal_acc"] > 2 * CHANCE
+    assert all(c.personal_acc is not None for c in results.clients)
+    assert results.summary.mean_personal_acc > 2 * CHANCE
 
 
 def test_same_seed_gives_same_results():
@@ -78,7 +78,7 @@ def test_same_seed_gives_same_results():
             parallel=3,
         )
         res = simulate(cfg, progress=False)
-        return [c["personal_acc"] for c in res["clients"]], [r["global_acc"] for r in res["rounds"]]
+        return [c.personal_acc for c in res.clients], [r.global_acc for r in res.rounds]
 
     assert run(0) == run(0)
     assert run(0) != run(1)
@@ -101,13 +101,11 @@ def test_baselines_feed_the_personalization_metrics(tmp_path):
         rounds=2,
     )
     results = simulate(cfg, progress=False)
-    metrics = results["summary"]["metrics"]
+    metrics = results.summary.metrics
     assert {"PUI", "PUD", "MPI", "API", "MPD", "APD", "AV", "CS", "Entropy", "JI"} <= set(metrics)
-    assert all(
-        c["local_acc"] is not None and c["global_acc"] is not None for c in results["clients"]
-    )
+    assert all(c.local_acc is not None and c.global_acc is not None for c in results.clients)
     assert (tmp_path / "results.json").is_file() and (tmp_path / "report.md").is_file()
-    assert set(results["baselines"]) == {"local", "fedavg"}
+    assert set(results.baselines) == {"local", "fedavg"}
 
 
 # -- resilience: clients that fail, stall or never come ------------------------------------
@@ -427,21 +425,21 @@ def test_eval_every_does_not_change_results(algorithm):
 
     # Assert: evaluation changes no state, so every final number is the same.
     def finals(res):
-        clients = [(c["personal_acc"], c["global_acc"]) for c in res["clients"]]
-        return clients, res["summary"]["global_acc"], res["summary"]["mean_personal_acc"]
+        clients = [(c.personal_acc, c.global_acc) for c in res.clients]
+        return clients, res.summary.global_acc, res.summary.mean_personal_acc
 
     assert finals(every_round) == finals(last_only)
-    assert [r["global_acc"] for r in last_only["rounds"]][:2] == [None, None]
+    assert [r.global_acc for r in last_only.rounds][:2] == [None, None]
 
 
 def test_fedavg_ft_reports_the_fine_tuned_models_it_deploys_as_its_best():
     cfg = tiny_config(algorithm="fedavg_ft", overrides={"fedavg_ft.ft_epochs": 1})
     results = simulate(cfg, progress=False)
-    summary = results["summary"]
+    summary = results.summary
     # No personalized model exists before fine-tuning: rounds report the global model only.
-    assert all(r["mean_personal_acc"] is None for r in results["rounds"])
-    assert all(r["global_acc"] is not None for r in results["rounds"])
-    assert summary["best_mean_personal_acc"] == summary["mean_personal_acc"]
+    assert all(r.mean_personal_acc is None for r in results.rounds)
+    assert all(r.global_acc is not None for r in results.rounds)
+    assert summary.best_mean_personal_acc == summary.mean_personal_acc
 
 
 def test_results_say_what_local_training_budget_each_run_got():
@@ -454,7 +452,7 @@ def test_results_say_what_local_training_budget_each_run_got():
         clients=2,
     )
     results = simulate(cfg, progress=False)
-    assert results["budget"] == {
+    assert results.budget == {
         "pfml": {"local_iterations": 7, "batch_size": 32, "lr": 0.05},
         "local": {"local_epochs": 5, "batch_size": 32, "lr": 0.05},
     }

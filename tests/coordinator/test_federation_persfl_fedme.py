@@ -31,15 +31,16 @@ def test_persfl_federation_with_mixed_architectures_learns(loss, tmp_path):
     results = simulate(cfg, progress=False)
 
     # Assert: well above chance, and each client says which teacher and (λ, T) it used.
-    assert not any(r["failed"] for r in results["rounds"])
-    assert results["summary"]["mean_personal_acc"] > 4 * CHANCE
-    for c in results["clients"]:
-        assert c["personal_acc"] > 3 * CHANCE
-        assert 1 <= c["teacher_round"] <= 3  # a trained global model, never the initial one
-        assert (c["distill_lambda"], c["distill_T"]) in {(0.0, 1.0), (0.5, 1.0), (0.5, 4.0)}
-        assert c["student_init"] == ("teacher" if c["arch"] == "mlr" else "scratch")
+    assert not any(r.failed for r in results.rounds)
+    assert results.summary.mean_personal_acc > 4 * CHANCE
+    for c in results.clients:
+        d = c.details
+        assert c.personal_acc > 3 * CHANCE
+        assert 1 <= d["teacher_round"] <= 3  # a trained global model, never the initial one
+        assert (d["distill_lambda"], d["distill_T"]) in {(0.0, 1.0), (0.5, 1.0), (0.5, 4.0)}
+        assert d["student_init"] == ("teacher" if c.arch == "mlr" else "scratch")
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["clients"][1]["teacher_round"] == results["clients"][1]["teacher_round"]
+    assert saved["clients"][1]["teacher_round"] == results.clients[1].details["teacher_round"]
     report = (tmp_path / "report.md").read_text()
     assert "## Client details" in report and "distill_lambda" in report
 
@@ -59,15 +60,15 @@ def test_fedme_federation_with_mixed_architectures_learns(tmp_path):
 
     # Assert: well above chance; the start and end architecture of every client, and the
     # architecture each client held after every round.
-    assert not any(r["failed"] for r in results["rounds"])
-    assert results["summary"]["mean_personal_acc"] > 4 * CHANCE
-    for c in results["clients"]:
-        assert c["personal_acc"] > 3 * CHANCE
-        assert c["arch_start"] == c["arch"]
-        assert c["arch_end"] in {"mlr", "mlp"}
-        last = results["rounds"][-1]["clients"][c["id"]]["arch"]
-        assert last == c["arch_end"]
-    assert all(set(r["clients"]) == {"c0", "c1", "c2", "c3"} for r in results["rounds"])
+    assert not any(r.failed for r in results.rounds)
+    assert results.summary.mean_personal_acc > 4 * CHANCE
+    for c in results.clients:
+        assert c.personal_acc > 3 * CHANCE
+        assert c.details["arch_start"] == c.arch
+        assert c.details["arch_end"] in {"mlr", "mlp"}
+        last = results.rounds[-1].clients[c.id]["arch"]
+        assert last == c.details["arch_end"]
+    assert all(set(r.clients) == {"c0", "c1", "c2", "c3"} for r in results.rounds)
     report = (tmp_path / "report.md").read_text()
     assert "## Architectures over rounds" in report and "arch_end" in report
 
@@ -98,8 +99,8 @@ def test_over_mosquitto_gives_the_in_memory_simulators_results(algorithm, overri
             **kw,
         )
         res = simulate(cfg, progress=False)
-        details = [{k: v for k, v in c.items() if k != "n_train"} for c in res["clients"]]
-        return details, [r.get("clients") for r in res["rounds"]]
+        details = [c.model_dump(exclude={"n_train"}) for c in res.clients]
+        return details, [r.clients for r in res.rounds]
 
     over_mqtt = run(**{"broker.url": mosquitto.url})
     assert over_mqtt == run()

@@ -1,6 +1,7 @@
 """report.md's sections for what algorithms report per client: details and architecture changes."""
 
 from coordinator.report import REPORT_NAME, write_report
+from coordinator.results_model import Results
 
 
 def _results():
@@ -31,14 +32,14 @@ def _results():
 
 
 def test_report_lists_each_clients_details(tmp_path):
-    write_report(_results(), tmp_path)
+    write_report(Results.parse(_results()), tmp_path)
     text = (tmp_path / REPORT_NAME).read_text()
     assert "| Client | arch_start | arch_end |" in text
     assert "| c1 | mlp | mlr |" in text
 
 
 def test_report_shows_the_rounds_in_which_architectures_changed(tmp_path):
-    write_report(_results(), tmp_path)
+    write_report(Results.parse(_results()), tmp_path)
     text = (tmp_path / REPORT_NAME).read_text()
     section = text.split("## Architectures over rounds", 1)[1].split("##", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and "Round" not in line]
@@ -56,6 +57,25 @@ def test_report_has_no_architecture_section_when_nobody_reports_one(tmp_path):
     for c in results["clients"]:
         c.pop("arch_start")
         c.pop("arch_end")
-    write_report(results, tmp_path)
+    write_report(Results.parse(results), tmp_path)
     text = (tmp_path / REPORT_NAME).read_text()
     assert "Architectures over rounds" not in text and "Client details" not in text
+
+
+def test_long_details_are_listed_in_full_below_the_table(tmp_path):
+    # Prepare: a guard's choice (short) and its reason (a sentence longer than a cell should be).
+    reason = "the personalized model scored 0.61 on validation, below local training's 0.74"
+    results = _results()
+    for c in results["clients"]:
+        c.update(guard="local" if c["id"] == "c1" else "personalized", guard_reason=reason)
+
+    # Execute
+    write_report(Results.parse(results), tmp_path)
+
+    # Assert: short details stay in the table, the long one is a list, in full, per client.
+    section = (tmp_path / REPORT_NAME).read_text().split("## Client details", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    assert "| Client | arch_start | arch_end | guard |" in section
+    assert "| c1 | mlp | mlr | local |" in section
+    assert "guard_reason |" not in section
+    assert f"- c1: {reason}" in section and f"- c2: {reason}" in section

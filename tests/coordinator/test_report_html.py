@@ -21,10 +21,10 @@ from coordinator.report import (
     REPORT_NAME,
     ROUND_PLOT_NAME,
     SPLIT_PLOT_NAME,
-    ReportError,
     write_report,
 )
 from coordinator.report.plots import collaboration_figure, collaboration_matrices
+from coordinator.results_model import Results, ResultsError
 
 # Client c1 loses to local training: the report must say so.
 P, L, G = [0.90, 0.70, 0.85], [0.80, 0.75, 0.85], [0.40, 0.50, 0.30]
@@ -111,7 +111,7 @@ class _Images(HTMLParser):
 
 
 def test_report_html_is_one_page_with_every_plot_embedded(tmp_path: Path) -> None:
-    write_report(_results(), tmp_path)
+    write_report(Results.parse(_results()), tmp_path)
 
     page = (tmp_path / HTML_NAME).read_text()
     parser = _Images()
@@ -128,7 +128,7 @@ def test_report_html_is_one_page_with_every_plot_embedded(tmp_path: Path) -> Non
 def test_report_html_escapes_markup_from_the_results(tmp_path: Path) -> None:
     results = _results()
     results["clients"][0]["id"] = "<img src=x onerror=alert(1)>"
-    write_report(results, tmp_path)
+    write_report(Results.parse(results), tmp_path)
     assert "<img src=x" not in (tmp_path / HTML_NAME).read_text()
 
 
@@ -137,7 +137,7 @@ def test_report_html_escapes_markup_from_the_results(tmp_path: Path) -> None:
     reason="chromium is not installed (make test installs it as root: apt-get install chromium)",
 )
 def test_report_html_loads_in_headless_chromium_and_shows_its_images(tmp_path: Path) -> None:
-    write_report(_results(), tmp_path)
+    write_report(Results.parse(_results()), tmp_path)
 
     page = load_page(tmp_path / HTML_NAME)
 
@@ -149,19 +149,32 @@ def test_report_html_loads_in_headless_chromium_and_shows_its_images(tmp_path: P
 
 
 def test_report_says_for_which_client_personalization_lost(tmp_path: Path) -> None:
-    text = write_report(_results(), tmp_path).read_text()
+    text = write_report(Results.parse(_results()), tmp_path).read_text()
 
     assert (
         "beat training alone on **1 of 3** clients and **lost on 1** (c1 -5.00 pp); 1 tied" in text
     )
-    assert "**worse than local** (-5.00 pp); better than FedAvg (+20.00 pp)" in text
-    assert "better than local (+10.00 pp); better than FedAvg (+50.00 pp)" in text  # c0
-    assert "same as local; better than FedAvg (+55.00 pp)" in text  # c2
-    assert "| local-only training | 80.00% |" in text
+    assert (
+        "| c1 | lenet5 | 100 | 70.00% | 75.00% | 50.00% | "
+        "**worse than the best baseline** (local, -5.00 pp) |" in text
+    )
+    assert (
+        "| c0 | mlr | 100 | 90.00% | 80.00% | 40.00% | "
+        "better than the best baseline (local, +10.00 pp) |" in text
+    )
+    assert (
+        "| c2 | lstm | 100 | 85.00% | 85.00% | 30.00% | same as the best baseline (local) |" in text
+    )
+    assert (
+        "Against each client's best baseline (the best of local, FedAvg and FedAvg+FT that ran "
+        "for it), personalization won on **1 of 3** clients and **lost on 1** "
+        "(c1 -5.00 pp vs local); 1 tied." in text
+    )
+    assert "| local-only training (baseline) | 80.00% |" in text
 
 
 def test_report_lists_each_clients_classes_and_onnx_model(tmp_path: Path) -> None:
-    text = write_report(_results(), tmp_path).read_text()
+    text = write_report(Results.parse(_results()), tmp_path).read_text()
 
     assert "| c0 | mlr | 100 / 25 / 125 | 2 | T-shirt (60), Trouser (40) |" in text
     assert "| c2 | lstm | 100 / 25 / 125 | 1 | Bag (100) |" in text
@@ -170,9 +183,9 @@ def test_report_lists_each_clients_classes_and_onnx_model(tmp_path: Path) -> Non
 
 
 def test_collaboration_heatmap_shows_row_i_as_client_is_weights() -> None:
-    results = _results()
+    results = Results.parse(_results())
 
-    panels = collaboration_matrices(results, 3)
+    panels = collaboration_matrices(results)
     figure = collaboration_figure(panels, ["c0", "c1", "c2"])
 
     # The history's rounds then nothing more: its last matrix is the final one.
@@ -192,10 +205,10 @@ def test_collaboration_without_history_is_one_heatmap_and_absent_without_a_matri
 ) -> None:
     results = _results()
     del results["collaboration_history"]
-    assert [t for t, _ in collaboration_matrices(results, 3)] == ["final"]
+    assert [t for t, _ in collaboration_matrices(Results.parse(results))] == ["final"]
 
     del results["collaboration"]
-    text = write_report(results, tmp_path).read_text()
+    text = write_report(Results.parse(results), tmp_path).read_text()
     assert "## Collaboration" not in text and not (tmp_path / COLLABORATION_PLOT_NAME).exists()
 
 
@@ -203,26 +216,26 @@ def test_collaboration_without_history_is_one_heatmap_and_absent_without_a_matri
     ("change", "message"),
     [
         ({"collaboration": [[1.0, 0.0], [0.0, 1.0]]}, r"must be 3×3 \(clients × clients\)"),
-        ({"collaboration": [["a", "b", "c"]] * 3}, "must be a list of lists of numbers"),
-        ({"collaboration_history": [[[1.0]]]}, r"collaboration_history'\] \(1\) must be 3×3"),
+        ({"collaboration": [["a", "b", "c"]] * 3}, "Input should be a valid number"),
+        ({"collaboration_history": [{"round": 1, "matrix": [[1.0]]}]}, r"\(round 1\) must be 3×3"),
         ({"collaboration_clients": ["c0", "c1"]}, "must be 2×2"),
-        ({"collaboration_clients": "c0"}, "must be a list of client ids"),
+        ({"collaboration_clients": "c0"}, "Input should be a valid list"),
     ],
 )
 def test_a_malformed_collaboration_matrix_is_refused_before_writing(
     tmp_path: Path, change: dict[str, Any], message: str
 ) -> None:
     results = copy.deepcopy(_results()) | change
-    with pytest.raises(ReportError, match=message):
-        write_report(results, tmp_path)
+    with pytest.raises(ResultsError, match=message):
+        write_report(Results.parse(results), tmp_path)
     assert not (tmp_path / REPORT_NAME).exists()
 
 
 def test_round_plot_draws_one_line_per_client_and_the_baselines() -> None:
     from coordinator.report.plots import round_figure
 
-    results = _results()
-    figure = round_figure(results["rounds"], results["baselines"])
+    results = Results.parse(_results())
+    figure = round_figure(results.rounds, results.baselines)
     labels = [line.get_label() for line in figure.axes[0].get_lines()]
     assert labels[:3] == ["c0", "c1", "c2"]
     assert {"mean personalized", "local only (final mean)", "FedAvg (final mean)"} <= set(labels)

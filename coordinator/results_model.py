@@ -1,0 +1,332 @@
+"""The results.json document as typed models: what a run writes and what the report reads.
+
+`Results` is built by `coordinator.results.build_results` (simulate, the coordinator daemon,
+the demo), read by the report, the CLI and the demo with attributes, and dumped to the same
+JSON keys and nesting results.json always had. Reading a results.json file validates it
+(`Results.read`); a malformed one raises `ResultsError` naming the first bad field, e.g.
+``results['clients'][0]['personal_acc']: Input should be a valid number``.
+
+Accuracies are fractions in [0, 1] measured on each client's own test split; a mean over
+clients gives every client the same weight (see README, "What a run writes").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
+
+from edge_sdk.algorithms import Detail
+
+__all__ = [
+    "Accuracy",
+    "Baseline",
+    "BaselineClient",
+    "BaselineSummary",
+    "ClientEntry",
+    "CollaborationRound",
+    "DeviceRecord",
+    "Metrics",
+    "OnnxRow",
+    "Results",
+    "ResultsError",
+    "RoundEntry",
+    "Split",
+    "SplitClient",
+    "Summary",
+]
+
+Accuracy = Annotated[float, Field(ge=0.0, le=1.0)] | None
+# The PersFL metrics: numbers, and the fairness of the improved / worsened clients (or None).
+Metrics = dict[str, float | dict[str, float] | None]
+
+
+class ResultsError(ValueError):
+    """A results document that does not have the shape results.json has."""
+
+
+class _Doc(BaseModel):
+    """A part of results.json: strict types (no "0.9" for 0.9), no unknown keys; the fields in
+    `_omit_empty` are left out of the JSON when empty, as results.json always left them."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    _omit_empty: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _drop_empty(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for key in self._omit_empty:
+            if data.get(key) in (None, {}, []):
+                data.pop(key, None)
+        return data
+
+
+class RoundEntry(_Doc):
+    """One round of the run: means over the clients evaluated after it."""
+
+    _omit_empty = ("clients", "client_acc")
+
+    round: int = Field(ge=0)
+    seconds: float = Field(0.0, ge=0.0)
+    mean_personal_acc: Accuracy = None
+    global_acc: Accuracy = None  # mean over clients of the global model's accuracy
+    failed: bool = False
+    replied: int = Field(0, ge=0)
+    trained: int = Field(0, ge=0)
+    clients: dict[str, dict[str, Detail]] = {}  # per client, what its fit reply reported
+    client_acc: dict[str, Accuracy] = {}  # per client, its personalized accuracy
+
+
+class ClientEntry(_Doc):
+    """One client of the run, beside the baselines' accuracies for it. Any other key is a
+    detail its algorithm reported in its finalize reply (`details`)."""
+
+    model_config = ConfigDict(extra="allow")
+    _omit_empty = ("error",)
+
+    id: str
+    arch: str | None = None  # the architecture family it registered
+    n_train: int | None = Field(None, ge=0)
+    personal_acc: Accuracy = None
+    global_acc: Accuracy = None  # this run's global model (None without one)
+    local_acc: Accuracy = None  # the local baseline's model
+    fedavg_acc: Accuracy = None  # the FedAvg baseline's global model
+    fedavg_ft_acc: Accuracy = None  # the FedAvg+FT baseline: FedAvg fine-tuned on this client
+    dataset: str | None = None  # as the client reported it at registration
+    device: str | None = None  # the torch device it trained on
+    precision: str | None = None  # float32, or the autocast dtype
+    error: str | None = None
+
+    @model_validator(mode="after")
+    def _details_are_plain(self) -> Self:
+        for key, value in self.details.items():
+            if not isinstance(value, str | bool | int | float | None):
+                raise ValueError(
+                    f"detail {key!r} must be a string, number, boolean or null; got {value!r}"
+                )
+        return self
+
+    @property
+    def details(self) -> dict[str, Detail]:
+        """What the algorithm reported about this client (PersFL's teacher round, FedMe's
+        architectures, a guard's choice...), in the order it reported them."""
+        return dict(self.model_extra or {})
+
+    def baselines(self) -> dict[str, float]:
+        """The accuracy each baseline that ran gives this client: label -> accuracy."""
+        named = (
+            ("local", self.local_acc),
+            ("FedAvg", self.fedavg_acc),
+            ("FedAvg+FT", self.fedavg_ft_acc),
+        )
+        return {name: acc for name, acc in named if acc is not None}
+
+    def best_baseline(self) -> tuple[str, float] | None:
+        """The best of local, FedAvg and FedAvg+FT for this client (first on ties)."""
+        ran = self.baselines()
+        if not ran:
+            return None
+        name = max(ran, key=lambda k: ran[k])
+        return name, ran[name]
+
+
+class Summary(_Doc):
+    """The run's headline numbers. Means are over clients, final = after the last round."""
+
+    _omit_empty = ("metrics", "metrics_global_from")
+
+    mean_personal_acc: Accuracy = None
+    global_acc: Accuracy = None  # final: the mean of the clients' `global_acc`
+    best_mean_personal_acc: Accuracy = None
+    best_global_acc: Accuracy = None  # the best round's `global_acc`
+    failed_rounds: int = Field(0, ge=0)
+    wall_seconds: float | None = None
+    coordinator_bytes_out: int = Field(0, ge=0)
+    coordinator_bytes_in: int = Field(0, ge=0)
+    metrics: Metrics | None = None
+    metrics_global_from: str | None = None
+
+
+class BaselineSummary(_Doc):
+    mean_personal_acc: Accuracy = None
+    global_acc: Accuracy = None
+    best_global_acc: Accuracy = None
+    wall_seconds: float | None = None
+
+
+class BaselineClient(_Doc):
+    id: str
+    arch: str | None = None
+    personal_acc: Accuracy = None
+    global_acc: Accuracy = None
+
+
+class Baseline(_Doc):
+    """A baseline run on the same split and budget."""
+
+    summary: BaselineSummary = BaselineSummary()
+    clients: list[BaselineClient] = []
+
+
+class SplitClient(_Doc):
+    id: str
+    n_train: int = Field(ge=0)
+    n_val: int = Field(ge=0)
+    n_test: int = Field(ge=0)
+    counts: list[Annotated[int, Field(ge=0)]]  # training samples per class
+
+
+class Split(_Doc):
+    """Each client's share of the data."""
+
+    _omit_empty = ("description",)
+
+    scheme: str | None = None
+    classes: list[str] = []
+    clients: list[SplitClient] = []
+    description: str | None = None
+
+    @model_validator(mode="after")
+    def _one_count_per_class(self) -> Self:
+        for c in self.clients:
+            if self.classes and len(c.counts) != len(self.classes):
+                raise ValueError(
+                    f"client {c.id} has {len(c.counts)} class counts for "
+                    f"{len(self.classes)} classes"
+                )
+        return self
+
+
+class OnnxRow(_Doc):
+    """A device's exported personalized model, measured with onnxruntime (the demo)."""
+
+    client: str
+    arch: str | None = None
+    file: str | None = None
+    size_bytes: int | None = Field(None, ge=0)
+    latency_p50_ms: float | None = None
+    latency_p99_ms: float | None = None
+    throughput: float | None = None
+    accuracy: Accuracy = None
+    personal_acc: Accuracy = None
+    eval_samples: int | None = None
+    provider: str | None = None
+
+
+class DeviceRecord(_Doc):
+    """Where the clients trained and why: one device for a simulation, the devices the clients
+    registered with for a deployment."""
+
+    requested: str | None = None  # auto, cpu, cuda (None: each client chose its own)
+    used: str  # cpu, cuda:0, or several ("cpu ×2, cuda:0 ×1")
+    reason: str
+    precision: str | None = None  # float32, or the autocast dtype on CUDA
+
+    def describe(self) -> str:
+        """One line: `cpu (auto: CUDA is not available), float32`."""
+        return f"{self.used} ({self.reason})" + (f", {self.precision}" if self.precision else "")
+
+
+class CollaborationRound(_Doc):
+    round: int = Field(ge=0)
+    matrix: list[list[float]]
+
+
+class Results(_Doc):
+    """results.json. Keys beyond the fields are the algorithm's own results (its strategy's
+    `results()`), kept as they are."""
+
+    model_config = ConfigDict(extra="allow")
+    _omit_empty = (
+        "device",
+        "collaboration_clients",
+        "collaboration",
+        "collaboration_history",
+        "split",
+        "onnx",
+        "onnx_note",
+        "setup",
+    )
+
+    config: dict[str, Any] = {}  # the resolved run config (the daemon: without data, models)
+    algorithm: str
+    budget: dict[str, dict[str, Any]] = {}
+    rounds: list[RoundEntry] = []
+    clients: list[ClientEntry] = []
+    summary: Summary = Summary()
+    device: DeviceRecord | None = None
+    # FedeRiCo: each client's weights over every client's model (rows in this order)
+    collaboration_clients: list[str] | None = None
+    collaboration: list[list[float]] | None = None
+    collaboration_history: list[CollaborationRound] | None = None
+    baselines: dict[str, Baseline] = {}
+    split: Split | None = None
+    onnx: list[OnnxRow] | None = None
+    onnx_note: str | None = None
+    setup: dict[str, str] | None = None  # how the run was carried out: label -> text
+
+    @model_validator(mode="after")
+    def _square_collaboration(self) -> Self:
+        n = len(self.collaboration_clients or self.clients)
+        matrices = [("collaboration", self.collaboration)] + [
+            (f"collaboration_history (round {h.round})", h.matrix)
+            for h in self.collaboration_history or []
+        ]
+        for where, m in matrices:
+            if m is not None and (len(m) != n or any(len(row) != n for row in m)):
+                raise ValueError(f"{where} must be {n}×{n} (clients × clients)")
+            if m is not None and not all(math.isfinite(v) for row in m for v in row):
+                raise ValueError(f"{where} holds a value that is not finite")
+        return self
+
+    # -- reading and writing -----------------------------------------------------------------
+    @classmethod
+    def parse(cls, data: Mapping[str, Any] | str | bytes) -> Results:
+        """Validate a results document (a dict, or JSON text); `ResultsError` when malformed."""
+        try:
+            if isinstance(data, str | bytes):
+                return cls.model_validate_json(data)
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ResultsError(_first_error(exc)) from None
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> Results:
+        """Read and validate a results.json file."""
+        try:
+            return cls.parse(Path(path).read_bytes())
+        except ResultsError as exc:
+            raise ResultsError(f"{path}: {exc}") from None
+
+    def to_json(self) -> str:
+        """The document as results.json holds it (indented JSON)."""
+        return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+
+    # -- what the report, the CLI and the demo ask ---------------------------------------------
+    def client_mean(self, field: str) -> float | None:
+        """The mean over clients of one of their accuracies (those that have it)."""
+        values = [getattr(c, field) for c in self.clients]
+        present = [v for v in values if v is not None]
+        return sum(present) / len(present) if present else None
+
+
+def _first_error(exc: ValidationError) -> str:
+    errors = exc.errors()
+    first = errors[0]
+    where = "results" + "".join(f"[{p!r}]" for p in first.get("loc", ()))
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    msg = str(first.get("msg", "")).removeprefix("Value error, ")
+    return f"{where}: {msg}{more}"

@@ -1,0 +1,62 @@
+"""Which device a run uses, why, and in what precision; what a client tells the coordinator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from edge_sdk.device import autocast_dtype, choose_device, precision, resolve_device
+from edge_sdk.protocol import Register, decode
+from edge_sdk.trainer import Trainer
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+without_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+
+
+def test_cpu_is_chosen_when_asked_and_trains_in_float32():
+    choice = choose_device("cpu")
+    assert (choice.requested, str(choice.device), choice.reason) == ("cpu", "cpu", "asked for cpu")
+    assert choice.precision == "float32"
+    assert autocast_dtype(torch.device("cpu")) is None
+    assert Trainer(torch.device("cpu")).amp is False
+
+
+@without_cuda
+def test_auto_without_cuda_falls_back_to_the_cpu_and_says_so():
+    choice = choose_device("auto")
+    assert (str(choice.device), choice.reason) == ("cpu", "auto: CUDA is not available")
+    with pytest.raises(ValueError, match="'cuda' requested but CUDA is not available"):
+        resolve_device("cuda")
+
+
+def test_an_unknown_device_name_is_refused():
+    with pytest.raises(ValueError, match="unknown device 'tpu'; expected 'auto', 'cpu' or 'cuda'"):
+        choose_device("tpu")
+
+
+@needs_cuda
+def test_cuda_names_the_card_and_the_autocast_dtype_the_trainer_uses():
+    choice = choose_device("auto")
+    assert choice.device.type == "cuda"
+    assert choice.reason.startswith("auto: CUDA is available (")
+    trainer = Trainer(choice.device)
+    assert trainer.amp and choice.precision == f"{str(trainer._amp_dtype)[6:]} autocast"
+    assert precision(choice.device) in {"bfloat16 autocast", "float16 autocast"}
+
+
+def test_a_registration_from_a_client_that_names_no_dataset_or_precision_still_decodes():
+    # An older client's registration: capabilities without `dataset` and `precision`.
+    old = {
+        "v": 1,
+        "run": "r",
+        "sender": "c0",
+        "kind": "register",
+        "spec": {"family": "mlr", "num_classes": 10, "input_shape": [1, 8, 8]},
+        "capabilities": {"device": "cuda:0", "n_train": 5, "num_classes": 10},
+    }
+    msg = decode(json.dumps(old).encode())
+    assert isinstance(msg, Register)
+    caps = msg.capabilities
+    assert (caps.device, caps.dataset, caps.precision) == ("cuda:0", None, None)
