@@ -5,7 +5,7 @@ Clients of a stack hold different amounts of data (a Dirichlet split differs 10Ã
 their epochs have different numbers of batches, and the last batch of each is short. A stacked
 epoch runs as many steps as the longest member's; at each step:
 
-- the members are ordered by their number of training samples, longest first (`fit_stacked`
+- the members are ordered by their number of training samples, longest first (`run_stacked`
   orders them so), so the members still in their epoch are a *prefix* of the stack: the step
   runs on that prefix only (the stacked models take as many rows of their parameters as the
   batch has rows), and the optimizer's update of the other members is undone (parameters and
@@ -176,6 +176,7 @@ class CohortTrainer(Trainer):
         self.masked = self.graphs if masked is None else masked
         self._stepping: _Stepping | None = None
         self._uneven = False  # the current loop's members take different numbers of steps
+        self.stats = first.stats  # not used: each member's own stats are counted
 
     @property
     def size(self) -> int:
@@ -195,7 +196,7 @@ class CohortTrainer(Trainer):
         total = max(steps)
         self._uneven = len(set(steps)) > 1
         # The members still in their epoch are a prefix when the longest come first (as
-        # fit_stacked orders them); otherwise the whole stack runs, masked.
+        # run_stacked orders them); otherwise the whole stack runs, masked.
         masked = self.masked or steps != sorted(steps, reverse=True)
         table = torch.zeros(n, total * batch_size, dtype=torch.int64, device=self.device)
         for i, perm in enumerate(perms):
@@ -208,14 +209,14 @@ class CohortTrainer(Trainer):
         ]
         padded = [masked or any(0 < c < batch_size for c in row) for row in counts]
         weights = _weight_table(counts, batch_size, self.device) if any(padded) else None
+        # Who takes each step, on the device once per epoch (not a host-to-device copy a step).
+        actives = torch.tensor(counts, device=self.device).gt(0).float() if masked else None
         for s in range(total):
             taking = [c > 0 for c in counts[s]]
             rows = n if masked else sum(taking)
             local = table[s, :rows]
             w = weights[s, :rows] if weights is not None and padded[s] else None
-            active = None
-            if masked:
-                active = torch.tensor(taking, dtype=torch.float32, device=self.device)
+            active = actives[s] if actives is not None else None
             yield _batch((xs.gather(local, rows), ys.gather(local, rows), w, active), taking)
 
     def fresh_batches(
@@ -265,7 +266,7 @@ class CohortTrainer(Trainer):
         n = self.size
         runner = StepRunner(self._stepper(step), capture=self.graphs)
         sums = torch.zeros(values, n, device=self.device)
-        taken = [0] * n
+        taken, replayed = [0] * n, [0] * n
         for batch in batches:
             taking = getattr(batch, "taking", None)
             if taking is None:
@@ -277,7 +278,14 @@ class CohortTrainer(Trainer):
             else:
                 sums[:, : out.shape[1]].add_(out)
             taken = [k + t for k, t in zip(taken, taking, strict=True)]
+            if runner.last_replayed:
+                replayed = [k + t for k, t in zip(replayed, taking, strict=True)]
         self._uneven = False
+        for t, k, r in zip(self.members, taken, replayed, strict=True):
+            t.stats.steps += k
+            t.stats.stacked += k
+            t.stats.replayed += r
+        self.members[0].stats.graphs += runner.graphs  # the stack's graphs, counted once
         means = (sums / torch.tensor(taken, device=self.device).clamp(min=1)).tolist()
         for row in means:
             _check_finite([v for v, k in zip(row, taken, strict=True) if k])

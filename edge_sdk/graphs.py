@@ -47,7 +47,8 @@ class _Captured:
 
 class StepRunner:
     """`step(*inputs) -> tensors`, eagerly or (capture=True, CUDA) as a replayed CUDA graph per
-    input shape. `graphs` counts the graphs captured, `eager` the steps run eagerly."""
+    input shape. `graphs` counts the graphs captured, `eager` and `replayed` the steps run each
+    way."""
 
     def __init__(self, step: Step, *, capture: bool = False, warmup: int = 2) -> None:
         self.step = step
@@ -56,13 +57,16 @@ class StepRunner:
         self._seen: dict[tuple[Any, ...], int] = {}
         self._graphs: dict[tuple[Any, ...], _Captured] = {}
         self._pool: Any = None  # one memory pool shared by this runner's graphs
-        self.eager = 0
+        self.eager = 0  # steps run eagerly
+        self.replayed = 0  # steps replayed from a graph
+        self.last_replayed = False
 
     @property
     def graphs(self) -> int:
         return len(self._graphs)
 
     def __call__(self, *inputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        self.last_replayed = False
         if not self.capture:
             self.eager += 1
             return tuple(self.step(*inputs))
@@ -78,6 +82,8 @@ class StepRunner:
             if static is not None and t is not None:
                 static.copy_(t)
         captured.graph.replay()
+        self.replayed += 1
+        self.last_replayed = True
         return captured.outputs
 
     def _side_stream(self, inputs: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:

@@ -38,7 +38,7 @@ from edge_sdk.algorithms import (
     algorithm_names,
 )
 from edge_sdk.codec import WireModel
-from edge_sdk.cohort import CohortUnsupported, fit_stacked
+from edge_sdk.cohort import CohortUnsupported, run_stacked
 from edge_sdk.peers import Peers
 from edge_sdk.protocol import Capabilities, Phase
 from edge_sdk.state import StateError, load_state, save_state
@@ -307,14 +307,15 @@ class ClientNode:
 def execute_together(
     nodes: Sequence[ClientNode], tasks: Sequence[NodeTask]
 ) -> list[FitResult | Exception]:
-    """Execute begun tasks of one group (equal `group_key`) as one call: fit tasks of an
-    algorithm that can train stacked (`ClientAlgorithm.stackable`) run once on models with a
-    leading client dimension (`edge_sdk.cohort`), in stacks small enough for the device's
-    memory; whatever cannot stack runs node by node, from the same state and random
-    generators. Each node gets its own result, or the exception its task raised."""
+    """Execute begun tasks of one group (equal `group_key`) as one call: the tasks of an
+    algorithm that can run stacked (`ClientAlgorithm.stackable`: its fit, evaluation and
+    finalize) run once on models with a leading client dimension (`edge_sdk.cohort`), in stacks
+    small enough for the device's memory; whatever cannot stack runs node by node, from the
+    same state and random generators. Each node gets its own result, or the exception its task
+    raised."""
     out: list[FitResult | Exception | None] = [None] * len(nodes)
     same_params = all(t.params == tasks[0].params for t in tasks)
-    if len(nodes) > 1 and tasks[0].phase == "fit" and same_params:
+    if len(nodes) > 1 and same_params:
         algos = [n._current() for n in nodes]
         if type(algos[0]).stackable:
             for chunk, results in _stacked(algos, tasks):
@@ -349,8 +350,12 @@ def _stacked(
         if len(chunk) < 2:
             continue  # a stack of one is that client alone
         try:
-            results = fit_stacked(
-                [algos[i] for i in chunk], task.round, task.rounds, [tasks[i].models for i in chunk]
+            results = run_stacked(
+                [algos[i] for i in chunk],
+                task.phase,
+                task.round,
+                task.rounds,
+                [tasks[i].models for i in chunk],
             )
         except torch.OutOfMemoryError:
             half = len(chunk) // 2
@@ -364,6 +369,6 @@ def _stacked(
             log.info("%d clients train one by one: %s", len(chunk), exc)
             continue
         except Exception as exc:  # each member gets its own error one by one
-            log.info("a stacked fit failed (%s); %d clients train one by one", exc, len(chunk))
+            log.info("stacked %s failed (%s); %d clients one by one", task.phase, exc, len(chunk))
             continue
         yield chunk, results

@@ -29,7 +29,7 @@ from edge_sdk.graphs import StepRunner
 from edge_sdk.losses import cross_entropy
 from edge_sdk.optim import SGD, Adam
 
-__all__ = ["ClientData", "EvalResult", "OptimConfig", "Step", "Trainer"]
+__all__ = ["ClientData", "EvalResult", "LoopStats", "OptimConfig", "Step", "Trainer"]
 
 # A training step: one batch's tensors (inputs, labels) → the values to average over the loop
 # (losses), after it has updated the models (Trainer.step).
@@ -197,6 +197,19 @@ class EvalResult:
         return self.loss_sum / self.total if self.total else float("nan")
 
 
+@dataclass
+class LoopStats:
+    """How a client's training steps ran (`Trainer.run`), for the record of a run."""
+
+    steps: int = 0  # training steps taken
+    stacked: int = 0  # of which in a stack of clients (edge_sdk.cohort)
+    replayed: int = 0  # of which replayed from a captured CUDA graph
+    graphs: int = 0  # CUDA graphs captured (one per loop and batch shape)
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: int(v) for k, v in vars(self).items()}
+
+
 class Trainer:
     """Batches, optimizers, mixed precision and evaluation for one client on one device.
 
@@ -224,6 +237,7 @@ class Trainer:
         )
         capturable = device.type == "cuda" and self._scaler is None
         self.graphs = capturable if graphs is None else graphs and capturable
+        self.stats = LoopStats()
 
     @property
     def amp_dtype(self) -> str | None:
@@ -383,6 +397,9 @@ class Trainer:
                 sums = [torch.zeros_like(v) for v in out]
             torch._foreach_add_(sums, list(out))
             steps += 1
+        self.stats.steps += steps
+        self.stats.replayed += runner.replayed
+        self.stats.graphs += runner.graphs
         if sums is None:
             return [math.nan] * values
         means = torch.stack(sums).div_(steps).tolist()  # the loop's one host sync

@@ -5,7 +5,8 @@ over its tasks (see `edge_sdk.node`): every node `begin`s (so what peers must se
 any node reads it: FedeRiCo's exchange needs no waiting), then the tasks execute group by group,
 then every node `end`s (persistence, export). A group is the tasks of one deterministic key
 (architecture, algorithm, config, round, phase, step) and runs through one call,
-`execute_together`: fit tasks of an algorithm that trains stacked run as one stacked model.
+`execute_together`: the tasks of an algorithm that runs stacked (its fit, evaluation and
+finalize) run as one stacked model.
 Up to `parallel` groups (or single clients, for what does not stack) run at once on a small
 pool of worker threads.
 
@@ -56,7 +57,7 @@ def cpu_cores() -> int:
 
 class LocalFleet(Fleet):
     """`nodes` as the clients of a run. `parallel`: how many groups train at once (default: the
-    cores this process may use). `stack`: compatible fit tasks train as one stacked model
+    cores this process may use). `stack`: compatible tasks run as one stacked model
     (False: one by one). `fp16_upload`: replies are rounded through fp16, as a client uploading
     in fp16 would send them."""
 
@@ -164,7 +165,7 @@ class LocalFleet(Fleet):
         )
 
     def _execute(self, begun: Mapping[str, NodeTask]) -> dict[str, FitResult | Exception]:
-        """Run the begun tasks group by group: a stackable fit group as one job, anything
+        """Run the begun tasks group by group: a stackable group as one job, anything
         else one job per client, up to `parallel` jobs at once."""
         groups: dict[tuple[object, ...], list[str]] = {}
         for cid, task in begun.items():
@@ -173,12 +174,7 @@ class LocalFleet(Fleet):
         jobs: list[list[str]] = []
         for ids in groups.values():
             first = self.nodes[ids[0]].algorithm
-            stacks = (
-                self.stack
-                and begun[ids[0]].phase == "fit"
-                and first is not None
-                and type(first).stackable
-            )
+            stacks = self.stack and first is not None and type(first).stackable
             jobs.extend([ids] if stacks else [[cid] for cid in ids])
 
         def run(ids: list[str]) -> list[FitResult | Exception]:

@@ -19,7 +19,7 @@ from edge_sdk.cohort import (
     CohortTrainer,
     CohortUnsupported,
     PerMember,
-    fit_stacked,
+    run_stacked,
     stack_modules,
 )
 from edge_sdk.cohort_trainer import StackedData
@@ -120,7 +120,7 @@ def _fits_alike(algorithm, *, masked=False, rounds=2, **kw):
     for round_ in range(1, rounds + 1):
         models = _models(algorithm, spec, len(alone))
         expected = [a.fit(round_, rounds, m) for a, m in zip(alone, models, strict=True)]
-        got = fit_stacked(stacked, round_, rounds, models, masked=masked)
+        got = run_stacked(stacked, "fit", round_, rounds, models, masked=masked)
         for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
             assert g.n_samples == e.n_samples
             _assert_close(g.metrics, e.metrics, "metrics")
@@ -158,7 +158,7 @@ def test_stacked_fml_with_a_shared_backbone_keeps_each_clients_own_head():
     models = [{"global": WireModel(spec, backbone)}] * 3
 
     expected = [a.fit(1, 1, m) for a, m in zip(alone, models, strict=True)]
-    got = fit_stacked(stacked, 1, 1, models)
+    got = run_stacked(stacked, "fit", 1, 1, models)
 
     for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
         _assert_close(g.models["meme"].weights, e.models["meme"].weights)
@@ -185,7 +185,7 @@ def test_clients_with_adam_and_unequal_steps_are_refused_as_they_were():
     _, fresh = _clients("local", sizes=(30, 12), optimizer="adam")
 
     with pytest.raises(CohortUnsupported, match="Adam"):
-        fit_stacked(stacked, 1, 2, _models("local", spec, 2))
+        run_stacked(stacked, "fit", 1, 2, _models("local", spec, 2))
 
     for s, f in zip(stacked, fresh, strict=True):
         _assert_close(s.state_dict(), f.state_dict())
@@ -300,7 +300,7 @@ def test_a_stacked_fit_refused_part_way_leaves_the_random_streams_as_they_were()
 
     # Execute
     with pytest.raises(CohortUnsupported):
-        fit_stacked(refused, 1, 2, _models("pfml", spec, 3))
+        run_stacked(refused, "fit", 1, 2, _models("pfml", spec, 3))
 
     # Assert
     for a, f in zip(refused, fresh, strict=True):
@@ -349,21 +349,32 @@ def test_a_stacked_module_runs_each_row_on_its_own_input():
 # -- through the node and the simulator -------------------------------------------------------
 @pytest.fixture
 def stacked_fits(monkeypatch):
-    """How each stacked fit the nodes tried ended: its size, or the error that stopped it."""
-    log = []
-    real = node_mod.fit_stacked
+    """How each stacked fit the nodes tried ended: its size, or the error that stopped it
+    (`stacked_fits.phases`: the phase of every stacked run, fit or not)."""
+    log = _Log()
+    real = node_mod.run_stacked
 
-    def spy(algos, *args, **kw):
+    def spy(algos, phase, *args, **kw):
         try:
-            out = real(algos, *args, **kw)
+            out = real(algos, phase, *args, **kw)
         except Exception as exc:
-            log.append(exc)
+            log.phases.append((phase, exc))
+            if phase == "fit":
+                log.append(exc)
             raise
-        log.append(len(algos))
+        log.phases.append((phase, len(algos)))
+        if phase == "fit":
+            log.append(len(algos))
         return out
 
-    monkeypatch.setattr(node_mod, "fit_stacked", spy)
+    monkeypatch.setattr(node_mod, "run_stacked", spy)
     return log
+
+
+class _Log(list):
+    def __init__(self):
+        super().__init__()
+        self.phases = []
 
 
 def _together(algos, models):
@@ -415,14 +426,14 @@ def test_a_stack_that_runs_out_of_memory_trains_in_halves(stacked_fits, monkeypa
     spec, alone = _clients("fml", sizes=(20, 18, 16, 14))
     _, stacked = _clients("fml", sizes=(20, 18, 16, 14))
     models = _models("fml", spec, 4)
-    real = node_mod.fit_stacked
+    real = node_mod.run_stacked
 
     def small_memory(algos, *args, **kw):
         if len(algos) > 2:
             raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
         return real(algos, *args, **kw)
 
-    monkeypatch.setattr(node_mod, "fit_stacked", small_memory)
+    monkeypatch.setattr(node_mod, "run_stacked", small_memory)
 
     # Execute
     expected = [a.fit(1, 2, m) for a, m in zip(alone, models, strict=True)]
@@ -452,8 +463,10 @@ def test_simulated_pfml_trains_stacked_with_the_results_of_one_client_at_a_time(
     assert stacked_fits == []
     stacked = run_federation(stacked_cfg, prepare_federation(stacked_cfg), "pfml")
 
-    # Assert: every fit ran stacked, and every client ends where it ended on its own
+    # Assert: every fit and evaluation ran stacked, and every client ends where it ended alone
     assert stacked_fits and all(n > 1 for n in stacked_fits) and sum(stacked_fits) == 4 * 2
+    assert {phase for phase, _ in stacked_fits.phases} == {"fit", "evaluate", "finalize"}
+    assert all(n == 2 for _, n in stacked_fits.phases)
     assert [c.personal_acc for c in stacked.clients] == [c.personal_acc for c in one_by_one.clients]
     for s, t in zip(stacked.rounds, one_by_one.rounds, strict=True):
         assert s.train_metrics == pytest.approx(t.train_metrics, rel=1e-6)
