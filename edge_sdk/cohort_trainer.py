@@ -74,7 +74,9 @@ class _Packed:
             offsets = [r[0] for r in ranges if r is not None]
         self.base = base
         self.offsets = offsets
-        self.starts = torch.tensor(offsets, dtype=torch.int64, device=base.device)
+        # A member without samples reads (and never counts) a row that exists.
+        safe = [min(o, max(0, len(base) - 1)) for o in offsets]
+        self.starts = torch.tensor(safe, dtype=torch.int64, device=base.device)
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -349,31 +351,44 @@ class CohortTrainer(Trainer):
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
-        """Each member's stacked model on its own samples: StackedEval (one value each)."""
+        """Each member's stacked model on its own samples: StackedEval (one value each).
+
+        Chunk by chunk, the members that still have samples run (the first `rows` of the
+        stack, as in training: the longest come first), a member's last chunk padded and its
+        padding not counted, so no member costs more than its own samples."""
         xs, ys = _packed(x), _packed(y)
-        n, longest = self.size, max(ys.sizes, default=0)
+        sizes = ys.sizes
+        n = self.size
         correct = torch.zeros(n, dtype=torch.int64, device=self.device)
         loss_sum = torch.zeros(n, device=self.device)
-        # Samples per member and forward: a budget for the whole stack (see Trainer.logits).
-        budget = 16384 if self.device.type == "cuda" else 256
-        chunk = max(8, budget // n)
-        sizes = torch.tensor(ys.sizes, device=self.device)
+        # Samples a forward: per member as Trainer.logits takes them, all members at most a
+        # budget (activations are held for the whole stack at once).
+        per_member, budget = (1024, 32768) if self.device.type == "cuda" else (64, 1024)
+        last = torch.tensor([max(0, k - 1) for k in sizes], device=self.device)
+        start, longest = 0, max(sizes, default=0)
         was_training = model.training
         model.eval()
-        for start in range(0, longest, chunk):
-            position = torch.arange(start, min(start + chunk, longest), device=self.device)
-            valid = position[None, :] < sizes[:, None]  # (N, c)
-            local = torch.minimum(position[None, :], (sizes - 1).clamp(min=0)[:, None])
+        while start < longest:
+            rows = 1 + max(i for i, k in enumerate(sizes) if k > start)
+            chunk = max(1, min(per_member, budget // rows, longest - start))
+            position = torch.arange(start, start + chunk, device=self.device)
+            local = torch.minimum(position[None, :], last[:rows, None])  # (rows, c)
             with self.autocast():
-                z = model(xs.gather(local, n)).float()  # (N, c, C)
-            labels = ys.gather(local, n)
+                z = model(xs.gather(local, rows)).float()  # (rows, c, C)
+            labels = ys.gather(local, rows)
             nll = nn.functional.cross_entropy(z.flatten(0, 1), labels.flatten(), reduction="none")
-            loss_sum += (nll.view(labels.shape) * valid).sum(1)
-            correct += ((z.argmax(-1) == labels) & valid).sum(1)
+            counted = position[None, :] <= last[:rows, None]
+            if any(k <= start for k in sizes[:rows]):  # a member without samples here
+                counted &= torch.tensor([k > start for k in sizes[:rows]], device=self.device)[
+                    :, None
+                ]
+            loss_sum[:rows] += (nll.view(labels.shape) * counted).sum(1)
+            correct[:rows] += ((z.argmax(-1) == labels) & counted).sum(1)
+            start += chunk
         model.train(was_training)
         return StackedEval(
             correct=PerMember(correct.tolist()),
-            total=PerMember(ys.sizes),
+            total=PerMember(sizes),
             loss_sum=PerMember(loss_sum.tolist()),
         )
 

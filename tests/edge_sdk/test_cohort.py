@@ -261,12 +261,16 @@ def test_each_member_is_clipped_to_its_own_gradient_norm():
             assert torch.allclose(p.grad[i], m.get_parameter(name).grad, atol=1e-6), (name, i)
 
 
-def test_a_stacked_evaluation_scores_each_member_on_its_own_samples():
-    # Prepare: 3 members with test splits of 6, and 70 samples for the last (several chunks)
-    datas = _data((8, 8, 8))
+@pytest.mark.parametrize("test_sizes", [(6, 6, 70), (70, 6, 0)])
+def test_a_stacked_evaluation_scores_each_member_on_its_own_samples(test_sizes):
+    # Prepare: members with test splits of different sizes (70: several chunks; 0: none), the
+    # longest last or first
     g = torch.Generator().manual_seed(5)
-    x, y = torch.randn(70, FEATURES, generator=g), torch.randint(0, CLASSES, (70,), generator=g)
-    datas[2] = ClientData(x[:8], y[:8], x[:1], y[:1], x, y, num_classes=CLASSES)
+    datas = []
+    for k in test_sizes:
+        x = torch.randn(8 + k, FEATURES, generator=g)
+        y = torch.randint(0, CLASSES, (8 + k,), generator=g)
+        datas.append(ClientData(x[:8], y[:8], x[:1], y[:1], x[8:], y[8:], num_classes=CLASSES))
     models = [_model("mlp", s) for s in range(3)]
     packed = StackedData.of(datas)
     trainer = CohortTrainer([Trainer(CPU) for _ in range(3)])
@@ -280,7 +284,7 @@ def test_a_stacked_evaluation_scores_each_member_on_its_own_samples():
         assert got.correct[i] == int((z.argmax(1) == d.y_test).sum())
         assert got.total[i] == len(d.y_test)
         expected = nn.functional.cross_entropy(z, d.y_test, reduction="sum").item()
-        assert got.loss[i] == pytest.approx(expected / len(d.y_test), rel=1e-5)
+        assert got.loss_sum[i] == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
 def test_a_decision_on_a_per_client_value_is_refused():
