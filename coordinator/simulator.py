@@ -30,7 +30,7 @@ from coordinator.federation import (
     split_record,
     write_split,
 )
-from coordinator.fleet import LocalFleet, NetworkFleet, cpu_cores
+from coordinator.fleet import LocalFleet, NetworkFleet
 from coordinator.results import (
     RoundRecord,
     RunResult,
@@ -42,7 +42,7 @@ from coordinator.results_model import Results
 from coordinator.strategies import strategy_class
 from edge_sdk import topics
 from edge_sdk.client import EdgeClient
-from edge_sdk.device import choose_device
+from edge_sdk.device import choose_device, cpu_threads
 from edge_sdk.malloc import M_ARENA_MAX, glibc
 from edge_sdk.node import ClientNode
 from edge_sdk.transport import InMemoryBroker, Transport
@@ -116,7 +116,7 @@ def run_federation(
         )
         for i, cid in enumerate(fed.client_ids)
     ]
-    parallel = cfg.parallel or cpu_cores()
+    parallel = cfg.parallel or cpu_threads()
     release = _lean_heap(parallel)
 
     def round_done(rec: RoundRecord) -> None:
@@ -153,7 +153,7 @@ def _over_network(
     # Clients train on their own threads: give each an equal share of the cores instead of
     # letting every one spawn a full intra-op pool. Restored when the run ends.
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, cpu_cores() // parallel))
+    torch.set_num_threads(max(1, cpu_threads() // parallel))
     clients: list[EdgeClient] = []
     try:
         coordinator.open()

@@ -75,7 +75,9 @@ class WireModel:
 
     def build(self, device: torch.device | str = "cpu") -> nn.Module:
         """Rebuild the network and load these weights (strictly)."""
-        model = build(self.spec)
+        # Seeded, so that rebuilding draws nothing from torch's global generator: how many
+        # models a process materialises (one per client, or one per stack) changes no result.
+        model = build(self.spec, seed=0)
         model.load_state_dict(self.weights)
         return model.to(device)
 

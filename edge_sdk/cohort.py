@@ -1,25 +1,29 @@
 """Stacked training: clients of one architecture train as one stacked model.
 
 A simulation runs many clients in one process. Each would run its algorithm's ~100 tiny torch
-ops per step on its own; here the clients of one fit task group (the simulator's LocalFleet
-groups a phase's tasks, `edge_sdk.node.execute_together`) run their algorithm's `fit`
-**once**, on models whose parameters carry a leading client dimension
-(`torch.func.vmap` over `functional_call`), so every op runs once for all of them. The shared
-losses give one value per client for stacked logits; no client's loss depends on another's
-parameters, so the gradient of their sum holds each client's own gradient in its row, and the
-algorithm's update rule, written once, applies row by row.
+ops per step on its own; here the clients of one task group (the simulator's LocalFleet groups a
+phase's tasks, `edge_sdk.node.execute_together`) run their algorithm's `fit` **once**, on models
+whose parameters carry a leading client dimension (`torch.func.vmap` over `functional_call`), so
+every op runs once for all of them. The shared losses give one value per client for stacked
+logits; no client's loss depends on another's parameters, so the gradient of their sum holds each
+client's own gradient in its row, and the algorithm's update rule, written once, applies row by
+row. Optimizers step stacked parameters and their stacked state (momentum) elementwise, as they
+would each client's.
 
-Nothing is forked: the algorithm's own `fit` runs, on a `CohortContext` whose trainer draws each
-client's batch from that client's own generator and data and whose `build_model` builds each
-client's model with its own seed. Before the stacked fit each member's persistent state is
-stacked, after it each member gets its row back, so evaluation, persistence, rollback and ONNX
-export stay per client.
+Nothing is forked: the algorithm's own `fit` runs, on a `CohortContext` whose trainer
+(`edge_sdk.cohort_trainer.CohortTrainer`) draws each client's batches from that client's own
+generator and data, gives each client its own number of steps, and whose `build_model` builds
+each client's model with its own seed. Before the stacked fit each member's persistent state is
+stacked (modules, optimizers, equal plain values), after it each member gets its row back, so
+evaluation, persistence, rollback and ONNX export stay per client.
 
-An algorithm opts in with `stackable = True` (its `fit` uses only what a CohortContext provides:
-`ctx.build_model` / `ctx.materialize`, `trainer.sample_batch`, `trainer.value_and_grad`,
-`trainer.average`, elementwise updates, `data.n_train`). Whatever cannot stack (models with
-buffers or dropout, members whose state differs in kind, unequal batch sizes) runs client by
-client, from the same state and random generators, so the result does not depend on the path.
+An algorithm opts in with `stackable = True`: its `fit` uses only what a CohortContext provides
+(`ctx.build_model` / `ctx.materialize`, the trainer's batches, `run`, `step`,
+`value_and_grad`, `evaluate`, elementwise updates, `data.n_train`) and takes no decision per
+client on a value that differs between them (`PerMember` refuses it). Whatever cannot stack
+(models with buffers such as batch norm, dropout, members whose state differs in kind, Adam with
+unequal step counts) runs client by client, from the same state and random generators, so the
+result does not depend on the path; the log says why.
 """
 
 from __future__ import annotations
@@ -42,16 +46,20 @@ from edge_sdk.algorithms.base import (
     TaskInfo,
 )
 from edge_sdk.codec import WireModel
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.cohort_trainer import CohortTrainer, CohortUnsupported, PerMember, StackedData
 from model_zoo import ArchSpec, build
 
-__all__ = ["CohortUnsupported", "fit_stacked", "stack_modules", "unstack_module"]
+__all__ = [
+    "CohortContext",
+    "CohortTrainer",
+    "CohortUnsupported",
+    "PerMember",
+    "run_stacked",
+    "stack_modules",
+    "unstack_module",
+]
 
 log = logging.getLogger(__name__)
-
-
-class CohortUnsupported(ValueError):
-    """This group cannot train stacked (its members then train one by one)."""
 
 
 # -- stacked modules ---------------------------------------------------------------------------
@@ -60,16 +68,23 @@ _TEMPLATE = "_edgefl_template"  # the meta-device copy whose forward each row ru
 
 class _Stacked(nn.Module):
     """Mixed into a model's own class: parameters with a leading client dimension, and a
-    forward that runs the original forward once per row (vmapped)."""
+    forward that runs the original forward once per row (vmapped).
+
+    Inputs (R, B, ...) run on the first R rows (the clients taking a step, a prefix of the
+    stack); inputs (B, ...) without the client dimension are the same batch for every row."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         template = getattr(self, _TEMPLATE)
         params: dict[str, torch.Tensor] = dict(self.named_parameters())
+        spec = getattr(self, SPEC_ATTR, None)
+        shared = spec is not None and x.dim() == len(spec.input_shape) + 1
+        if not shared and len(x) != len(next(iter(params.values()))):
+            params = {k: v[: len(x)] for k, v in params.items()}
 
         def one(p: dict[str, torch.Tensor], xi: torch.Tensor) -> torch.Tensor:
             return cast(torch.Tensor, functional_call(template, p, (xi,)))
 
-        return cast(torch.Tensor, vmap(one)(params, x))
+        return cast(torch.Tensor, vmap(one, in_dims=(0, None if shared else 0))(params, x))
 
     def train(self, mode: bool = True) -> _Stacked:
         getattr(self, _TEMPLATE).train(mode)
@@ -101,11 +116,23 @@ def stack_modules(modules: Sequence[nn.Module]) -> nn.Module:
     spec = getattr(first, SPEC_ATTR, None)
     if any(getattr(m, SPEC_ATTR, None) != spec or type(m) is not type(first) for m in modules):
         raise CohortUnsupported("the members' models differ in architecture")
-    rows = {
-        name: torch.stack([m.get_parameter(name).detach() for m in modules])
-        for name, _ in first.named_parameters()
-    }
+    rows = {}
+    for name, _ in first.named_parameters():
+        members = [m.get_parameter(name).detach() for m in modules]
+        if _transposed(first, name):  # stacked straight into the layout _stacked keeps
+            rows[name] = torch.stack([p.t() for p in members]).transpose(1, 2)
+        else:
+            rows[name] = torch.stack(members)
     return _stacked(first, rows)
+
+
+def _transposed(template: nn.Module, name: str) -> bool:
+    """Whether the stacked parameter `name` is held transposed: the weights of linear layers,
+    (N, out, in) held as (N, in, out) in memory. The batched matmul's gradient comes out in that
+    layout; a contiguous weight's gradient would be copied out of it every step (2.5-3× the
+    step of a stack of 100 mlps on the CPU)."""
+    owner, _, leaf = name.rpartition(".")
+    return leaf == "weight" and isinstance(template.get_submodule(owner), nn.Linear)
 
 
 def _stacked(template: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.Module:
@@ -116,7 +143,10 @@ def _stacked(template: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.Modu
     meta = copy.deepcopy(template).to("meta")
     for name, p in template.named_parameters():
         owner, _, leaf = name.rpartition(".")
-        stacked = nn.Parameter(params[name], requires_grad=p.requires_grad)
+        rows = params[name]
+        if _transposed(template, name) and not rows.transpose(1, 2).is_contiguous():
+            rows = rows.transpose(1, 2).contiguous().transpose(1, 2)
+        stacked = nn.Parameter(rows, requires_grad=p.requires_grad)
         setattr(shell.get_submodule(owner), leaf, stacked)
     shell.__class__ = _stacked_class(type(template))
     object.__setattr__(shell, _TEMPLATE, meta)  # not a submodule: no parameters, no state
@@ -131,54 +161,6 @@ def unstack_module(stacked: nn.Module, i: int) -> dict[str, torch.Tensor]:
 
 
 # -- what a stacked fit sees -------------------------------------------------------------------
-class _StackedData(ClientData):
-    """The members' training data side by side (lists, one tensor per member)."""
-
-    def __post_init__(self) -> None:  # rows are per member: nothing to check across them
-        pass
-
-    @property
-    def n_train(self) -> Any:  # one count per member
-        return [len(y) for y in cast(list[torch.Tensor], self.y_train)]
-
-
-class CohortTrainer(Trainer):
-    """A Trainer over stacked models: each member's batch from its own generator and data,
-    averages per member (value_and_grad is Trainer's: the losses give one value per row)."""
-
-    def __init__(self, members: Sequence[Trainer]) -> None:
-        first = members[0]
-        self.device = first.device
-        self.generator = first.generator  # unused: each member draws from its own
-        self.amp = first.amp
-        self._amp_dtype = first._amp_dtype
-        self._scaler = None
-        if first._scaler is not None:
-            raise CohortUnsupported("fp16 loss scaling is per client")
-        self.members = list(members)
-
-    def sample_batch(
-        self, x: torch.Tensor, y: torch.Tensor, batch_size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        xs, ys = cast(list[torch.Tensor], x), cast(list[torch.Tensor], y)
-        sizes = {min(batch_size, len(yi)) for yi in ys}
-        if len(sizes) > 1:
-            raise CohortUnsupported(f"the members' batches differ in size ({sorted(sizes)})")
-        picks = [
-            t.sample_batch(xi, yi, batch_size)
-            for t, xi, yi in zip(self.members, xs, ys, strict=True)
-        ]
-        return torch.stack([p[0] for p in picks]), torch.stack([p[1] for p in picks])
-
-    def batches(self, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> Any:
-        raise CohortUnsupported("epoch batches are not stacked yet")
-
-    def average(self, values: Sequence[torch.Tensor]) -> Any:
-        """One mean per member, as Trainer.average takes it for one client."""
-        rows = torch.stack(list(values)).tolist() if values else [[0.0] * len(self.members)]
-        return [sum(col) / max(1, len(values)) for col in zip(*rows, strict=True)]
-
-
 @dataclass
 class CohortContext(ClientContext):
     """The context of a stacked fit: its models are built per member and stacked."""
@@ -189,7 +171,7 @@ class CohortContext(ClientContext):
         return stack_modules([c.build_model(spec, salt) for c in self.members])
 
     def materialize(self, model: WireModel) -> nn.Module:
-        template = build(model.spec)
+        template = build(model.spec, seed=0)  # its own weights are replaced: any seed will do
         setattr(template, SPEC_ATTR, model.spec)
         rows = {
             name: model.weights[name].to(self.device, copy=True)
@@ -198,24 +180,17 @@ class CohortContext(ClientContext):
         return _stacked(template, rows)
 
 
-def _cohort_context(members: Sequence[ClientContext], task: TaskInfo) -> CohortContext:
+def _cohort_context(
+    members: Sequence[ClientContext], task: TaskInfo, masked: bool | None
+) -> CohortContext:
     first = members[0]
-    data = _StackedData(
-        x_train=cast(torch.Tensor, [c.data.x_train for c in members]),
-        y_train=cast(torch.Tensor, [c.data.y_train for c in members]),
-        x_val=first.data.x_val[:0],
-        y_val=first.data.y_val[:0],
-        x_test=first.data.x_test[:0],
-        y_test=first.data.y_test[:0],
-        num_classes=first.data.num_classes,
-    )
     return CohortContext(
         client_id="+".join(c.client_id for c in members),
         spec=first.spec,
-        data=data,
+        data=StackedData.of([c.data for c in members]),
         device=first.device,
         seed=first.seed,
-        trainer=CohortTrainer([c.trainer for c in members]),
+        trainer=CohortTrainer([c.trainer for c in members], masked=masked),
         peers=None,
         task=task,
         members=list(members),
@@ -223,12 +198,139 @@ def _cohort_context(members: Sequence[ClientContext], task: TaskInfo) -> CohortC
 
 
 # -- stacking and unstacking algorithm state ---------------------------------------------------
-def _stack_state(value: list[Any]) -> Any:
-    if all(v is None for v in value):
+def _stack_state(name: str, members: Sequence[ClientAlgorithm], stacked: ClientAlgorithm) -> Any:
+    """The members' persistent attribute `name` as one value of the stacked algorithm: modules
+    and optimizers stacked, a plain value kept when every member holds an equal one."""
+    values = [getattr(a, name) for a in members]
+    first = values[0]
+    if all(v is None for v in values):
         return None
-    if all(isinstance(v, nn.Module) for v in value):
-        return stack_modules(value)
-    raise CohortUnsupported("the members' states differ in kind or hold what cannot stack")
+    if all(isinstance(v, nn.Module) for v in values):
+        return stack_modules(values)
+    if all(isinstance(v, torch.optim.Optimizer) for v in values):
+        return _stack_optimizer(values, _owner(first, members[0]), stacked)
+    if not isinstance(first, nn.Module | torch.optim.Optimizer | torch.Tensor):
+        try:
+            if all(bool(v == first) for v in values):
+                return copy.deepcopy(first)
+        except (RuntimeError, TypeError, ValueError):
+            pass
+    raise CohortUnsupported(f"the members' {name!r} differ in kind or hold what cannot stack")
+
+
+def _owner(opt: torch.optim.Optimizer, algo: ClientAlgorithm) -> str:
+    """The persistent module whose parameters `opt` steps."""
+    ids = [id(p) for group in opt.param_groups for p in group["params"]]
+    for name in type(algo).persistent:
+        module = getattr(algo, name, None)
+        if isinstance(module, nn.Module) and [id(p) for p in module.parameters()] == ids:
+            return name
+    raise CohortUnsupported("an optimizer steps something other than one persistent model")
+
+
+def _stack_optimizer(
+    opts: Sequence[torch.optim.Optimizer], owner: str, stacked: ClientAlgorithm
+) -> torch.optim.Optimizer:
+    """One optimizer of the same kind over the stacked `owner` model, its state the members'
+    stacked (a momentum buffer row per member; step counts must agree)."""
+    saved = [o.state_dict() for o in opts]
+    groups = saved[0]["param_groups"]
+    if len(groups) != 1 or any(s["param_groups"] != groups for s in saved):
+        raise CohortUnsupported("the members' optimizers differ in settings")
+    state: dict[int, dict[str, Any]] = {}
+    for index in saved[0]["state"]:
+        rows = [s["state"].get(index) for s in saved]
+        if any(r is None or r.keys() != rows[0].keys() for r in rows):
+            raise CohortUnsupported("the members' optimizers have taken different steps")
+        state[index] = {k: _stack_entry([r[k] for r in rows]) for k in rows[0]}
+    if any(len(s["state"]) != len(state) for s in saved):
+        raise CohortUnsupported("the members' optimizers have taken different steps")
+    module = getattr(stacked, owner)
+    params = list(module.parameters())
+    out: torch.optim.Optimizer = cast(Any, type(opts[0]))(params)
+    out.load_state_dict({"state": state, "param_groups": copy.deepcopy(groups)})
+    for p in params:  # buffers in their parameter's memory layout (see _stacked)
+        entry = out.state.get(p, {})
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor) and v.shape == p.shape and v.stride() != p.stride():
+                entry[k] = torch.empty_like(p).copy_(v)
+    return out
+
+
+def _stack_entry(values: list[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor) and first.dim():
+        return torch.stack(values)
+    if all(bool(v == first) for v in values):  # a step count: the same for all, or no stack
+        return first.clone() if isinstance(first, torch.Tensor) else first
+    raise CohortUnsupported("the members' optimizers count different steps")
+
+
+def _unstack_state(name: str, stacked: ClientAlgorithm, members: Sequence[ClientAlgorithm]) -> None:
+    """Each member (row i of the stack) gets its share of the stacked attribute `name`: its
+    rows of a stacked module or optimizer copied into its own (one copy for all members where
+    they exist), or its value."""
+    value, n = getattr(stacked, name), len(members)
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    for i, a in enumerate(members):
+        own = getattr(a, name)
+        if value is None:
+            setattr(a, name, None)
+        elif isinstance(value, nn.Module):
+            spec = getattr(value, SPEC_ATTR)
+            if isinstance(own, nn.Module) and getattr(own, SPEC_ATTR, None) == spec:
+                for k, p in own.named_parameters():
+                    dst.append(p)
+                    src.append(value.get_parameter(k)[i])
+            else:
+                saved = {"__module__": spec.to_json(), "weights": unstack_module(value, i)}
+                setattr(a, name, a._decode(own, saved))
+        elif isinstance(value, torch.optim.Optimizer):
+            if not isinstance(own, torch.optim.Optimizer):
+                module = getattr(a, _owner(value, stacked))
+                own = cast(Any, type(value))(list(module.parameters()))
+                setattr(a, name, own)
+            _unstack_optimizer(value, own, i, n, dst, src)
+        elif isinstance(value, PerMember):
+            setattr(a, name, value[i])
+        else:
+            setattr(a, name, copy.deepcopy(value))
+    if dst:
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src)
+
+
+def _unstack_optimizer(
+    stacked: torch.optim.Optimizer,
+    own: torch.optim.Optimizer,
+    i: int,
+    n: int,
+    dst: list[torch.Tensor],
+    src: list[torch.Tensor],
+) -> None:
+    """Member i's settings and state of a stacked optimizer into its own (tensors to copy are
+    added to dst/src; new ones made in its parameters' layout)."""
+    for group, mine in zip(stacked.param_groups, own.param_groups, strict=True):
+        mine.update({k: v for k, v in group.items() if k != "params"})
+        for sp, op in zip(group["params"], mine["params"], strict=True):
+            state, kept = stacked.state.get(sp, {}), own.state[op]
+            for k in [k for k in kept if k not in state]:
+                del kept[k]
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.dim() and len(v) == n:
+                    old = kept.get(k)
+                    if isinstance(old, torch.Tensor) and old.shape == v.shape[1:]:
+                        dst.append(old)
+                        src.append(v[i])
+                    else:
+                        kept[k] = (
+                            torch.empty_like(op).copy_(v[i])
+                            if v[i].shape == op.shape
+                            else v[i].clone()
+                        )
+                else:
+                    kept[k] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
 
 
 def _stack_models(models: Sequence[Mapping[str, WireModel]]) -> dict[str, WireModel]:
@@ -250,7 +352,7 @@ def _stack_models(models: Sequence[Mapping[str, WireModel]]) -> dict[str, WireMo
 
 def _row(value: Any, i: int, n: int) -> Any:
     """Member i's share of a stacked fit's output value: a list holds one per member (what
-    `data.n_train` and `trainer.average` give in a cohort); anything else is everyone's."""
+    `data.n_train` and `trainer.run` give in a cohort); anything else is everyone's."""
     if isinstance(value, list) and len(value) == n:
         return value[i]
     return value  # the same for every member (a constant, a setting)
@@ -271,39 +373,49 @@ def _split_result(result: FitResult, n: int) -> list[FitResult]:
     ]
 
 
-def fit_stacked(
+def run_stacked(
     algos: Sequence[ClientAlgorithm],
+    phase: str,
     round_: int,
     rounds: int,
     models: Sequence[Mapping[str, WireModel]],
+    *,
+    masked: bool | None = None,
 ) -> list[FitResult]:
-    """Run `fit` once for all `algos` (same class, config and architecture) on stacked state,
-    then give every member its row back. Raises CohortUnsupported before changing anything."""
+    """Run the `phase` ("fit", "evaluate" or "finalize") of all `algos` (same class, config and
+    architecture) once, on stacked state, then give every member its row back (results in the
+    order of `algos`). Raises CohortUnsupported, or the stacked phase's error, with every member
+    as it was. `masked`: see CohortTrainer (default: on CUDA)."""
     first = algos[0]
     cls = type(first)
     if not cls.stackable:
         raise CohortUnsupported(f"{cls.name} does not train stacked")
-    ctx = _cohort_context([a.ctx for a in algos], first.ctx.task)
+    # Longest epochs first: then the members still training at any step are a prefix.
+    order = sorted(range(len(algos)), key=lambda i: -algos[i].ctx.data.n_train)
+    members = [algos[i] for i in order]
+    ctx = _cohort_context([a.ctx for a in members], first.ctx.task, masked)
     stacked = cls.__new__(cls)
     ClientAlgorithm.__init__(stacked, ctx, first.config)
     for name in cls.persistent:
-        setattr(stacked, name, _stack_state([getattr(a, name) for a in algos]))
-    incoming = _stack_models(models)
-    rngs = [a.ctx.trainer.generator.get_state() for a in algos]
+        setattr(stacked, name, _stack_state(name, members, stacked))
+    incoming = _stack_models([models[i] for i in order])
+    rngs = [a.ctx.trainer.generator.get_state() for a in members]
     try:
-        result = stacked.fit(round_, rounds, incoming)
+        if phase == "fit":
+            result = stacked.fit(round_, rounds, incoming)
+        elif phase == "evaluate":
+            result = FitResult(metrics=stacked.evaluate(incoming))
+        else:
+            result = stacked.finalize(round_, rounds, incoming)
     except BaseException:
-        for a, rng in zip(algos, rngs, strict=True):  # as if nothing had run
+        for a, rng in zip(members, rngs, strict=True):  # as if nothing had run
             a.ctx.trainer.generator.set_state(rng)
         raise
-    n = len(algos)
-    for name in cls.persistent:
-        value = getattr(stacked, name)
-        for i, a in enumerate(algos):
-            if value is None:
-                setattr(a, name, None)
-                continue
-            spec = getattr(value, SPEC_ATTR)
-            saved = {"__module__": spec.to_json(), "weights": unstack_module(value, i)}
-            setattr(a, name, a._decode(getattr(a, name), saved))
-    return _split_result(result, n)
+    if phase != "evaluate":  # evaluation changes no state
+        for name in cls.persistent:
+            _unstack_state(name, stacked, members)
+    rows = _split_result(result, len(members))
+    out: list[FitResult] = [rows[0]] * len(algos)
+    for row, i in zip(rows, order, strict=True):
+        out[i] = row
+    return out

@@ -1,4 +1,5 @@
-"""Device selection: chosen once (`auto` = CUDA when available, else CPU) and passed down.
+"""Device selection: chosen once (`auto` = CUDA when available, else CPU) and passed down; and
+how many CPU threads this process should use.
 
 `choose_device` also says why (what was asked, and what `auto` found) and what precision the
 SDK's trainer computes in there, so that a run can report the device it actually used.
@@ -6,6 +7,8 @@ SDK's trainer computes in there, so that a run can report the device it actually
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,6 +19,7 @@ __all__ = [
     "DeviceName",
     "autocast_dtype",
     "choose_device",
+    "cpu_threads",
     "precision",
     "resolve_device",
 ]
@@ -76,3 +80,19 @@ def precision(device: torch.device) -> str:
     """How the trainer computes on `device`, in words: `float32`, or `bfloat16 autocast`."""
     dtype = autocast_dtype(device)
     return "float32" if dtype is None else f"{str(dtype).removeprefix('torch.')} autocast"
+
+
+def cpu_threads(environ: Mapping[str, str] | None = None) -> int:
+    """The CPU threads this process should use: the cores it may run on (its CPU affinity, as a
+    container or `taskset` limits it; never `os.cpu_count()` alone, the machine's count), and no
+    more than `OMP_NUM_THREADS` when that is set (as torch itself reads it). Several runs side
+    by side each set OMP_NUM_THREADS to their share; without it each would use every core."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    env = os.environ if environ is None else environ
+    first = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if first.isdigit() and int(first) > 0:
+        return max(1, min(int(first), cores))
+    return max(1, cores)

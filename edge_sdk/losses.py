@@ -3,69 +3,147 @@
 KL distillation is always KL(teacher.detach() || student) with `reduction="batchmean"`, scaled by
 T² (see algorithms.md, "Common conventions"): `reduction="mean"` would divide by the class count,
 a known bug in reimplementations.
+
+On a stack of clients (edge_sdk.cohort) the logits carry a leading dimension of clients,
+(N, B, C), and every loss gives one value per client, (N,). The trainer that drew such a batch
+says, for the time of one step (`stacked_batch`), how many clients of the stack take it (a
+prefix of the stack: those whose epoch has not ended) and, when their batches are padded to one
+size, each sample's weight in its client's mean (zero for padding): the losses then average over
+each client's own samples only, and the proximal term covers that prefix.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["cross_entropy", "kl_distill", "proximal", "soft_cross_entropy"]
+__all__ = [
+    "StackedBatch",
+    "cross_entropy",
+    "kl_distill",
+    "proximal",
+    "soft_cross_entropy",
+    "stacked_batch",
+]
+
+
+@dataclass(frozen=True)
+class StackedBatch:
+    """The step a stack of clients is taking: `rows` clients (the first of the stack) and, for
+    padded batches, `weights` (rows, B): each sample's share of its client's mean, 0 for
+    padding (None: every sample counts, a plain mean)."""
+
+    rows: int
+    weights: torch.Tensor | None = None
+
+
+_STACKED: ContextVar[StackedBatch | None] = ContextVar("edgefl_stacked_batch", default=None)
+
+
+@contextlib.contextmanager
+def stacked_batch(batch: StackedBatch) -> Iterator[None]:
+    """The losses computed inside this block belong to `batch` (set by a cohort's trainer)."""
+    token = _STACKED.set(batch)
+    try:
+        yield
+    finally:
+        _STACKED.reset(token)
+
+
+def _per_client(values: torch.Tensor) -> torch.Tensor:
+    """(N, B) per-sample values → (N,) each client's mean over its own samples."""
+    batch = _STACKED.get()
+    if batch is None or batch.weights is None:
+        return values.mean(1)
+    return (values * batch.weights).sum(1)
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of logits (B, C) against class ids (B,).
 
     With a leading dimension of clients, logits (N, B, C) and ids (N, B) (a cohort's stacked
-    batch, edge_sdk.cohort), one mean per client, shape (N,). For one client it is what
-    F.cross_entropy computes (log-softmax, then NLL), to the bit.
+    batch, edge_sdk.cohort; ids (B,) when every client has the same batch), one mean per
+    client, shape (N,). For one client it is what F.cross_entropy computes (log-softmax, then
+    NLL), to the bit.
     """
     log_p = F.log_softmax(logits.float(), dim=-1)
     if logits.dim() == 3:
+        target = target.expand(logits.shape[:2])
         nll = F.nll_loss(log_p.flatten(0, 1), target.flatten(), reduction="none")
-        return nll.view(target.shape).mean(1)
+        return _per_client(nll.view(target.shape))
     return F.nll_loss(log_p, target)
 
 
+def _scaled(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    if isinstance(temperature, torch.Tensor):  # one temperature per client of a stack, (N,)
+        return logits / temperature.view(-1, 1, 1)
+    return logits / temperature
+
+
 def kl_distill(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
     """T² · KL(softmax(teacher/T) || softmax(student/T)), batch-mean; the teacher is detached.
 
-    Logits (N, B, C) with a leading dimension of clients give one value per client, (N,).
+    Student logits (N, B, C) with a leading dimension of clients give one value per client,
+    (N,); the teacher's are (N, B, C), or (B, C) when it is the same for all, and `temperature`
+    may then be a tensor of one temperature per client.
     """
-    t = float(temperature)
     student, teacher = student_logits.float(), teacher_logits.detach().float()
-    if t != 1.0:  # skip the no-op scaling: it costs four extra ops per call in the hot loop
-        student, teacher = student / t, teacher / t
+    t = temperature if isinstance(temperature, torch.Tensor) else float(temperature)
+    if isinstance(t, torch.Tensor) or t != 1.0:  # skip the no-op scaling (four ops in the loop)
+        student, teacher = _scaled(student, t), _scaled(teacher, t)
     log_p_student = F.log_softmax(student, dim=-1)
     p_teacher = F.softmax(teacher, dim=-1)
     if student.dim() == 3:
-        kl = F.kl_div(log_p_student, p_teacher, reduction="none").sum(2).mean(1)
+        kl = _per_client(F.kl_div(log_p_student, p_teacher, reduction="none").sum(2))
     else:
         kl = F.kl_div(log_p_student, p_teacher, reduction="batchmean")
+    if isinstance(t, torch.Tensor):
+        return kl * (t * t)
     return kl if t == 1.0 else kl * (t * t)
 
 
 def soft_cross_entropy(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
-    """T² · CE(softmax(teacher/T), softmax(student/T)), batch-mean; the teacher is detached."""
-    t = float(temperature)
-    log_p_student = F.log_softmax(student_logits.float() / t, dim=1)
-    p_teacher = F.softmax(teacher_logits.detach().float() / t, dim=1)
+    """T² · CE(softmax(teacher/T), softmax(student/T)), batch-mean; the teacher is detached.
+
+    Stacked logits as for `kl_distill`: one value per client."""
+    t = temperature if isinstance(temperature, torch.Tensor) else float(temperature)
+    student = _scaled(student_logits.float(), t)
+    teacher = _scaled(teacher_logits.detach().float(), t)
+    log_p_student = F.log_softmax(student, dim=-1)
+    p_teacher = F.softmax(teacher, dim=-1)
+    if student.dim() == 3:
+        return _per_client(-(p_teacher * log_p_student).sum(2)) * (t * t)
     return -(p_teacher * log_p_student).sum(dim=1).mean() * (t * t)
 
 
 def proximal(
     params: Iterable[torch.Tensor], anchor: Iterable[torch.Tensor], mu: float
 ) -> torch.Tensor:
-    """mu/2 · ||w − w_anchor||² summed over all parameters; the anchor carries no gradient."""
+    """mu/2 · ||w − w_anchor||² summed over all parameters; the anchor carries no gradient.
+
+    Inside a stacked step (parameters with a leading dimension of clients), one value per
+    client taking the step, (rows,)."""
+    batch = _STACKED.get()
     total: torch.Tensor | None = None
     for p, a in zip(params, anchor, strict=True):
-        term = (p - a.detach()).pow(2).sum()
+        if batch is None:
+            term = (p - a.detach()).pow(2).sum()
+        else:
+            rows = batch.rows
+            term = (p[:rows] - a[:rows].detach()).pow(2).flatten(1).sum(1)
         total = term if total is None else total + term
     if total is None:
         raise ValueError("proximal term over an empty parameter list")

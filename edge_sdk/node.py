@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from edge_sdk.algorithms import (
     algorithm_names,
 )
 from edge_sdk.codec import WireModel
-from edge_sdk.cohort import CohortUnsupported, fit_stacked
+from edge_sdk.cohort import CohortUnsupported, run_stacked
 from edge_sdk.device import precision
 from edge_sdk.peers import Peers
 from edge_sdk.protocol import Capabilities, Phase
@@ -314,27 +314,68 @@ class ClientNode:
 def execute_together(
     nodes: Sequence[ClientNode], tasks: Sequence[NodeTask]
 ) -> list[FitResult | Exception]:
-    """Execute begun tasks of one group (equal `group_key`) as one call: fit tasks of an
-    algorithm that can train stacked (`ClientAlgorithm.stackable`) run once on models with a
-    leading client dimension (`edge_sdk.cohort`); whatever cannot stack runs node by node, from
-    the same state and random generators. Each node gets its own result, or the exception its
-    task raised."""
+    """Execute begun tasks of one group (equal `group_key`) as one call: the tasks of an
+    algorithm that can run stacked (`ClientAlgorithm.stackable`: its fit, evaluation and
+    finalize) run once on models with a leading client dimension (`edge_sdk.cohort`), in stacks
+    small enough for the device's memory; whatever cannot stack runs node by node, from the
+    same state and random generators. Each node gets its own result, or the exception its task
+    raised."""
+    out: list[FitResult | Exception | None] = [None] * len(nodes)
     same_params = all(t.params == tasks[0].params for t in tasks)
-    if len(nodes) > 1 and tasks[0].phase == "fit" and same_params:
+    if len(nodes) > 1 and same_params:
         algos = [n._current() for n in nodes]
         if type(algos[0]).stackable:
+            for chunk, results in _stacked(algos, tasks):
+                for i, result in zip(chunk, results, strict=True):
+                    out[i] = result
+    for i, (node, task) in enumerate(zip(nodes, tasks, strict=True)):
+        if out[i] is None:
             try:
-                return list(
-                    fit_stacked(algos, tasks[0].round, tasks[0].rounds, [t.models for t in tasks])
-                )
-            except CohortUnsupported as exc:
-                log.info("%d clients train one by one: %s", len(nodes), exc)
-            except Exception as exc:  # each member gets its own error below
-                log.info("a stacked fit failed (%s); %d clients train one by one", exc, len(nodes))
-    out: list[FitResult | Exception] = []
-    for node, task in zip(nodes, tasks, strict=True):
+                out[i] = node.execute(task)
+            except Exception as exc:  # that client's error
+                out[i] = exc
+    return [r for r in out if r is not None]
+
+
+# The largest stack that fitted in memory, per (algorithm, architecture, device): a stack that
+# ran out of GPU memory is halved, and later rounds start from the half.
+_STACK_LIMIT: dict[tuple[str, str, str], int] = {}
+
+
+def _stacked(
+    algos: Sequence[ClientAlgorithm], tasks: Sequence[NodeTask]
+) -> Iterator[tuple[list[int], list[FitResult]]]:
+    """(members, their results) of each stack that trained; members of a stack that could not
+    are left out (they train one by one)."""
+    first, task = algos[0], tasks[0]
+    key = (first.name, first.ctx.spec.to_json(), str(first.ctx.device))
+    limit = _STACK_LIMIT.get(key, len(algos))
+    everyone = list(range(len(algos)))
+    pending = [everyone[i : i + limit] for i in range(0, len(algos), limit)]
+    while pending:
+        chunk = pending.pop(0)
+        if len(chunk) < 2:
+            continue  # a stack of one is that client alone
         try:
-            out.append(node.execute(task))
-        except Exception as exc:  # that client's error
-            out.append(exc)
-    return out
+            results = run_stacked(
+                [algos[i] for i in chunk],
+                task.phase,
+                task.round,
+                task.rounds,
+                [tasks[i].models for i in chunk],
+            )
+        except torch.OutOfMemoryError:
+            half = len(chunk) // 2
+            _STACK_LIMIT[key] = half
+            log.info("a stack of %d clients ran out of memory; stacks of %d", len(chunk), half)
+            if first.ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
+            pending[:0] = [chunk[:half], chunk[half:]]
+            continue
+        except CohortUnsupported as exc:
+            log.info("%d clients train one by one: %s", len(chunk), exc)
+            continue
+        except Exception as exc:  # each member gets its own error one by one
+            log.info("stacked %s failed (%s); %d clients one by one", task.phase, exc, len(chunk))
+            continue
+        yield chunk, results

@@ -3,15 +3,22 @@
 Data is moved to the device once (`ClientData.to`); batches are index tensors drawn on the device
 from the trainer's own seeded generator (no DataLoader for in-memory tensors); optimizers and
 learning-rate schedules come from config; mixed precision (bf16 autocast) on CUDA.
+
+A training loop is a step function run over batches (`Trainer.run`): the losses it returns stay
+on the device and are read once, when the loop ends, so no step waits for the host; on CUDA the
+step is captured in a CUDA graph and replayed (`edge_sdk.graphs`). A cohort's trainer
+(`edge_sdk.cohort.CohortTrainer`) runs the same step function once for a whole stack of clients.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -19,10 +26,15 @@ from torch import nn
 from torch.utils.data import Dataset as TorchDataset
 
 from edge_sdk.device import autocast_dtype
+from edge_sdk.graphs import StepRunner
 from edge_sdk.losses import cross_entropy
 from edge_sdk.optim import SGD, Adam
 
-__all__ = ["ClientData", "EvalResult", "OptimConfig", "Trainer"]
+__all__ = ["ClientData", "EvalResult", "LoopStats", "OptimConfig", "Step", "Trainer"]
+
+# A training step: one batch's tensors (inputs, labels) → the values to average over the loop
+# (losses), after it has updated the models (Trainer.step).
+Step = Callable[..., Sequence[torch.Tensor]]
 
 
 _DEFAULT_LR_GAMMA = 0.1
@@ -101,8 +113,12 @@ class ClientData:
         return cls(x_train, y_train, x_val, y_val, x_test, y_test, num_classes=num_classes)
 
     def to(self, device: torch.device) -> ClientData:
-        """Move every split to `device` once; image batches go channels_last (see Trainer)."""
-        moved = {k: _layout(getattr(self, k).to(device)) for k in self._tensor_fields()}
+        """Move every split to `device` once; image batches go channels_last (see Trainer).
+
+        Splits that are views of one tensor (a simulation's clients slice one client-major
+        data set) stay views of one copy of it on the device: clients moved one by one share
+        it, and a stack of them gathers its batches from it in one operation."""
+        moved = {k: _moved(getattr(self, k), device) for k in self._tensor_fields()}
         return ClientData(**moved, num_classes=self.num_classes)
 
     @staticmethod
@@ -129,6 +145,36 @@ def _stack(ds: TorchDataset) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+# A data set's tensor → its copy on each device it was moved to (as long as it lives).
+_ON_DEVICE: weakref.WeakKeyDictionary[torch.Tensor, dict[torch.device, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    base = t._base
+    rows = _row_range(t, base) if base is not None and t.device != device else None
+    if base is None or rows is None:
+        return _layout(t.to(device))
+    copies = _ON_DEVICE.setdefault(base, {})
+    if device not in copies:
+        copies[device] = _layout(base.to(device))
+    return copies[device][rows[0] : rows[1]]
+
+
+def _row_range(t: torch.Tensor, base: torch.Tensor) -> tuple[int, int] | None:
+    """(start, stop) when `t` is base[start:stop] (rows of its base, nothing else)."""
+    if t.dim() == 0 or t.shape[1:] != base.shape[1:] or t.stride() != base.stride():
+        return None
+    offset = t.storage_offset() - base.storage_offset()
+    row = base.stride(0) if base.dim() else 1
+    same = t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    if row == 0 or offset % row or not same:
+        return None
+    start = int(offset // row)
+    return start, start + len(t)
+
+
 def _layout(t: torch.Tensor) -> torch.Tensor:
     # NHWC ("channels_last") images: convolutions ran 1.3-1.4× faster on CPU in
     # benchmarks/local_update.py, and it is what cuDNN prefers under mixed precision.
@@ -152,10 +198,33 @@ class EvalResult:
         return self.loss_sum / self.total if self.total else float("nan")
 
 
-class Trainer:
-    """Batches, optimizers, mixed precision and evaluation for one client on one device."""
+@dataclass
+class LoopStats:
+    """How a client's training steps ran (`Trainer.run`), for the record of a run."""
 
-    def __init__(self, device: torch.device, *, seed: int = 0, amp: bool = True) -> None:
+    steps: int = 0  # training steps taken
+    stacked: int = 0  # of which in a stack of clients (edge_sdk.cohort)
+    replayed: int = 0  # of which replayed from a captured CUDA graph
+    graphs: int = 0  # CUDA graphs captured (one per loop and batch shape)
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: int(v) for k, v in vars(self).items()}
+
+
+class Trainer:
+    """Batches, optimizers, mixed precision and evaluation for one client on one device.
+
+    `graphs`: capture training steps in CUDA graphs (default: on CUDA without fp16 loss
+    scaling, whose overflow check reads the host every step)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        seed: int = 0,
+        amp: bool = True,
+        graphs: bool | None = None,
+    ) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -166,6 +235,14 @@ class Trainer:
         self._scaler = (
             torch.amp.GradScaler("cuda") if self.amp and self._amp_dtype == torch.float16 else None
         )
+        capturable = device.type == "cuda" and self._scaler is None
+        self.graphs = capturable if graphs is None else graphs and capturable
+        self.stats = LoopStats()
+
+    @property
+    def amp_dtype(self) -> str | None:
+        """The autocast dtype of training steps ("bfloat16", "float16"), None in fp32."""
+        return str(self._amp_dtype).removeprefix("torch.") if self.amp else None
 
     # -- batches ---------------------------------------------------------------------------
     def epoch(self, n: int, batch_size: int) -> Iterator[torch.Tensor]:
@@ -187,12 +264,24 @@ class Trainer:
             # index_select is ~4× cheaper per call than advanced indexing (x[idx]) on CPU.
             yield x.index_select(0, idx), y.index_select(0, idx)
 
+    def epochs(
+        self, x: torch.Tensor, y: torch.Tensor, batch_size: int, epochs: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """`batches` for `epochs` epochs in a row (each drawing its permutation when it starts)."""
+        return itertools.chain.from_iterable(self.batches(x, y, batch_size) for _ in range(epochs))
+
     def sample_batch(
         self, x: torch.Tensor, y: torch.Tensor, batch_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One fresh (inputs, labels) batch of distinct samples."""
         idx = self.sample(len(y), batch_size)
         return x.index_select(0, idx), y.index_select(0, idx)
+
+    def fresh_batches(
+        self, x: torch.Tensor, y: torch.Tensor, batch_size: int, count: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """`count` fresh batches (`sample_batch`), each drawn when the loop reaches it."""
+        return (self.sample_batch(x, y, batch_size) for _ in range(count))
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Put a model on the device, channels_last when it convolves (matching ClientData)."""
@@ -208,7 +297,13 @@ class Trainer:
         lr = cfg.lr if lr is None else lr
         if cfg.optimizer == "adam":
             betas = (cfg.momentum, 0.999)
-            return Adam(params, lr=lr, betas=betas, weight_decay=cfg.weight_decay)
+            return Adam(
+                params,
+                lr=lr,
+                betas=betas,
+                weight_decay=cfg.weight_decay,
+                capturable=self.graphs,  # its step count on the device, as a graph needs
+            )
         return SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
     @staticmethod
@@ -236,13 +331,12 @@ class Trainer:
         loss = objective(z, *args)
         return torch.autograd.grad(loss.sum(), params), loss.detach()
 
-    def average(self, values: Sequence[torch.Tensor]) -> float:
-        """The mean of per-step scalar values (a training loss over a round)."""
-        return sum(float(v) for v in values) / max(1, len(values))
-
     def autocast(self) -> contextlib.AbstractContextManager[object]:
         if self.amp:
-            return torch.autocast(device_type="cuda", dtype=self._amp_dtype)
+            # No cache of cast weights across the step: a CUDA graph replays the casts instead.
+            return torch.autocast(
+                device_type="cuda", dtype=self._amp_dtype, cache_enabled=not self.graphs
+            )
         return contextlib.nullcontext()
 
     def step(
@@ -251,26 +345,23 @@ class Trainer:
         optimizers: Iterable[torch.optim.Optimizer],
         *,
         clip: Iterable[tuple[Iterable[nn.Parameter], float]] = (),
-    ) -> float:
-        """zero_grad → backward (scaled under fp16) → clip → step; returns the loss.
+    ) -> torch.Tensor:
+        """zero_grad → backward (scaled under fp16) → clip → step; returns the loss, detached.
 
         `clip` lists (parameters, max_norm) groups, each clipped to its own total gradient norm
-        (one group per model when several models step together).
+        (one group per model when several models step together). Nothing is read on the host:
+        `run` checks the losses once its loop has ended.
         """
         optimizers = list(optimizers)
-        value = float(loss.detach())  # one host sync per step, shared by the check and the caller
-        if not math.isfinite(value):
-            raise FloatingPointError(f"training loss became {value}; lower the learning rate")
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         if self._scaler is not None:
-            self._scaler.scale(loss).backward()
+            self._scaler.scale(loss.sum()).backward()
             for opt in optimizers:
                 self._scaler.unscale_(opt)
         else:
-            loss.backward()
-        for params, max_norm in clip:
-            nn.utils.clip_grad_norm_(params, max_norm)
+            loss.sum().backward()
+        self._clip(clip)
         for opt in optimizers:
             if self._scaler is not None:
                 self._scaler.step(opt)
@@ -278,7 +369,42 @@ class Trainer:
                 opt.step()
         if self._scaler is not None:
             self._scaler.update()
-        return value
+        return loss.detach()
+
+    def _clip(self, clip: Iterable[tuple[Iterable[nn.Parameter], float]]) -> None:
+        for params, max_norm in clip:
+            nn.utils.clip_grad_norm_(params, max_norm)
+
+    def run(
+        self,
+        step: Step,
+        batches: Iterable[tuple[torch.Tensor, ...]],
+        values: int = 1,
+    ) -> list[Any]:
+        """A training loop: `step(*batch)` on every batch (inputs, labels); the mean of each
+        of the `values` values it returns.
+
+        The values are summed on the device and read once, after the last batch (one host
+        sync per loop); a non-finite mean stops the task with FloatingPointError. On CUDA the
+        step runs as a captured CUDA graph (`edge_sdk.graphs`). A loop of no batches gives NaN.
+        """
+        runner = StepRunner(step, capture=self.graphs)
+        sums: list[torch.Tensor] | None = None
+        steps = 0
+        for batch in batches:
+            out = runner(*batch)
+            if sums is None:
+                sums = [torch.zeros_like(v) for v in out]
+            torch._foreach_add_(sums, list(out))
+            steps += 1
+        self.stats.steps += steps
+        self.stats.replayed += runner.replayed
+        self.stats.graphs += runner.graphs
+        if sums is None:
+            return [math.nan] * values
+        means = torch.stack(sums).div_(steps).tolist()  # the loop's one host sync
+        _check_finite(means)
+        return means
 
     def train_epochs(
         self,
@@ -293,15 +419,17 @@ class Trainer:
         """Plain supervised training (CE + optional `extra_loss(model)` term); mean batch loss."""
         model.train()
         opt = optimizer or self.optimizer(model.parameters(), cfg)
-        losses = []
-        for _ in range(cfg.local_epochs if epochs is None else epochs):
-            for x, y in self.batches(data.x_train, data.y_train, cfg.batch_size):
-                with self.autocast():
-                    loss = cross_entropy(model(x), y)
-                if extra_loss is not None:
-                    loss = loss + extra_loss(model)
-                losses.append(self.step(loss, [opt]))
-        return sum(losses) / len(losses) if losses else math.nan
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor]:
+            with self.autocast():
+                loss = cross_entropy(model(x), y)
+            if extra_loss is not None:
+                loss = loss + extra_loss(model)
+            return (self.step(loss, [opt]),)
+
+        n = cfg.local_epochs if epochs is None else epochs
+        (loss,) = self.run(step, self.epochs(data.x_train, data.y_train, cfg.batch_size, n))
+        return loss
 
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
@@ -331,3 +459,9 @@ class Trainer:
         z = self.logits(model, x)
         loss = torch.nn.functional.cross_entropy(z, y, reduction="sum")
         return EvalResult(int((z.argmax(1) == y).sum()), len(y), float(loss))
+
+
+def _check_finite(means: list[Any]) -> None:
+    bad = next((v for v in means if not math.isfinite(v)), None)
+    if bad is not None:
+        raise FloatingPointError(f"training loss became {bad}; lower the learning rate")

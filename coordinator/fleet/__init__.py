@@ -10,7 +10,7 @@ from coordinator.fleet.base import (
     check_reply,
     refusal,
 )
-from coordinator.fleet.local import LocalFleet, cpu_cores
+from coordinator.fleet.local import LocalFleet
 from coordinator.fleet.network import NetworkFleet
 
 __all__ = [
@@ -23,6 +23,5 @@ __all__ = [
     "RunInfo",
     "Validator",
     "check_reply",
-    "cpu_cores",
     "refusal",
 ]

@@ -5,7 +5,8 @@ over its tasks (see `edge_sdk.node`): every node `begin`s (so what peers must se
 any node reads it: FedeRiCo's exchange needs no waiting), then the tasks execute group by group,
 then every node `end`s (persistence, export). A group is the tasks of one deterministic key
 (architecture, algorithm, config, round, phase, step) and runs through one call,
-`execute_together`: fit tasks of an algorithm that trains stacked run as one stacked model.
+`execute_together`: the tasks of an algorithm that runs stacked (its fit, evaluation and
+finalize) run as one stacked model.
 Up to `parallel` groups (or single clients, for what does not stack) run at once on a small
 pool of worker threads.
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,28 +37,21 @@ from coordinator.fleet.base import (
 from coordinator.strategies import ClientInfo, FitReply
 from edge_sdk.algorithms import FitResult
 from edge_sdk.codec import WireModel, check_weights
+from edge_sdk.device import cpu_threads
 from edge_sdk.node import ClientNode, NodeTask, execute_together
 from edge_sdk.peers import PeerBoard
 from edge_sdk.wire import reference_shapes
 
-__all__ = ["LocalFleet", "cpu_cores"]
+__all__ = ["LocalFleet"]
 
 log = logging.getLogger(__name__)
 
 
-def cpu_cores() -> int:
-    """The cores this process may run on (its CPU affinity, not the machine's count)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 class LocalFleet(Fleet):
     """`nodes` as the clients of a run. `parallel`: how many groups train at once (default: the
-    cores this process may use). `stack`: compatible fit tasks train as one stacked model
-    (False: one by one). `fp16_upload`: replies are rounded through fp16, as a client uploading
-    in fp16 would send them."""
+    threads this process may use, `edge_sdk.device.cpu_threads`). `stack`: compatible tasks run
+    as one stacked model (False: one by one). `fp16_upload`: replies are rounded through fp16,
+    as a client uploading in fp16 would send them."""
 
     def __init__(
         self,
@@ -72,7 +65,7 @@ class LocalFleet(Fleet):
         self.nodes = {n.client_id: n for n in nodes}
         if len(self.nodes) != len(nodes):
             raise ValueError("two nodes share a client id")
-        self.parallel = max(1, parallel or cpu_cores())
+        self.parallel = max(1, parallel or cpu_threads())
         self.stack = stack
         self.fp16_upload = fp16_upload
         self.board = PeerBoard()
@@ -157,7 +150,7 @@ class LocalFleet(Fleet):
         )
 
     def _execute(self, begun: Mapping[str, NodeTask]) -> dict[str, FitResult | Exception]:
-        """Run the begun tasks group by group: a stackable fit group as one job, anything
+        """Run the begun tasks group by group: a stackable group as one job, anything
         else one job per client, up to `parallel` jobs at once."""
         groups: dict[tuple[object, ...], list[str]] = {}
         for cid, task in begun.items():
@@ -166,12 +159,7 @@ class LocalFleet(Fleet):
         jobs: list[list[str]] = []
         for ids in groups.values():
             first = self.nodes[ids[0]].algorithm
-            stacks = (
-                self.stack
-                and begun[ids[0]].phase == "fit"
-                and first is not None
-                and type(first).stackable
-            )
+            stacks = self.stack and first is not None and type(first).stackable
             jobs.extend([ids] if stacks else [[cid] for cid in ids])
 
         def run(ids: list[str]) -> list[FitResult | Exception]:
@@ -228,7 +216,7 @@ def _threads_each(workers: int) -> Iterator[None]:
     """Give each of `workers` concurrently training threads an equal share of torch's intra-op
     threads (instead of each spawning a pool the size of the machine); restored afterwards."""
     saved = torch.get_num_threads()
-    torch.set_num_threads(max(1, cpu_cores() // workers))
+    torch.set_num_threads(max(1, cpu_threads() // workers))
     try:
         yield
     finally:

@@ -34,6 +34,7 @@ class FedAvg(ClientAlgorithm):
     config_cls: ClassVar[type[AlgorithmConfig]] = FedAvgConfig
     config: FedAvgConfig
     persistent: ClassVar[tuple[str, ...]] = ("model",)
+    stackable = True
 
     def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
         super().__init__(ctx, config)

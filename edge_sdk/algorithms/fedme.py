@@ -130,18 +130,17 @@ class FedMe(ClientAlgorithm):
         clip = [(list(m.parameters()), cfg.clip_norm) for m in (personal, exchanged)]
         personal.train()
         exchanged.train()
-        total = torch.zeros((), device=self.ctx.device)
-        steps = 0
-        for _ in range(cfg.local_epochs):
-            for x, y in trainer.batches(d.x_train, d.y_train, cfg.batch_size):
-                with trainer.autocast():
-                    z_p, z_ex = personal(x), exchanged(x)
-                # Each loss reaches only its own model (the other side is detached).
-                loss_p = cross_entropy(z_p, y) + kl_distill(z_p, z_ex)
-                loss_ex = cross_entropy(z_ex, y) + kl_distill(z_ex, z_p)
-                trainer.step(loss_p + loss_ex, opts, clip=clip)
-                total += (loss_p + loss_ex).detach()
-                steps += 1
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor]:
+            with trainer.autocast():
+                z_p, z_ex = personal(x), exchanged(x)
+            # Each loss reaches only its own model (the other side is detached).
+            loss_p = cross_entropy(z_p, y) + kl_distill(z_p, z_ex)
+            loss_ex = cross_entropy(z_ex, y) + kl_distill(z_ex, z_p)
+            return (trainer.step(loss_p + loss_ex, opts, clip=clip),)
+
+        batches = trainer.epochs(d.x_train, d.y_train, cfg.batch_size, cfg.local_epochs)
+        (train_loss,) = trainer.run(step, batches)
         # Model tuning: adopt the exchanged model exactly when its validation CE is lower.
         val_p = trainer.evaluate(personal, d.x_val, d.y_val).loss
         val_ex = trainer.evaluate(exchanged, d.x_val, d.y_val).loss
@@ -154,7 +153,7 @@ class FedMe(ClientAlgorithm):
                 "exchanged": WireModel.of(ex_wire.spec, exchanged),
             },
             metrics={
-                "train_loss": float(total) / max(1, steps),
+                "train_loss": train_loss,
                 "val_loss_personal": val_p,
                 "val_loss_exchanged": val_ex,
                 "adopted": float(adopted),

@@ -64,6 +64,7 @@ def shared_keys(
 class FML(ClientAlgorithm):
     name = "fml"
     persistent = ("personal", "meme", "meme_spec", "opt_personal")
+    stackable = True
     config_cls = FMLConfig
     config: FMLConfig
 
@@ -98,27 +99,24 @@ class FML(ClientAlgorithm):
         lr = cfg.lr_at(round_, rounds)
         opt_meme = trainer.optimizer(meme.parameters(), cfg, lr=lr)  # re-created each round [code]
         trainer.set_lr(self.opt_personal, lr)
-        self.personal.train()
+        personal, opts = self.personal, [self.opt_personal, opt_meme]
+        personal.train()
         meme.train()
         a, b = cfg.alpha, cfg.beta
-        # Loss sums stay on the device; one host sync per batch (in trainer.step), not three.
-        sum_p = torch.zeros((), device=self.ctx.device)
-        sum_m = torch.zeros((), device=self.ctx.device)
-        steps = 0
-        for _ in range(cfg.local_epochs):
-            for x, y in trainer.batches(data.x_train, data.y_train, cfg.batch_size):
-                with trainer.autocast():
-                    z_p, z_m = self.personal(x), meme(x)
-                loss_p = a * cross_entropy(z_p, y) + (1 - a) * kl_distill(z_p, z_m)
-                loss_m = b * cross_entropy(z_m, y) + (1 - b) * kl_distill(z_m, z_p)
-                trainer.step(loss_p + loss_m, [self.opt_personal, opt_meme])
-                sum_p += loss_p.detach()
-                sum_m += loss_m.detach()
-                steps += 1
-        n = max(1, steps)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            with trainer.autocast():
+                z_p, z_m = personal(x), meme(x)
+            loss_p = a * cross_entropy(z_p, y) + (1 - a) * kl_distill(z_p, z_m)
+            loss_m = b * cross_entropy(z_m, y) + (1 - b) * kl_distill(z_m, z_p)
+            trainer.step(loss_p + loss_m, opts)
+            return loss_p.detach(), loss_m.detach()
+
+        batches = trainer.epochs(data.x_train, data.y_train, cfg.batch_size, cfg.local_epochs)
+        loss_p, loss_m = trainer.run(step, batches, values=2)
         return FitResult(
             models={"meme": WireModel(spec, shared_keys(state_of(meme), cfg.shared_prefixes))},
-            metrics={"loss_personal": float(sum_p) / n, "loss_meme": float(sum_m) / n},
+            metrics={"loss_personal": loss_p, "loss_meme": loss_m},
             n_samples=data.n_train,
         )
 

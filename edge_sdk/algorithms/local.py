@@ -27,6 +27,7 @@ class LocalConfig(AlgorithmConfig):
 class Local(ClientAlgorithm):
     name = "local"
     persistent = ("model", "optimizer")
+    stackable = True
     config_cls = LocalConfig
     config: LocalConfig
 

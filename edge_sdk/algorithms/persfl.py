@@ -26,6 +26,7 @@ stage 2 against them (`personalize`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -331,17 +332,19 @@ class PersFL(ClientAlgorithm):
         cfg, trainer, d = self.config, self.ctx.trainer, self.ctx.data
         opt = trainer.optimizer(student.parameters(), cfg)
         student.train()
-        losses = []
-        for _ in range(cfg.distill_epochs):
-            for idx in trainer.epoch(d.n_train, cfg.batch_size):
-                x, y = d.x_train.index_select(0, idx), d.y_train.index_select(0, idx)
-                with trainer.autocast():
-                    z_s = student(x)
-                loss = distillation_loss(
-                    cfg.distill_loss, z_s, z_teacher.index_select(0, idx), y, lam, temperature
-                )
-                losses.append(trainer.step(loss, [opt]))
-        return sum(losses) / len(losses) if losses else math.nan
+
+        def step(idx: torch.Tensor) -> tuple[torch.Tensor]:
+            x, y = d.x_train.index_select(0, idx), d.y_train.index_select(0, idx)
+            with trainer.autocast():
+                z_s = student(x)
+            loss = distillation_loss(
+                cfg.distill_loss, z_s, z_teacher.index_select(0, idx), y, lam, temperature
+            )
+            return (trainer.step(loss, [opt]),)
+
+        epochs = (trainer.epoch(d.n_train, cfg.batch_size) for _ in range(cfg.distill_epochs))
+        (loss,) = trainer.run(step, ((idx,) for idx in itertools.chain.from_iterable(epochs)))
+        return float(loss)
 
     # -- evaluation ------------------------------------------------------------------------
     def personalized_model(self) -> tuple[ArchSpec, nn.Module]:

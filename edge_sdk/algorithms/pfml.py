@@ -163,22 +163,26 @@ class PFML(ClientAlgorithm):
         w_global = [p.detach().clone() for p in _params(local)]
         m_prev = [p.detach().clone() for p in _params(aux)]
         theta_net, w_hat_net = copy.deepcopy(aux), copy.deepcopy(local)
-        losses: list[torch.Tensor] = []
-        for _ in range(cfg.local_iterations):
-            x, y = trainer.sample_batch(data.x_train, data.y_train, cfg.batch_size)
+        params = _params(aux) + _params(local)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor]:
             with torch.no_grad(), trainer.autocast():  # each model is the other's teacher
                 z_m, z_w = aux(x), local(x)
             # ∇L(m_i) and ∇L(w_i) are the first inner steps' gradients (they start there).
             theta, grads_m, loss_m = self._inner(aux, theta_net, m_prev, x, y, teacher=z_w)
             w_hat, grads_w, loss_w = self._inner(local, w_hat_net, w_global, x, y, teacher=z_m)
-            params = _params(aux) + _params(local)
             with torch.no_grad():
                 for p, g, anchor in zip(params, grads_m + grads_w, theta + w_hat, strict=True):
                     p.sub_(eta * (g + lam * (p - anchor)))
-            losses.append(loss_m + loss_w)
+            return (loss_m + loss_w,)
+
+        batches = trainer.fresh_batches(
+            data.x_train, data.y_train, cfg.batch_size, cfg.local_iterations
+        )
+        (loss,) = trainer.run(step, batches)
         return FitResult(
             models={"local": WireModel.of(glob.spec, local)},
-            metrics={"train_loss": trainer.average(losses)},
+            metrics={"train_loss": loss},
             n_samples=data.n_train,
         )
 

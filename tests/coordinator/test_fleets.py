@@ -138,9 +138,10 @@ def test_check_reply_refuses_counts_and_models_the_client_cannot_have():
 
 
 def test_a_local_reply_with_a_non_finite_weight_or_metric_is_not_counted():
-    # Prepare: c0's model comes back with a NaN, c1's metrics with an infinity
+    # Prepare: c0's model comes back with a NaN, c1's metrics with an infinity (one by one,
+    # so that each node's own execute runs)
     cfg, fed, nodes = _nodes()
-    fleet = LocalFleet(nodes, parallel=1)
+    fleet = LocalFleet(nodes, parallel=1, stack=False)
     coordinator = build_coordinator(cfg, fleet, fed=fed)
     coordinator.open()
     fleet.gather(0, None)
@@ -169,9 +170,9 @@ def test_a_local_reply_with_a_non_finite_weight_or_metric_is_not_counted():
 
 
 def test_a_phase_runs_every_begin_before_any_task_executes():
-    # Prepare: a record of what each node does, in order
+    # Prepare: a record of what each node does, in order (one by one: each node executes)
     cfg, fed, nodes = _nodes()
-    fleet = LocalFleet(nodes, parallel=1)
+    fleet = LocalFleet(nodes, parallel=1, stack=False)
     order = []
     for n in nodes:
         begin, execute = n.begin, n.execute

@@ -1,6 +1,6 @@
 """Stacked training: clients of one architecture train their fit tasks as one stacked model,
 and each gets what its own fit would have given it (to float rounding: a batched matmul's
-rounding is not a single one's)."""
+rounding is not a single one's), whatever the sizes of their data."""
 
 import pytest
 import torch
@@ -10,40 +10,74 @@ from torch import nn
 import edge_sdk.node as node_mod
 from coordinator.federation import prepare_federation
 from coordinator.simulator import run_federation
-from edge_sdk.algorithms.base import AlgorithmError, ClientContext
+from edge_sdk.algorithms import algorithm_class
+from edge_sdk.algorithms.base import SPEC_ATTR, AlgorithmError, ClientContext
 from edge_sdk.algorithms.pfml import PFML, PFMLConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.cohort import (
     CohortContext,
+    CohortTrainer,
     CohortUnsupported,
-    fit_stacked,
+    PerMember,
+    run_stacked,
     stack_modules,
 )
+from edge_sdk.cohort_trainer import StackedData
 from edge_sdk.node import ClientNode, NodeTask, execute_together
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec, build
 
-CFG = PFMLConfig(local_iterations=4, batch_size=8, lr=0.05, k_steps=2, lam=1.0)
+CPU = torch.device("cpu")
+FEATURES, CLASSES = 12, 4
+# Sizes that exercise every case at batch 8: epochs of 4, 6 and 1 batches, short last batches
+# (30 = 3·8 + 6, 41 = 5·8 + 1) and a client with fewer samples than one batch.
+SIZES = (30, 41, 5)
+SETTINGS = {
+    "local": {"local_epochs": 2, "batch_size": 8, "lr": 0.1},
+    "fedavg": {"local_epochs": 2, "batch_size": 8, "lr": 0.1},
+    "fedprox": {"local_epochs": 2, "batch_size": 8, "lr": 0.1, "mu": 0.5},
+    "fedavg_ft": {"local_epochs": 1, "batch_size": 8, "lr": 0.1, "weight_decay": 0.01},
+    "fml": {"local_epochs": 2, "batch_size": 8, "lr": 0.1, "alpha": 0.3, "beta": 0.7},
+    "pfml": {"local_iterations": 4, "batch_size": 8, "lr": 0.05, "k_steps": 2, "lam": 1.0},
+}
+CFG = PFMLConfig(**SETTINGS["pfml"])
 
 
-def _clients(family, n_train=(30, 41, 25)):
-    """PFML clients with their own data, seeds and sizes (rebuilt identically on each call)."""
-    spec = ArchSpec(family=family, num_classes=4, input_shape=(12,))
+def _data(sizes, seed=100, shared=True):
+    """Each client's data (train of the given size, 6 val, 6 test); `shared`: as a simulation
+    holds it, rows of one client-major tensor."""
+    total = sum(n + 12 for n in sizes)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(total, FEATURES, generator=g)
+    y = torch.randint(0, CLASSES, (total,), generator=g)
+    out, at = [], 0
+    for n in sizes:
+        parts = [(at, at + n), (at + n, at + n + 6), (at + n + 6, at + n + 12)]
+        xs = [x[a:b] if shared else x[a:b].clone() for a, b in parts]
+        ys = [y[a:b] if shared else y[a:b].clone() for a, b in parts]
+        out.append(ClientData(xs[0], ys[0], xs[1], ys[1], xs[2], ys[2], num_classes=CLASSES))
+        at += n + 12
+    return out
+
+
+def _clients(algorithm, family="mlp", sizes=SIZES, shared=True, **overrides):
+    """Clients of `algorithm` with their own data, seeds and sizes (rebuilt identically)."""
+    spec = ArchSpec(family=family, num_classes=CLASSES, input_shape=(FEATURES,))
+    cls = algorithm_class(algorithm)
+    cfg = cls.config_cls(**(SETTINGS[algorithm] | overrides))
     out = []
-    for i, n in enumerate(n_train):
-        g = torch.Generator().manual_seed(100 + i)
-        data = ClientData(
-            torch.randn(n, 12, generator=g),
-            torch.randint(0, 4, (n,), generator=g),
-            torch.randn(6, 12, generator=g),
-            torch.randint(0, 4, (6,), generator=g),
-            torch.randn(6, 12, generator=g),
-            torch.randint(0, 4, (6,), generator=g),
-            num_classes=4,
-        )
-        cpu = torch.device("cpu")
-        out.append(PFML(ClientContext(f"c{i}", spec, data, cpu, i, Trainer(cpu, seed=i)), CFG))
+    for i, data in enumerate(_data(sizes, shared=shared)):
+        ctx = ClientContext(f"c{i}", spec, data, CPU, i, Trainer(CPU, seed=i))
+        out.append(cls(ctx, cfg))
     return spec, out
+
+
+def _model(family, seed, features=FEATURES, classes=CLASSES):
+    """A zoo model that knows its architecture, as the algorithms' models do."""
+    spec = ArchSpec(family=family, num_classes=classes, input_shape=(features,))
+    model = build(spec, seed=seed)
+    setattr(model, SPEC_ATTR, spec)
+    return model
 
 
 def _global(spec):
@@ -52,89 +86,229 @@ def _global(spec):
     )
 
 
-def _close(a, b):
-    return torch.allclose(a, b, rtol=0, atol=1e-6)
+def _models(algorithm, spec, n):
+    return [{} if algorithm == "local" else {"global": _global(spec)} for _ in range(n)]
 
 
-def _weights(module):
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+def _assert_close(a, b, where=""):
+    """Nested states (dicts, lists, tensors, plain values) equal to float rounding."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_close(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_close(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.shape == b.shape and a.dtype == b.dtype, where
+        if a.is_floating_point():
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), where
+        else:
+            assert torch.equal(a, b), where
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6), where
+    else:
+        assert a == b, where
 
 
-@pytest.mark.parametrize("family", ["mlr", "mlp"])
-def test_a_stacked_fit_gives_each_client_what_its_own_fit_gives(family):
-    # Prepare: the same three clients twice; the aux model persists across the two rounds
-    spec, alone = _clients(family)
-    _, stacked = _clients(family)
-    glob = _global(spec)
-
-    for round_ in (1, 2):
-        # Execute
-        expected = [a.fit(round_, 2, {"global": glob}) for a in alone]
-        got = fit_stacked(stacked, round_, 2, [{"global": glob}] * len(stacked))
-
-        # Assert: the same replies and state to float rounding, the same random streams
+def _fits_alike(algorithm, *, masked=False, rounds=2, **kw):
+    """Run `rounds` fit rounds of the same clients alone and stacked; assert each stacked
+    client's replies, state and random stream equal its own."""
+    spec, alone = _clients(algorithm, **kw)
+    _, stacked = _clients(algorithm, **kw)
+    for round_ in range(1, rounds + 1):
+        models = _models(algorithm, spec, len(alone))
+        expected = [a.fit(round_, rounds, m) for a, m in zip(alone, models, strict=True)]
+        got = run_stacked(stacked, "fit", round_, rounds, models, masked=masked)
         for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
             assert g.n_samples == e.n_samples
-            assert g.metrics == pytest.approx(e.metrics, rel=1e-6)
-            for k, v in e.models["local"].weights.items():
-                assert _close(g.models["local"].weights[k], v), k
-            for name in ("local", "aux"):
-                for k, v in _weights(getattr(a, name)).items():
-                    assert _close(_weights(getattr(s, name))[k], v), (name, k)
-            assert torch.equal(
-                s.ctx.trainer.generator.get_state(), a.ctx.trainer.generator.get_state()
+            _assert_close(g.metrics, e.metrics, "metrics")
+            _assert_close(
+                {k: w.weights for k, w in g.models.items()},
+                {k: w.weights for k, w in e.models.items()},
+                "models",
             )
+            _assert_close(s.state_dict(), a.state_dict(), f"{a.ctx.client_id} state")
+    return alone, stacked
 
 
-@pytest.fixture
-def stacked_fits(monkeypatch):
-    """How each stacked fit the nodes tried ended: its size, or the error that stopped it."""
-    log = []
-    real = node_mod.fit_stacked
-
-    def spy(algos, *args):
-        try:
-            out = real(algos, *args)
-        except Exception as exc:
-            log.append(exc)
-            raise
-        log.append(len(algos))
-        return out
-
-    monkeypatch.setattr(node_mod, "fit_stacked", spy)
-    return log
+# -- every stackable algorithm: stacked = client by client -------------------------------------
+@pytest.mark.parametrize("algorithm", sorted(SETTINGS))
+@pytest.mark.parametrize("masked", [False, True], ids=["prefix", "masked"])
+def test_a_stacked_fit_gives_each_client_what_its_own_fit_gives(algorithm, masked):
+    # Prepare / Execute / Assert (in _fits_alike): clients of 30, 41 and 5 samples at batch 8
+    # take 4, 6 and 1 steps an epoch, each with a short last batch; two rounds, so what
+    # persists (momentum, the auxiliary model) carries over stacked as it does alone
+    _fits_alike(algorithm, masked=masked)
 
 
-def _together(algos, models):
-    """The clients as ClientNodes running one fit task each, executed as one group."""
-    nodes, tasks = [], []
-    for a, m in zip(algos, models, strict=True):
-        node = ClientNode(a.ctx.client_id, a.ctx.spec, a.ctx.data, seed=a.ctx.seed)
-        node.algorithm, node._algo_key = a, ("pfml", a.config.model_dump_json())
-        task = NodeTask(1, 2, "fit", "pfml", a.config.model_dump(mode="json"), m)
-        node.begin(task)
-        nodes.append(node)
-        tasks.append(task)
-    return execute_together(nodes, tasks)
+@pytest.mark.parametrize("algorithm", ["fml", "local"])
+def test_a_stack_of_clients_with_separate_tensors_trains_as_they_do(algorithm):
+    # The data are not views of one tensor (a device app's, or a test's): they are gathered
+    _fits_alike(algorithm, shared=False, rounds=1)
 
 
-def test_clients_whose_batches_differ_in_size_train_one_by_one_with_the_same_result(
-    stacked_fits,
-):
-    # Prepare: c2 has fewer samples than a batch, so its batches are smaller than the others'
-    spec, alone = _clients("mlr", n_train=(30, 41, 5))
-    _, stacked = _clients("mlr", n_train=(30, 41, 5))
-    glob = _global(spec)
+def test_stacked_fml_with_a_shared_backbone_keeps_each_clients_own_head():
+    spec = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=(FEATURES,))
+    backbone = {k: v for k, v in _global(spec).weights.items() if k.startswith("layers.0.")}
+    assert backbone  # the mlp's first layer
+    _, alone = _clients("fml", shared_prefixes=["layers.0."])
+    _, stacked = _clients("fml", shared_prefixes=["layers.0."])
+    models = [{"global": WireModel(spec, backbone)}] * 3
 
-    # Execute: the stacked fit is refused part way; each client then trains on its own
-    expected = [a.fit(1, 2, {"global": glob}) for a in alone]
-    got = _together(stacked, [{"global": glob}] * 3)
+    expected = [a.fit(1, 1, m) for a, m in zip(alone, models, strict=True)]
+    got = run_stacked(stacked, "fit", 1, 1, models)
 
-    # Assert: nothing of the abandoned stacked fit shows (random streams restored)
-    assert len(stacked_fits) == 1 and isinstance(stacked_fits[0], CohortUnsupported)
-    for e, g in zip(expected, got, strict=True):
-        for k, v in e.models["local"].weights.items():
-            assert torch.equal(g.models["local"].weights[k], v)
+    for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
+        _assert_close(g.models["meme"].weights, e.models["meme"].weights)
+        _assert_close(s.state_dict(), a.state_dict())
+
+
+def test_stacked_clients_with_equal_data_take_every_step_together():
+    # No padding and no one sitting out: the plain path of the stacked loop
+    _fits_alike("fml", sizes=(16, 16, 16), rounds=1)
+
+
+def test_clients_with_adam_and_equal_steps_train_stacked_and_keep_their_step_counts():
+    _, stacked = _fits_alike(
+        "local", sizes=(16, 16, 15), optimizer="adam", weight_decay=0.0, momentum=0.8
+    )
+    # 2 rounds × 2 epochs × 2 batches
+    assert stacked[0].optimizer.state_dict()["state"][0]["step"] == 8
+
+
+def test_clients_with_adam_and_unequal_steps_are_refused_as_they_were():
+    # Adam's step count is one per parameter tensor, so clients taking different numbers of
+    # steps cannot share it: refused before anything changes
+    spec, stacked = _clients("local", sizes=(30, 12), optimizer="adam")
+    _, fresh = _clients("local", sizes=(30, 12), optimizer="adam")
+
+    with pytest.raises(CohortUnsupported, match="Adam"):
+        run_stacked(stacked, "fit", 1, 2, _models("local", spec, 2))
+
+    for s, f in zip(stacked, fresh, strict=True):
+        _assert_close(s.state_dict(), f.state_dict())
+
+
+# -- the pieces --------------------------------------------------------------------------------
+def test_each_members_stacked_batches_are_the_batches_it_draws_alone():
+    # Prepare: three members of 30, 41 and 5 samples, each with its own generator
+    datas = _data(SIZES)
+    order = [1, 0, 2]  # longest first
+    trainer = CohortTrainer([Trainer(CPU, seed=i) for i in order])
+    alone = [Trainer(CPU, seed=i) for i in range(3)]
+    packed = StackedData.of([datas[i] for i in order])
+
+    # Execute
+    steps = list(trainer.batches(packed.x_train, packed.y_train, 8))
+
+    # Assert: 6 steps (the longest member's); at step s the members still in their epoch are a
+    # prefix, each row is that member's own batch, and short batches are padded and weighed 0
+    assert len(steps) == 6
+    own = [list(alone[i].batches(datas[i].x_train, datas[i].y_train, 8)) for i in order]
+    for s, (x, y, w, active) in enumerate(steps):
+        assert active is None
+        taking = [s < len(b) for b in own]
+        assert steps[s].taking == taking and x.shape[0] == sum(taking)
+        for row, batches in enumerate(own[: x.shape[0]]):
+            bx, by = batches[s]
+            assert torch.equal(x[row, : len(by)], bx) and torch.equal(y[row, : len(by)], by)
+            if w is not None:
+                assert torch.equal(w[row], (torch.arange(8) < len(by)) / len(by))
+        assert (w is None) == all(len(b[s][1]) == 8 for b in own[: x.shape[0]])
+
+
+def test_a_member_sitting_a_step_out_keeps_its_weights_and_momentum():
+    # Prepare: two stacked linear models with momentum and weight decay, both with state
+    model = stack_modules([_model("mlr", s, features=4, classes=3) for s in (1, 2)])
+    trainer = CohortTrainer([Trainer(CPU), Trainer(CPU)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    x = torch.randn(2, 5, 4)
+    trainer.step(model(x).pow(2).mean((1, 2)), [opt])  # both members step: momentum exists
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+
+    # Execute: a step only the first member takes (a batch of one row)
+    stepper = trainer._stepper(lambda xb, yb: (trainer.step(model(xb).pow(2).mean((1, 2)), [opt]),))
+    stepper(x[:1], torch.zeros(1, 5), None, None)
+
+    # Assert: member 1 unchanged (momentum and decay alone would have moved it); member 0 moved
+    for k, v in model.state_dict().items():
+        assert torch.equal(v[1], before[k][1]) and not torch.equal(v[0], before[k][0])
+    for p, m in zip(model.parameters(), momentum, strict=True):
+        assert torch.equal(opt.state[p]["momentum_buffer"][1], m[1])
+
+
+def test_each_member_is_clipped_to_its_own_gradient_norm():
+    # Prepare: two members whose gradients differ 100× in size
+    model = stack_modules([_model("mlp", s, features=4, classes=3) for s in (1, 2)])
+    singles = [_model("mlp", s, features=4, classes=3) for s in (1, 2)]
+    scale = torch.tensor([1.0, 100.0])
+    x = torch.randn(2, 5, 4)
+    trainer = CohortTrainer([Trainer(CPU), Trainer(CPU)])
+
+    # Execute: the stacked clip, and torch's clip on each member alone
+    (model(x).pow(2).mean((1, 2)) * scale).sum().backward()
+    trainer._clip([(list(model.parameters()), 1.0)])
+    for i, m in enumerate(singles):
+        (m(x[i]).pow(2).mean() * scale[i]).backward()
+        nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+
+    # Assert
+    for name, p in model.named_parameters():
+        for i, m in enumerate(singles):
+            assert torch.allclose(p.grad[i], m.get_parameter(name).grad, atol=1e-6), (name, i)
+
+
+@pytest.mark.parametrize("test_sizes", [(6, 6, 70), (70, 6, 0)])
+def test_a_stacked_evaluation_scores_each_member_on_its_own_samples(test_sizes):
+    # Prepare: members with test splits of different sizes (70: several chunks; 0: none), the
+    # longest last or first
+    g = torch.Generator().manual_seed(5)
+    datas = []
+    for k in test_sizes:
+        x = torch.randn(8 + k, FEATURES, generator=g)
+        y = torch.randint(0, CLASSES, (8 + k,), generator=g)
+        datas.append(ClientData(x[:8], y[:8], x[:1], y[:1], x[8:], y[8:], num_classes=CLASSES))
+    models = [_model("mlp", s) for s in range(3)]
+    packed = StackedData.of(datas)
+    trainer = CohortTrainer([Trainer(CPU) for _ in range(3)])
+
+    # Execute
+    got = trainer.evaluate(stack_modules(models), packed.x_test, packed.y_test)
+
+    # Assert: as each member's own evaluation, computed here
+    for i, (m, d) in enumerate(zip(models, datas, strict=True)):
+        z = m(d.x_test)
+        assert got.correct[i] == int((z.argmax(1) == d.y_test).sum())
+        assert got.total[i] == len(d.y_test)
+        expected = nn.functional.cross_entropy(z, d.y_test, reduction="sum").item()
+        assert got.loss_sum[i] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_a_decision_on_a_per_client_value_is_refused():
+    values = PerMember([0.5, 0.7])
+    for decide in (lambda: values < 0.6, lambda: values > values, lambda: bool(values)):
+        with pytest.raises(CohortUnsupported, match="decision per client"):
+            decide()
+    assert values[1] == 0.7 and len(values) == 2
+
+
+def test_a_stacked_fit_refused_part_way_leaves_the_random_streams_as_they_were():
+    # Prepare
+    spec, fresh = _clients("pfml", family="mlr")
+    _, refused = _clients("pfml", family="mlr")
+    for a in refused:
+        a.__class__ = _DrawsThenRefuses
+
+    # Execute
+    with pytest.raises(CohortUnsupported):
+        run_stacked(refused, "fit", 1, 2, _models("pfml", spec, 3))
+
+    # Assert
+    for a, f in zip(refused, fresh, strict=True):
+        assert torch.equal(a.ctx.trainer.generator.get_state(), f.ctx.trainer.generator.get_state())
 
 
 class _DrawsThenRefuses(PFML):
@@ -142,57 +316,9 @@ class _DrawsThenRefuses(PFML):
 
     def fit(self, round_, rounds, models):
         if isinstance(self.ctx, CohortContext):
-            self.ctx.trainer.sample_batch(self.ctx.data.x_train, self.ctx.data.y_train, 8)
+            next(self.ctx.trainer.fresh_batches(self.ctx.data.x_train, self.ctx.data.y_train, 8, 1))
             raise CohortUnsupported("refused after drawing")
         return super().fit(round_, rounds, models)
-
-
-def test_a_stacked_fit_refused_part_way_leaves_the_random_streams_as_they_were():
-    # Prepare
-    spec, fresh = _clients("mlr")
-    _, refused = _clients("mlr")
-    for a in refused:
-        a.__class__ = _DrawsThenRefuses
-
-    # Execute
-    with pytest.raises(CohortUnsupported):
-        fit_stacked(refused, 1, 2, [{"global": _global(spec)}] * len(refused))
-
-    # Assert
-    for a, f in zip(refused, fresh, strict=True):
-        assert torch.equal(a.ctx.trainer.generator.get_state(), f.ctx.trainer.generator.get_state())
-
-
-def test_a_group_of_fit_tasks_trains_as_one_stacked_fit(stacked_fits):
-    # Prepare
-    spec, alone = _clients("mlr")
-    _, stacked = _clients("mlr")
-    glob = _global(spec)
-
-    # Execute: three nodes' fit tasks executed as one group
-    expected = [a.fit(1, 2, {"global": glob}) for a in alone]
-    got = _together(stacked, [{"global": glob}] * 3)
-
-    # Assert: one stacked fit of all three, each reply its own
-    assert stacked_fits == [3]
-    for e, g in zip(expected, got, strict=True):
-        assert g.metrics == pytest.approx(e.metrics, rel=1e-6)
-        for k, v in e.models["local"].weights.items():
-            assert _close(g.models["local"].weights[k], v)
-
-
-def test_a_member_whose_task_lacks_the_global_model_gets_its_own_error():
-    # Prepare: c1's task carries no global model
-    spec, stacked = _clients("mlr")
-    glob = _global(spec)
-    models = [{"global": glob}, {}, {"global": glob}]
-
-    # Execute
-    results = _together(stacked, models)
-
-    # Assert: c1 fails with the algorithm's own error; the others train
-    assert isinstance(results[1], AlgorithmError) and "global" in str(results[1])
-    assert results[0].models and results[2].models
 
 
 @pytest.mark.parametrize(
@@ -208,18 +334,119 @@ def test_a_model_with_buffers_or_dropout_does_not_stack(model):
 
 
 def test_a_stacked_module_runs_each_row_on_its_own_input():
-    # Prepare: two different linear models and two different inputs
-    spec = ArchSpec(family="mlr", num_classes=3, input_shape=(5,))
-    models = [build(spec, seed=s) for s in (1, 2)]
-    x = torch.randn(2, 4, 5)
+    # Prepare: three different linear models and inputs
+    models = [_model("mlr", s, features=5, classes=3) for s in (1, 2, 3)]
+    stacked = stack_modules(models)
+    x = torch.randn(3, 4, 5)
 
-    # Execute
-    out = stack_modules(models)(x)
+    # Execute: every row; the first two rows only (a prefix taking a step); one shared input
+    out, prefix, shared = stacked(x), stacked(x[:2]), stacked(x[0])
 
-    # Assert: row i is model i on input i, computed independently here
+    # Assert: row i is model i on its input, computed independently here
     for i, m in enumerate(models):
         w, b = m.state_dict().values()
         assert torch.allclose(out[i], x[i] @ w.T + b, atol=1e-6)
+        assert torch.allclose(shared[i], x[0] @ w.T + b, atol=1e-6)
+    assert prefix.shape == (2, 4, 3) and torch.allclose(prefix, out[:2])
+
+
+# -- through the node and the simulator -------------------------------------------------------
+@pytest.fixture
+def stacked_fits(monkeypatch):
+    """How each stacked fit the nodes tried ended: its size, or the error that stopped it
+    (`stacked_fits.phases`: the phase of every stacked run, fit or not)."""
+    log = _Log()
+    real = node_mod.run_stacked
+
+    def spy(algos, phase, *args, **kw):
+        try:
+            out = real(algos, phase, *args, **kw)
+        except Exception as exc:
+            log.phases.append((phase, exc))
+            if phase == "fit":
+                log.append(exc)
+            raise
+        log.phases.append((phase, len(algos)))
+        if phase == "fit":
+            log.append(len(algos))
+        return out
+
+    monkeypatch.setattr(node_mod, "run_stacked", spy)
+    return log
+
+
+class _Log(list):
+    def __init__(self):
+        super().__init__()
+        self.phases = []
+
+
+def _together(algos, models):
+    """The clients as ClientNodes running one fit task each, executed as one group."""
+    nodes, tasks = [], []
+    for a, m in zip(algos, models, strict=True):
+        node = ClientNode(a.ctx.client_id, a.ctx.spec, a.ctx.data, seed=a.ctx.seed)
+        node.algorithm, node._algo_key = a, (a.name, a.config.model_dump_json())
+        task = NodeTask(1, 2, "fit", a.name, a.config.model_dump(mode="json"), m)
+        node.begin(task)
+        nodes.append(node)
+        tasks.append(task)
+    return execute_together(nodes, tasks)
+
+
+def test_a_group_of_fit_tasks_trains_as_one_stacked_fit(stacked_fits):
+    # Prepare
+    spec, alone = _clients("pfml", family="mlr")
+    _, stacked = _clients("pfml", family="mlr")
+    models = _models("pfml", spec, 3)
+
+    # Execute: three nodes' fit tasks executed as one group
+    expected = [a.fit(1, 2, m) for a, m in zip(alone, models, strict=True)]
+    got = _together(stacked, models)
+
+    # Assert: one stacked fit of all three, each reply its own
+    assert stacked_fits == [3]
+    for e, g in zip(expected, got, strict=True):
+        _assert_close(g.metrics, e.metrics)
+        _assert_close(g.models["local"].weights, e.models["local"].weights)
+
+
+def test_a_member_whose_task_lacks_the_global_model_gets_its_own_error():
+    # Prepare: c1's task carries no global model
+    spec, stacked = _clients("pfml", family="mlr")
+    models = _models("pfml", spec, 3)
+    models[1] = {}
+
+    # Execute
+    results = _together(stacked, models)
+
+    # Assert: c1 fails with the algorithm's own error; the others train
+    assert isinstance(results[1], AlgorithmError) and "global" in str(results[1])
+    assert results[0].models and results[2].models
+
+
+def test_a_stack_that_runs_out_of_memory_trains_in_halves(stacked_fits, monkeypatch):
+    # Prepare: a stack of four fails as a GPU out of memory would; two fit
+    spec, alone = _clients("fml", sizes=(20, 18, 16, 14))
+    _, stacked = _clients("fml", sizes=(20, 18, 16, 14))
+    models = _models("fml", spec, 4)
+    real = node_mod.run_stacked
+
+    def small_memory(algos, *args, **kw):
+        if len(algos) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return real(algos, *args, **kw)
+
+    monkeypatch.setattr(node_mod, "run_stacked", small_memory)
+
+    # Execute
+    expected = [a.fit(1, 2, m) for a, m in zip(alone, models, strict=True)]
+    got = _together(stacked, models)
+
+    # Assert: every client trained, stacked two by two, with its own result
+    for e, g in zip(expected, got, strict=True):
+        _assert_close(g.metrics, e.metrics)
+        _assert_close(g.models["meme"].weights, e.models["meme"].weights)
 
 
 def test_simulated_pfml_trains_stacked_with_the_results_of_one_client_at_a_time(stacked_fits):
@@ -240,8 +467,10 @@ def test_simulated_pfml_trains_stacked_with_the_results_of_one_client_at_a_time(
     assert stacked_fits == []
     stacked = run_federation(stacked_cfg, prepare_federation(stacked_cfg), "pfml")
 
-    # Assert: every fit ran stacked, and every client ends where it ended on its own
+    # Assert: every fit and evaluation ran stacked, and every client ends where it ended alone
     assert stacked_fits and all(n > 1 for n in stacked_fits) and sum(stacked_fits) == 4 * 2
+    assert {phase for phase, _ in stacked_fits.phases} == {"fit", "evaluate", "finalize"}
+    assert all(n == 2 for _, n in stacked_fits.phases)
     assert [c.personal_acc for c in stacked.clients] == [c.personal_acc for c in one_by_one.clients]
     for s, t in zip(stacked.rounds, one_by_one.rounds, strict=True):
         assert s.train_metrics == pytest.approx(t.train_metrics, rel=1e-6)

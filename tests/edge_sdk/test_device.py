@@ -1,13 +1,16 @@
-"""Which device a run uses, why, and in what precision; what a client tells the coordinator."""
+"""Which device a run uses, why, and in what precision; what a client tells the coordinator;
+how many CPU threads the SDK uses (the cores the process may run on, at most OMP_NUM_THREADS)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
-from edge_sdk.device import autocast_dtype, choose_device, precision, resolve_device
+from coordinator.fleet import LocalFleet
+from edge_sdk.device import autocast_dtype, choose_device, cpu_threads, precision, resolve_device
 from edge_sdk.protocol import Register, decode
 from edge_sdk.trainer import Trainer
 
@@ -60,3 +63,33 @@ def test_a_registration_from_a_client_that_names_no_dataset_or_precision_still_d
     assert isinstance(msg, Register)
     caps = msg.capabilities
     assert (caps.device, caps.dataset, caps.precision) == ("cuda:0", None, None)
+
+
+@pytest.fixture
+def three_of_sixty_four(monkeypatch):
+    """A process allowed on 3 cores of a 64-core machine (a container, `taskset`)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
+@pytest.mark.parametrize(
+    ("omp", "threads"),
+    [(None, 3), ("2", 2), ("8", 3), ("1,4", 1), ("0", 3), ("many", 3), (" 2 ", 2)],
+)
+def test_cpu_threads_are_the_allowed_cores_at_most_omp_num_threads(
+    three_of_sixty_four, omp, threads
+):
+    environ = {} if omp is None else {"OMP_NUM_THREADS": omp}
+    assert cpu_threads(environ) == threads
+
+
+def test_cpu_threads_read_the_process_environment(three_of_sixty_four, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cpu_threads() == 2
+
+
+def test_a_local_fleet_trains_as_many_groups_at_once_as_the_process_has_threads(
+    three_of_sixty_four,
+):
+    assert LocalFleet([]).parallel == 3

@@ -36,11 +36,42 @@ def test_evaluate_counts_correct_predictions_and_sums_the_loss():
 
 
 def test_a_non_finite_loss_stops_training_with_a_clear_error():
+    # Prepare: the second of three batches is NaN
     model = torch.nn.Linear(2, 2)
     t = Trainer(torch.device("cpu"))
     opt = t.optimizer(model.parameters(), OptimConfig())
-    with pytest.raises(FloatingPointError, match="lower the learning rate"):
-        t.step(model(torch.full((1, 2), float("nan"))).sum(), [opt])
+    x = torch.ones(3, 1, 2)
+    x[1] = float("nan")
+
+    def step(xb):
+        return (t.step(model(xb).sum(), [opt]),)
+
+    # Execute / Assert: the loop ends, then its mean loss is found non-finite
+    with pytest.raises(FloatingPointError, match="training loss became nan; lower the learning"):
+        t.run(step, ((xb,) for xb in x))
+
+
+def test_run_averages_each_value_of_the_step_on_the_device():
+    # Prepare: a step that returns two values, each step's known in advance
+    t = Trainer(torch.device("cpu"))
+    seen = []
+
+    def step(x, y):
+        seen.append((x.clone(), y.clone()))
+        return x.sum(), y.float().sum()
+
+    batches = [
+        (torch.tensor([1.0, 2.0]), torch.tensor([1])),
+        (torch.tensor([5.0]), torch.tensor([4])),
+    ]
+
+    # Execute
+    means = t.run(step, iter(batches), values=2)
+
+    # Assert: each batch stepped once, in order; means (3 + 5) / 2 and (1 + 4) / 2
+    assert [b[0].tolist() for b in seen] == [[1.0, 2.0], [5.0]]
+    assert means == [4.0, 2.5]
+    assert t.run(step, iter([]), values=2) == [pytest.approx(float("nan"), nan_ok=True)] * 2
 
 
 def test_client_data_checks_lengths_and_needs_training_samples():

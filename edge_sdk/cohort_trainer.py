@@ -1,0 +1,448 @@
+"""The Trainer of a stack of clients (edge_sdk.cohort): each client's batches from its own
+generator and data, one step for all of them, and each client only the steps it takes alone.
+
+Clients of a stack hold different amounts of data (a Dirichlet split differs 10× and more), so
+their epochs have different numbers of batches, and the last batch of each is short. A stacked
+epoch runs as many steps as the longest member's; at each step:
+
+- the members are ordered by their number of training samples, longest first (`run_stacked`
+  orders them so), so the members still in their epoch are a *prefix* of the stack: the step
+  runs on that prefix only (the stacked models take as many rows of their parameters as the
+  batch has rows), and the optimizer's update of the other members is undone (parameters and
+  optimizer state: momentum and weight decay would move them even without a gradient);
+- a member whose batch is short has it padded to the others' size, with each sample's weight in
+  its client's mean (`edge_sdk.losses.stacked_batch`): padding weighs 0, so the losses and
+  gradients are those of its own samples.
+
+That is the CPU's way: no padded client costs compute. A CUDA graph needs one shape for every
+step, so on CUDA (`masked`) every step takes the whole stack, finished members with all-zero
+weights and their update undone by a mask; both ways give every member exactly its own steps,
+and both are tested on the CPU.
+
+Each member's generator draws exactly what it would draw alone, in the same order (a permutation
+per epoch, a permutation per fresh batch), so the stacked result equals the client-by-client one
+to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from edge_sdk.graphs import StepRunner
+from edge_sdk.losses import StackedBatch, stacked_batch
+from edge_sdk.trainer import ClientData, Step, Trainer, _check_finite, _row_range
+
+__all__ = ["CohortTrainer", "CohortUnsupported", "PerMember", "StackedData", "StackedEval"]
+
+
+class CohortUnsupported(ValueError):
+    """This group cannot train stacked (its members then train one by one)."""
+
+
+class PerMember(list[Any]):
+    """One value per member of a stack (a stacked fit's per-client results). A stacked fit
+    cannot take a different branch per member, so deciding on one is refused: the group then
+    trains one by one."""
+
+    def _decide(self, *_: object) -> bool:
+        raise CohortUnsupported("the algorithm takes a decision per client on a stacked value")
+
+    __lt__ = __le__ = __gt__ = __ge__ = __bool__ = _decide
+
+
+# -- the members' data side by side -----------------------------------------------------------
+class _Packed:
+    """The members' tensors of one split as rows of one tensor (`base`): member i's are rows
+    starts[i] : starts[i] + sizes[i]. Views of one data set (a simulation's clients) are used
+    in place; anything else is concatenated once."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.sizes = [len(t) for t in tensors]
+        base = tensors[0]._base
+        ranges = [
+            _row_range(t, base) if base is not None and t._base is base else None for t in tensors
+        ]
+        if base is None or None in ranges:
+            base, offsets = torch.cat(list(tensors)), _cumulative(self.sizes)
+        else:
+            offsets = [r[0] for r in ranges if r is not None]
+        self.base = base
+        self.offsets = offsets
+        # A member without samples reads (and never counts) a row that exists.
+        safe = [min(o, max(0, len(base) - 1)) for o in offsets]
+        self.starts = torch.tensor(safe, dtype=torch.int64, device=base.device)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def gather(self, local: torch.Tensor, rows: int) -> torch.Tensor:
+        """`local` (rows, B) indices into each member's own split → (rows, B, ...) samples."""
+        glob = (local + self.starts[:rows, None]).flatten()
+        return self.base.index_select(0, glob).view(*local.shape, *self.base.shape[1:])
+
+
+def _cumulative(sizes: Sequence[int]) -> list[int]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += n
+    return out
+
+
+class StackedData(ClientData):
+    """The members' data side by side: each split is a `_Packed` of the members' tensors,
+    and `n_train` one count per member."""
+
+    def __post_init__(self) -> None:  # rows are per member: nothing to check across them
+        pass
+
+    @classmethod
+    def of(cls, datas: Sequence[ClientData]) -> StackedData:
+        def packed(name: str) -> torch.Tensor:
+            return cast(torch.Tensor, _Packed([getattr(d, name) for d in datas]))
+
+        return cls(
+            **{name: packed(name) for name in ClientData._tensor_fields()},
+            num_classes=datas[0].num_classes,
+        )
+
+    @property
+    def n_train(self) -> Any:
+        return PerMember(cast(_Packed, self.y_train).sizes)
+
+
+@dataclass(frozen=True)
+class StackedEval:
+    """Trainer.evaluate's result for each member (`EvalResult`'s fields, one value each)."""
+
+    correct: PerMember
+    total: PerMember
+    loss_sum: PerMember
+
+    @property
+    def accuracy(self) -> PerMember:
+        pairs = zip(self.correct, self.total, strict=True)
+        return PerMember(c / t if t else math.nan for c, t in pairs)
+
+    @property
+    def loss(self) -> PerMember:
+        pairs = zip(self.loss_sum, self.total, strict=True)
+        return PerMember(s / t if t else math.nan for s, t in pairs)
+
+
+# -- one stacked step ---------------------------------------------------------------------------
+class _Batch(tuple[torch.Tensor | None, ...]):
+    """A stacked batch for `CohortTrainer.run`: (inputs, labels, weights, active) and, on the
+    host, which members take this step (`taking`)."""
+
+    taking: list[bool]
+
+
+def _batch(tensors: Sequence[torch.Tensor | None], taking: list[bool]) -> _Batch:
+    out = _Batch(tensors)
+    out.taking = taking
+    return out
+
+
+@dataclass
+class _Stepping:
+    rows: int  # the stack's first `rows` members run this step
+    active: torch.Tensor | None  # masked: (N,) 1.0 for a member taking it, 0.0 for one that is not
+
+
+class CohortTrainer(Trainer):
+    """A Trainer over stacked models: each member's batch from its own generator and data,
+    one step for the members that take it, averages per member.
+
+    `masked`: run every step on the whole stack, masking finished members (default: when it
+    captures CUDA graphs, which need one shape); otherwise only the members still in their
+    epoch run."""
+
+    def __init__(self, members: Sequence[Trainer], *, masked: bool | None = None) -> None:
+        first = members[0]
+        self.device = first.device
+        self.generator = first.generator  # unused: each member draws from its own
+        self.amp = first.amp
+        self._amp_dtype = first._amp_dtype
+        self._scaler = None
+        self.graphs = first.graphs
+        if first._scaler is not None:
+            raise CohortUnsupported("fp16 loss scaling is per client")
+        self.members = list(members)
+        self.masked = self.graphs if masked is None else masked
+        self._stepping: _Stepping | None = None
+        self._uneven = False  # the current loop's members take different numbers of steps
+        self.stats = first.stats  # not used: each member's own stats are counted
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    # -- batches ---------------------------------------------------------------------------
+    def batches(self, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> Iterator[Any]:
+        """One epoch of each member, stacked: member i's own permutation of its own samples,
+        `batch_size` at a time; a member whose epoch has ended sits the step out."""
+        xs, ys = _packed(x), _packed(y)
+        n = self.size
+        perms = [
+            torch.randperm(size, generator=t.generator, device=t.device)
+            for t, size in zip(self.members, ys.sizes, strict=True)
+        ]
+        steps = [math.ceil(size / batch_size) for size in ys.sizes]
+        total = max(steps)
+        self._uneven = len(set(steps)) > 1
+        # The members still in their epoch are a prefix when the longest come first (as
+        # run_stacked orders them); otherwise the whole stack runs, masked.
+        masked = self.masked or steps != sorted(steps, reverse=True)
+        table = torch.zeros(n, total * batch_size, dtype=torch.int64, device=self.device)
+        for i, perm in enumerate(perms):
+            table[i, : len(perm)] = perm
+        table = table.view(n, total, batch_size).transpose(0, 1).contiguous()  # (S, N, B)
+        # On the host: how many samples of its step s each member has (0: it sits it out).
+        counts = [
+            [max(0, min(batch_size, size - s * batch_size)) for size in ys.sizes]
+            for s in range(total)
+        ]
+        padded = [masked or any(0 < c < batch_size for c in row) for row in counts]
+        weights = _weight_table(counts, batch_size, self.device) if any(padded) else None
+        # Who takes each step, on the device once per epoch (not a host-to-device copy a step).
+        actives = torch.tensor(counts, device=self.device).gt(0).float() if masked else None
+        for s in range(total):
+            taking = [c > 0 for c in counts[s]]
+            rows = n if masked else sum(taking)
+            local = table[s, :rows]
+            w = weights[s, :rows] if weights is not None and padded[s] else None
+            active = actives[s] if actives is not None else None
+            yield _batch((xs.gather(local, rows), ys.gather(local, rows), w, active), taking)
+
+    def fresh_batches(
+        self, x: torch.Tensor, y: torch.Tensor, batch_size: int, count: int
+    ) -> Iterator[Any]:
+        """`count` stacked fresh batches: each member's from its own generator, as
+        `Trainer.sample_batch` draws it alone (min(batch_size, its samples), distinct)."""
+        xs, ys = _packed(x), _packed(y)
+        sizes = [min(batch_size, size) for size in ys.sizes]
+        width = max(sizes)
+        weights = None
+        if self.masked or len(set(sizes)) > 1:
+            c = torch.tensor(sizes, dtype=torch.float32)
+            weights = ((torch.arange(width) < c[:, None]) / c[:, None]).to(self.device)
+        active = torch.ones(self.size, device=self.device) if self.masked else None
+        taking = [True] * self.size
+        self._uneven = False
+        for _ in range(count):
+            picks = [
+                _padded(t.sample(size, batch_size), width)
+                for t, size in zip(self.members, ys.sizes, strict=True)
+            ]
+            local = torch.stack(picks)
+            rows = self.size
+            yield _batch((xs.gather(local, rows), ys.gather(local, rows), weights, active), taking)
+
+    def sample_batch(self, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> Any:
+        """Outside `run`, a stacked batch of equal members' batches (padding needs `run`)."""
+        xs, ys = _packed(x), _packed(y)
+        if len({min(batch_size, s) for s in ys.sizes}) > 1:
+            raise CohortUnsupported("members' batches of different sizes outside Trainer.run")
+        (batch,) = self.fresh_batches(xs, ys, batch_size, 1)  # type: ignore[arg-type]
+        return batch[0], batch[1]
+
+    def epoch(self, n: int, batch_size: int) -> Any:
+        raise CohortUnsupported("index batches are per client")
+
+    def logits(self, model: nn.Module, x: torch.Tensor, batch_size: int | None = None) -> Any:
+        raise CohortUnsupported("logits over a split are per client")
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(
+        self, step: Step, batches: Iterable[tuple[torch.Tensor, ...]], values: int = 1
+    ) -> list[Any]:
+        """`Trainer.run` for the stack: the step runs once per stacked batch for the members
+        taking it; each value's mean is per member, over the steps it took."""
+        n = self.size
+        runner = StepRunner(self._stepper(step), capture=self.graphs)
+        sums = torch.zeros(values, n, device=self.device)
+        taken, replayed = [0] * n, [0] * n
+        for batch in batches:
+            taking = getattr(batch, "taking", None)
+            if taking is None:
+                raise CohortUnsupported("a stacked loop runs on the cohort trainer's batches")
+            out = torch.stack([v.float() for v in runner(*batch)])  # (values, rows)
+            active = batch[3]
+            if active is not None:
+                sums.add_(out * active)
+            else:
+                sums[:, : out.shape[1]].add_(out)
+            taken = [k + t for k, t in zip(taken, taking, strict=True)]
+            if runner.last_replayed:
+                replayed = [k + t for k, t in zip(replayed, taking, strict=True)]
+        self._uneven = False
+        for t, k, r in zip(self.members, taken, replayed, strict=True):
+            t.stats.steps += k
+            t.stats.stacked += k
+            t.stats.replayed += r
+        self.members[0].stats.graphs += runner.graphs  # the stack's graphs, counted once
+        means = (sums / torch.tensor(taken, device=self.device).clamp(min=1)).tolist()
+        for row in means:
+            _check_finite([v for v, k in zip(row, taken, strict=True) if k])
+        return [
+            PerMember(v if k else math.nan for v, k in zip(row, taken, strict=True))
+            for row in means
+        ]
+
+    def _stepper(self, step: Step) -> Callable[..., Sequence[torch.Tensor]]:
+        def stepped(
+            x: torch.Tensor,
+            y: torch.Tensor,
+            weights: torch.Tensor | None,
+            active: torch.Tensor | None,
+        ) -> Sequence[torch.Tensor]:
+            rows = x.shape[0]
+            self._stepping = _Stepping(rows, active)
+            try:
+                with stacked_batch(StackedBatch(rows, weights)):
+                    return step(x, y)
+            finally:
+                self._stepping = None
+
+        return stepped
+
+    def step(
+        self,
+        loss: torch.Tensor,
+        optimizers: Iterable[torch.optim.Optimizer],
+        *,
+        clip: Iterable[tuple[Iterable[nn.Parameter], float]] = (),
+    ) -> torch.Tensor:
+        """Trainer.step for the stack: one backward of the members' summed losses, each
+        member's gradient clipped to its own norm, and the optimizers' update undone for the
+        members not taking this step."""
+        optimizers = list(optimizers)
+        if self._uneven and any(isinstance(o, torch.optim.Adam) for o in optimizers):
+            raise CohortUnsupported("Adam counts its steps per client and they differ")
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss.sum().backward()
+        self._clip(clip)
+        frozen = _Frozen(optimizers, self._stepping, self.size)
+        for opt in optimizers:
+            opt.step()
+        frozen.restore()
+        return loss.detach()
+
+    def _clip(self, clip: Iterable[tuple[Iterable[nn.Parameter], float]]) -> None:
+        """Each member's gradient scaled to at most `max_norm` (its own total 2-norm), as
+        `torch.nn.utils.clip_grad_norm_` does for one client."""
+        for params, max_norm in clip:
+            grads = [p.grad for p in params if p.grad is not None]
+            if not grads:
+                continue
+            norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads])  # (params, N)
+            coef = (max_norm / (norms.norm(dim=0) + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(coef.view(-1, *[1] * (g.dim() - 1)))
+
+    # -- evaluation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
+        """Each member's stacked model on its own samples: StackedEval (one value each).
+
+        Chunk by chunk, the members that still have samples run (the first `rows` of the
+        stack, as in training: the longest come first), a member's last chunk padded and its
+        padding not counted, so no member costs more than its own samples."""
+        xs, ys = _packed(x), _packed(y)
+        sizes = ys.sizes
+        n = self.size
+        correct = torch.zeros(n, dtype=torch.int64, device=self.device)
+        loss_sum = torch.zeros(n, device=self.device)
+        # Samples a forward: per member as Trainer.logits takes them, all members at most a
+        # budget (activations are held for the whole stack at once).
+        per_member, budget = (1024, 32768) if self.device.type == "cuda" else (64, 1024)
+        last = torch.tensor([max(0, k - 1) for k in sizes], device=self.device)
+        start, longest = 0, max(sizes, default=0)
+        was_training = model.training
+        model.eval()
+        while start < longest:
+            rows = 1 + max(i for i, k in enumerate(sizes) if k > start)
+            chunk = max(1, min(per_member, budget // rows, longest - start))
+            position = torch.arange(start, start + chunk, device=self.device)
+            local = torch.minimum(position[None, :], last[:rows, None])  # (rows, c)
+            with self.autocast():
+                z = model(xs.gather(local, rows)).float()  # (rows, c, C)
+            labels = ys.gather(local, rows)
+            nll = nn.functional.cross_entropy(z.flatten(0, 1), labels.flatten(), reduction="none")
+            counted = position[None, :] <= last[:rows, None]
+            if any(k <= start for k in sizes[:rows]):  # a member without samples here
+                counted &= torch.tensor([k > start for k in sizes[:rows]], device=self.device)[
+                    :, None
+                ]
+            loss_sum[:rows] += (nll.view(labels.shape) * counted).sum(1)
+            correct[:rows] += ((z.argmax(-1) == labels) & counted).sum(1)
+            start += chunk
+        model.train(was_training)
+        return StackedEval(
+            correct=PerMember(correct.tolist()),
+            total=PerMember(sizes),
+            loss_sum=PerMember(loss_sum.tolist()),
+        )
+
+
+def _packed(t: Any) -> _Packed:
+    if not isinstance(t, _Packed):
+        raise CohortUnsupported("a stacked trainer draws from the stacked data's splits")
+    return t
+
+
+def _weight_table(counts: list[list[int]], batch_size: int, device: torch.device) -> torch.Tensor:
+    """(S, N, B): at step s, each sample's weight in member n's mean: 1/count for its first
+    `count` samples, 0 for padding (and for every sample of a member sitting the step out)."""
+    c = torch.tensor(counts, dtype=torch.float32)  # (S, N), built on the host
+    position = torch.arange(batch_size, dtype=torch.float32)
+    return ((position < c[..., None]) / c.clamp(min=1)[..., None]).to(device)
+
+
+def _padded(idx: torch.Tensor, width: int) -> torch.Tensor:
+    if len(idx) == width:
+        return idx
+    return torch.cat([idx, idx.new_zeros(width - len(idx))])
+
+
+class _Frozen:
+    """The rows of the optimizers' parameters and state that must not change in this step
+    (the members not taking it), saved before the update and put back after it."""
+
+    def __init__(
+        self, optimizers: Sequence[torch.optim.Optimizer], stepping: _Stepping | None, n: int
+    ) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.saved: list[torch.Tensor] = []
+        self.active = None if stepping is None else stepping.active
+        rows = n if stepping is None else stepping.rows
+        if self.active is None and rows == n:
+            return  # everyone takes this step
+        for opt in optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    state = opt.state.get(p, {})
+                    for t in [p, *state.values()]:
+                        if isinstance(t, torch.Tensor) and t.dim() and len(t) == n:
+                            self.tensors.append(t if self.active is not None else t[rows:])
+        with torch.no_grad():
+            self.saved = [t.clone() for t in self.tensors]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        if not self.tensors:
+            return
+        if self.active is None:
+            torch._foreach_copy_(self.tensors, self.saved)
+            return
+        for t, s in zip(self.tensors, self.saved, strict=True):
+            keep = self.active.view(-1, *[1] * (t.dim() - 1)).bool()
+            t.copy_(torch.where(keep, t, s))

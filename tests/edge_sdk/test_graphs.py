@@ -1,0 +1,179 @@
+"""Training steps a CUDA graph can capture: no host read inside a step, losses read once per
+loop, and (on a CUDA machine) captured steps that train as eager ones do.
+
+The capture itself needs a GPU; what it relies on is checked on the CPU: a step that read a
+value on the host (`.item()`, `float(t)`, `if t:`) could not be captured and would wait for the
+device every step."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import edge_sdk.graphs as graphs_mod
+from edge_sdk.algorithms import algorithm_class
+from edge_sdk.algorithms.base import ClientContext
+from edge_sdk.codec import WireModel
+from edge_sdk.cohort import run_stacked
+from edge_sdk.trainer import ClientData, Trainer
+from model_zoo import ArchSpec, build
+
+HOST_READS = {"_local_scalar_dense", "is_nonzero", "equal"}
+FEATURES, CLASSES = 12, 4
+SETTINGS = {
+    "local": {"local_epochs": 1, "batch_size": 8, "lr": 0.1},
+    "fedavg": {"local_epochs": 1, "batch_size": 8, "lr": 0.1},
+    "fedprox": {"local_epochs": 1, "batch_size": 8, "lr": 0.1, "mu": 0.5},
+    "fml": {"local_epochs": 1, "batch_size": 8, "lr": 0.1},
+    "pfml": {"local_iterations": 3, "batch_size": 8, "lr": 0.05, "k_steps": 2, "lam": 1.0},
+    "fedme": {"local_epochs": 1, "batch_size": 8, "lr": 0.1},
+}
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the operations that read a tensor's value on the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in HOST_READS:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _clients(algorithm, device, sizes=(30, 21, 5), epochs=None, amp=True, graphs=None):
+    spec = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=(FEATURES,))
+    cls = algorithm_class(algorithm)
+    settings = SETTINGS[algorithm] | ({"local_epochs": epochs} if epochs else {})
+    cfg = cls.config_cls(**settings)
+    out = []
+    for i, n in enumerate(sizes):
+        g = torch.Generator().manual_seed(10 + i)
+        x, y = torch.randn(n + 12, FEATURES, generator=g), torch.randint(0, CLASSES, (n + 12,))
+        data = ClientData(x[:n], y[:n], x[n:], y[n:], x[n:], y[n:], num_classes=CLASSES)
+        data = data.to(device)
+        trainer = Trainer(device, seed=i, amp=amp, graphs=graphs)
+        out.append(cls(ClientContext(f"c{i}", spec, data, device, i, trainer), cfg))
+    return spec, out
+
+
+def _models(algorithm, spec):
+    glob = WireModel(spec, dict(build(spec, seed=7).state_dict()))
+    if algorithm == "fedme":
+        other = WireModel(spec, dict(build(spec, seed=8).state_dict()))
+        return {"personal": glob, "exchanged": other}
+    return {} if algorithm == "local" else {"global": glob}
+
+
+@pytest.fixture
+def steps_watched(monkeypatch):
+    """Every step a StepRunner runs, under a count of host reads (the counts, one per step)."""
+    counts = []
+    real = graphs_mod.StepRunner.__call__
+
+    def watched(self, *inputs):
+        with _HostReads() as mode:
+            out = real(self, *inputs)
+        counts.append(mode.reads)
+        return out
+
+    monkeypatch.setattr(graphs_mod.StepRunner, "__call__", watched)
+    return counts
+
+
+@pytest.mark.parametrize("algorithm", sorted(SETTINGS))
+def test_no_training_step_reads_a_value_on_the_host(algorithm, steps_watched):
+    # Prepare: the clients alone, and the same clients as one stack (masked, as on CUDA)
+    cpu = torch.device("cpu")
+    spec, alone = _clients(algorithm, cpu)
+    models = _models(algorithm, spec)
+
+    # Execute
+    for a in alone:
+        a.fit(1, 2, models)
+    if algorithm_class(algorithm).stackable:
+        _, stacked = _clients(algorithm, cpu)
+        run_stacked(stacked, "fit", 1, 2, [models] * len(stacked), masked=True)
+
+    # Assert: steps ran, and none of them read a value on the host
+    assert steps_watched and set(steps_watched) == {0}
+
+
+@pytest.mark.parametrize("algorithm", ["fml", "local", "pfml"])
+def test_a_stacked_fit_reads_its_values_on_the_host_as_often_whatever_its_steps(algorithm):
+    # Prepare: the same stack for one and for three epochs (or iterations)
+    cpu = torch.device("cpu")
+    reads = []
+    for epochs in (1, 3):
+        spec, stacked = _clients(algorithm, cpu, epochs=epochs if algorithm != "pfml" else None)
+        if algorithm == "pfml":
+            for a in stacked:
+                a.config = a.config.model_copy(update={"local_iterations": 2 * epochs})
+        models = _models(algorithm, spec)
+
+        # Execute
+        with _HostReads() as mode:
+            run_stacked(stacked, "fit", 1, 2, [models] * len(stacked), masked=True)
+        reads.append(mode.reads)
+
+    # Assert: reading the losses is once per loop, not once per step
+    assert reads[0] == reads[1]
+
+
+# -- on a CUDA machine ------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _weights(algo):
+    """Every model the client keeps, on the CPU."""
+    modules = {n: getattr(algo, n) for n in type(algo).persistent}
+    return {
+        name: {k: v.detach().float().cpu() for k, v in m.state_dict().items()}
+        for name, m in modules.items()
+        if isinstance(m, torch.nn.Module)
+    }
+
+
+@cuda
+@pytest.mark.parametrize("algorithm", ["fml", "pfml", "fedavg"])
+def test_a_captured_fit_trains_as_an_eager_one(algorithm):
+    # Prepare: the same client on CUDA in fp32, its steps captured or not
+    dev = torch.device("cuda")
+    spec, (captured,) = _clients(algorithm, dev, sizes=(64,), amp=False, epochs=3)
+    _, (eager,) = _clients(algorithm, dev, sizes=(64,), amp=False, graphs=False, epochs=3)
+    models = _models(algorithm, spec)
+
+    # Execute
+    got, expected = captured.fit(1, 2, models), eager.fit(1, 2, models)
+
+    # Assert: graphs were captured and replayed; the same training to float rounding
+    assert captured.ctx.trainer.stats.graphs >= 1 and captured.ctx.trainer.stats.replayed > 0
+    assert eager.ctx.trainer.stats.replayed == 0
+    assert got.metrics == pytest.approx(expected.metrics, rel=1e-4)
+    for name, weights in _weights(eager).items():
+        for k, v in weights.items():
+            assert torch.allclose(_weights(captured)[name][k], v, atol=1e-5), (name, k)
+
+
+@cuda
+@pytest.mark.parametrize("algorithm", ["fml", "pfml", "local"])
+def test_a_captured_stack_on_cuda_trains_each_client_as_it_trains_alone(algorithm):
+    # Prepare: unequal clients, alone and stacked (masked, captured), fp32
+    dev = torch.device("cuda")
+    spec, alone = _clients(algorithm, dev, amp=False, epochs=2)
+    _, stacked = _clients(algorithm, dev, amp=False, epochs=2)
+    models = _models(algorithm, spec)
+
+    # Execute
+    expected = [a.fit(1, 2, models) for a in alone]
+    got = run_stacked(stacked, "fit", 1, 2, [models] * len(stacked))
+
+    # Assert
+    assert stacked[0].ctx.trainer.stats.graphs >= 1
+    assert all(s.ctx.trainer.stats.stacked > 0 for s in stacked)
+    for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
+        assert g.metrics == pytest.approx(e.metrics, rel=1e-4)
+        for name, weights in _weights(a).items():
+            for k, v in weights.items():
+                assert torch.allclose(_weights(s)[name][k], v, atol=1e-5), (name, k)
