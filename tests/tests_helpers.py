@@ -13,7 +13,9 @@ from coordinator.config import load_config
 from coordinator.federation import prepare_federation
 from coordinator.fleet import NetworkFleet
 from coordinator.server import Coordinator, RoundConfig
+from edge_sdk import topics
 from edge_sdk.algorithms import algorithm_class
+from edge_sdk.auth import Keyring, issue_keys
 from edge_sdk.client import EdgeClient
 from edge_sdk.transport import InMemoryBroker
 from model_zoo import ArchSpec, families
@@ -55,17 +57,23 @@ def small_federation(
     clients_per_round=None,
     state_dir=None,
     checkpoint_path=None,
+    keys=None,
+    incarnation=None,
     **round_kw,
 ):
     """A Coordinator and n (not yet started) EdgeClients (ids c0..) on one in-memory broker;
     mlr on 8×8 digits, IID. Client c0 is a `client_cls` (a test's misbehaving client).
     `config`: the algorithm's settings (default: one local epoch). `state_dir`: where the
-    clients persist their state; `checkpoint_path`: the coordinator's checkpoint."""
+    clients persist their state; `checkpoint_path`: the coordinator's checkpoint. `keys`: the
+    participants' keyrings by id (default: fresh ones, so every message is signed; `{}`: open
+    mode); the coordinator's is `coordinator.fleet.keyring`, a client's `client.keyring`."""
     fed = prepare_federation(tiny_config(clients=n, rounds=rounds))  # the data only
     broker = broker or InMemoryBroker()
+    if keys is None:
+        keys = Keyring.ephemeral([topics.COORDINATOR, *fed.client_ids])
     spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
     coordinator = Coordinator(
-        NetworkFleet(broker.connect("coordinator")),
+        NetworkFleet(broker.connect("coordinator"), keyring=keys.get(topics.COORDINATOR)),
         algorithm=algorithm,
         config=algorithm_class(algorithm).config_cls(**(config or {"local_epochs": 1})),
         rounds=rounds,
@@ -73,14 +81,26 @@ def small_federation(
         clients_per_round=clients_per_round,
         round_config=RoundConfig(**{"deadline_s": 30, "register_timeout_s": 30, **round_kw}),
         checkpoint_path=checkpoint_path,
+        incarnation=incarnation,
     ).open()
     clients = [
         (client_cls if i == 0 else EdgeClient)(
-            cid, spec, data, broker.connect(cid), seed=i, state_dir=state_dir
+            cid, spec, data, broker.connect(cid), seed=i, state_dir=state_dir, keyring=keys.get(cid)
         )
         for i, (cid, data) in enumerate(zip(fed.client_ids, fed.client_data, strict=True))
     ]
     return coordinator, clients
+
+
+def key_flags(where, clients):
+    """Signing keys for a run's processes (written under `where`): each participant's `--set`
+    flags, by id (the coordinator's under "coordinator")."""
+    paths = issue_keys(where, clients)
+    roster = paths["roster"]
+    return {
+        pid: ["--set", f"auth.key_file={paths[pid]}", "--set", f"auth.roster={roster}"]
+        for pid in [topics.COORDINATOR, *clients]
+    }
 
 
 IMAGE = (1, 28, 28)
