@@ -497,7 +497,11 @@ class EdgeClient:
         if previous is not None and previous.incarnation != status.incarnation:
             log.info("%s: the coordinator restarted; registering again", self.client_id)
             self.accepted = None
-        if self.accepted is None:
+        if self.accepted is None and status.phase == "finished":
+            self.accepted, self.refused = False, "the run has already finished"
+            log.error("%s: registration refused: %s", self.client_id, self.refused)
+            self._stop.set()
+        elif self.accepted is None:
             self.register()
 
     def _handle(self, task: Task, blobs: Mapping[str, Buffer]) -> None:

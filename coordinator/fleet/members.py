@@ -54,6 +54,7 @@ class Members:
         self._sessions: dict[str, str] = {}  # the process that counts, per client
         self._epochs: dict[str, int] = {}  # its newest connection we heard of
         self._offline: dict[str, int] = {}  # a connection whose offline we heard: final
+        self._former: dict[str, set[str]] = {}  # processes that counted once, per client
         self._told: dict[tuple[str, str], float] = {}  # superseded processes, when told
 
     def open(self, run: RunInfo, *, started: bool = False) -> None:
@@ -84,7 +85,10 @@ class Members:
         return False
 
     def tell_superseded(self, cid: str, session: str) -> None:
-        """Tell an older process of `cid` that a newer one counts (at most every few s)."""
+        """Tell an older process of `cid` that a newer one counts (at most every few s); a
+        process that never counted (its registration was refused or is pending) is not told."""
+        if session not in self._former.get(cid, ()):
+            return
         now = time.monotonic()
         if now - self._told.get((cid, session), -TELL_EVERY_S) < TELL_EVERY_S:
             return
@@ -134,6 +138,10 @@ class Members:
         self.clients[cid] = ClientInfo(cid, msg.spec, msg.capabilities)
         if current is not None:
             log.warning("%s: a newer process registered; the older one is told to stop", cid)
+            former = self._former.setdefault(cid, set())
+            if len(former) > 64:  # bounded: the oldest are long gone
+                former.clear()
+            former.add(current)
             self.tell_superseded(cid, current)
         else:
             log.info("registered %s (%s, %d train)", cid, msg.spec, msg.capabilities.n_train)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests_helpers import tiny_config
+from tests_helpers import key_flags, tiny_config
 
 from coordinator.broker import MosquittoBroker
 from coordinator.simulator import simulate
@@ -31,6 +31,7 @@ class Fleet:
         self.common = ["--broker", url, "--run-id", run_id]
         self.rounds, self.round_sets = rounds, list(round_sets)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.keys = key_flags(tmp_path / "keys", ["c0", "c1", "c2"])
         self.starts: dict[str, int] = {}
         self.killed: set[str] = set()  # killed on purpose: their exit code is expected
 
@@ -39,11 +40,12 @@ class Fleet:
             run = ["--algorithm", "fml", "--clients", "3", "--rounds", str(self.rounds)]
             extra = [x for s in self.round_sets for x in ("--set", s)]
             out = ["--out", str(self.out), "--global-model", "mlr"]
-            return [EDGEFL, "coordinator", *self.common, *run, *TRAIN, *out, *SETS, *extra]
+            keys = self.keys["coordinator"]
+            return [EDGEFL, "coordinator", *self.common, *run, *TRAIN, *out, *SETS, *extra, *keys]
         i = int(name[1:])
         me = ["--id", name, "--model", ARCHS[i], "--index", str(i), "--seed", "0"]
         state = ["--state-dir", str(self.tmp / f"state{i}"), "--threads", "1"]
-        return [EDGEFL, "client", *self.common, *me, *DATA, *state, *SETS]
+        return [EDGEFL, "client", *self.common, *me, *DATA, *state, *SETS, *self.keys[name]]
 
     def kill(self, name):
         self.killed.add(name)
