@@ -66,6 +66,22 @@ def _broker_ids() -> tuple[int, int] | None:
         return None
 
 
+def _unreachable(path: Path, uid: int, gid: int) -> Path | None:
+    """The first directory on the way to `path` (itself included) that the user `uid` of group
+    `gid` may not enter, or None."""
+    for d in [*reversed(path.parents), path]:
+        st = d.stat()
+        if st.st_uid == uid:
+            bit = 0o100
+        elif st.st_gid == gid:
+            bit = 0o010
+        else:
+            bit = 0o001
+        if not st.st_mode & bit:
+            return d
+    return None
+
+
 def write_broker_files(
     out: str | Path,
     clients: Sequence[str],
@@ -148,6 +164,13 @@ def write_broker_files(
             os.chown(path, 0, gid)
         os.chown(data, uid, gid)
         note = f"group {BROKER_USER}, mode 640 (mosquitto reads them after dropping root)"
+        blocked = _unreachable(out, uid, gid)
+        if blocked is not None:
+            mode = blocked.stat().st_mode & 0o777
+            note += (
+                f"; but user {BROKER_USER} cannot enter {blocked} (mode {mode:o}): "
+                f"chmod o+x {blocked}, or write the files elsewhere"
+            )
     else:
         note = (
             f"mode 640, owned by you: if mosquitto runs as root it drops to user {BROKER_USER} "

@@ -407,8 +407,34 @@ class NetworkFleet(Fleet):
         self._due.clear()
         if due:
             log.info("round %d %s: sending %s their tasks again", self._round, self._phase, due)
-            self._publish_shared()
+            self._renew(due)
             self._deliver(due)
+
+    def _renew(self, cids: list[str]) -> None:
+        """Give these tasks' blobs new ids and publish the shared ones again: a receiver drops
+        a blob id it already delivered (a duplicate), and a process that ignored the first
+        copy of a task (not registered yet) has delivered its blobs."""
+        renamed: dict[str, str] = {}
+        shared: dict[str, bytes] = {}
+        for cid in cids:
+            task, own = self._tasks[cid]
+            refs, blobs = {}, {}
+            for name, ref in task.models.items():
+                new = renamed.setdefault(ref.blob.id, unique_id())
+                refs[name] = ref.model_copy(
+                    update={"blob": ref.blob.model_copy(update={"id": new})}
+                )
+                if ref.blob.shared:
+                    shared[new] = self._shared[new] = self._shared[ref.blob.id]
+                else:
+                    blobs[new] = own[ref.blob.id]
+            self._tasks[cid] = (task.model_copy(update={"models": refs}), blobs)
+        if shared:
+            try:
+                bcast = topics.bcast(self.run.run_id)
+                self._endpoint.wait(self._endpoint.publish_blobs(bcast, shared))
+            except TransportError as exc:
+                log.error("broadcasting the shared models again failed: %s", exc)
 
     # -- sizes -----------------------------------------------------------------------------
     def _grow(self, nbytes: int) -> None:

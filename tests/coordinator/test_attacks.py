@@ -11,6 +11,7 @@ must end with exactly the per-client accuracies of an undisturbed one.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,10 +19,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
 from tests_helpers import key_flags, tiny_config
 
-from coordinator.broker import free_port
 from coordinator.simulator import simulate
 from edge_sdk import topics
 from edge_sdk.protocol import Reply, Shutdown, Task, decode, encode
@@ -102,8 +101,9 @@ class Attacker:
 
     def flood(self):
         up = topics.up(self.run, "c1")
-        for i in range(10_000):  # malformed, on a registered client's topic
+        for i in range(5_000):  # on a registered client's topic: unsigned, and no frame at all
             self.t.publish(up, b"EF1M{not json" + str(i).encode())
+            self.t.publish(up, b"junk" + str(i).encode())
         header = json.dumps({"blob": "x", "index": 0, "count": 200, "size": 200 << 20}).encode()
         chunk = b"EF1C" + len(header).to_bytes(4, "big") + header + b"\0" * (1 << 20)
         for i in range(20):  # a model's worth of chunks that never completes, unregistered
@@ -113,7 +113,12 @@ class Attacker:
         self.t.close()
 
 
-def _scrape(port):
+def _scrape(log):
+    """The coordinator's metrics, from the port its log names (None before it serves them)."""
+    found = re.search(r"Prometheus metrics on port (\d+)", log.read_text())
+    if found is None:
+        return None
+    port = int(found.group(1))
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
             return r.read().decode()
@@ -125,46 +130,46 @@ def test_a_hostile_open_broker_changes_nothing_in_the_run(mosquitto, tmp_path):
     run = f"hostile-{os.getpid()}"
     keys = key_flags(tmp_path / "keys", ["c0", "c1", "c2", "c3"])
     common = ["--broker", mosquitto.url, "--run-id", run]
-    port = free_port()
     out = tmp_path / "out"
     procs: dict[str, subprocess.Popen] = {}
     logs: dict[str, Path] = {}
 
-    def start(name, argv):
+    def start(name, *argv):  # the command line, in parts
         logs[name] = tmp_path / f"{name}.log"
         with logs[name].open("w") as log:
-            procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            command = [x for part in argv for x in part]
+            procs[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
     edgefl = [sys.executable, "-m", "coordinator"]
     start(
         "coordinator",
-        [*edgefl, "coordinator", *common, "--algorithm", "fml", "--clients", "3", "-v"]
-        + ["--rounds", str(ROUNDS), "--global-model", "mlr", "--out", str(out)]
-        + ["--metrics-port", str(port), *TRAIN, *SETS, *keys["coordinator"]],
+        [*edgefl, "coordinator", *common, "--algorithm", "fml", "--clients", "3", "-v"],
+        ["--rounds", str(ROUNDS), "--global-model", "mlr", "--out", str(out)],
+        ["--metrics-port", "0", *TRAIN, *SETS, *keys["coordinator"]],  # any free port
     )
     for i, arch in enumerate(ARCHS):
         me = ["--id", f"c{i}", "--model", arch, "--index", str(i), "--seed", "0"]
         state = ["--state-dir", str(tmp_path / f"state{i}"), "--threads", "1"]
-        start(f"c{i}", [*edgefl, "client", *common, *me, *DATA, "--clients", "3", *state]
-              + [*SETS, *keys[f"c{i}"]])  # fmt: skip
+        client = [*edgefl, "client", *common, *me, *DATA, "--clients", "3"]
+        start(f"c{i}", client, state, SETS, keys[f"c{i}"])
     trigger = tmp_path / "go"
     # c1 again, as another architecture, with c1's key; and a fourth client after the start.
     dup = ["--id", "c1", "--model", "mlr", "--index", "1", "--clients", "3"]
     late = ["--id", "c3", "--model", "mlr", "--index", "3", "--clients", "4"]
     for name, me in (("dup", dup), ("late", late)):
         state = ["--state-dir", str(tmp_path / f"state-{name}"), "--threads", "1"]
-        start(name, [sys.executable, "-c", LATER, str(trigger), "client", *common, *me, *DATA]
-              + [*state, *SETS, *keys[me[1]]])  # fmt: skip
+        start(name, [sys.executable, "-c", LATER, str(trigger), "client", *common, *me, *DATA],
+              state, SETS, keys[me[1]])  # fmt: skip
     attacker = Attacker(mosquitto.url, run)
     rounds_log = out / "rounds.jsonl"
     metrics = None
     try:
-        attacker.flood()
         deadline = time.monotonic() + 400
         while procs["coordinator"].poll() is None and time.monotonic() < deadline:
             if not trigger.exists() and rounds_log.exists() and rounds_log.read_text().strip():
                 trigger.touch()  # the run has started: now the duplicate and the latecomer
-            metrics = _scrape(port) or metrics
+                attacker.flood()
+            metrics = _scrape(logs["coordinator"]) or metrics
             time.sleep(0.2)
         codes = {}
         for name, p in procs.items():
