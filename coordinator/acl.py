@@ -123,9 +123,19 @@ def write_broker_files(
         f"user {coordinator_user}",
         f"topic readwrite {topics.ROOT}/{run}/#",
         "",
-        "# every client X (its user name is its client id)",
+        "# every client X (its user name is its client id): what only X may touch",
         *(f"pattern write {t}" for t in rules["write"]),
-        *(f"pattern read {t}" for t in rules["read"]),
+        *(f"pattern read {t}" for t in rules["read"] if "%u" in t),
+        "",
+        "# what every client may read",
+        *(
+            line
+            for user in users
+            for line in (
+                f"user {user}",
+                *(f"topic read {t}" for t in rules["read"] if "%u" not in t),
+            )
+        ),
     ]
     _write(out / "acl", "\n".join(acl) + "\n", 0o640)
     data = out / "persistence"
@@ -139,7 +149,8 @@ def write_broker_files(
         conf += [
             f"cafile {tls / 'ca.pem'}",
             f"certfile {tls / 'broker.pem'}",
-            f"keyfile {tls / 'broker.key'}  # readable by user {BROKER_USER}",
+            f"# the key must be readable by user {BROKER_USER}",
+            f"keyfile {tls / 'broker.key'}",
             "# require_certificate true   # to demand client certificates too",
         ]
     conf += [
