@@ -295,7 +295,7 @@ class EdgeClient:
         if self.node.algorithm is None:
             self.node.restore()
         self.transport.set_will(
-            self._up, lambda n: self.endpoint.frame(self._up, self._presence(n))
+            self._up, lambda n: self.endpoint.frame(self._up, self._presence(n, online=False))
         )
         self.transport.on_reconnect = self._reconnected
         self.transport.connect()
@@ -404,7 +404,7 @@ class EdgeClient:
         while not self._stop.is_set():
             if self._back.is_set():  # our will may have marked us offline meanwhile
                 self._back.clear()
-                self._try_send(self._presence(self.transport.connection))
+                self._try_send(self._presence(self.transport.connection, online=True))
             wait = IDLE_WAIT_S
             if self.accepted is None and self.status is not None:  # a registration is due
                 wait = min(wait, max(0.0, self._last_register + REGISTER_RETRY_S - _now()))
@@ -553,7 +553,7 @@ class EdgeClient:
     def _epoch(self, connection: int) -> int:
         return self._epoch_base + connection
 
-    def _presence(self, connection: int, online: bool = False) -> Presence:
+    def _presence(self, connection: int, *, online: bool) -> Presence:
         """Online or not, for connection number `connection` (its will says offline)."""
         return Presence(
             run=self.run_id,

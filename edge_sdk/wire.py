@@ -243,16 +243,14 @@ class Endpoint:
     def rejected(self) -> int:
         return sum(self.rejections.values())
 
-    def _reject(self, reason: str, detail: str, topic: str) -> None:
+    def _reject(self, reason: str, detail: str, topic: str, *, stranger: bool = False) -> None:
+        """Count a dropped frame; log it unless its sender logged this reason lately. Senders
+        that are no one (`stranger`: no key, not registered) share one line per reason, so a
+        flood over many topics is still a line a minute."""
         self.rejections[reason] += 1
-        self._log.warning(
-            (topic, reason),
-            "%s: dropped %s on %s: %s",
-            self.subscriptions[0],
-            reason,
-            topic,
-            detail,
-        )
+        where = self.subscriptions[0]
+        key = ("stranger" if stranger else topic, reason)
+        self._log.warning(key, "%s: dropped %s on %s: %s", where, reason, topic, detail)
 
     def set_limits(
         self, *, max_pending_bytes: int, max_total_pending_bytes: int | None = None
@@ -394,7 +392,7 @@ class Endpoint:
             else:
                 raise ProtocolError("unknown frame type")
         except _Unexpected as exc:
-            self._reject("unexpected_blob", str(exc), topic)
+            self._reject("unexpected_blob", str(exc), topic, stranger=True)
         except PayloadError as exc:
             self._reject("oversized", str(exc), topic)
         except (ProtocolError, ValueError, ArithmeticError) as exc:
@@ -411,8 +409,10 @@ class Endpoint:
             raise ProtocolError(f"{topic} has no writer in the topic layout")
         run, writer = owner
         if not self.keyring.verify(writer, topic, body, signature):
-            why = "no key in the roster" if writer not in self.keyring.roster else "wrong signature"
-            self._reject("bad_signature", f"not signed by {writer} ({why})", topic)
+            known = writer in self.keyring.roster
+            why = "wrong signature" if known else "no key in the roster"
+            detail = f"not signed by {writer} ({why})"
+            self._reject("bad_signature", detail, topic, stranger=not known)
             return None
         msg = decode(body)
         if msg.sender != writer or msg.run != run:

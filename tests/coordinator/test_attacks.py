@@ -5,8 +5,9 @@ mosquitto that lets anyone connect, read and publish anything, while the test pl
 attacker: it watches every task and answers c0's before c0 does (forged accuracies, impossible
 sample counts, signatures made up, c0's own earlier frames replayed), orders c2 to shut down,
 floods c1's topic with 10,000 malformed messages and an unregistered topic with chunks, and
-starts a second process as c1 with another architecture and a client that comes late. The run
-must end with exactly the per-client accuracies of an undisturbed one.
+takes c1's MQTT session again and again, and starts a second process as c1 with another
+architecture and a client that comes late. The run must end with exactly the per-client
+accuracies of an undisturbed one.
 """
 
 import json
@@ -62,7 +63,7 @@ class Attacker:
     """Anyone on the broker: reads every task, writes on every topic, holds no key."""
 
     def __init__(self, url, run):
-        self.run = run
+        self.run, self.url = run, url
         self.t = MqttTransport(url, f"mallory-{run}").connect(10)
         self.seen_from_c0: list[bytes] = []  # c0's genuine (signed) frames, to replay
         self.forged = 0
@@ -108,6 +109,13 @@ class Attacker:
         chunk = b"EF1C" + len(header).to_bytes(4, "big") + header + b"\0" * (1 << 20)
         for i in range(20):  # a model's worth of chunks that never completes, unregistered
             self.t.publish(topics.up(self.run, f"x{i}"), chunk)
+
+    def take_sessions(self):
+        """c1's MQTT session, taken from it again and again (anyone may, on an open broker)."""
+        for _ in range(3):
+            intruder = MqttTransport(self.url, f"edgefl-{self.run}-c1").connect(10)
+            time.sleep(0.3)
+            intruder.close()
 
     def close(self):
         self.t.close()
@@ -169,6 +177,7 @@ def test_a_hostile_open_broker_changes_nothing_in_the_run(mosquitto, tmp_path):
             if not trigger.exists() and rounds_log.exists() and rounds_log.read_text().strip():
                 trigger.touch()  # the run has started: now the duplicate and the latecomer
                 attacker.flood()
+                attacker.take_sessions()
             metrics = _scrape(logs["coordinator"]) or metrics
             time.sleep(0.2)
         codes = {}
