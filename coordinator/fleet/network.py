@@ -33,11 +33,12 @@ from coordinator.fleet.base import (
     Validator,
 )
 from coordinator.fleet.members import Members
+from coordinator.fleet.packing import pack_plan, renew
 from coordinator.strategies import FitReply
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
 from edge_sdk.codec import Buffer, WireModel
-from edge_sdk.protocol import Archive, ModelRef, Registered, Reply, Shutdown, Status, Task
+from edge_sdk.protocol import Archive, Registered, Reply, Shutdown, Status, Task
 from edge_sdk.ratelog import RateLimitedLog
 from edge_sdk.transport.base import Delivery, Transport, TransportError
 from edge_sdk.wire import (
@@ -45,7 +46,6 @@ from edge_sdk.wire import (
     Endpoint,
     Envelope,
     model_bytes,
-    pack_models,
     publish_retained,
     unique_id,
     unpack_models,
@@ -235,7 +235,11 @@ class NetworkFleet(Fleet):
         online replied, or the deadline."""
         run, r, phase, step = self.run, request.round, request.phase, request.step
         self._round, self._phase = r, phase
-        packed = self._pack(request.plan)  # also sizes what replies may hold, and the status
+        packed, self._shared = pack_plan(
+            request.plan, share=self.share_models, max_bytes=run.max_blob_bytes
+        )
+        for refs, _ in packed.values():  # what replies may hold, and what the status announces
+            self._grow(sum(ref.blob.size for ref in refs.values()))
         self._publish_status(phase)
         self._publish_shared()
         self._tasks = {}
@@ -333,39 +337,6 @@ class NetworkFleet(Fleet):
             return None
         return reply
 
-    def _pack(
-        self, plan: Mapping[str, Mapping[str, WireModel]]
-    ) -> dict[str, tuple[dict[str, ModelRef], dict[str, bytes]]]:
-        """Encode each distinct model once. A model that several tasks carry goes once to the
-        broadcast topic (its refs marked shared, its blob kept in `_shared`); the others ride
-        with their own task."""
-        uses: Counter[tuple[str, int]] = Counter()
-        for models in plan.values():
-            uses.update({_model_key(m) for m in models.values()})
-        packed: dict[tuple[str, int], tuple[ModelRef, bytes]] = {}
-        self._shared = {}
-        max_bytes = self.run.max_blob_bytes
-        out = {}
-        for cid, models in plan.items():
-            refs: dict[str, ModelRef] = {}
-            own: dict[str, bytes] = {}
-            for name, m in models.items():
-                key = _model_key(m)
-                if key not in packed or not self.share_models:
-                    shared = uses[key] > 1 and self.share_models
-                    one_ref, one_blob = pack_models({name: m}, max_bytes=max_bytes, shared=shared)
-                    ref = one_ref[name]
-                    packed[key] = (ref, one_blob[ref.blob.id])
-                    if shared:
-                        self._shared[ref.blob.id] = one_blob[ref.blob.id]
-                ref, data = packed[key]
-                refs[name] = ref
-                if not ref.blob.shared:
-                    own[ref.blob.id] = data
-            out[cid] = (refs, own)
-            self._grow(sum(ref.blob.size for ref in refs.values()))
-        return out
-
     def _publish_shared(self) -> None:
         if not self._shared:
             return
@@ -411,28 +382,12 @@ class NetworkFleet(Fleet):
             self._deliver(due)
 
     def _renew(self, cids: list[str]) -> None:
-        """Give these tasks' blobs new ids and publish the shared ones again: a receiver drops
-        a blob id it already delivered (a duplicate), and a process that ignored the first
-        copy of a task (not registered yet) has delivered its blobs."""
-        renamed: dict[str, str] = {}
-        shared: dict[str, bytes] = {}
-        for cid in cids:
-            task, own = self._tasks[cid]
-            refs, blobs = {}, {}
-            for name, ref in task.models.items():
-                new = renamed.setdefault(ref.blob.id, unique_id())
-                refs[name] = ref.model_copy(
-                    update={"blob": ref.blob.model_copy(update={"id": new})}
-                )
-                if ref.blob.shared:
-                    shared[new] = self._shared[new] = self._shared[ref.blob.id]
-                else:
-                    blobs[new] = own[ref.blob.id]
-            self._tasks[cid] = (task.model_copy(update={"models": refs}), blobs)
-        if shared:
+        """These tasks' blobs under new ids (`packing.renew`), the shared ones published again."""
+        again = renew(self._tasks, cids, self._shared)
+        if again:
             try:
                 bcast = topics.bcast(self.run.run_id)
-                self._endpoint.wait(self._endpoint.publish_blobs(bcast, shared))
+                self._endpoint.wait(self._endpoint.publish_blobs(bcast, again))
             except TransportError as exc:
                 log.error("broadcasting the shared models again failed: %s", exc)
 
@@ -557,8 +512,3 @@ class NetworkFleet(Fleet):
         except (TransportError, ValueError) as exc:  # one unreachable client costs its reply
             log.error("could not send %s to %s: %s", msg.kind, cid, exc)
             return []
-
-
-def _model_key(m: WireModel) -> tuple[str, int]:
-    """Identity of a model in a plan: the same weights object under the same architecture."""
-    return (m.spec.to_json(), id(m.weights))
