@@ -179,7 +179,7 @@ def test_a_coordinator_killed_after_round_r_resumes_and_ends_like_an_uninterrupt
     # The byte counters cover both incarnations: the second one's own traffic, and the first
     # one's up to its last checkpoint (more than half of it: it had completed 2 of 3 rounds).
     second = spy.total - first
-    assert second + first // 2 <= results["coordinator_bytes_out"] <= spy.total
+    assert second + first // 2 <= results["summary"]["coordinator_bytes_out"] <= spy.total
 
 
 def test_a_client_killed_mid_round_or_stalled_past_the_deadline_costs_only_its_reply(
