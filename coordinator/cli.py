@@ -236,6 +236,7 @@ def coordinator(
         typer.echo(f"coordinator {cfg.run_id}: resuming after round {done} (its checkpoint)")
 
     typer.echo(f"coordinator {cfg.run_id}: waiting for {cfg.clients} clients on {cfg.broker.url}")
+    typer.echo(_round_rules(cfg))
     try:
         results = _guard(
             lambda: run_coordinator(cfg, fresh=fresh, on_round=show, on_resume=resumed)
@@ -318,7 +319,12 @@ def client(
                 f"{dev.client_id}: resumed from {dev.state_path} (round {dev.resumed_after})"
             )
 
-    dev = _guard(lambda: run_device(cfg, on_task=show, on_start=started))
+    from edge_sdk.client import RegistrationRefused
+
+    try:
+        dev = _guard(lambda: run_device(cfg, on_task=show, on_start=started))
+    except RegistrationRefused as exc:
+        raise _fail(str(exc)) from exc
     if not dev.finished:
         typer.echo(
             f"{dev.client_id}: stopped; its state is in {dev.state_path}; run again to resume"
@@ -333,21 +339,69 @@ def broker_acl(
     out: Annotated[Path, typer.Option("--out", "-o", help="directory for the files")],
     coordinator_user: Annotated[str, typer.Option(help="the coordinator's user")] = "coordinator",
     run_id: Annotated[str, typer.Option(help="restrict the rules to one run ('+': any)")] = "+",
+    port: Annotated[int, typer.Option(help="the broker's listener port")] = 8883,
+    tls_dir: Annotated[
+        Path | None,
+        typer.Option(help="directory with ca.pem, broker.pem, broker.key (default: no TLS)"),
+    ] = None,
 ) -> None:
-    """Write a mosquitto password file (hashed), an ACL file and per-user credentials.
+    """Write a mosquitto config, password file (hashed), ACL, per-user credentials and keys.
 
     Client X may publish only on its own up and peer topics and read only its own down topic, the
     broadcast and status topics and the peer topics meant for it; the coordinator has its own user.
+    Each user's MQTT client id is its user name, so no credential can take another's session. Every
+    participant also gets its own signing key (see `edgefl keys`).
     """
     from coordinator.acl import write_broker_files
 
     ids = _csv(clients) or []
     paths = _guard(
-        lambda: write_broker_files(out, ids, coordinator_user=coordinator_user, run=run_id)
+        lambda: write_broker_files(
+            out, ids, coordinator_user=coordinator_user, run=run_id, port=port, tls_dir=tls_dir
+        )
     )
-    typer.echo(f"wrote {paths['passwd']}, {paths['acl']} and {paths['mosquitto.conf']}")
-    typer.echo(f"each user's password is in {paths['credentials']}/<user> (mode 600): give every")
-    typer.echo("device its own, as broker.password_file, with broker.username = its client id")
+    typer.echo(
+        f"wrote {paths['mosquitto.conf']} (run it as: mosquitto -c {paths['mosquitto.conf']})"
+    )
+    typer.echo(f"  {paths['passwd']}, {paths['acl']}: {paths['owner_note']}")
+    typer.echo(f"  each user's broker password: {paths['credentials']}/<user> (mode 600)")
+    typer.echo(f"  each participant's signing key: {paths['keys']}/<id>.key (mode 600),")
+    typer.echo(f"  the run's public keys: {paths['keys']}/roster.json")
+    typer.echo("give every device its own password and key and the roster:")
+    typer.echo("  broker.username = its id, broker.password_file, auth.key_file, auth.roster")
+
+
+@app.command()
+def keys(
+    clients: Annotated[str, typer.Option(help=f"{_CSV} client ids")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="directory for the keys")],
+) -> None:
+    """Issue signing keys: OUT/<id>.key for the coordinator and each client (mode 600) and
+    OUT/roster.json, the public keys everyone checks messages against. Keys already in OUT
+    are kept (add clients by running it again with more ids)."""
+    from edge_sdk.auth import issue_keys
+
+    paths = _guard(lambda: issue_keys(out, _csv(clients) or []))
+    typer.echo(f"wrote {len(paths) - 1} keys and {paths['roster']}")
+    typer.echo("give each participant its own key and the roster, e.g. for c0:")
+    typer.echo(f"  --set auth.key_file={out}/c0.key --set auth.roster={paths['roster']}")
+
+
+def _round_rules(cfg: Any) -> str:
+    """What a round waits for and how messages are checked, in words (printed at start)."""
+    import math
+
+    rc, n = cfg.round, cfg.clients
+    need = max(1, math.ceil(rc.quorum * n))
+    keys = (
+        "OPEN MODE: messages are not signed (anyone on the broker can forge them)"
+        if cfg.auth.open
+        else f"messages signed and checked against {cfg.auth.roster}"
+    )
+    return (
+        f"rounds close with {need} of {n} valid replies (round.quorum {rc.quorum:g}) or after "
+        f"{rc.deadline_s:g} s per phase (round.deadline_s), retried {rc.retries}x; {keys}"
+    )
 
 
 def _load(

@@ -26,6 +26,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDic
 
 from coordinator.server import RoundConfig
 from edge_sdk.algorithms import BaseAlgorithmConfig, algorithm_class, algorithm_names
+from edge_sdk.auth import AuthSettings
 from edge_sdk.transport.mqtt import BrokerSettings
 from model_zoo import families
 from model_zoo.data import dataset_names, partition_schemes
@@ -94,6 +95,8 @@ class RunConfig(BaseModel):
     out: str | None = None
     export_onnx: bool = False
     broker: BrokerSettings = BrokerSettings()  # with a url: over this MQTT broker, not in memory
+    # This participant's signing key and the run's public keys (edgefl keys), or open mode.
+    auth: AuthSettings = AuthSettings()
     # A model many tasks share crosses the broker once, on the broadcast topic; False sends a
     # copy with each task (for ACLs that cannot let clients read the broadcast topic).
     broadcast: bool = True

@@ -7,11 +7,14 @@ What it does, in order (each step prints what it did):
    few classes, each with about 100 training images.
 2. A broker: mosquitto as a child process when it is installed, else the embedded amqtt broker
    (in this process); `broker` uses an existing one instead.
-3. `OUT/demo.toml`: the whole run config. The coordinator and every device read it.
+3. `OUT/keys/`: a signing key for the coordinator and each device, and the roster of their
+   public keys (`edgefl keys`): every message of the run is signed and checked.
+   `OUT/demo.toml`: the whole run config. The coordinator and every device read it.
 4. A coordinator daemon and one device per client, each a separate process (`python -m
-   coordinator coordinator|client`), each device with its own architecture. Their output goes to
-   `OUT/logs/`. Progress comes from the coordinator's round records (`OUT/coordinator/
-   rounds.jsonl`) and, before the first round, from its Prometheus endpoint.
+   coordinator coordinator|client`, each given its own key file), each device with its own
+   architecture. Their output goes to `OUT/logs/`. Progress comes from the coordinator's round
+   records (`OUT/coordinator/rounds.jsonl`) and, before the first round, from its Prometheus
+   endpoint.
 5. The baselines the report compares against, `local`, `fedavg` and `fedavg_ft` (FedAvg, then
    each device fine-tunes the global model on its own data), with the in-process simulator on
    the same split and budget. A simulation and a deployment of one config give the
@@ -47,6 +50,7 @@ from coordinator.results import RunResult, build_results, write_results
 from coordinator.results_model import OnnxRow, Results
 from coordinator.simulator import run_federation
 from coordinator.strategies import strategy_class
+from edge_sdk.auth import AuthSettings, issue_keys
 from edge_sdk.onnx_bench import BenchSettings, benchmark_onnx
 from model_zoo.data import DatasetNotFound
 from model_zoo.files import atomic_open, write_atomic
@@ -294,21 +298,25 @@ def _print_outcome(results: Results, echo: Callable[[str], None]) -> None:
 
 
 def _device_app_hint(url: str, echo: Callable[[str], None]) -> None:
+    keys = "runs/phones/keys"
     echo("your own device app against this broker (examples/embedded_client.py):")
+    echo(f"  edgefl keys --clients phone0,phone1 --out {keys}")
     echo(
         f"  edgefl coordinator --broker {url} --run-id phones --algorithm fml --clients 2 "
-        "--rounds 3 --global-model mlr --out runs/phones &"
+        f"--rounds 3 --global-model mlr --out runs/phones --set auth.key_file={keys}/"
+        f"coordinator.key --set auth.roster={keys}/roster.json &"
     )
     for i in range(2):
         echo(
             f"  python examples/embedded_client.py --broker {url} --run-id phones "
-            f"--id phone{i} --slice {i} &"
+            f"--id phone{i} --slice {i} --key-file {keys}/phone{i}.key "
+            f"--roster {keys}/roster.json &"
         )
 
 
 def _clean(out: Path) -> None:
     """Remove what a previous demo run left in OUT (and nothing else)."""
-    for sub in ("coordinator", "devices", "logs"):
+    for sub in ("coordinator", "devices", "logs", "keys"):
         shutil.rmtree(out / sub, ignore_errors=True)
 
 
@@ -338,6 +346,10 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> Results:
                 echo(
                     f"{cfg.algorithm} averages one architecture: every device runs {cfg.models[0]}"
                 )
+            # Every process signs what it sends with its own key; all check against the roster.
+            keys = issue_keys(out / "keys", fed.client_ids)
+            cfg = cfg.model_copy(update={"auth": AuthSettings(roster=keys["roster"])})
+            echo(f"keys: {out / 'keys'}/<id>.key, one per process; every message is signed")
             write_config(cfg, out / "demo.toml")
             write_atomic(out / "split.txt", split_table(fed) + "\n")
             if opts.broker:

@@ -152,6 +152,10 @@ def deploy_and_follow(
     coordinator_out = out / "coordinator"
     metrics_port = free_port()
     common = ["--config", config, "--broker", url, "--run-id", cfg.run_id]
+
+    def key(name: str) -> list[str]:  # each process its own signing key (OUT/keys)
+        return ["--set", f"auth.key_file={out / 'keys' / name}.key"]
+
     coordinator = procs.start(
         "coordinator",
         [
@@ -163,6 +167,7 @@ def deploy_and_follow(
             "--metrics-port",
             str(metrics_port),
             *(x for s in extra_sets for x in ("--set", s)),
+            *key("coordinator"),
         ],
     )
     echo(f"coordinator: pid {coordinator.pid} (log: {procs.logs / 'coordinator.log'})")
@@ -171,7 +176,12 @@ def deploy_and_follow(
         state = out / "devices" / cid
         p = procs.start(
             cid,
-            ["client", *common, "--index", str(i), "--state-dir", str(state), "--threads", "1"],
+            [
+                "client",
+                *common,
+                *("--index", str(i), "--state-dir", str(state), "--threads", "1"),
+                *key(cid),
+            ],
         )
         started.append(f"{cid} {family} (pid {p.pid})")
     echo("devices: " + ", ".join(started))

@@ -36,6 +36,7 @@ from coordinator.results import (
 from coordinator.results_model import Results
 from coordinator.server import Coordinator
 from edge_sdk import topics
+from edge_sdk.auth import Keyring
 from edge_sdk.client import EdgeClient, TaskOutcome
 from edge_sdk.transport.mqtt import MqttTransport
 from model_zoo.files import write_atomic
@@ -175,6 +176,9 @@ def run_coordinator(
     round in progress and raise `Interrupted` (every completed round is in the checkpoint).
     """
     _require_broker(cfg)
+    keyring = Keyring.load(cfg.auth, topics.COORDINATOR)
+    if keyring is None:
+        log.warning("auth.open: messages are not signed; anyone on the broker can forge them")
     out = Path(cfg.out or f"runs/{cfg.run_id}")
     out.mkdir(parents=True, exist_ok=True)
     ckpt = checkpoint_path(cfg)
@@ -193,7 +197,7 @@ def run_coordinator(
             on_round(rec)
 
     transport = MqttTransport(cfg.broker, f"edgefl-{cfg.run_id}-{topics.COORDINATOR}")
-    fleet = NetworkFleet(transport, share_models=cfg.broadcast)
+    fleet = NetworkFleet(transport, share_models=cfg.broadcast, keyring=keyring)
     coordinator = build_coordinator(cfg, fleet, on_round=record, checkpoint_path=ckpt)
     # The checkpoint is the truth: rounds.jsonl lists its rounds, each exactly once.
     resumed = coordinator.restore()
@@ -262,9 +266,12 @@ def run_device(
     i = cfg.client.index
     if i >= len(fed.client_ids):
         raise ConfigError(f"client index {i} is out of range for {len(fed.client_ids)} clients")
+    cid = cfg.client.id or fed.client_ids[i]
+    keyring = Keyring.load(cfg.auth, cid)
+    if keyring is None:
+        log.warning("auth.open: messages are not signed; anyone on the broker can forge them")
     state_dir = Path(cfg.client.state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    cid = cfg.client.id or fed.client_ids[i]
     node = build_node(
         cfg,
         fed,
@@ -276,7 +283,12 @@ def run_device(
     )
     transport = MqttTransport(cfg.broker, f"edgefl-{cfg.run_id}-{cid}")
     client = EdgeClient.around(
-        node, transport, fp16_upload=cfg.fp16_upload, on_task=on_task, owns_transport=True
+        node,
+        transport,
+        fp16_upload=cfg.fp16_upload,
+        on_task=on_task,
+        owns_transport=True,
+        keyring=keyring,
     )
     if cfg.client.late:
         result = client.join_late(timeout=cfg.round.register_timeout_s)

@@ -206,8 +206,10 @@ def build_coordinator(
     run_id: str | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
     checkpoint_path: Path | None = None,
+    incarnation: int | None = None,
 ) -> Coordinator:
-    """The coordinator of `algorithm` (default: the run's) over `fleet`.
+    """The coordinator of `algorithm` (default: the run's) over `fleet`; `incarnation`: this
+    start's number (default: the clock's milliseconds; see Coordinator).
 
     With the federation's data at hand (`fed`: a simulation), the clients' architectures are
     the config's `models`, so a strategy with a global model takes `global_family` (the first of
@@ -235,6 +237,7 @@ def build_coordinator(
         on_round=on_round,
         checkpoint_path=checkpoint_path,
         server_data=fed.server_data if fed is not None else None,
+        incarnation=incarnation,
     )
 
 

@@ -4,7 +4,9 @@ A round: the strategy picks clients and the models each receives → the fleet r
 (`coordinator.fleet`: over the network, or in this process) and hands back each client's reply,
 validated (schema, model names, architectures, shapes, finite values, counts), or nothing → if
 enough valid replies arrived (quorum) the strategy aggregates, else the round runs again or is
-recorded as failed with the state left as it was → evaluation on every client → checkpoint.
+recorded as failed with the state left as it was, the clients' included (their next task says
+which round was kept last, and a client that trained in a later one goes back to the state before
+it) → evaluation on every client → checkpoint.
 After the last round a finalize task goes to every client (fine-tuning, ONNX export) and the
 final per-client scores come back with it. The coordinator knows no topics, blobs or chunks:
 registration, presence and the wire are the fleet's.
@@ -61,18 +63,22 @@ log = logging.getLogger(__name__)
 class RoundConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    deadline_s: float = Field(600.0, gt=0)  # per phase of a round
+    # Defaults for a small fleet of devices: a phase waits up to two minutes for a device that
+    # is online but slow (one that drops out is known at once and not waited for), and a round
+    # counts with half of its replies, so one dead device never stalls or fails a round.
+    deadline_s: float = Field(120.0, gt=0)  # per phase of a round
     # The finalize phase (fine-tuning, distillation, ONNX export and its verification) may take
     # longer than a round's phases; None: the same as deadline_s.
     finalize_deadline_s: float | None = Field(None, gt=0)
-    quorum: float = Field(1.0, gt=0, le=1)  # fraction of a round's tasks that must reply validly
+    quorum: float = Field(0.5, gt=0, le=1)  # fraction of a round's tasks that must reply validly
     register_timeout_s: float = Field(60.0, gt=0)
     eval_every: int = Field(1, ge=1)  # evaluate on all clients every N rounds (and the last)
     # Start once this many clients registered when `register_timeout_s` passes without all of
     # the expected ones (None: all expected clients are needed).
     min_clients: int | None = Field(None, ge=1)
     # A round that misses quorum runs again (new sampling, the clients start from where they
-    # were before it) up to this many times; then it is recorded as failed, state unchanged.
+    # were before it) up to this many times; then it is recorded as failed, state unchanged on
+    # both sides (clients that trained in it go back to the state before it).
     retries: int = Field(1, ge=0)
 
 
@@ -143,8 +149,12 @@ class Coordinator:
         self.strategy: Strategy | None = None
         self.stats = CoordinatorStats()
         self._round = 0
+        self._kept = 0  # the last round whose training was aggregated
         self.records: list[RoundRecord] = []
         self._restored = False
+        # Bytes moved by earlier incarnations of this run (from the checkpoint): the run's
+        # totals are these plus this fleet's.
+        self._bytes_before = (0, 0)
 
     @property
     def run_id(self) -> str:
@@ -203,8 +213,8 @@ class Coordinator:
                 clients=finals,
                 wall_seconds=time.perf_counter() - t0,
                 global_spec=spec.model_dump() if spec else None,
-                bytes_out=self.fleet.bytes_out,
-                bytes_in=self.fleet.bytes_in,
+                bytes_out=self._bytes_before[0] + self.fleet.bytes_out,
+                bytes_in=self._bytes_before[1] + self.fleet.bytes_in,
                 extra=strategy.results(),
             )
         finally:
@@ -254,6 +264,10 @@ class Coordinator:
                 ],
                 "records": [asdict(rec) for rec in self.records],
                 "strategy": self._strategy().state_dict(),
+                "bytes": [
+                    self._bytes_before[0] + self.fleet.bytes_out,
+                    self._bytes_before[1] + self.fleet.bytes_in,
+                ],
             },
         )
 
@@ -280,6 +294,9 @@ class Coordinator:
             caps = Capabilities.model_validate_json(c["capabilities"])
             self.clients[c["id"]] = ClientInfo(c["id"], spec, caps)
         self.records = [RoundRecord(**rec) for rec in state["records"]]
+        self._kept = max((rec.round for rec in self.records if not rec.failed), default=0)
+        out_in = state.get("bytes", [0, 0])
+        self._bytes_before = (int(out_in[0]), int(out_in[1]))
         incarnation = max(self.incarnation, int(state["incarnation"]) + 1)
         self.info = RunInfo(**{**asdict(self.info), "incarnation": incarnation})
         self._new_strategy().setup()
@@ -348,6 +365,7 @@ class Coordinator:
                     log.error("round %d: aggregation refused the replies: %s", r, exc)
                     break
             if not failed:
+                self._kept = r
                 break
         personal = glob = None
         per_client: dict[str, tuple[float | None, float | None]] = {}
@@ -421,6 +439,7 @@ class Coordinator:
             if phase == "fit"
             else {},
             partial=strategy.partial_models,
+            kept_round=self._kept,
         )
         replies = self.fleet.run_phase(request, self._validator(phase))
         return {cid: replies.get(cid) for cid in plan}

@@ -41,6 +41,7 @@ from coordinator.results import (
 from coordinator.results_model import Results
 from coordinator.strategies import strategy_class
 from edge_sdk import topics
+from edge_sdk.auth import Keyring
 from edge_sdk.client import EdgeClient
 from edge_sdk.device import choose_device, cpu_threads
 from edge_sdk.malloc import M_ARENA_MAX, glibc
@@ -146,7 +147,11 @@ def _over_network(
     """Every node an EdgeClient on its own thread and transport, the coordinator on another."""
     connect = transport_factory(cfg, run_id)
     transports = [connect(topics.COORDINATOR)]
-    fleet = NetworkFleet(transports[0], share_models=cfg.broadcast)
+    # Keys for this run only, in memory: every message is signed as in a deployment.
+    keys = Keyring.ephemeral([topics.COORDINATOR, *(n.client_id for n in nodes)])
+    fleet = NetworkFleet(
+        transports[0], share_models=cfg.broadcast, keyring=keys[topics.COORDINATOR]
+    )
     coordinator = build_coordinator(
         cfg, fleet, algorithm=algorithm, fed=fed, run_id=run_id, on_round=on_round
     )
@@ -159,7 +164,9 @@ def _over_network(
         coordinator.open()
         for node in nodes:
             transports.append(connect(node.client_id))
-            client = EdgeClient.around(node, transports[-1], fp16_upload=cfg.fp16_upload)
+            client = EdgeClient.around(
+                node, transports[-1], fp16_upload=cfg.fp16_upload, keyring=keys[node.client_id]
+            )
             clients.append(client.start())
         return coordinator.run()
     finally:

@@ -8,7 +8,15 @@ serving. The network callback only enqueues (see `edge_sdk.wire`).
 
 It listens on its own down topic, the run's broadcast topic (models many tasks share) and the
 coordinator's retained status topic; it publishes only on its own up topic (see
-`edge_sdk.topics`). Its will announces it offline if the connection dies.
+`edge_sdk.topics`). Its will announces it offline if the connection dies; a client that stops
+says so before it leaves.
+
+With a `keyring` (edge_sdk.auth) it signs everything it sends and obeys only what the run's
+coordinator signed. It registers with the coordinator incarnation the status topic names, as one
+process (its `session`): a task is run only once that registration was accepted, and a
+registration refused (the run started without it, another architecture, a newer process of the
+same id took over) ends `run()` with `RegistrationRefused`. A task delivered again (the
+coordinator re-sends outstanding tasks after a reconnection) gets its reply again.
 
 With a `state_dir` it persists its whole algorithm state (atomically) after every task that
 changed it, and a restarted device (same id, same run) continues from there. A fit task for a
@@ -35,6 +43,7 @@ from pydantic import ValidationError
 
 from edge_sdk import topics
 from edge_sdk.algorithms import ClientAlgorithm, FitResult
+from edge_sdk.auth import Keyring
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, Buffer, WireModel
 from edge_sdk.node import ClientNode, NodeTask
 from edge_sdk.peers import PeerChannel
@@ -52,10 +61,17 @@ from edge_sdk.protocol import (
 )
 from edge_sdk.trainer import ClientData
 from edge_sdk.transport.base import Transport, TransportError
-from edge_sdk.wire import Endpoint, message_frame, pack_models, read_retained, unpack_models
+from edge_sdk.wire import (
+    DEFAULT_CHUNK_BYTES,
+    Endpoint,
+    pack_models,
+    read_retained,
+    unique_id,
+    unpack_models,
+)
 from model_zoo import ArchSpec
 
-__all__ = ["EdgeClient", "TaskOutcome"]
+__all__ = ["EdgeClient", "RegistrationRefused", "TaskOutcome"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +81,13 @@ REGISTER_RETRY_S = 2.0
 # Every wake-up costs CPU: with 0.2 s, 200 simulated clients spent ~7 % of a round waking.
 IDLE_WAIT_S = 1.0
 _SEEN_TASKS = 256  # task ids remembered to ignore QoS 1 redeliveries
+# What reassembly may hold per topic before the coordinator's status says how large the run's
+# models are (then twice that, plus a chunk): a flood before it costs at most this much.
+INITIAL_PENDING_BYTES = 4 * DEFAULT_CHUNK_BYTES
+
+
+class RegistrationRefused(RuntimeError):
+    """The coordinator refused this client's registration (the reason is the message)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +132,7 @@ class EdgeClient:
         owns_transport: bool = False,
         state_dir: str | Path | None = None,
         dataset: str | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
         node = ClientNode(
             client_id,
@@ -130,6 +154,7 @@ class EdgeClient:
             max_blob_bytes=max_blob_bytes,
             on_task=on_task,
             owns_transport=owns_transport,
+            keyring=keyring,
         )
 
     @classmethod
@@ -142,6 +167,7 @@ class EdgeClient:
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
         on_task: Callable[[TaskOutcome], None] | None = None,
         owns_transport: bool = False,
+        keyring: Keyring | None = None,
     ) -> EdgeClient:
         """An EdgeClient serving an existing node over `transport`."""
         client = cls.__new__(cls)
@@ -152,6 +178,7 @@ class EdgeClient:
             max_blob_bytes=max_blob_bytes,
             on_task=on_task,
             owns_transport=owns_transport,
+            keyring=keyring,
         )
         return client
 
@@ -164,8 +191,13 @@ class EdgeClient:
         max_blob_bytes: int,
         on_task: Callable[[TaskOutcome], None] | None,
         owns_transport: bool,
+        keyring: Keyring | None,
     ) -> None:
+        if keyring is not None and keyring.me != node.client_id:
+            raise ValueError(f"{node.client_id}: the keyring given is {keyring.me!r}'s")
         self.node = node
+        self.keyring = keyring
+        self.session = unique_id(64)  # this process, as the coordinator tells them apart
         self.client_id, self.run_id = node.client_id, node.run_id
         self.fp16_upload = fp16_upload
         self.max_blob_bytes = max_blob_bytes
@@ -181,8 +213,12 @@ class EdgeClient:
             [self._down, topics.bcast(run_id), self._status_topic],
             shared_topic=topics.bcast(run_id),
             max_blob_bytes=max_blob_bytes,
+            max_pending_bytes=INITIAL_PENDING_BYTES,
+            keyring=keyring,
         )
-        self.peers = PeerChannel(transport, run_id, client_id, max_blob_bytes=max_blob_bytes)
+        self.peers = PeerChannel(
+            transport, run_id, client_id, max_blob_bytes=max_blob_bytes, keyring=keyring
+        )
         node.peers = self.peers
         self._stop = threading.Event()
         self._back = threading.Event()  # the connection came back: say we are online
@@ -190,8 +226,11 @@ class EdgeClient:
         self._thread: threading.Thread | None = None
         self._seen: deque[str] = deque(maxlen=_SEEN_TASKS)
         self._last_register = 0.0
+        self._last_reply: tuple[str, Reply, dict[str, bytes]] | None = None  # sent again if asked
         self.accepted: bool | None = None
+        self.refused: str | None = None  # why the coordinator refused this process
         self.status: Status | None = None  # the coordinator's last retained status
+        self._incarnation: int | None = None  # the coordinator incarnation that accepted us
         self.finished = False  # the coordinator said the run is over
         self.tasks_done = 0
         self.errors: list[str] = []
@@ -253,10 +292,7 @@ class EdgeClient:
         if self.node.algorithm is None:
             self.node.restore()
         self.transport.set_will(
-            self._up,
-            lambda n: message_frame(
-                Presence(run=self.run_id, sender=self.client_id, online=False, epoch=self._epoch(n))
-            ),
+            self._up, lambda n: self.endpoint.frame(self._up, self._presence(n, online=False))
         )
         self.transport.on_reconnect = self._reconnected
         self.transport.connect()
@@ -270,7 +306,8 @@ class EdgeClient:
         return self
 
     def run(self, timeout: float | None = None) -> dict[str, float]:
-        """Start (if needed) and block until the federation ends; the final metrics."""
+        """Start (if needed) and block until the federation ends; the final metrics. Raises
+        `RegistrationRefused` when the coordinator refused this process."""
         if self._thread is None:
             self.start()
         try:
@@ -278,6 +315,8 @@ class EdgeClient:
                 raise TimeoutError(f"{self.client_id}: the federation did not end in {timeout} s")
         finally:
             self.stop()
+        if self.refused is not None:
+            raise RegistrationRefused(f"{self.client_id}: registration refused: {self.refused}")
         return dict(self.last_metrics)
 
     def join_late(self, timeout: float = 60.0) -> FitResult:
@@ -292,6 +331,7 @@ class EdgeClient:
             lambda msg: isinstance(msg, Archive) and msg.sender == topics.COORDINATOR,
             timeout=timeout,
             max_blob_bytes=self.max_blob_bytes,
+            keyring=self.keyring,
         )
         if got is None:
             raise TimeoutError(
@@ -305,12 +345,18 @@ class EdgeClient:
         return result
 
     def register(self) -> None:
+        """Register with the coordinator incarnation of the last status (none seen yet: wait
+        for one; the status topic is retained, so it comes as soon as there is a coordinator)."""
+        if self.status is None:
+            return
         msg = Register(
             run=self.run_id,
             sender=self.client_id,
             spec=self.spec,
             capabilities=self.node.capabilities(),
             epoch=self._epoch(self.transport.connection),
+            session=self.session,
+            incarnation=self.status.incarnation,
         )
         self._try_send(msg)
         self._last_register = time.monotonic()
@@ -327,6 +373,9 @@ class EdgeClient:
         self.endpoint.interrupt()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        if self.accepted and not self.finished and self.endpoint.is_open:
+            # Leaving for now: say so, so that the coordinator stops waiting for our replies.
+            self._try_send(self._presence(self.transport.connection, online=False))
         self.endpoint.close()
         self.peers.close()
         if self._owns_transport:
@@ -344,7 +393,6 @@ class EdgeClient:
 
     # -- serving ---------------------------------------------------------------------------
     def _serve(self) -> None:
-        self.register()
         handlers: dict[type, Callable[[Any, Mapping[str, Buffer]], bool]] = {
             Shutdown: self._on_shutdown,
             Registered: self._on_registered,
@@ -353,17 +401,13 @@ class EdgeClient:
         while not self._stop.is_set():
             if self._back.is_set():  # our will may have marked us offline meanwhile
                 self._back.clear()
-                epoch = self._epoch(self.transport.connection)
-                self._try_send(
-                    Presence(run=self.run_id, sender=self.client_id, online=True, epoch=epoch)
-                )
+                self._try_send(self._presence(self.transport.connection, online=True))
             wait = IDLE_WAIT_S
-            if self.accepted is None:  # the next registration is due sooner
+            if self.accepted is None and self.status is not None:  # a registration is due
                 wait = min(wait, max(0.0, self._last_register + REGISTER_RETRY_S - _now()))
             env = self.endpoint.receive(timeout=wait)
             if env is None:
-                # Until the coordinator answers, registrations may have been lost (it was not
-                # listening yet): say hello again every few seconds.
+                # Until the coordinator answers, say hello again every few seconds.
                 if self.accepted is None and _now() - self._last_register >= REGISTER_RETRY_S:
                     self.register()
                 continue
@@ -375,7 +419,6 @@ class EdgeClient:
             elif env.topic == self._status_topic:
                 if isinstance(msg, Status):
                     self._on_status(msg)
-                    self._last_register = _now()  # the coordinator is there: no retry due
             elif env.topic != self._down:
                 log.warning("%s: ignoring a %s message on %s", self.client_id, msg.kind, env.topic)
             elif type(msg) in handlers:
@@ -385,35 +428,77 @@ class EdgeClient:
                 log.warning("%s: ignoring unexpected %s message", self.client_id, msg.kind)
 
     def _on_shutdown(self, msg: Shutdown, _blobs: Mapping[str, Buffer]) -> bool:
+        if self.status is not None and msg.incarnation < self.status.incarnation:
+            log.warning("%s: ignoring a shutdown from an earlier coordinator", self.client_id)
+            return False
         log.info("%s: shutdown: %s", self.client_id, msg.reason)
         self.finished = True
         return True
 
     def _on_registered(self, msg: Registered, _blobs: Mapping[str, Buffer]) -> bool:
-        self.accepted = msg.accepted
+        if msg.session != self.session:  # an answer to another process of this id
+            log.info("%s: ignoring an answer meant for another process", self.client_id)
+            return False
         if not msg.accepted:
             log.error("%s: registration refused: %s", self.client_id, msg.reason)
+            self.accepted, self.refused = False, msg.reason or "no reason given"
+            return True  # nothing more to do here: run() raises RegistrationRefused
+        if not self.accepted:
+            log.info("%s: registered", self.client_id)
+        self.accepted = True
+        self._incarnation = self.status.incarnation if self.status is not None else None
         return False
 
     def _on_task(self, msg: Task, blobs: Mapping[str, Buffer]) -> bool:
-        if msg.task_id in self._seen:
-            log.info("%s: ignoring a redelivered task %s", self.client_id, msg.task_id)
+        why = self._stale(msg)
+        if why is not None:
+            log.info("%s: ignoring task %s: %s", self.client_id, msg.task_id, why)
+        elif msg.task_id in self._seen:
+            last = self._last_reply
+            if last is not None and last[0] == msg.task_id:  # its reply may have been lost
+                log.info("%s: task %s again: sending its reply again", self.client_id, msg.task_id)
+                self._try_send(last[1], last[2])
+            else:
+                log.info("%s: ignoring a redelivered task %s", self.client_id, msg.task_id)
         else:
             self._seen.append(msg.task_id)
             self._handle(msg, blobs)
         return False
+
+    def _stale(self, task: Task) -> str | None:
+        """Why a task must not run here, or None. The coordinator sends every task it is still
+        waiting for again once a registration is accepted, so nothing is lost by waiting."""
+        if not self.accepted:
+            return "not registered (yet)"
+        if task.incarnation != self._incarnation:
+            return f"it comes from coordinator incarnation {task.incarnation}, not ours"
+        trained = self.node.trained_round
+        if task.phase == "fit" and task.round < trained:
+            return f"a fit task for round {task.round}, after training round {trained}"
+        return None
 
     def _reconnected(self) -> None:
         self._back.set()
         self.endpoint.interrupt()
 
     def _on_status(self, status: Status) -> None:
-        previous, self.status = self.status, status
+        previous = self.status
+        if previous is not None and status.incarnation < previous.incarnation:
+            log.info("%s: ignoring the status of an earlier coordinator", self.client_id)
+            return
+        self.status = status
+        if status.model_bytes:  # room for a task's models (and a chunk) per topic, no more
+            bound = max(INITIAL_PENDING_BYTES, 2 * status.model_bytes + DEFAULT_CHUNK_BYTES)
+            if bound > self.endpoint.max_pending_bytes:
+                self.endpoint.set_limits(max_pending_bytes=bound)
         if previous is not None and previous.incarnation != status.incarnation:
             log.info("%s: the coordinator restarted; registering again", self.client_id)
             self.accepted = None
-            self.register()
-        elif status.accepting and self.accepted is None:
+        if self.accepted is None and status.phase == "finished":
+            self.accepted, self.refused = False, "the run has already finished"
+            log.error("%s: registration refused: %s", self.client_id, self.refused)
+            self._stop.set()
+        elif self.accepted is None:
             self.register()
 
     def _handle(self, task: Task, blobs: Mapping[str, Buffer]) -> None:
@@ -423,15 +508,19 @@ class EdgeClient:
             refs, out_blobs = pack_models(
                 result.models, fp16=self.fp16_upload, max_bytes=self.max_blob_bytes
             )
-            reply = _reply_for(task, self.client_id, result, refs)
+            reply = _reply_for(task, self.client_id, result, refs, session=self.session)
         except Exception as exc:  # the client reports and keeps serving
             log.exception("%s: task %s (%s) failed", self.client_id, task.task_id, task.phase)
             error = f"{type(exc).__name__}: {exc}"[:2000]
             self.errors.append(error)
             out_blobs = {}
-            reply = _failed_reply(task, self.client_id, error)
+            reply = _failed_reply(task, self.client_id, error, session=self.session)
+        if not reply.ok and reply.error and reply.error not in self.errors:
+            self.errors.append(reply.error)
+        out_blobs = out_blobs if reply.ok else {}
+        self._last_reply = (task.task_id, reply, out_blobs)
         try:
-            self._send(reply, out_blobs if reply.ok else {})
+            self._send(reply, out_blobs)
         except TransportError as exc:
             log.error("%s: could not send the reply to %s: %s", self.client_id, task.task_id, exc)
         self.tasks_done += 1
@@ -461,10 +550,20 @@ class EdgeClient:
     def _epoch(self, connection: int) -> int:
         return self._epoch_base + connection
 
-    def _try_send(self, msg: Any) -> None:
-        """Send a control message; a transport failure is logged (the serving loop goes on)."""
+    def _presence(self, connection: int, *, online: bool) -> Presence:
+        """Online or not, for connection number `connection` (its will says offline)."""
+        return Presence(
+            run=self.run_id,
+            sender=self.client_id,
+            online=online,
+            epoch=self._epoch(connection),
+            session=self.session,
+        )
+
+    def _try_send(self, msg: Any, blobs: dict[str, bytes] | None = None) -> None:
+        """Send a message; a transport failure is logged (the serving loop goes on)."""
         try:
-            self._send(msg)
+            self._send(msg, blobs)
         except TransportError as exc:
             log.warning("%s: could not send %s: %s", self.client_id, msg.kind, exc)
 
@@ -488,11 +587,17 @@ def _node_task(task: Task, models: Mapping[str, WireModel]) -> NodeTask:
         models=models,
         step=task.step,
         params=task.params,
+        kept_round=task.kept_round,
     )
 
 
 def _reply_for(
-    task: Task, sender: str, result: FitResult, refs: Mapping[str, ModelRef] | None = None
+    task: Task,
+    sender: str,
+    result: FitResult,
+    refs: Mapping[str, ModelRef] | None = None,
+    *,
+    session: str = "",
 ) -> Reply:
     """The reply to `task` carrying `result` (its models as `refs`), checked as the coordinator
     will check it: a result that does not validate (a NaN metric...) becomes an error reply."""
@@ -504,24 +609,26 @@ def _reply_for(
         "models": dict(refs or {}),
     }
     try:
-        return Reply.model_validate(_reply_base(task, sender) | outcome)
+        return Reply.model_validate(_reply_base(task, sender, session) | outcome)
     except ValidationError as exc:  # e.g. a NaN metric: say so instead of dying
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
         error = f"the reply does not validate: {where}: {first.get('msg')}"
         log.error("%s: task %s: %s", sender, task.task_id, error)
-        return _failed_reply(task, sender, error)
+        return _failed_reply(task, sender, error, session=session)
 
 
-def _failed_reply(task: Task, sender: str, error: str) -> Reply:
-    return Reply.model_validate(_reply_base(task, sender) | {"ok": False, "error": error})
+def _failed_reply(task: Task, sender: str, error: str, *, session: str = "") -> Reply:
+    base = _reply_base(task, sender, session)
+    return Reply.model_validate(base | {"ok": False, "error": error})
 
 
-def _reply_base(task: Task, sender: str) -> dict[str, Any]:
+def _reply_base(task: Task, sender: str, session: str) -> dict[str, Any]:
     return {
         "run": task.run,
         "sender": sender,
         "task_id": task.task_id,
         "round": task.round,
         "phase": task.phase,
+        "session": session,
     }

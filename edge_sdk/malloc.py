@@ -20,7 +20,14 @@ import logging
 from functools import cache
 from typing import Any
 
-__all__ = ["M_ARENA_MAX", "M_MMAP_THRESHOLD", "M_TRIM_THRESHOLD", "glibc", "tune_for_streams"]
+__all__ = [
+    "M_ARENA_MAX",
+    "M_MMAP_THRESHOLD",
+    "M_TRIM_THRESHOLD",
+    "glibc",
+    "release_free_memory",
+    "tune_for_streams",
+]
 
 log = logging.getLogger(__name__)
 
@@ -64,4 +71,14 @@ def tune_for_streams(mmap_threshold: int = 4 * MiB, trim_threshold: int = 32 * M
         if libc.mallopt(param, value) != 1:
             raise ValueError(f"glibc refused mallopt({param}, {value})")
     log.info("malloc: mmap threshold %d, trim threshold %d", mmap_threshold, trim_threshold)
+    return True
+
+
+def release_free_memory() -> bool:
+    """Give the free pages of every malloc arena back to the kernel (`malloc_trim(0)`), e.g.
+    after a large reassembly buffer expired; False where the C library is not glibc."""
+    libc = glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
     return True

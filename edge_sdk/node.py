@@ -64,6 +64,9 @@ class NodeTask:
     models: Mapping[str, WireModel] = field(default_factory=dict)
     step: str = ""
     params: Mapping[str, Any] = field(default_factory=dict)
+    # The last round whose training the coordinator kept (None: not said). A node whose last
+    # trained round is later goes back to the state before it: a failed round changes nothing.
+    kept_round: int | None = None
 
     def group_key(self) -> tuple[Any, ...]:
         """Tasks with equal keys may run together (LocalFleet groups a phase's tasks by it)."""
@@ -124,6 +127,11 @@ class ClientNode:
         self._fit_steps: list[str] = []  # the steps of that round it has run
         self._before_fit: dict[str, Any] | None = None  # its state before that round
 
+    @property
+    def trained_round(self) -> int:
+        """The last round this node trained in (and kept, as far as it knows)."""
+        return self._fit_round
+
     def capabilities(self) -> Capabilities:
         d = self.data
         return Capabilities(
@@ -149,21 +157,37 @@ class ClientNode:
         is being redone: from the state before it); then the algorithm's `before_fit`."""
         algo = self.algorithm_for(task.algorithm, task.config)
         algo.ctx.task = TaskInfo(task.step, dict(task.params))
+        self._undo_unkept(task, algo)
         if task.phase == "fit":
-            if self.state_path is not None:
-                # The next step of the same round (multi-step rounds) goes on from here.
-                if task.round != self._fit_round or self._before_fit is None:
-                    self._before_fit, self._fit_steps = algo.state_dict(), []
-                elif task.step in self._fit_steps:
-                    log.info(
-                        "%s: round %d again: from the state before it", self.client_id, task.round
-                    )
-                    algo.load_state_dict(self._before_fit)
-                    self._fit_steps = []
-                self._fit_round = task.round
-                self._fit_steps.append(task.step)
+            # The next step of the same round (multi-step rounds) goes on from here.
+            if task.round != self._fit_round or self._before_fit is None:
+                self._before_fit, self._fit_steps = algo.state_dict(), []
+            elif task.step in self._fit_steps:
+                log.info("%s: round %d again: from the state before it", self.client_id, task.round)
+                algo.load_state_dict(self._before_fit)
+                self._fit_steps = []
+            self._fit_round = task.round
+            self._fit_steps.append(task.step)
             algo.before_fit(task.round, task.rounds)
         return algo
+
+    def _undo_unkept(self, task: NodeTask, algo: ClientAlgorithm) -> None:
+        """The rule for a round recorded as failed: it changes no state, the clients' included.
+        A node whose last trained round is later than the last round the coordinator kept goes
+        back to the state before that round (unless this task runs that round again: the step
+        logic in `begin` decides then)."""
+        kept = task.kept_round
+        if kept is None or self._fit_round <= kept or self._before_fit is None:
+            return
+        if task.phase == "fit" and task.round == self._fit_round:
+            return
+        log.info(
+            "%s: round %d was not kept: back to the state before it",
+            self.client_id,
+            self._fit_round,
+        )
+        algo.load_state_dict(self._before_fit)
+        self._fit_round, self._before_fit, self._fit_steps = kept, None, []
 
     def execute(self, task: NodeTask) -> FitResult:
         """The algorithm's phase (after `begin`)."""

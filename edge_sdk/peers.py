@@ -10,7 +10,9 @@ Nothing here passes through the coordinator:
   `peer/TO/from/ME`, the topic that names both (only ME may write it under the broker ACL).
 
 It works the same over the in-memory transport and MQTT. Models are checked like any received
-model (architecture, shapes, finite values) and the sender is taken from the topic.
+model (architecture, shapes, finite values) and the sender is taken from the topic; with a
+keyring (edge_sdk.auth) publications and messages are signed, and only those signed by the
+client their topic names count.
 
 `LocalPeers` is the same channel between the ClientNodes of one process (the simulator's
 LocalFleet): a `PeerBoard` holds the publications and messages, nothing is serialised, and
@@ -26,6 +28,7 @@ import time
 from typing import Protocol
 
 from edge_sdk import topics
+from edge_sdk.auth import Keyring
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel, check_weights
 from edge_sdk.protocol import Message, PeerMessage, ProtocolError, Published
 from edge_sdk.transport.base import Transport
@@ -71,13 +74,15 @@ class PeerChannel:
         me: str,
         *,
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
+        keyring: Keyring | None = None,
     ) -> None:
         self.transport = transport
         self.run_id = run_id
         self.me = me
         self.max_blob_bytes = max_blob_bytes
+        self.keyring = keyring
         self.inbox = Endpoint(
-            transport, topics.peer_inbox(run_id, me), max_blob_bytes=max_blob_bytes
+            transport, topics.peer_inbox(run_id, me), max_blob_bytes=max_blob_bytes, keyring=keyring
         )
         self._stash: dict[tuple[str, int, str], WireModel] = {}  # (name, round, sender)
         self._chunks: dict[str, int] = {}  # chunk topics of each publication, to clear stale ones
@@ -121,6 +126,7 @@ class PeerChannel:
             accept,
             timeout=timeout,
             max_blob_bytes=self.max_blob_bytes,
+            keyring=self.keyring,
         )
         if got is None or name not in got[1]:
             log.warning("%s: no %s of version >= %d from %s", self.me, name, min_version, owner)

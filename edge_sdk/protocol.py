@@ -42,6 +42,9 @@ MAX_CLASSES: Final = 100_000  # bounds what a registering client can make the se
 
 Phase = Literal["fit", "evaluate", "finalize"]
 Id = Annotated[str, Field(pattern=ID_PATTERN)]  # ids become topic levels
+# One process of a client: a random id it picks at start. The coordinator counts only replies
+# from the process whose registration it accepted.
+Session = Annotated[str, Field(pattern=r"^[0-9a-f]{0,64}$")]
 
 
 class ProtocolError(ValueError):
@@ -81,6 +84,9 @@ class _Message(_Frozen):
     v: Literal[1] = PROTOCOL_VERSION
     run: Id
     sender: Id
+    # Strictly increasing per sender, set when the message is signed (edge_sdk.auth): a receiver
+    # drops one not newer than the last it accepted on that topic (a replay).
+    seq: int = Field(0, ge=0)
 
 
 class Register(_Message):
@@ -90,6 +96,10 @@ class Register(_Message):
     spec: ArchSpec
     capabilities: Capabilities
     epoch: int = Field(0, ge=0)  # see Presence
+    session: Session = ""
+    # The coordinator incarnation it registers with (from the status topic): a registration
+    # replayed from an earlier incarnation is ignored.
+    incarnation: int = Field(0, ge=0)
 
 
 class Registered(_Message):
@@ -98,6 +108,7 @@ class Registered(_Message):
     kind: Literal["registered"] = "registered"
     accepted: bool
     reason: str | None = None
+    session: Session = ""  # the process it answers (several may share a client id)
 
 
 class Task(_Message):
@@ -115,6 +126,11 @@ class Task(_Message):
     # per-client parameters (e.g. FedeRiCo: who sent this client gradients).
     step: str = Field("", max_length=64)
     params: dict[str, Any] = {}
+    incarnation: int = Field(0, ge=0)  # of the coordinator that sent it
+    # The last round whose training the coordinator kept (aggregated); a client whose last
+    # trained round is later than that, and not this task's, goes back to the state before it:
+    # a round recorded as failed changes no state, on either side.
+    kept_round: int | None = Field(None, ge=0)
 
 
 class Reply(_Message):
@@ -122,6 +138,7 @@ class Reply(_Message):
 
     kind: Literal["reply"] = "reply"
     task_id: str
+    session: Session = ""  # the process that ran the task
     round: int = Field(ge=0)
     phase: Phase
     ok: bool
@@ -141,6 +158,7 @@ class Shutdown(_Message):
 
     kind: Literal["shutdown"] = "shutdown"
     reason: str = "run finished"
+    incarnation: int = Field(0, ge=0)  # of the coordinator that sent it
 
 
 class Status(_Message):
@@ -157,6 +175,9 @@ class Status(_Message):
     rounds: int = Field(ge=1)
     algorithm: str
     accepting: bool  # whether registrations are open
+    # The largest model the run expects (bytes, 0: not known yet): clients size their
+    # reassembly memory to it.
+    model_bytes: int = Field(0, ge=0)
 
 
 class Presence(_Message):
@@ -168,6 +189,7 @@ class Presence(_Message):
     # Grows with every connection of the client (across restarts too): news about an older
     # connection, such as its will delivered late after a broker restart, is ignored.
     epoch: int = Field(0, ge=0)
+    session: Session = ""
 
 
 class Published(_Message):

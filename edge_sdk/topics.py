@@ -38,6 +38,7 @@ __all__ = [
     "topic_matches",
     "up",
     "up_all",
+    "writer_of",
 ]
 
 ID_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
@@ -125,6 +126,23 @@ def origin_of(topic: str, run: str) -> str | None:
     elif len(parts) == 4 and parts[0] == "peer" and parts[2] == "from":
         cid = parts[3]
     return cid if cid is not None and _ID.match(cid) else None
+
+
+def writer_of(topic: str) -> tuple[str, str] | None:
+    """(run, the one participant who may write `topic`): the client an `up`, `peer` or
+    `pub` topic names, the coordinator for `status`, `down`, `bcast` and `archive` (and their
+    sub-topics). None for a topic outside the layout. Receivers check a message's signature
+    against this writer's key."""
+    parts = topic.split("/")
+    if len(parts) < 3 or parts[0] != ROOT or not _ID.match(parts[1]):
+        return None
+    run, rest = parts[1], parts[2:]
+    if rest[0] in ("status", "bcast", "archive") and (len(rest) == 1 or rest[0] == "archive"):
+        return run, COORDINATOR
+    if len(rest) == 2 and rest[0] == "down" and _ID.match(rest[1]):
+        return run, COORDINATOR
+    client = origin_of(topic, run)
+    return None if client is None else (run, client)
 
 
 def acl_patterns(run: str = "+") -> dict[str, list[str]]:

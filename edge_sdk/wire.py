@@ -1,10 +1,14 @@
 """Framing on top of a Transport: messages plus chunked, checksummed blobs.
 
-Every payload is a frame: `EF1M` + message JSON, or `EF1C` + a 4-byte header length + header
-JSON (blob id, chunk index, chunk count, blob size) + chunk bytes. A sender publishes a
-message's blobs in ~1 MB chunks first and the message last; the receiver reassembles blobs
-(tolerating duplicates and any order) and hands a message to its consumer only once every blob it
-references has arrived and matched its sha256.
+Every payload is a frame: `EF1S` + a 64-byte Ed25519 signature + message JSON (an endpoint with a
+`Keyring`, see `edge_sdk.auth`), `EF1M` + message JSON (open mode: unsigned), or `EF1C` + a
+4-byte header length + header JSON (blob id, chunk index, chunk count, blob size) + chunk bytes.
+A sender publishes a message's blobs in ~1 MB chunks first and the message last; the receiver
+reassembles blobs (tolerating duplicates and any order) and hands a message to its consumer only
+once every blob it references has arrived and matched the sha256 its (signed) message names.
+An endpoint with a keyring drops unsigned frames, frames not signed by the one participant who
+may write their topic, and replays; every dropped frame is counted by reason (`rejections`) and
+logged at most once per topic and reason per minute.
 
 Blobs are scoped to the topic they arrived on: a message can only use blobs sent on its own topic,
 or, for a `BlobRef` marked `shared`, on the endpoint's shared topic (the run's broadcast topic,
@@ -37,6 +41,7 @@ from typing import Any
 
 import torch
 
+from edge_sdk.auth import SIGNATURE_BYTES, Keyring, ReplayGuard
 from edge_sdk.codec import (
     DEFAULT_MAX_BLOB_BYTES,
     Buffer,
@@ -47,7 +52,10 @@ from edge_sdk.codec import (
     encode_weights,
     sha256_hex,
 )
+from edge_sdk.malloc import release_free_memory
 from edge_sdk.protocol import BlobRef, Message, ModelRef, ProtocolError, decode, encode
+from edge_sdk.ratelog import RateLimitedLog
+from edge_sdk.topics import writer_of
 from edge_sdk.transport.base import Delivery, Transport
 from model_zoo import ArchSpec, build
 
@@ -55,6 +63,7 @@ __all__ = [
     "Endpoint",
     "Envelope",
     "message_frame",
+    "model_bytes",
     "pack_models",
     "reference_shapes",
     "unique_id",
@@ -64,8 +73,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _MSG = b"EF1M"
+_SIGNED = b"EF1S"
 _CHUNK = b"EF1C"
 DEFAULT_CHUNK_BYTES = 1024 * 1024
+_RELEASE_BYTES = 16 * 1024 * 1024  # freeing this much at once gives the pages back to the kernel
 _BlobKey = tuple[str, str]  # (topic it arrived on, blob id)
 
 
@@ -188,7 +199,13 @@ class Endpoint:
         blob_timeout_s: float = 120.0,
         ack_timeout_s: float = 120.0,
         scope: Callable[[str], str] | None = None,
+        keyring: Keyring | None = None,
+        pending_bound: Callable[[str], int] | None = None,
     ) -> None:
+        """`keyring`: sign what is sent and accept only frames signed by their topic's writer
+        (None: open mode, nothing signed or checked). `pending_bound(topic)`: the bytes that
+        topic may hold in reassembly (0: no blobs expected there), instead of
+        `max_pending_bytes` for all."""
         self.transport = transport
         subs = [subscriptions] if isinstance(subscriptions, str) else list(subscriptions)
         self.subscriptions = subs
@@ -202,6 +219,10 @@ class Endpoint:
         self.blob_timeout_s = blob_timeout_s
         self.ack_timeout_s = ack_timeout_s
         self.rejections: Counter[str] = Counter()  # frames/messages dropped, by reason
+        self.keyring = keyring
+        self.pending_bound = pending_bound
+        self._replay = ReplayGuard()
+        self._log = RateLimitedLog(log)
         self._lock = threading.Lock()
         self._blobs: dict[_BlobKey, _Blob] = {}
         self._held = 0  # bytes held in _blobs
@@ -222,9 +243,30 @@ class Endpoint:
     def rejected(self) -> int:
         return sum(self.rejections.values())
 
-    def _reject(self, reason: str, detail: str, topic: str) -> None:
+    def _reject(self, reason: str, detail: str, topic: str, *, stranger: bool = False) -> None:
+        """Count a dropped frame; log it unless its sender logged this reason lately. Senders
+        that are no one (`stranger`: no key, not registered) share one line per reason, so a
+        flood over many topics is still a line a minute."""
         self.rejections[reason] += 1
-        log.warning("%s: dropped %s on %s: %s", self.subscriptions[0], reason, topic, detail)
+        where = self.subscriptions[0]
+        key = ("stranger" if stranger else topic, reason)
+        self._log.warning(key, "%s: dropped %s on %s: %s", where, reason, topic, detail)
+
+    def set_limits(
+        self, *, max_pending_bytes: int, max_total_pending_bytes: int | None = None
+    ) -> None:
+        """Resize what reassembly may hold (e.g. once the run says how large its models are)."""
+        with self._lock:
+            self.max_pending_bytes = max_pending_bytes
+            self.max_total_pending_bytes = max_total_pending_bytes or 4 * max_pending_bytes
+
+    def frame(self, topic: str, message: Message) -> bytes:
+        """The bytes that publish `message` on `topic`: signed (with a fresh sequence number)
+        when this endpoint has a keyring, else a plain message frame."""
+        if self.keyring is None:
+            return message_frame(message)
+        body = encode(message.model_copy(update={"seq": self.keyring.next_seq()}))
+        return b"".join((_SIGNED, self.keyring.sign(topic, body), body))
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> Endpoint:
@@ -289,7 +331,7 @@ class Endpoint:
         refusal as a typed `TransportError` (e.g. `NotAuthorized`).
         """
         deliveries = self.publish_blobs(topic, blobs or {})
-        deliveries.append(self.transport.publish(topic, message_frame(message), retain=retain))
+        deliveries.append(self.transport.publish(topic, self.frame(topic, message), retain=retain))
         if wait:
             self.wait(deliveries)
         return deliveries
@@ -338,23 +380,65 @@ class Endpoint:
         try:
             if payload.startswith(_CHUNK):
                 self._on_chunk(topic, payload)
+            elif payload.startswith(_SIGNED):
+                msg = self._verified(topic, payload)
+                if msg is not None:
+                    self._on_message(topic, msg)
             elif payload.startswith(_MSG):
-                self._on_message(topic, decode(payload[len(_MSG) :]))
+                if self.keyring is not None:
+                    self._reject("unsigned", "an unsigned message (is its sender keyless?)", topic)
+                else:
+                    self._on_message(topic, decode(payload[len(_MSG) :]))
             else:
                 raise ProtocolError("unknown frame type")
+        except _Unexpected as exc:
+            self._reject("unexpected_blob", str(exc), topic, stranger=True)
         except PayloadError as exc:
             self._reject("oversized", str(exc), topic)
-        except (ProtocolError, ValueError) as exc:
+        except (ProtocolError, ValueError, ArithmeticError) as exc:
             self._reject("malformed", str(exc), topic)
+
+    def _verified(self, topic: str, payload: bytes) -> Message | None:
+        """The message of a signed frame, when its topic's writer signed it and it is fresh."""
+        signature = payload[4 : 4 + SIGNATURE_BYTES]
+        body = payload[4 + SIGNATURE_BYTES :]
+        if self.keyring is None:  # open mode: nothing to check against
+            return decode(body)
+        owner = writer_of(topic)
+        if owner is None:
+            raise ProtocolError(f"{topic} has no writer in the topic layout")
+        run, writer = owner
+        if not self.keyring.verify(writer, topic, body, signature):
+            known = writer in self.keyring.roster
+            why = "wrong signature" if known else "no key in the roster"
+            detail = f"not signed by {writer} ({why})"
+            self._reject("bad_signature", detail, topic, stranger=not known)
+            return None
+        msg = decode(body)
+        if msg.sender != writer or msg.run != run:
+            claim = f"sender {msg.sender!r} of run {msg.run!r}"
+            self._reject("sender_mismatch", f"{writer} signed a {msg.kind} claiming {claim}", topic)
+            return None
+        stale = self._replay.check(topic, msg.kind, msg.seq)
+        if stale == "replayed":
+            self._reject("replayed", f"a {msg.kind} older than the last one accepted", topic)
+            return None
+        if stale == "duplicate":
+            log.debug("a duplicate %s on %s", msg.kind, topic)
+            return None
+        return msg
 
     def _on_chunk(self, topic: str, payload: bytes) -> None:
         n = int.from_bytes(payload[4:8], "big")
         try:
             header = json.loads(payload[8 : 8 + n])
-            blob_id, index = str(header["blob"]), int(header["index"])
-            count, size = int(header["count"]), int(header["size"])
+            blob_id = header["blob"]
+            index, count, size = (header[k] for k in ("index", "count", "size"))
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"bad chunk header: {exc}") from exc
+        # Whole numbers only: 1e999 is a float (inf), True an int; neither is a count.
+        if not all(type(v) is int for v in (index, count, size)) or not isinstance(blob_id, str):
+            raise ProtocolError("chunk header fields must be a string id and whole numbers")
         data = memoryview(payload)[8 + n :]  # no copy: the part keeps its frame alive
         if not 0 < len(blob_id) <= 128:
             raise ProtocolError("chunk header names no valid blob id")
@@ -364,6 +448,8 @@ class Endpoint:
             raise ProtocolError(f"blob {blob_id}: chunk {index} of {count} is inconsistent")
         topic = self._scope(topic) if self._scope else topic
         key = (topic, blob_id)
+        if self.pending_bound is not None and self.pending_bound(topic) <= 0:
+            raise _Unexpected(f"blob {blob_id}: no blobs are expected on {topic}")
         with self._lock:
             if key in self._consumed:
                 return  # a late duplicate of a delivered blob (QoS 1 redelivery)
@@ -388,10 +474,11 @@ class Endpoint:
         """Evict complete blobs nobody claimed yet (the sender's own first, oldest first);
         refuse the chunk if the bounds still do not hold."""
         topic = keep[0]
+        bound = self.max_pending_bytes if self.pending_bound is None else self.pending_bound(topic)
 
         def fits() -> bool:
             return (
-                self._held_by[topic] + need <= self.max_pending_bytes
+                self._held_by[topic] + need <= bound
                 and self._held + need <= self.max_total_pending_bytes
             )
 
@@ -460,12 +547,20 @@ class Endpoint:
 
     def _expire(self) -> None:
         now = time.monotonic()
+        freed = 0
         with self._lock:
             for key, blob in list(self._blobs.items()):
                 if now - blob.started > self.blob_timeout_s:
                     self._drop(key)
+                    freed += blob.received
                     if not blob.complete:
-                        log.warning("blob %s from %s timed out incomplete", key[1], key[0])
+                        self.rejections["blob_expired"] += 1
+                        self._log.warning(
+                            (key[0], "blob_expired"),
+                            "blob %s on %s timed out incomplete",
+                            key[1],
+                            key[0],
+                        )
             stale = itertools.takewhile(
                 lambda kt: now - kt[1] > self.blob_timeout_s, self._consumed.items()
             )
@@ -475,10 +570,26 @@ class Endpoint:
             for m, topic, t in self._parked:
                 if now - t > self.blob_timeout_s:
                     self.rejections["blobs_missing"] += 1
-                    log.warning("%s message on %s dropped: its blobs never arrived", m.kind, topic)
+                    self._log.warning(
+                        (topic, "blobs_missing"),
+                        "%s message on %s dropped: its blobs never arrived",
+                        m.kind,
+                        topic,
+                    )
                 else:
                     kept.append((m, topic, t))
             self._parked = kept
+        if freed >= _RELEASE_BYTES:  # glibc keeps freed heap pages unless asked
+            release_free_memory()
+
+
+class _Unexpected(PayloadError):
+    """Chunks on a topic where no blob is expected (a sender that is not registered)."""
+
+
+def model_bytes(spec: ArchSpec) -> int:
+    """The bytes of a model of `spec` on the wire (float32 weights; the header is extra)."""
+    return sum(t.numel() * t.element_size() for t in reference_shapes(spec).values())
 
 
 def pack_models(
@@ -557,7 +668,7 @@ def publish_retained(
     count = len(deliveries)
     for i in range(count, previous_chunks):
         deliveries.append(endpoint.transport.publish(f"{topic}/{i}", b"", retain=True))
-    frame = message_frame(manifest(refs))
+    frame = endpoint.frame(topic, manifest(refs))
     deliveries.append(endpoint.transport.publish(topic, frame, retain=True))
     endpoint.wait(deliveries)
     return count
@@ -570,14 +681,16 @@ def read_retained(
     *,
     timeout: float,
     max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
+    keyring: Keyring | None = None,
 ) -> tuple[Message, dict[str, WireModel]] | None:
-    """The first publication on `topic` whose manifest `accept`s, with its models decoded and
-    checked, or None after `timeout` s."""
+    """The first publication on `topic` whose manifest `accept`s (signed by the topic's writer,
+    with a `keyring`), with its models decoded and checked, or None after `timeout` s."""
     reader = Endpoint(
         transport,
         [topic, f"{topic}/+"],
         max_blob_bytes=max_blob_bytes,
         scope=lambda _topic: topic,  # the chunks belong to the publication
+        keyring=keyring,
     ).open()
     try:
         deadline = time.monotonic() + timeout

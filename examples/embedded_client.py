@@ -1,16 +1,21 @@
 """A device app that embeds the SDK: its own data, a zoo model, a per-round callback, ONNX export
 after the federation, and on-device inference from the exported file.
 
-Start a coordinator somewhere (any MQTT 3.1.1/5 broker; `edgefl demo` prints its broker URL):
+Issue the run's signing keys, start a coordinator somewhere (any MQTT 3.1.1/5 broker; `edgefl
+demo` prints its broker URL):
 
+    edgefl keys --clients phone0,phone1 --out keys
     edgefl coordinator --broker mqtt://HOST:1883 --run-id phones --algorithm fml \\
-        --clients 2 --rounds 3 --global-model mlr
+        --clients 2 --rounds 3 --global-model mlr \\
+        --set auth.key_file=keys/coordinator.key --set auth.roster=keys/roster.json
 
-then run this on each device (here: two processes, each with its own slice of the digits):
+then run this on each device (here: two processes, each with its own slice of the digits and its
+own key; every device gets the roster):
 
-    python examples/embedded_client.py --broker mqtt://HOST:1883 --run-id phones --id phone0
+    python examples/embedded_client.py --broker mqtt://HOST:1883 --run-id phones --id phone0 \\
+        --key-file keys/phone0.key --roster keys/roster.json
     python examples/embedded_client.py --broker mqtt://HOST:1883 --run-id phones --id phone1 \\
-        --slice 1
+        --slice 1 --key-file keys/phone1.key --roster keys/roster.json
 
 The broker password, if the broker wants one, comes from EDGEFL_BROKER__PASSWORD.
 """
@@ -24,6 +29,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from edge_sdk.auth import AuthSettings, Keyring
 from edge_sdk.client import EdgeClient, TaskOutcome
 from edge_sdk.inference import OnnxPredictor
 from edge_sdk.trainer import ClientData
@@ -53,7 +59,11 @@ def main() -> None:
     p.add_argument("--slice", type=int, default=0, help="which half of the digits it holds")
     p.add_argument("--model", default="mlp", help="this device's architecture family")
     p.add_argument("--out", default="runs/embedded", help="where the ONNX model goes")
+    p.add_argument("--key-file", type=Path, required=True, help="this device's key (edgefl keys)")
+    p.add_argument("--roster", type=Path, required=True, help="the run's roster.json")
     args = p.parse_args()
+    # Everything this device sends is signed with its key; it obeys only the coordinator's.
+    keyring = Keyring.load(AuthSettings(key_file=args.key_file, roster=args.roster), args.id)
 
     # 1. The device's own data: here a slice of scikit-learn's digits, as torch Datasets.
     digits = load_dataset("digits", size=8)
@@ -93,6 +103,7 @@ def main() -> None:
         class_names=digits.classes,
         normalization=digits.normalization,
         on_task=on_task,
+        keyring=keyring,
     )
     client.run()
 

@@ -12,7 +12,9 @@ import pytest
 from coordinator.config import load_config
 from coordinator.federation import build_coordinator, build_node, prepare_federation
 from coordinator.fleet import NetworkFleet
+from edge_sdk import topics
 from edge_sdk.algorithms import algorithm_class
+from edge_sdk.auth import Keyring, issue_keys
 from edge_sdk.client import EdgeClient
 from edge_sdk.transport import InMemoryBroker
 from model_zoo import ArchSpec, families
@@ -54,12 +56,16 @@ def small_federation(
     clients_per_round=None,
     state_dir=None,
     checkpoint_path=None,
+    keys=None,
+    incarnation=None,
     **round_kw,
 ):
     """A Coordinator and n (not yet started) EdgeClients (ids c0..) on one in-memory broker;
     mlr on 8×8 digits, IID. Client c0 is a `client_cls` (a test's misbehaving client).
     `config`: the algorithm's settings (default: one local epoch). `state_dir`: where the
-    clients persist their state; `checkpoint_path`: the coordinator's checkpoint."""
+    clients persist their state; `checkpoint_path`: the coordinator's checkpoint. `keys`: the
+    participants' keyrings by id (default: fresh ones, so every message is signed; `{}`: open
+    mode); the coordinator's is `coordinator.fleet.keyring`, a client's `client.keyring`."""
     section = algorithm_class(algorithm).config_cls(**(config or {"local_epochs": 1}))
     cfg = tiny_config(
         algorithm=algorithm,
@@ -74,15 +80,32 @@ def small_federation(
     )
     fed = prepare_federation(cfg)
     broker = broker or InMemoryBroker()
-    fleet = NetworkFleet(broker.connect("coordinator"))
-    coordinator = build_coordinator(cfg, fleet, fed=fed, checkpoint_path=checkpoint_path).open()
+    if keys is None:
+        keys = Keyring.ephemeral([topics.COORDINATOR, *fed.client_ids])
+    fleet = NetworkFleet(broker.connect("coordinator"), keyring=keys.get(topics.COORDINATOR))
+    coordinator = build_coordinator(
+        cfg, fleet, fed=fed, checkpoint_path=checkpoint_path, incarnation=incarnation
+    ).open()
     clients = [
         (client_cls if i == 0 else EdgeClient).around(
-            build_node(cfg, fed, i, state_dir=state_dir), broker.connect(cid)
+            build_node(cfg, fed, i, state_dir=state_dir),
+            broker.connect(cid),
+            keyring=keys.get(cid),
         )
         for i, cid in enumerate(fed.client_ids)
     ]
     return coordinator, clients
+
+
+def key_flags(where, clients):
+    """Signing keys for a run's processes (written under `where`): each participant's `--set`
+    flags, by id (the coordinator's under "coordinator")."""
+    paths = issue_keys(where, clients)
+    roster = paths["roster"]
+    return {
+        pid: ["--set", f"auth.key_file={paths[pid]}", "--set", f"auth.roster={roster}"]
+        for pid in [topics.COORDINATOR, *clients]
+    }
 
 
 IMAGE = (1, 28, 28)

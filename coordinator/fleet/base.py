@@ -76,6 +76,9 @@ class PhaseRequest:
     step: str = ""
     params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     partial: frozenset[str] = frozenset()  # reply models that may carry a subset of tensors
+    # The last round whose training was kept (aggregated); clients that trained in a later one
+    # go back to the state before it (a failed round changes no state). None: not tracked.
+    kept_round: int | None = None
 
 
 # Checks a reply that decoded (raises ValueError with the reason when it cannot be counted).

@@ -147,6 +147,7 @@ class LocalFleet(Fleet):
             models=models,
             step=request.step,
             params=request.params.get(cid, {}),
+            kept_round=request.kept_round,
         )
 
     def _execute(self, begun: Mapping[str, NodeTask]) -> dict[str, FitResult | Exception]:

@@ -3,14 +3,24 @@
 Topics carry identity (`edge_sdk.topics`): the fleet reads every client's own up topic and takes
 the sender from the topic, dropping any message whose `sender` field disagrees; it writes to each
 client's down topic, publishes models that many tasks share once per phase on the broadcast topic,
-and keeps the run's retained status topic current (its will marks it offline). Registrations,
-presence (wills, reconnections) and stray replies are handled whenever the fleet listens, between
-phases too. Bad messages are logged, counted and dropped; the run goes on.
+and keeps the run's retained status topic current (its will marks it offline). With a `keyring`
+(edge_sdk.auth) everything it sends is signed and only messages signed by the client that owns the
+topic count, so neither an open broker nor another client's credentials can forge one.
+
+Membership (`coordinator.fleet.members`): one process (session) per client id counts, the one
+whose registration for this incarnation was accepted last; offline is known from wills and
+goodbyes at once. A phase waits for the tasks of clients that are online: a reply that is not
+signed by the registered process costs nothing (the task stays open for it until the deadline;
+in open mode, where anyone may have sent it, so does a reply that does not validate), a client
+that drops out is not waited for, and one that comes back (reconnected, restarted, or the broker
+lost what was queued) is sent its task again. Bad messages are counted and dropped, their
+log lines limited to one per sender and reason per minute; the run goes on.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -21,28 +31,21 @@ from coordinator.fleet.base import (
     PhaseRequest,
     RunInfo,
     Validator,
-    refusal,
 )
-from coordinator.strategies import ClientInfo, FitReply
+from coordinator.fleet.members import Members
+from coordinator.fleet.packing import pack_plan, renew
+from coordinator.strategies import FitReply
 from edge_sdk import topics
+from edge_sdk.auth import Keyring
 from edge_sdk.codec import Buffer, WireModel
-from edge_sdk.protocol import (
-    Archive,
-    ModelRef,
-    Presence,
-    Register,
-    Registered,
-    Reply,
-    Shutdown,
-    Status,
-    Task,
-)
+from edge_sdk.protocol import Archive, Registered, Reply, Shutdown, Status, Task
+from edge_sdk.ratelog import RateLimitedLog
 from edge_sdk.transport.base import Delivery, Transport, TransportError
 from edge_sdk.wire import (
+    DEFAULT_CHUNK_BYTES,
     Endpoint,
     Envelope,
-    message_frame,
-    pack_models,
+    model_bytes,
     publish_retained,
     unique_id,
     unpack_models,
@@ -52,22 +55,43 @@ __all__ = ["NetworkFleet"]
 
 log = logging.getLogger(__name__)
 
+RESEND_BATCH_S = 0.5  # clients that came back within this share one re-broadcast of the models
+
 
 class NetworkFleet(Fleet):
     """Clients that register, train and reply over `transport`.
 
     `share_models`: a model several tasks carry crosses the broker once, on the broadcast topic
     (False: a copy rides with each task, for ACLs that cannot let clients read that topic).
+    `keyring`: the coordinator's keys (None: open mode, nothing signed or checked).
     """
 
-    def __init__(self, transport: Transport, *, share_models: bool = True) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        share_models: bool = True,
+        keyring: Keyring | None = None,
+    ) -> None:
         super().__init__()
+        if keyring is not None and keyring.me != topics.COORDINATOR:
+            raise ValueError(f"the coordinator's keyring is {keyring.me!r}'s")
         self.transport = transport
         self.share_models = share_models
+        self.keyring = keyring
         self.endpoint: Endpoint | None = None
-        self._online: set[str] = set()
-        self._epochs: dict[str, int] = {}  # the newest connection each client told us about
         self._round = 0
+        self._phase = "registering"
+        self._log = RateLimitedLog(log)
+        self.members = Members(self.clients, self._reject, self._answer)
+        self._model_bytes = 0  # the largest a message of this run carries (models, bytes)
+        self._reconnected = threading.Event()
+        # The phase in progress: each waiting client's task (and own blobs), the shared blobs,
+        # the clients due to be sent their task again.
+        self._tasks: dict[str, tuple[Task, dict[str, bytes]]] = {}
+        self._shared: dict[str, bytes] = {}
+        self._due: set[str] = set()
+        self._due_since = 0.0
 
     @property
     def _endpoint(self) -> Endpoint:
@@ -80,16 +104,20 @@ class NetworkFleet(Fleet):
         if self.endpoint is not None and self.endpoint.is_open:
             return
         self._run = run
+        self.members.open(run)
         self.endpoint = Endpoint(
             self.transport,
             [topics.up_all(run.run_id)],
             max_blob_bytes=run.max_blob_bytes,
-            # every client may have a model or two in flight at once
-            max_total_pending_bytes=2 * run.max_blob_bytes * max(4, run.expected_clients),
+            keyring=self.keyring,
+            pending_bound=self._pending_bound,
         )
+        self._resize()
+        status = topics.status(run.run_id)
         self.transport.set_will(
-            topics.status(run.run_id), message_frame(self._status("offline")), retain=True
+            status, self.endpoint.frame(status, self._status("offline")), retain=True
         )
+        self.transport.on_reconnect = self._on_reconnect
         self.transport.connect()
         self.endpoint.open()
         self._publish_status("registering")
@@ -112,36 +140,38 @@ class NetworkFleet(Fleet):
                     f"only {len(self.clients)} of {expected} clients registered "
                     f"within {timeout_s:.0f} s"
                 )
-            self._dispatch_control(env)
+            self._dispatch(env)
         self.started = True
+        self.members.started = True
         log.info("%d clients registered", len(self.clients))
 
     def rejoin(self, run: RunInfo, timeout_s: float) -> None:
         """The clients see the new incarnation on the status topic and register again."""
         self._run = run
         self.started = True
-        self._online.clear()
+        self.members.open(run, started=True)
+        self._resize()
         self._publish_status("registering")
         deadline = time.monotonic() + timeout_s
-        while set(self.clients) - self._online:
+        while set(self.clients) - self.members.online:
             left = deadline - time.monotonic()
             env = self._receive(left) if left > 0 else None
             if env is None:
-                log.warning("resuming without %s", sorted(set(self.clients) - self._online))
+                log.warning("resuming without %s", sorted(set(self.clients) - self.members.online))
                 return
-            self._dispatch_control(env)
+            self._dispatch(env)
 
     def online(self) -> set[str]:
         self._drain()  # the latest registrations and wills count
-        return set(self._online)
+        return set(self.members.online)
 
     def await_back(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while set(self.clients) - self._online:
+        while set(self.clients) - self.members.online:
             env = self._receive(deadline - time.monotonic())
             if env is None:
                 return
-            self._dispatch_control(env)
+            self._dispatch(env)
 
     def publish_archive(self, models: Mapping[str, WireModel]) -> None:
         run = self.run
@@ -161,8 +191,15 @@ class NetworkFleet(Fleet):
         log.info("published %d archived models for late joiners", len(models))
 
     def finish(self, reason: str) -> None:
+        run = self.run
         for cid in self.clients:
-            self._send(cid, Shutdown(run=self.run.run_id, sender=topics.COORDINATOR, reason=reason))
+            bye = Shutdown(
+                run=run.run_id,
+                sender=topics.COORDINATOR,
+                reason=reason,
+                incarnation=run.incarnation,
+            )
+            self._send(cid, bye)
         self._publish_status("finished")
         self._endpoint.close()
 
@@ -174,7 +211,8 @@ class NetworkFleet(Fleet):
 
     def rejections(self) -> Counter[str]:
         endpoint = self.endpoint.rejections if self.endpoint is not None else Counter()
-        return self.rejected + endpoint
+        dropped = self.transport.stats.dropped_in  # payloads over the transport's limit
+        return self.rejected + endpoint + Counter({"oversized_payload": dropped} if dropped else {})
 
     @property
     def bytes_out(self) -> int:
@@ -186,13 +224,19 @@ class NetworkFleet(Fleet):
 
     # -- phases ----------------------------------------------------------------------------
     def run_phase(self, request: PhaseRequest, validate: Validator) -> dict[str, FitReply | None]:
-        """Send one task per planned client, collect replies until all or the deadline."""
+        """Send one task per planned client; collect valid replies until every client still
+        online replied, or the deadline."""
         run, r, phase, step = self.run, request.round, request.phase, request.step
-        self._round = r
+        self._round, self._phase = r, phase
+        packed, self._shared = pack_plan(
+            request.plan, share=self.share_models, max_bytes=run.max_blob_bytes
+        )
+        for refs, _ in packed.values():  # what replies may hold, and what the status announces
+            self._grow(sum(ref.blob.size for ref in refs.values()))
         self._publish_status(phase)
-        pending: dict[str, str] = {}
-        sent: dict[str, list[Delivery]] = {}
-        for cid, (refs, blobs) in self._pack(request.plan).items():
+        self._publish_shared()
+        self._tasks = {}
+        for cid, (refs, blobs) in packed.items():
             task = Task(
                 run=run.run_id,
                 sender=topics.COORDINATOR,
@@ -205,44 +249,67 @@ class NetworkFleet(Fleet):
                 models=refs,
                 step=step,
                 params=dict(request.params.get(cid, {})),
+                incarnation=run.incarnation,
+                kept_round=request.kept_round,
             )
-            pending[task.task_id] = cid
-            sent[cid] = self._send(cid, task, blobs, wait=False)
-        for cid, deliveries in sent.items():  # acks come back while the others are still sent
-            try:
-                self._endpoint.wait(deliveries)
-            except TransportError as exc:
-                log.error("the %s task to %s was not delivered: %s", phase, cid, exc)
+            self._tasks[cid] = (task, blobs)
+        owner = {task.task_id: cid for cid, (task, _) in self._tasks.items()}
+        self._deliver(list(self._tasks))
         results: dict[str, FitReply | None] = {cid: None for cid in request.plan}
         deadline = time.monotonic() + request.deadline_s
-        while pending:
-            env = self._receive(deadline - time.monotonic())
-            if env is None:
-                log.warning(
-                    "round %d %s: deadline passed; no reply from %s",
-                    r,
-                    phase,
-                    sorted(pending.values()),
-                )
-                break
-            msg = env.message
-            if not isinstance(msg, Reply) or msg.task_id not in pending or msg.round != r:
-                self._dispatch_control(env)  # registrations, presence, stray replies
-                if isinstance(msg, Presence) and msg.sender not in self._online:
-                    gone = [t for t, c in pending.items() if c == msg.sender]
-                    for t in gone:  # stop waiting for it
-                        del pending[t]
-                        log.warning("round %d %s: %s went offline", r, phase, msg.sender)
-                continue
-            owner, sender = pending[msg.task_id], self._sender(env)
-            if sender != owner:  # someone else's task id: dropped by _sender or here
-                if sender is not None:
-                    self._reject("stale_reply", f"reply {msg.task_id} from {sender}")
-                continue
-            del pending[msg.task_id]
-            self._online.add(sender)
-            results[owner] = self._accept(owner, request, msg, env.blobs, validate)
+        try:
+            while set(self._tasks) & self.members.online:
+                env = self._receive(deadline - time.monotonic())
+                if env is None:
+                    log.warning(
+                        "round %d %s: deadline passed; no reply from %s",
+                        r,
+                        phase,
+                        sorted(self._tasks),
+                    )
+                    break
+                msg = env.message
+                to = owner.get(msg.task_id) if isinstance(msg, Reply) else None
+                if to is None or not isinstance(msg, Reply) or msg.round != r:
+                    self._dispatch(env)  # registrations, presence, stray replies
+                    continue
+                if to not in self._tasks:  # answered already: a copy (QoS 1 or a re-send)
+                    log.debug("a second reply to %s from %s", msg.task_id, to)
+                    continue
+                if not self._from_registered(env, to):
+                    continue  # counted; the task stays open for the registered process
+                if not msg.ok:
+                    log.error("%s failed its %s task: %s", to, phase, msg.error)
+                    del self._tasks[to]
+                    continue
+                reply = self._accept(to, request, msg, env.blobs, validate)
+                # Unsigned (open mode), an invalid reply may be anyone's: the task stays open
+                # for the genuine one. Signed by the registered process, it is that answer.
+                if reply is not None or self.keyring is not None:
+                    results[to] = reply
+                    del self._tasks[to]
+            gone = sorted(set(self._tasks) - self.members.online)
+            if gone:
+                log.warning("round %d %s: no reply from %s: offline", r, phase, gone)
+        finally:
+            self._tasks, self._shared, self._due = {}, {}, set()
         return results
+
+    def _from_registered(self, env: Envelope, cid: str) -> bool:
+        """Whether a reply to `cid`'s task came from `cid`'s registered process."""
+        sender = self._sender(env)
+        if sender is None:
+            return False  # counted as a sender mismatch
+        msg = env.message
+        assert isinstance(msg, Reply)
+        if sender != cid:
+            self._reject("stale_reply", f"{sender} answered {cid}'s task {msg.task_id}", sender)
+            return False
+        if not self.members.is_registered(cid, msg.session):
+            self._reject("wrong_session", f"a reply from another process of {cid}", cid)
+            self.members.tell_superseded(cid, msg.session)
+            return False
+        return True
 
     def _accept(
         self,
@@ -252,9 +319,6 @@ class NetworkFleet(Fleet):
         blobs: Mapping[str, Buffer],
         validate: Validator,
     ) -> FitReply | None:
-        if not msg.ok:
-            log.error("%s failed its %s task: %s", cid, request.phase, msg.error)
-            return None
         try:
             models = unpack_models(
                 msg.models, blobs, max_bytes=self.run.max_blob_bytes, partial=request.partial
@@ -262,47 +326,92 @@ class NetworkFleet(Fleet):
             reply = FitReply(cid, models, dict(msg.metrics), msg.n_samples, dict(msg.details))
             validate(cid, reply)
         except (ValueError, KeyError) as exc:
-            self._reject("invalid_reply", f"{request.phase} reply from {cid}: {exc}")
+            self._reject("invalid_reply", f"{request.phase} reply from {cid}: {exc}", cid)
             return None
         return reply
 
-    def _pack(
-        self, plan: Mapping[str, Mapping[str, WireModel]]
-    ) -> dict[str, tuple[dict[str, ModelRef], dict[str, bytes]]]:
-        """Encode each distinct model once. A model that several tasks carry goes once to the
-        broadcast topic (its refs marked shared); the others ride with their own task."""
-        uses: Counter[tuple[str, int]] = Counter()
-        for models in plan.values():
-            uses.update({_model_key(m) for m in models.values()})
-        packed: dict[tuple[str, int], tuple[ModelRef, bytes]] = {}
-        shared_blobs: dict[str, bytes] = {}
-        max_bytes = self.run.max_blob_bytes
-        out = {}
-        for cid, models in plan.items():
-            refs: dict[str, ModelRef] = {}
-            own: dict[str, bytes] = {}
-            for name, m in models.items():
-                key = _model_key(m)
-                if key not in packed or not self.share_models:
-                    shared = uses[key] > 1 and self.share_models
-                    one_ref, one_blob = pack_models({name: m}, max_bytes=max_bytes, shared=shared)
-                    ref = one_ref[name]
-                    packed[key] = (ref, one_blob[ref.blob.id])
-                    if shared:
-                        shared_blobs[ref.blob.id] = one_blob[ref.blob.id]
-                ref, data = packed[key]
-                refs[name] = ref
-                if not ref.blob.shared:
-                    own[ref.blob.id] = data
-            out[cid] = (refs, own)
-        if shared_blobs:
+    def _publish_shared(self) -> None:
+        if not self._shared:
+            return
+        try:
+            bcast = topics.bcast(self.run.run_id)
+            self._endpoint.wait(self._endpoint.publish_blobs(bcast, self._shared))
+        except TransportError as exc:
+            log.error("broadcasting the shared models failed: %s", exc)
+
+    def _deliver(self, cids: list[str]) -> None:
+        """Send these clients their tasks (acks come back while the others are still sent)."""
+        sent = {cid: self._send(cid, *self._tasks[cid], wait=False) for cid in cids}
+        for cid, deliveries in sent.items():
             try:
-                self._endpoint.wait(
-                    self._endpoint.publish_blobs(topics.bcast(self.run.run_id), shared_blobs)
-                )
+                self._endpoint.wait(deliveries)
             except TransportError as exc:
-                log.error("broadcasting the shared models failed: %s", exc)
-        return out
+                log.error("the %s task to %s was not delivered: %s", self._phase, cid, exc)
+
+    def _come_back(self, cid: str) -> None:
+        """`cid` has a new connection or process: it may have missed its task."""
+        if cid in self._tasks:
+            if not self._due:
+                self._due_since = time.monotonic()
+            self._due.add(cid)
+
+    def _resend_due(self) -> None:
+        """After our own reconnection, republish the status (a new broker may have none) and
+        send every open task again; send their tasks again to the clients that came back (and,
+        once for all of those within `RESEND_BATCH_S`, the shared models: a restarted process or
+        a broker that lost its queues has none)."""
+        if self._reconnected.is_set():
+            self._reconnected.clear()
+            self._publish_status(self._phase)
+            for cid in self._tasks:
+                self._come_back(cid)
+        if not self._due or time.monotonic() - self._due_since < RESEND_BATCH_S:
+            return
+        due = sorted(self._due & set(self._tasks) & self.members.online)
+        self._due.clear()
+        if due:
+            log.info("round %d %s: sending %s their tasks again", self._round, self._phase, due)
+            self._renew(due)
+            self._deliver(due)
+
+    def _renew(self, cids: list[str]) -> None:
+        """These tasks' blobs under new ids (`packing.renew`), the shared ones published again."""
+        again = renew(self._tasks, cids, self._shared)
+        if again:
+            try:
+                bcast = topics.bcast(self.run.run_id)
+                self._endpoint.wait(self._endpoint.publish_blobs(bcast, again))
+            except TransportError as exc:
+                log.error("broadcasting the shared models again failed: %s", exc)
+
+    # -- sizes -----------------------------------------------------------------------------
+    def _grow(self, nbytes: int) -> None:
+        """The run's messages may carry `nbytes` of models: size reassembly for it."""
+        if nbytes > self._model_bytes:
+            self._model_bytes = nbytes
+            self._resize()
+
+    def _resize(self) -> None:
+        if self.endpoint is None or self._run is None:
+            return
+        specs = [info.spec for info in self.clients.values()]
+        largest = max((model_bytes(s) for s in specs), default=0)
+        self._model_bytes = max(self._model_bytes, 2 * largest)  # e.g. its own and the global
+        bound = self._per_client_bound()
+        self.endpoint.set_limits(
+            max_pending_bytes=bound,
+            max_total_pending_bytes=bound * max(4, self.run.expected_clients),
+        )
+
+    def _per_client_bound(self) -> int:
+        """What one registered client may have in reassembly: a reply's models twice (one
+        arriving while the last is still being claimed) and a chunk."""
+        return 2 * self._model_bytes + 2 * DEFAULT_CHUNK_BYTES
+
+    def _pending_bound(self, topic: str) -> int:
+        """Reassembly memory per topic: none for a sender that is not registered."""
+        cid = topics.origin_of(topic, self.run.run_id)
+        return self._per_client_bound() if cid is not None and cid in self.clients else 0
 
     # -- messages --------------------------------------------------------------------------
     def _status(self, phase: str) -> Status:
@@ -316,6 +425,7 @@ class NetworkFleet(Fleet):
             rounds=run.rounds,
             algorithm=run.algorithm,
             accepting=not self.started,
+            model_bytes=self._model_bytes,
         )
 
     def _publish_status(self, phase: str) -> None:
@@ -324,15 +434,22 @@ class NetworkFleet(Fleet):
         except TransportError as exc:
             log.error("could not publish the run status (%s): %s", phase, exc)
 
+    def _on_reconnect(self) -> None:  # the transport's thread: only flag and wake
+        self._reconnected.set()
+        if self.endpoint is not None:
+            self.endpoint.interrupt()
+
     def _receive(self, timeout: float) -> Envelope | None:
-        """The next envelope within `timeout` s; raises `Interrupted` once `stop()` was called."""
+        """The next envelope within `timeout` s; raises `Interrupted` once `stop()` was called.
+        Meanwhile, what a reconnection calls for is done (see `_resend_due`)."""
         deadline = time.monotonic() + timeout
         while True:
             self.check_stop(self._round)
+            self._resend_due()
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            env = self._endpoint.receive(timeout=min(left, 0.25))
+            env = self._endpoint.receive(timeout=min(left, 0.1 if self._due else 0.25))
             if env is not None:
                 return env
 
@@ -341,7 +458,7 @@ class NetworkFleet(Fleet):
         if self.endpoint is None:
             return
         while (env := self.endpoint.receive(timeout=0)) is not None:
-            self._dispatch_control(env)
+            self._dispatch(env)
 
     def _sender(self, env: Envelope) -> str | None:
         """The client the message's topic names, when its `sender` field agrees; else None."""
@@ -352,65 +469,28 @@ class NetworkFleet(Fleet):
             self._reject(
                 "sender_mismatch",
                 f"a {msg.kind} on {env.topic} claims sender {msg.sender!r} of run {msg.run!r}",
+                env.topic,
             )
             return None
         return origin
 
-    def _reject(self, reason: str, detail: str) -> None:
+    def _reject(self, reason: str, detail: str, who: str) -> None:
         self.rejected[reason] += 1
-        log.warning("dropped (%s): %s", reason, detail)
+        self._log.warning((who, reason), "dropped (%s): %s", reason, detail)
 
-    def _dispatch_control(self, env: Envelope) -> None:
+    def _dispatch(self, env: Envelope) -> None:
+        """A message outside the replies of the phase: registration, presence, stray replies.
+        A client that came back (a new connection or process) is sent its task again."""
         cid = self._sender(env)
         if cid is None:
             return
-        msg = env.message
-        if isinstance(msg, Register):
-            self._on_register(msg)
-        elif isinstance(msg, Presence):
-            self._on_presence(cid, msg.online, msg.epoch)
-        elif cid not in self.clients:
-            self._reject("unknown_sender", f"a {msg.kind} from unregistered {cid!r}")
-        elif isinstance(msg, Reply):  # its task's phase is over (or it never had one)
-            self._reject("stale_reply", f"reply {msg.task_id} from {cid}")
-        else:
-            log.info("ignoring %s from %s outside its phase", msg.kind, cid)
+        if self.members.handle(cid, env.message):
+            self._come_back(cid)
+        if cid in self.clients:
+            self._resize()
 
-    def _on_presence(self, cid: str, online: bool, epoch: int) -> None:
-        if epoch < self._epochs.get(cid, -1):
-            log.info("%s: ignoring news about an older connection (%d)", cid, epoch)
-            return
-        self._epochs[cid] = epoch
-        if online:
-            self._online.add(cid)
-        else:
-            self._online.discard(cid)
-            log.warning("%s went offline", cid)
-
-    def _on_register(self, msg: Register) -> None:
-        reason = refusal(
-            msg.sender,
-            msg.spec,
-            msg.capabilities,
-            run=self.run,
-            clients=self.clients,
-            started=self.started,
-        )
-        if reason is None:
-            self.clients[msg.sender] = ClientInfo(msg.sender, msg.spec, msg.capabilities)
-            self._on_presence(msg.sender, True, msg.epoch)
-            log.info("registered %s (%s, %d train)", msg.sender, msg.spec, msg.capabilities.n_train)
-        else:
-            log.warning("refused registration of %s: %s", msg.sender, reason)
-        self._send(
-            msg.sender,
-            Registered(
-                run=self.run.run_id,
-                sender=topics.COORDINATOR,
-                accepted=reason is None,
-                reason=reason,
-            ),
-        )
+    def _answer(self, cid: str, answer: Registered) -> None:
+        self._send(cid, answer)
 
     def _send(
         self,
@@ -425,8 +505,3 @@ class NetworkFleet(Fleet):
         except (TransportError, ValueError) as exc:  # one unreachable client costs its reply
             log.error("could not send %s to %s: %s", msg.kind, cid, exc)
             return []
-
-
-def _model_key(m: WireModel) -> tuple[str, int]:
-    """Identity of a model in a plan: the same weights object under the same architecture."""
-    return (m.spec.to_json(), id(m.weights))

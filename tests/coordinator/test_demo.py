@@ -43,6 +43,14 @@ def test_demo_runs_devices_as_processes_and_writes_the_report(tmp_path: Path) ->
     pids = [int(p) for p in re.findall(r"c\d \w+ \(pid (\d+)\)", text)]
     assert len(pids) == 2 and os.getpid() not in pids
     assert re.search(r"broker: mqtt://127\.0\.0\.1:\d+ \(", text)
+    # Every process had its own signing key; the coordinator checked every message against them.
+    assert sorted(p.name for p in (tmp_path / "keys").iterdir()) == [
+        "c0.key",
+        "c1.key",
+        "coordinator.key",
+        "roster.json",
+    ]
+    assert "messages signed and checked" in (tmp_path / "logs" / "coordinator.log").read_text()
     assert [c.arch for c in results.clients] == ["mlr", "mlp"]
     assert psutil.Process().children(recursive=True) == []  # nothing left running
     # Live progress: one line per round with every client's accuracy.

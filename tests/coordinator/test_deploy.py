@@ -8,12 +8,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from tests_helpers import tiny_config
+from tests_helpers import key_flags, tiny_config
 
 from coordinator.broker import free_port
 from coordinator.deploy import run_coordinator
 from coordinator.results_model import Results
 from coordinator.simulator import simulate
+from edge_sdk.auth import AuthSettings, Keyring, issue_keys
 from edge_sdk.inference import OnnxPredictor
 
 EDGEFL = str(Path(sys.executable).parent / "edgefl")
@@ -30,13 +31,16 @@ def _deploy(url, tmp_path, run_id, algorithm=FML, coordinator_sets=()):
     """`edgefl coordinator` and three `edgefl client` processes; returns their outcomes."""
     common = ["--broker", url, "--run-id", run_id]
     out = tmp_path / "out"
+    keys = key_flags(tmp_path / "keys", [f"c{i}" for i in range(len(ARCHS))])
     run = ["--clients", "3", "--rounds", "2", "--batch-size", "32", *algorithm]
     sets = [*SETS, *(x for s in coordinator_sets for x in ("--set", s))]
-    commands = [[EDGEFL, "coordinator", *common, *run, "--out", str(out), *sets]]
+    commands = [
+        [EDGEFL, "coordinator", *common, *run, "--out", str(out), *sets, *keys["coordinator"]]
+    ]
     for i, arch in enumerate(ARCHS):
         me = ["--id", f"c{i}", "--model", arch, "--index", str(i), "--seed", "0", "--threads", "1"]
         state = ["--state-dir", str(tmp_path / f"state{i}")]
-        commands.append([EDGEFL, "client", *common, *me, *DATA, *state, *SETS])
+        commands.append([EDGEFL, "client", *common, *me, *DATA, *state, *SETS, *keys[f"c{i}"]])
     procs = [
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for cmd in commands
@@ -139,6 +143,7 @@ def test_fml_over_a_broker_gives_the_in_memory_simulators_accuracies(broker, req
 
 def test_the_daemon_logs_rounds_and_serves_prometheus_metrics(mosquitto, tmp_path):
     port = free_port()
+    keys = issue_keys(tmp_path / "keys", ["c0", "c1"])
     cfg = tiny_config(
         algorithm="fedavg",
         clients=2,
@@ -146,7 +151,11 @@ def test_the_daemon_logs_rounds_and_serves_prometheus_metrics(mosquitto, tmp_pat
         run_id="metrics",
         out=str(tmp_path),
         metrics_port=port,
-        **{"broker.url": mosquitto.url},
+        **{
+            "broker.url": mosquitto.url,
+            "auth.key_file": str(keys["coordinator"]),
+            "auth.roster": str(keys["roster"]),
+        },
     )
     scraped = []
 
@@ -163,7 +172,15 @@ def test_the_daemon_logs_rounds_and_serves_prometheus_metrics(mosquitto, tmp_pat
     connect = transport_factory(cfg, "metrics")
     spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
     clients = [
-        EdgeClient(cid, spec, data, connect(cid), run_id="metrics", seed=i)
+        EdgeClient(
+            cid,
+            spec,
+            data,
+            connect(cid),
+            run_id="metrics",
+            seed=i,
+            keyring=Keyring.load(AuthSettings(key_file=keys[cid], roster=keys["roster"]), cid),
+        )
         for i, (cid, data) in enumerate(zip(fed.client_ids, fed.client_data, strict=True))
     ]
     starter = threading.Timer(0.5, lambda: [c.start() for c in clients])

@@ -32,10 +32,16 @@ def test_the_embedded_device_app_runs_against_a_real_broker(mosquitto, tmp_path)
 
     from coordinator.server import Coordinator, RoundConfig
     from edge_sdk.algorithms import algorithm_class
+    from edge_sdk.auth import AuthSettings, Keyring, issue_keys
     from edge_sdk.transport.mqtt import MqttTransport
 
+    keys = issue_keys(tmp_path / "keys", ["phone0", "phone1"])
+    mine = AuthSettings(key_file=keys["coordinator"], roster=keys["roster"])
     coordinator = Coordinator(
-        NetworkFleet(MqttTransport(mosquitto.url, "example-coordinator")),
+        NetworkFleet(
+            MqttTransport(mosquitto.url, "example-coordinator"),
+            keyring=Keyring.load(mine, "coordinator"),
+        ),
         algorithm="fml",
         config=algorithm_class("fml").config_cls(local_epochs=2, batch_size=32, lr=0.05),
         rounds=2,
@@ -48,10 +54,14 @@ def test_the_embedded_device_app_runs_against_a_real_broker(mosquitto, tmp_path)
     runner = threading.Thread(target=lambda: result.update(run=coordinator.run()))
     runner.start()
     script = EXAMPLES / "embedded_client.py"
-    args = ["--broker", mosquitto.url, "--out", str(tmp_path)]
+    args = ["--broker", mosquitto.url, "--out", str(tmp_path), "--roster", str(keys["roster"])]
+
+    def key(i):
+        return ["--key-file", str(keys[f"phone{i}"])]
+
     devices = [
         subprocess.Popen(
-            [sys.executable, str(script), *args, "--id", f"phone{i}", "--slice", str(i)],
+            [sys.executable, str(script), *args, "--id", f"phone{i}", "--slice", str(i), *key(i)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -10,11 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
-from tests_helpers import tiny_config
+from tests_helpers import key_flags, tiny_config
 
 from coordinator.broker import MosquittoBroker
 from coordinator.simulator import simulate
+from edge_sdk import topics
 from edge_sdk.state import load_state
+from edge_sdk.transport.mqtt import MqttTransport
 
 EDGEFL = str(Path(sys.executable).parent / "edgefl")
 ARCHS = ["mlr", "mlp", "cnn1"]
@@ -31,6 +33,7 @@ class Fleet:
         self.common = ["--broker", url, "--run-id", run_id]
         self.rounds, self.round_sets = rounds, list(round_sets)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.keys = key_flags(tmp_path / "keys", ["c0", "c1", "c2"])
         self.starts: dict[str, int] = {}
         self.killed: set[str] = set()  # killed on purpose: their exit code is expected
 
@@ -39,11 +42,12 @@ class Fleet:
             run = ["--algorithm", "fml", "--clients", "3", "--rounds", str(self.rounds)]
             extra = [x for s in self.round_sets for x in ("--set", s)]
             out = ["--out", str(self.out), "--global-model", "mlr"]
-            return [EDGEFL, "coordinator", *self.common, *run, *TRAIN, *out, *SETS, *extra]
+            keys = self.keys["coordinator"]
+            return [EDGEFL, "coordinator", *self.common, *run, *TRAIN, *out, *SETS, *extra, *keys]
         i = int(name[1:])
         me = ["--id", name, "--model", ARCHS[i], "--index", str(i), "--seed", "0"]
         state = ["--state-dir", str(self.tmp / f"state{i}"), "--threads", "1"]
-        return [EDGEFL, "client", *self.common, *me, *DATA, *state, *SETS]
+        return [EDGEFL, "client", *self.common, *me, *DATA, *state, *SETS, *self.keys[name]]
 
     def kill(self, name):
         self.killed.add(name)
@@ -96,7 +100,7 @@ class Fleet:
                 p.wait(max(1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"{name} did not finish\n{self.dump()}") from None
-        codes = {n: p.returncode for n, p in self.procs.items()}
+        codes = {n: p.returncode for n, p in self.procs.items() if n not in self.killed}
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{self.dump()}"
 
     def dump(self):
@@ -140,21 +144,42 @@ def _reference(rounds):
     return [c.personal_acc for c in simulate(cfg, progress=False).clients]
 
 
+class _Spy:
+    """Counts the payload bytes the coordinator publishes, as the broker delivers them."""
+
+    def __init__(self, url, run):
+        self.total = 0
+        self.t = MqttTransport(url, f"spy-{run}").connect(10)
+        root = f"{topics.ROOT}/{run}"
+        for flt in (f"{root}/status", f"{root}/down/+", f"{root}/bcast"):
+            self.t.subscribe(flt, self._count)
+
+    def _count(self, topic, payload):
+        self.total += len(payload)
+
+
 def test_a_coordinator_killed_after_round_r_resumes_and_ends_like_an_uninterrupted_run(
     mosquitto, fleet_factory
 ):
     fleet = fleet_factory(mosquitto.url, "kill-coordinator", rounds=5)
+    spy = _Spy(mosquitto.url, "kill-coordinator")
     fleet.start_all()
     fleet.wait_for_round(2)
     fleet.kill("coordinator")
     done = len(load_state(fleet.out / "checkpoint-kill-coordinator.state")["records"])
+    first = spy.total  # what the killed incarnation sent (and its will)
     fleet.start("coordinator")  # the same command
     fleet.wait_all()
+    spy.t.close()
     assert f"resuming after round {done}" in fleet.log("coordinator")
     rounds = fleet.rounds_done()
     assert [r["round"] for r in rounds] == [1, 2, 3, 4, 5]  # each exactly once
     results = json.loads((fleet.out / "results.json").read_text())
     assert [c["personal_acc"] for c in results["clients"]] == _reference(5)
+    # The byte counters cover both incarnations: the second one's own traffic, and the first
+    # one's up to its last checkpoint (more than half of it: it had completed 2 of 3 rounds).
+    second = spy.total - first
+    assert second + first // 2 <= results["summary"]["coordinator_bytes_out"] <= spy.total
 
 
 def test_a_client_killed_mid_round_or_stalled_past_the_deadline_costs_only_its_reply(
@@ -224,3 +249,46 @@ def test_everyone_reconnects_when_the_broker_restarts_mid_federation(tmp_path, f
     results = json.loads((fleet.out / "results.json").read_text())
     assert all(c["personal_acc"] is not None for c in results["clients"])
     assert all(os.path.exists(fleet.tmp / f"state{i}" / f"c{i}.onnx") for i in range(3))
+
+
+def test_a_broker_restart_without_persistence_loses_no_reply_and_waits_out_no_deadline(
+    tmp_path, fleet_factory
+):
+    # The broker forgets every queue and retained message. The coordinator republishes its
+    # status and sends the open tasks again as the clients come back; a client whose reply was
+    # lost sends it again. With a 10-minute deadline, waiting one out would not end in time.
+    with MosquittoBroker(persistence=False, workdir=tmp_path / "broker") as broker:
+        fleet = fleet_factory(
+            broker.url, "broker-lost", rounds=6, round_sets=["round.deadline_s=600"]
+        )
+        fleet.start_all()
+        fleet.wait_for_round(2)
+        broker.restart(down_s=1.0)
+        assert fleet.last_round() < 6
+        fleet.wait_all(timeout=240)
+    rounds = fleet.rounds_done()
+    assert [r["round"] for r in rounds] == list(range(1, 7))
+    assert all(r["replied"] == ["c0", "c1", "c2"] and not r["failed"] for r in rounds)
+    results = json.loads((fleet.out / "results.json").read_text())
+    assert [c["personal_acc"] for c in results["clients"]] == _reference(6)
+
+
+def test_a_dead_device_under_the_default_quorum_and_deadline_costs_no_round(
+    mosquitto, fleet_factory
+):
+    # No round settings: the defaults. c2 is killed; its will says so at once, and every round
+    # closes with the two others, none waiting for it.
+    fleet = fleet_factory(mosquitto.url, "dead-device", rounds=8)
+    fleet.start_all()
+    fleet.wait_for_round(2)
+    fleet.kill("c2")
+    killed = fleet.last_round()
+    fleet.wait_all(timeout=240)
+    assert "rounds close with 2 of 3 valid replies (round.quorum 0.5) or after 120 s" in fleet.log(
+        "coordinator"
+    )
+    rounds = fleet.rounds_done()
+    assert [r["round"] for r in rounds] == list(range(1, 9)) and not any(
+        r["failed"] for r in rounds
+    )
+    assert all(r["replied"] == ["c0", "c1"] for r in rounds[killed + 1 :])

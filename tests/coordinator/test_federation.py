@@ -264,7 +264,7 @@ def test_a_coordinator_stopped_mid_run_resumes_from_its_checkpoint_and_ends_the_
 
     # A new coordinator process: same settings, same checkpoint.
     second = Coordinator(
-        NetworkFleet(broker.connect("coordinator-2")),
+        NetworkFleet(broker.connect("coordinator-2"), keyring=first.fleet.keyring),
         algorithm="fml",
         config=first.config,
         rounds=4,

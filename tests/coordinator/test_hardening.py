@@ -10,7 +10,7 @@ from edge_sdk import topics
 from edge_sdk.algorithms import FitResult
 from edge_sdk.client import EdgeClient
 from edge_sdk.codec import WeightsError, check_weights
-from edge_sdk.protocol import Capabilities, Register, Task, decode, encode
+from edge_sdk.protocol import Capabilities, Register, Registered, Status, Task, decode, encode
 from edge_sdk.transport import InMemoryBroker
 from edge_sdk.wire import Endpoint, message_frame, pack_models
 from model_zoo import ArchSpec
@@ -67,19 +67,24 @@ def _raw(broker, cid):
     return lambda frame: t.publish(topics.up("default", cid), frame)
 
 
-def _register(sender, **caps):
+def _register(sender, incarnation, **caps):
     spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
     capabilities = {"n_train": 10, "num_classes": 10, "algorithms": ["fedavg"]} | caps
-    return Register(run="default", sender=sender, spec=spec, capabilities=capabilities)
+    return Register(
+        run="default", sender=sender, spec=spec, capabilities=capabilities, incarnation=incarnation
+    )
 
 
 def test_registrations_with_invalid_or_mismatched_senders_are_dropped():
+    # Open mode (no keys): the coordinator's own checks of ids and topics (with keys, nothing
+    # unsigned gets that far: tests/coordinator/test_auth.py).
     broker = InMemoryBroker()
-    coordinator, clients = small_federation(broker=broker)
-    bad_id = json.loads(encode(_register("ok")))
+    coordinator, clients = small_federation(broker=broker, keys={})
+    inc = coordinator.incarnation
+    bad_id = json.loads(encode(_register("ok", inc)))
     bad_id["sender"] = "no/slashes here"
     _raw(broker, "x")(b"EF1M" + json.dumps(bad_id).encode())  # not an id: malformed
-    _raw(broker, "c9")(message_frame(_register("c1")))  # on c9's topic, claims to be c1
+    _raw(broker, "c9")(message_frame(_register("c1", inc)))  # on c9's topic, claims to be c1
     for c in clients:
         c.start()
     result = coordinator.run()
@@ -92,7 +97,7 @@ def test_a_huge_class_count_is_refused_before_anything_is_built():
     with pytest.raises(ValueError, match="less than or equal"):
         Capabilities(n_train=1, num_classes=10**9)
     broker = InMemoryBroker()
-    coordinator, clients = small_federation(broker=broker)
+    coordinator, clients = small_federation(broker=broker, keys={})
     got = []
     broker.connect("spy").subscribe(topics.down("default", "big"), lambda t, p: got.append(p))
     spec = ArchSpec(family="mlr", num_classes=50_000, input_shape=(3, 224, 224))
@@ -101,6 +106,7 @@ def test_a_huge_class_count_is_refused_before_anything_is_built():
         sender="big",
         spec=spec,
         capabilities={"n_train": 10, "num_classes": 50_000, "algorithms": ["fedavg"]},
+        incarnation=coordinator.incarnation,
     )
     _raw(broker, "big")(message_frame(big))
     for c in clients:
@@ -191,7 +197,7 @@ def test_one_peer_cannot_preempt_another_peers_blob():
 
 
 # -- the client side -----------------------------------------------------------------------
-def _fit_task(config, task_id="t1", run="default", sender="coordinator"):
+def _fit_task(config, task_id="t1", run="default", sender="coordinator", incarnation=1):
     return Task(
         run=run,
         sender=sender,
@@ -201,41 +207,74 @@ def _fit_task(config, task_id="t1", run="default", sender="coordinator"):
         phase="evaluate",
         algorithm="local",
         config=config,
+        incarnation=incarnation,
     )
+
+
+def _registered_client(broker, coordinator, client):
+    """Start `client` and play its coordinator (signing with the coordinator's key, incarnation
+    1) up to an accepted registration; returns the coordinator's voice, an Endpoint that signs."""
+    voice = Endpoint(
+        broker.connect("coordinator-voice"), "unused", keyring=coordinator.fleet.keyring
+    )
+    client.start()
+    status = Status(
+        run="default",
+        sender="coordinator",
+        incarnation=1,
+        phase="registering",
+        rounds=2,
+        algorithm="local",
+        accepting=True,
+    )
+    voice.send(topics.status("default"), status, retain=True)
+    eventually(lambda: client.status is not None)
+    answer = Registered(run="default", sender="coordinator", accepted=True, session=client.session)
+    voice.send(topics.down("default", client.client_id), answer)
+    eventually(lambda: client.accepted)
+    return voice
 
 
 def test_a_client_obeys_only_its_runs_coordinator_on_its_own_down_topic():
     broker = InMemoryBroker()
-    _, clients = small_federation(broker=broker)
-    client = clients[0].start()
-    sender = broker.connect("someone")
+    coordinator, clients = small_federation(broker=broker, incarnation=1)
+    client = clients[0]
+    voice = _registered_client(broker, coordinator, client)
     cfg = {"local_epochs": 1}
-    sender.publish(topics.bcast("default"), message_frame(_fit_task(cfg, "on-bcast")))
-    sender.publish(
-        topics.down("default", "c0"), message_frame(_fit_task(cfg, "other-run", run="x"))
-    )
-    sender.publish(topics.down("default", "c0"), message_frame(_fit_task(cfg, "fake", sender="c1")))
-    sender.publish(topics.down("default", "c1"), message_frame(_fit_task(cfg, "not-mine")))
-    sender.publish(topics.down("default", "c0"), message_frame(_fit_task(cfg, "real")))
+    voice.send(topics.bcast("default"), _fit_task(cfg, "on-bcast"))
+    voice.send(topics.down("default", "c0"), _fit_task(cfg, "other-run", run="x"))
+    voice.send(topics.down("default", "c0"), _fit_task(cfg, "fake", sender="c1"))
+    voice.send(topics.down("default", "c1"), _fit_task(cfg, "not-mine"))
+    anyone = broker.connect("someone")  # unsigned, or signed by a client: not the coordinator
+    anyone.publish(topics.down("default", "c0"), message_frame(_fit_task(cfg, "unsigned")))
+    c1 = Endpoint(broker.connect("c1-voice"), "unused", keyring=clients[1].keyring)
+    c1.send(topics.down("default", "c0"), _fit_task(cfg, "signed-by-c1"))
+    voice.send(topics.down("default", "c0"), _fit_task(cfg, "real"))
     eventually(lambda: client.tasks_done == 1)
-    assert client._seen == ["real"] or list(client._seen) == ["real"]
+    assert list(client._seen) == ["real"]
+    rejected = client.endpoint.rejections
+    assert (rejected["sender_mismatch"], rejected["unsigned"], rejected["bad_signature"]) == (
+        2,
+        1,
+        1,
+    )
     client.stop()
 
 
 def test_a_task_whose_config_differs_is_refused_and_the_state_is_kept():
     broker = InMemoryBroker()
-    _, clients = small_federation(broker=broker)
-    client = clients[0].start()
+    coordinator, clients = small_federation(broker=broker, incarnation=1)
+    client = clients[0]
     replies = []
     broker.connect("spy").subscribe(topics.up("default", "c0"), lambda t, p: replies.append(p))
-    down = broker.connect("coord-ish")
-    down.publish(topics.down("default", "c0"), message_frame(_fit_task({"local_epochs": 1}, "a")))
+    voice = _registered_client(broker, coordinator, client)
+    voice.send(topics.down("default", "c0"), _fit_task({"local_epochs": 1}, "a"))
     eventually(lambda: client.tasks_done == 1)
     algorithm = client.algorithm
     before = {k: v.clone() for k, v in algorithm.model.state_dict().items()}
-    down.publish(topics.down("default", "c0"), message_frame(_fit_task({"local_epochs": 7}, "b")))
+    voice.send(topics.down("default", "c0"), _fit_task({"local_epochs": 7}, "b"))
     eventually(lambda: client.tasks_done == 2)
-    last = decode([p for p in replies if p.startswith(b"EF1M")][-1][4:])
+    last = decode([p for p in replies if p.startswith(b"EF1S")][-1][4 + 64 :])
     assert last.ok is False and "differs" in last.error
     assert client.algorithm is algorithm
     assert all(torch.equal(before[k], v) for k, v in algorithm.model.state_dict().items())

@@ -93,3 +93,23 @@ def test_peers_under_the_acl_collaborate_and_none_can_forge_another_s_models(sec
     assert all(r.replied == ["c0", "c1", "c2"] for r in result.rounds)
     assert all(c.tasks_done >= 5 and not c.errors for c in clients)  # 2 × 2 steps + finalize
     assert all(len(row) == 3 for row in result.extra["collaboration"])
+
+
+def test_edgefl_keys_issues_private_keys_and_a_roster_and_daemons_refuse_to_start_without(tmp_path):
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+    from edge_sdk.auth import read_roster
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["keys", "--clients", "c0,c1", "--out", str(tmp_path / "k")])
+    assert res.exit_code == 0, res.output
+    keys = sorted(p.name for p in (tmp_path / "k").glob("*.key"))
+    assert keys == ["c0.key", "c1.key", "coordinator.key"]
+    assert all((tmp_path / "k" / k).stat().st_mode & 0o777 == 0o600 for k in keys)
+    assert set(read_roster(tmp_path / "k" / "roster.json")) == {"coordinator", "c0", "c1"}
+    # Without keys (and without auth.open), neither daemon starts; each says what to do.
+    for command in (["coordinator"], ["client", "--id", "c0"]):
+        res = runner.invoke(app, [*command, "--broker", "mqtt://127.0.0.1:1", "--run-id", "r"])
+        assert res.exit_code == 2
+        assert "edgefl keys --clients" in res.output and "auth.open=true" in res.output

@@ -1,0 +1,153 @@
+"""One process per client id, replies only from it, failed rounds that change nothing, and
+bounded memory and log lines under floods (in-process, over the in-memory transport)."""
+
+import json
+import logging
+import threading
+
+import pytest
+from tests_helpers import eventually, small_federation
+
+from edge_sdk import topics
+from edge_sdk.algorithms import FitResult
+from edge_sdk.client import EdgeClient, RegistrationRefused
+from edge_sdk.protocol import Reply, Task, decode
+from edge_sdk.transport import InMemoryBroker
+from edge_sdk.wire import Endpoint
+
+
+def _started(clients):
+    for c in clients:
+        c.start()
+    return clients
+
+
+def _chunk(blob, index, count, size, data):
+    header = json.dumps({"blob": blob, "index": index, "count": count, "size": size}).encode()
+    return b"EF1C" + len(header).to_bytes(4, "big") + header + data
+
+
+def test_a_round_recorded_failed_leaves_every_clients_state_as_it_was():
+    # c0 sends an impossible fit reply in round 2 only; with quorum 1 and no retry, round 2
+    # fails. The clients that trained in it go back to their state before it, so round 2's
+    # evaluation scores what round 1's did, client by client.
+    class FailsRound2(EdgeClient):
+        def run_task(self, task, blobs):
+            result = super().run_task(task, blobs)
+            if task.phase == "fit" and task.round == 2:
+                return FitResult(models=result.models, metrics=result.metrics, n_samples=10**9)
+            return result
+
+    coordinator, clients = small_federation(
+        algorithm="fml",
+        client_cls=FailsRound2,
+        rounds=3,
+        config={"local_epochs": 1, "batch_size": 32, "lr": 0.1},
+        quorum=1.0,
+        retries=0,
+    )
+    result = coordinator.run() if _started(clients) else None
+    first, failed, third = result.rounds
+    assert (first.failed, failed.failed, third.failed) == (False, True, False)
+    assert failed.trained == ["c0", "c1", "c2"]
+    assert failed.client_acc == first.client_acc
+    assert third.client_acc != first.client_acc  # round 3 trained on from there
+    for c in clients:
+        c.stop()
+
+
+def test_the_newest_process_of_a_client_id_counts_and_the_older_one_is_told_to_stop():
+    broker = InMemoryBroker()
+    coordinator, clients = small_federation(broker=broker, rounds=3)
+    old = clients[1]
+    newer = []
+
+    def second_process(rec):  # after round 1, c1 starts again elsewhere (same id, same key)
+        if rec.round == 1:
+            c = EdgeClient(
+                "c1", old.spec, old.data, broker.connect("c1-again"), seed=1, keyring=old.keyring
+            )
+            newer.append(c.start())  # registers while the coordinator runs round 2
+
+    coordinator.on_round = second_process
+    result = coordinator.run() if _started(clients) else None
+    assert not old.wait(20) or old.refused is not None
+    with pytest.raises(RegistrationRefused, match="another process registered as c1"):
+        old.run(timeout=1)
+    assert newer[0].tasks_done >= 2  # rounds 2 and 3 went to the newer process
+    assert all(r.replied == ["c0", "c1", "c2"] for r in result.rounds)
+    for c in [*clients, *newer]:
+        c.stop()
+
+
+def test_a_reply_signed_by_the_client_but_from_another_process_does_not_count():
+    broker = InMemoryBroker()
+    coordinator, clients = small_federation(broker=broker, rounds=1, quorum=1.0)
+    tasks = []
+    broker.connect("spy").subscribe(
+        topics.down("default", "c1"),
+        lambda t, p: tasks.append(m) if isinstance(m := decode(p[68:]), Task) else None,
+    )
+    # Another process holding c1's key (not registered) answers c1's tasks first.
+    twin = Endpoint(broker.connect("twin"), "unused", keyring=clients[1].keyring)
+
+    def answer():
+        answered = set()
+        while len(answered) < 3:
+            for t in [t for t in tasks if t.task_id not in answered]:
+                reply = Reply(
+                    run="default", sender="c1", task_id=t.task_id, round=t.round,
+                    phase=t.phase, ok=True, session="ab" * 8,
+                )  # fmt: skip
+                twin.send(topics.up("default", "c1"), reply)
+                answered.add(t.task_id)
+
+    threading.Thread(target=answer, daemon=True).start()
+    result = coordinator.run() if _started(clients) else None
+    assert result.rounds[0].replied == ["c0", "c1", "c2"] and not result.rounds[0].failed
+    assert coordinator.fleet.rejected["wrong_session"] >= 1
+    by_id = {c.id: c for c in result.clients}
+    assert by_id["c1"].personal_acc is not None
+    for c in clients:
+        c.stop()
+
+
+def test_reassembly_holds_no_blob_for_a_stranger_and_a_models_worth_for_a_client():
+    broker = InMemoryBroker()
+    coordinator, clients = small_federation(broker=broker, rounds=1)
+    _started(clients)
+    fleet = coordinator.fleet
+    eventually(lambda: fleet.online() == {"c0", "c1", "c2"} or bool(fleet.gather(5, None)))
+    endpoint = fleet.endpoint
+    endpoint.blob_timeout_s = 0.3
+    mallory = broker.connect("mallory")
+    mib = b"\0" * (1 << 20)
+    for i in range(20):  # 20 MiB towards a 200 MiB blob, from nobody the run knows
+        mallory.publish(topics.up("default", "x"), _chunk("big", i, 200, 200 << 20, mib))
+    assert endpoint._held == 0 and endpoint.rejections["unexpected_blob"] == 20
+    for i in range(20):  # and the same on a registered client's topic
+        mallory.publish(topics.up("default", "c0"), _chunk("big", i, 200, 200 << 20, mib))
+    bound = fleet._per_client_bound()
+    assert endpoint._held <= bound < 5 << 20  # a tiny model's worth, not hundreds of MiB
+    eventually(lambda: endpoint._held == 0, timeout=10)  # expired, memory returned
+    assert endpoint.rejections["blob_expired"] == 1
+    for c in clients:
+        c.stop()
+    fleet.pause()
+
+
+def test_a_flood_of_bad_messages_is_counted_whole_and_logged_once(caplog):
+    broker = InMemoryBroker()
+    rx = Endpoint(broker.connect("rx"), topics.up_all("r")).open()
+    flood = broker.connect("flood")
+    with caplog.at_level(logging.WARNING):
+        for i in range(1000):
+            flood.publish(topics.up("r", "c1"), b"EF1M{not json" + str(i).encode())
+        header = b'{"blob": "b", "index": 1e999, "count": 2, "size": 10}'
+        chunk = b"EF1C" + len(header).to_bytes(4, "big") + header + b"xx"
+        flood.publish(topics.up("r", "c1"), chunk)  # an index that is not a number
+    assert rx.rejections["malformed"] == 1001
+    lines = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(lines) == 1
+    assert not any(r.levelno >= logging.ERROR for r in caplog.records)  # no traceback
+    rx.close()
