@@ -299,12 +299,13 @@ def fit_stacked(
     for name in cls.persistent:
         setattr(stacked, name, _stack_state([getattr(a, name) for a in algos]))
     incoming = _stack_models(models)
-    rngs = [a.ctx.trainer.generator.get_state() for a in algos]
+    rngs = [(a.ctx.trainer.generator.get_state(), a.ctx.trainer.samples) for a in algos]
     try:
-        result = stacked.fit(round_, rounds, incoming)
+        result = stacked.train_round(round_, rounds, incoming)
     except BaseException:
-        for a, rng in zip(algos, rngs, strict=True):  # as if nothing had run
+        for a, (rng, samples) in zip(algos, rngs, strict=True):  # as if nothing had run
             a.ctx.trainer.generator.set_state(rng)
+            a.ctx.trainer.samples = samples
         raise
     n = len(algos)
     for name in cls.persistent:
@@ -316,6 +317,8 @@ def fit_stacked(
             spec = getattr(value, SPEC_ATTR)
             saved = {"__module__": spec.to_json(), "weights": unstack_module(value, i)}
             setattr(a, name, a._decode(getattr(a, name), saved))
+    for a in algos:  # what `fit` does after `train_round`, member by member (the guard)
+        a.after_fit(round_)
     return _split_result(result, n)
 
 

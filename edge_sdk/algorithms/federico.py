@@ -37,6 +37,7 @@ from edge_sdk.algorithms.base import (
     FitResult,
     register_algorithm,
 )
+from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.losses import cross_entropy
 from edge_sdk.optim import SGD, Adam
@@ -49,7 +50,7 @@ __all__ = ["FedeRiCo", "FedeRiCoConfig", "posterior_weights"]
 MODEL, GRAD = "model", "grad"
 
 
-class FedeRiCoConfig(BaseAlgorithmConfig):
+class FedeRiCoConfig(BaseAlgorithmConfig, GuardConfig):
     neighbours: int = Field(3, ge=1)  # M, neighbours sampled per round [ours, algorithms.md]
     epsilon: float = Field(0.3, ge=0, le=1)  # ε-greedy exploration [ours]
     loss_momentum: float = Field(0.6, gt=0, le=1)  # m of the moving-average loss table [ours]
@@ -141,7 +142,7 @@ class FedeRiCo(ClientAlgorithm):
         self.published = version
 
     # -- the round ---------------------------------------------------------------------------
-    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         step, params = self.ctx.task.step, self.ctx.task.params
         if step == "exchange":
             return self._exchange(round_, list(params.get("members", [])))
@@ -228,7 +229,7 @@ class FedeRiCo(ClientAlgorithm):
         _, mixture = self._mixture()
         return self._scores("personal", mixture)
 
-    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def finish(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         w = self.weights
         top = sorted(w, key=lambda c: -w[c])[: self.config.mixture_top]
         return FitResult(
@@ -237,8 +238,15 @@ class FedeRiCo(ClientAlgorithm):
             details={"collaborators": ",".join(top), "mixture_size": len(top)},
         )
 
-    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+    def trained_model(self) -> tuple[ArchSpec, nn.Module]:
         return self._mixture()
+
+    def guard_candidates(self) -> dict[str, Candidate]:
+        # After the update step (the exchange step changes no model): the mixture, and this
+        # client's own model alone.
+        if self.ctx.task.step == "exchange":
+            return {}
+        return {PERSONAL: self.trained_model(), "own": (self.ctx.spec, self.model)}
 
 
 def _format(p: torch.Tensor) -> torch.memory_format:

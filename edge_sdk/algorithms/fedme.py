@@ -34,6 +34,7 @@ from edge_sdk.algorithms.base import (
     FitResult,
     register_algorithm,
 )
+from edge_sdk.algorithms.guard import GuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import cross_entropy, kl_distill
 from model_zoo import ArchSpec
@@ -41,7 +42,7 @@ from model_zoo import ArchSpec
 __all__ = ["FedMe", "FedMeConfig"]
 
 
-class FedMeConfig(AlgorithmConfig):
+class FedMeConfig(AlgorithmConfig, GuardConfig):
     local_epochs: int = Field(2, ge=0)  # [paper]
     batch_size: int = Field(40, ge=1)  # [paper] CIFAR-10 (FEMNIST: 20)
     lr: float = Field(0.01, gt=0)  # [paper]
@@ -113,7 +114,7 @@ class FedMe(ClientAlgorithm):
             self.personal.load_state_dict(incoming.weights)
         return self.personal
 
-    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         cfg, trainer, d = self.config, self.ctx.trainer, self.ctx.data
         if len(d.y_val) == 0:
             raise AlgorithmError(
@@ -169,7 +170,7 @@ class FedMe(ClientAlgorithm):
         _, model = self.personalized_model()
         return self._scores("personal", model)
 
-    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def finish(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         scores = self.evaluate(models)
         assert self.personal_spec is not None
         return FitResult(
@@ -178,7 +179,7 @@ class FedMe(ClientAlgorithm):
             details={"arch_start": self.ctx.spec.family, "arch_end": self.personal_spec.family},
         )
 
-    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+    def trained_model(self) -> tuple[ArchSpec, nn.Module]:
         if self.personal is None or self.personal_spec is None:
             raise RuntimeError("fedme: no personalized model before the coordinator sent one")
         return self.personal_spec, self.personal

@@ -31,6 +31,7 @@ from edge_sdk.algorithms.base import (
     FitResult,
     register_algorithm,
 )
+from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.losses import cross_entropy, kl_distill
 from model_zoo import ArchSpec
@@ -38,7 +39,7 @@ from model_zoo import ArchSpec
 __all__ = ["FML", "FMLConfig", "shared_keys"]
 
 
-class FMLConfig(AlgorithmConfig):
+class FMLConfig(AlgorithmConfig, GuardConfig):
     alpha: float = Field(0.5, ge=0, le=1)  # personalized model: weight of CE vs KL [code]
     beta: float = Field(0.5, ge=0, le=1)  # meme model: weight of CE vs KL [code]
     # [code] decays lr ×0.1 every ⌊R/3⌋ rounds ("step"). Our default is a constant lr, like the
@@ -92,7 +93,7 @@ class FML(ClientAlgorithm):
             raise ValueError(f"fml: global model has tensors the meme lacks: {unexpected[:5]}")
         return spec, self.meme
 
-    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         cfg, trainer, data = self.config, self.ctx.trainer, self.ctx.data
         spec, meme = self._meme_for(self._require(models, "global"))
         lr = cfg.lr_at(round_, rounds)
@@ -129,5 +130,12 @@ class FML(ClientAlgorithm):
             out |= self._scores("global", self._materialize(glob))
         return out
 
-    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+    def trained_model(self) -> tuple[ArchSpec, nn.Module]:
         return self.ctx.spec, self.personal
+
+    def guard_candidates(self) -> dict[str, Candidate]:
+        # The meme after this round's training: the global model tuned on this client's data.
+        out: dict[str, Candidate] = {PERSONAL: self.trained_model()}
+        if self.meme is not None and self.meme_spec is not None:
+            out["meme"] = (self.meme_spec, self.meme)
+        return out

@@ -45,6 +45,7 @@ from edge_sdk.algorithms.base import (
     register_algorithm,
 )
 from edge_sdk.algorithms.fedavg import FedAvgConfig
+from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.losses import cross_entropy, kl_distill, soft_cross_entropy
 from model_zoo import ArchSpec
@@ -79,7 +80,7 @@ def archive_round(name: str) -> int | None:
     return int(tail)
 
 
-class PersFLConfig(FedAvgConfig):
+class PersFLConfig(FedAvgConfig, GuardConfig):
     distill_loss: Literal["kl", "gd"] = "kl"  # "gd": PersFL-GD (soft cross-entropy) [paper]
     # [ours] λ/T grids (the paper's chosen values range over λ 0–0.75, T 1–25).
     distill_lambdas: list[float] = Field(
@@ -212,7 +213,7 @@ class PersFL(ClientAlgorithm):
         self.teacher_round, self.teacher_loss = round_, loss
         return True
 
-    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         glob = self._require(models, "global")
         # The task of round r carries the global model after r−1 aggregations (none in round 1).
         if round_ > 1:
@@ -231,7 +232,7 @@ class PersFL(ClientAlgorithm):
         )
 
     # -- stage 2 ---------------------------------------------------------------------------
-    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def finish(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         """Stage 2 against the final global model ("global") and any archived ones."""
         candidates = [
             (r, m) for name, m in models.items() if (r := archive_round(name)) is not None
@@ -344,13 +345,25 @@ class PersFL(ClientAlgorithm):
         return sum(losses) / len(losses) if losses else math.nan
 
     # -- evaluation ------------------------------------------------------------------------
-    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+    def trained_model(self) -> tuple[ArchSpec, nn.Module]:
         """The distilled student; before stage 2, the teacher (the best global model so far)."""
         if self.student is not None:
             return self.ctx.spec, self.student
         if self.teacher is not None and self.teacher_spec is not None:
             return self.teacher_spec, self.teacher
         raise RuntimeError("persfl: no model before the first global model arrived")
+
+    def guard_candidates(self) -> dict[str, Candidate]:
+        # During stage 1: this client's copy of the global model after its local epochs (the
+        # teacher is a candidate at the end anyway). After stage 2: the student and the teacher.
+        if self.student is not None:
+            out: dict[str, Candidate] = {PERSONAL: self.trained_model()}
+            if self.teacher is not None and self.teacher_spec is not None:
+                out["teacher"] = (self.teacher_spec, self.teacher)
+            return out
+        if self.model is not None and self.model_spec is not None:
+            return {"tuned_global": (self.model_spec, self.model)}
+        return {}
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
         """The student after stage 2; before it, the model that would be the teacher now.

@@ -24,6 +24,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from edge_sdk.algorithms.base import (
+    SPEC_ATTR,
     AlgorithmError,
     BaseAlgorithmConfig,
     ClientAlgorithm,
@@ -31,6 +32,7 @@ from edge_sdk.algorithms.base import (
     FitResult,
     register_algorithm,
 )
+from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import cross_entropy, kl_distill
 from model_zoo import ArchSpec
@@ -41,7 +43,7 @@ __all__ = ["PFML", "PFMLConfig"]
 _PLAIN_STEPS = "pfml takes the plain gradient steps of Algorithm 1 (lr η only)"
 
 
-class PFMLConfig(BaseAlgorithmConfig):
+class PFMLConfig(BaseAlgorithmConfig, GuardConfig):
     # E: local *iterations*, each on one fresh batch of batch_size samples [paper]. Not epochs:
     # one epoch of a client with n samples is about n / batch_size iterations.
     local_iterations: int = Field(10, ge=0)
@@ -151,7 +153,7 @@ class PFML(ClientAlgorithm):
         assert first is not None  # k_steps >= 1 (the config's bound)
         return [p.detach() for p in params], *first
 
-    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         glob = self._require(models, "global")
         self._prepare(glob)
         assert self.local is not None and self.aux is not None
@@ -193,12 +195,20 @@ class PFML(ClientAlgorithm):
             out |= self._scores("global", self._materialize(glob))
         return out
 
-    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def finish(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         if self.aux is None and "global" in models:  # never trained: deploy the initial m_i
             self.aux = self._initial_aux(models["global"])
-        return super().finalize(round_, rounds, models)
+        return super().finish(round_, rounds, models)
 
-    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+    def trained_model(self) -> tuple[ArchSpec, nn.Module]:
         if self.aux is None:
             raise RuntimeError("pfml: no auxiliary model before the first round")
         return self.ctx.spec, self.aux
+
+    def guard_candidates(self) -> dict[str, Candidate]:
+        # The local model w_i after this round: the global model trained on this client's data.
+        out: dict[str, Candidate] = {PERSONAL: self.trained_model()}
+        local = self.local
+        if local is not None:
+            out["local"] = (getattr(local, SPEC_ATTR), local)
+        return out

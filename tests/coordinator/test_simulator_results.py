@@ -32,11 +32,17 @@ PRE_CHANGE = {
 FLAGS = {
     "pfml": {
         "lr": 0.05,
-        "overrides": {"pfml.lam": 1.0, "pfml.local_iterations": 10},
+        # The guard off: these are the algorithm's own models, as before it existed.
+        "overrides": {"pfml.lam": 1.0, "pfml.local_iterations": 10, "pfml.guard": False},
         "models": ["mlr", "mlp"],
         "global_model": "mlr",
     },
-    "fml": {"models": ["mlr", "mlp"], "global_model": "mlr", "local_epochs": 1},
+    "fml": {
+        "models": ["mlr", "mlp"],
+        "global_model": "mlr",
+        "local_epochs": 1,
+        "overrides": {"fml.guard": False},
+    },
     "fedavg": {"local_epochs": 1},
 }
 

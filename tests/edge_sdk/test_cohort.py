@@ -109,14 +109,14 @@ def test_clients_whose_batches_differ_in_size_train_one_by_one_with_the_same_res
 class _DrawsThenRefuses(PFML):
     """PFML that, run stacked, draws a batch and only then finds it cannot go on."""
 
-    def fit(self, round_, rounds, models):
+    def train_round(self, round_, rounds, models):
         if isinstance(self.ctx, CohortContext):
             self.ctx.trainer.sample_batch(self.ctx.data.x_train, self.ctx.data.y_train, 8)
             raise CohortUnsupported("refused after drawing")
-        return super().fit(round_, rounds, models)
+        return super().train_round(round_, rounds, models)
 
 
-def test_a_stacked_fit_refused_part_way_leaves_the_random_streams_as_they_were():
+def test_a_stacked_fit_refused_part_way_leaves_the_random_streams_and_counts_as_they_were():
     # Prepare
     spec, fresh = _clients("mlr")
     _, refused = _clients("mlr")
@@ -130,6 +130,7 @@ def test_a_stacked_fit_refused_part_way_leaves_the_random_streams_as_they_were()
     # Assert
     for a, f in zip(refused, fresh, strict=True):
         assert torch.equal(a.ctx.trainer.generator.get_state(), f.ctx.trainer.generator.get_state())
+        assert a.ctx.trainer.samples == f.ctx.trainer.samples == 0  # nothing counted either
 
 
 def _submit_together(cohort, algos, glob, models=None):

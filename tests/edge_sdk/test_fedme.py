@@ -97,14 +97,14 @@ def test_fedme_keeps_its_model_when_the_exchanged_one_is_only_as_good():
 
 
 def test_fedme_evaluates_the_model_the_coordinator_returned_whatever_its_architecture():
-    client = _client(local_epochs=0)
+    client = _client(local_epochs=0, guard=False)
     returned = WireModel.of(MLP, build(MLP, seed=3))
     client.evaluate({"personal": returned})
     spec, model = client.personalized_model()
     assert spec == MLP
     assert torch.equal(model.layers[0].weight.detach(), returned.weights["layers.0.weight"])
     out = client.finalize(3, 3, {"personal": returned})
-    assert out.details == {"arch_start": "mlr", "arch_end": "mlp"}
+    assert out.details == {"arch_start": "mlr", "arch_end": "mlp", "samples_processed": 0}
     assert out.n_samples == 20
 
 
