@@ -204,6 +204,9 @@ class ClientAlgorithm(ABC):
             ):
                 final.setdefault("global", (glob.spec, self._materialize(glob)))
             result.details |= self.guard.decide(rounds, final)
+            m = result.metrics
+            if m.get("personal_total"):  # the algorithm's own model on the test split, for reports
+                result.details["guard_unguarded_acc"] = m["personal_correct"] / m["personal_total"]
             if self.guard.deployed is not None:
                 result.metrics |= self._scores("personal", self.personalized_model()[1])
         result.details["samples_processed"] = self.ctx.trainer.samples

@@ -50,6 +50,10 @@ class FMLConfig(AlgorithmConfig, GuardConfig):
     weighting: Literal["uniform", "by_samples"] = "uniform"
     # State-dict key prefixes that are global (e.g. ["features."]); empty = the whole model.
     shared_prefixes: list[str] = Field(default_factory=list)
+    # [ours] "validation": a round's personalized model learns from the meme (α as set) only
+    # when the global model it starts from has a lower validation loss than the personalized
+    # model; otherwise from the labels alone (α = 1). "off": always α (the paper).
+    alpha_gate: Literal["validation", "off"] = "validation"
 
 
 def shared_keys(
@@ -101,7 +105,7 @@ class FML(ClientAlgorithm):
         trainer.set_lr(self.opt_personal, lr)
         self.personal.train()
         meme.train()
-        a, b = cfg.alpha, cfg.beta
+        a, b = self._alpha(meme), cfg.beta
         # Loss sums stay on the device; one host sync per batch (in trainer.step), not three.
         sum_p = torch.zeros((), device=self.ctx.device)
         sum_m = torch.zeros((), device=self.ctx.device)
@@ -122,6 +126,15 @@ class FML(ClientAlgorithm):
             metrics={"loss_personal": float(sum_p) / n, "loss_meme": float(sum_m) / n},
             n_samples=data.n_train,
         )
+
+    def _alpha(self, meme: nn.Module) -> float:
+        """This round's α: the config's, or 1 when the gate finds the meme no better."""
+        d, trainer = self.ctx.data, self.ctx.trainer
+        if self.config.alpha_gate == "off" or len(d.y_val) == 0:
+            return self.config.alpha
+        meme_loss = trainer.evaluate(meme, d.x_val, d.y_val).loss
+        own_loss = trainer.evaluate(self.personal, d.x_val, d.y_val).loss
+        return self.config.alpha if meme_loss < own_loss else 1.0
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
         out = self._scores("personal", self.personal)

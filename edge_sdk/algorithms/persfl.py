@@ -89,7 +89,11 @@ class PersFLConfig(FedAvgConfig, GuardConfig):
     distill_temperatures: list[float] = Field(
         default_factory=lambda: [1.0, 2.0, 4.0, 8.0, 16.0], min_length=1
     )
-    distill_epochs: int = Field(5, ge=1)  # [ours] epochs of each grid point's distillation
+    # [ours] Epochs of each grid point's distillation. None: the local-training budget of the
+    # run, rounds × local_epochs, so that the λ = 0 point (plain cross-entropy) gets the passes
+    # over the data that training alone gets (5, the earlier default, left students from scratch
+    # far below local training).
+    distill_epochs: int | None = Field(None, ge=1)
     # Coordinator: how many of the latest global models it keeps for new participants [ours].
     archive_size: int = Field(10, ge=0)
 
@@ -175,6 +179,7 @@ class PersFL(ClientAlgorithm):
         self.grid: list[GridPoint] = []
         self.diverged: list[tuple[float, float]] = []  # (λ, T) whose training loss went NaN/inf
         self.student_init: Literal["teacher", "scratch"] | None = None
+        self.rounds = 1  # the run's length (finalize says it), for the distillation budget
 
     def state_dict(self) -> dict[str, Any]:
         grid = [dataclasses.asdict(p) for p in self.grid]
@@ -234,6 +239,7 @@ class PersFL(ClientAlgorithm):
     # -- stage 2 ---------------------------------------------------------------------------
     def finish(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         """Stage 2 against the final global model ("global") and any archived ones."""
+        self.rounds = rounds
         candidates = [
             (r, m) for name, m in models.items() if (r := archive_round(name)) is not None
         ]
@@ -322,10 +328,15 @@ class PersFL(ClientAlgorithm):
         student.load_state_dict(best_state)
         return student, best
 
+    def epochs(self) -> int:
+        """Each grid point's epochs: `distill_epochs`, or rounds × local_epochs."""
+        cfg = self.config
+        return cfg.distill_epochs or self.rounds * cfg.local_epochs
+
     def distill(
         self, student: nn.Module, z_teacher: torch.Tensor, lam: float, temperature: float
     ) -> float:
-        """`distill_epochs` of the distillation loss on the training split; mean batch loss.
+        """`epochs()` of the distillation loss on the training split; mean batch loss.
 
         `z_teacher` holds the teacher's logits for every training sample, in order.
         """
@@ -333,7 +344,7 @@ class PersFL(ClientAlgorithm):
         opt = trainer.optimizer(student.parameters(), cfg)
         student.train()
         losses = []
-        for _ in range(cfg.distill_epochs):
+        for _ in range(self.epochs()):
             for idx in trainer.epoch(d.n_train, cfg.batch_size):
                 x, y = d.x_train.index_select(0, idx), d.y_train.index_select(0, idx)
                 with trainer.autocast():

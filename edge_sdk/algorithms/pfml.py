@@ -16,8 +16,9 @@ m_prev is the auxiliary model as it was at the start of the round [ours, algorit
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -47,6 +48,9 @@ class PFMLConfig(BaseAlgorithmConfig, GuardConfig):
     # E: local *iterations*, each on one fresh batch of batch_size samples [paper]. Not epochs:
     # one epoch of a client with n samples is about n / batch_size iterations.
     local_iterations: int = Field(10, ge=0)
+    # [ours] When set, E = ⌈local_epochs·n/batch_size⌉ for a client with n training samples:
+    # the same passes over each client's data as an algorithm that trains whole epochs.
+    local_epochs: int | None = Field(None, ge=0)
     batch_size: int = Field(200, ge=1)  # D [paper captions]; pFedMe used 20
     lr: float = Field(0.01, gt=0)  # η, for the K inner steps and the outer step alike
     k_steps: int = Field(3, ge=1)  # K personalization steps
@@ -57,14 +61,21 @@ class PFMLConfig(BaseAlgorithmConfig, GuardConfig):
     weighting: Literal["uniform", "by_samples"] = "uniform"  # [paper]; pFedMe's code: by_samples
 
     refused: ClassVar[dict[str, str]] = {
-        "local_epochs": "pfml trains local iterations of one batch each, not epochs: "
-        "set pfml.local_iterations",
         "optimizer": _PLAIN_STEPS,
         "momentum": _PLAIN_STEPS + "; no momentum",
         "weight_decay": _PLAIN_STEPS + "; its regularizer is the proximal term λ (lam)",
         "lr_schedule": _PLAIN_STEPS + "; η is constant",
         "lr_gamma": _PLAIN_STEPS + "; η is constant",
     }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _iterations_alone(cls, data: Any) -> Any:
+        # Setting the paper's iterations without epochs asks for iterations (epochs win when both
+        # are given, e.g. a config that was written out whole).
+        if isinstance(data, Mapping) and "local_iterations" in data and "local_epochs" not in data:
+            return {**data, "local_epochs": None}
+        return data
 
     @model_validator(mode="after")
     def _stable(self) -> PFMLConfig:
@@ -166,7 +177,7 @@ class PFML(ClientAlgorithm):
         m_prev = [p.detach().clone() for p in _params(aux)]
         theta_net, w_hat_net = copy.deepcopy(aux), copy.deepcopy(local)
         losses: list[torch.Tensor] = []
-        for _ in range(cfg.local_iterations):
+        for _ in range(self.iterations()):
             x, y = trainer.sample_batch(data.x_train, data.y_train, cfg.batch_size)
             with torch.no_grad(), trainer.autocast():  # each model is the other's teacher
                 z_m, z_w = aux(x), local(x)
@@ -183,6 +194,20 @@ class PFML(ClientAlgorithm):
             metrics={"train_loss": trainer.average(losses)},
             n_samples=data.n_train,
         )
+
+    def iterations(self) -> int:
+        """E for this round: `local_iterations`, or the iterations of `local_epochs` epochs."""
+        cfg = self.config
+        if cfg.local_epochs is None:
+            return cfg.local_iterations
+        n = self.ctx.data.n_train
+        counts = n if isinstance(n, list) else [n]  # a cohort's members, one count each
+        its = {math.ceil(cfg.local_epochs * k / cfg.batch_size) for k in counts}
+        if len(its) > 1:
+            from edge_sdk.cohort import CohortUnsupported  # (the cohort imports this package)
+
+            raise CohortUnsupported(f"pfml: the members' epochs differ in iterations ({its})")
+        return its.pop()
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
         if self.aux is not None:

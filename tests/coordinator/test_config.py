@@ -85,13 +85,13 @@ def test_a_section_override_beats_the_common_training_flag():
     assert cfg.pfml.lr == 0.02
 
 
-def test_local_epochs_never_lands_on_pfml_which_counts_iterations():
-    with pytest.raises(ConfigError, match=r"local_iterations"):
-        load_config(None, {"algorithm": "pfml"}, training={"local_epochs": 20})
+def test_local_epochs_lands_on_pfml_as_epochs_and_leaves_its_iterations_alone():
     cfg = load_config(
         None, {"algorithm": "pfml", "baselines": ["local"]}, training={"local_epochs": 3}
     )
-    assert cfg.local.local_epochs == 3 and cfg.pfml.local_iterations == 10
+    assert cfg.local.local_epochs == 3 and cfg.pfml.local_epochs == 3
+    assert cfg.pfml.local_iterations == 10
+    assert load_config(None, {"algorithm": "pfml"}).pfml.local_epochs is None
 
 
 @pytest.mark.parametrize(
@@ -101,7 +101,6 @@ def test_local_epochs_never_lands_on_pfml_which_counts_iterations():
         ("weight_decay", 1e-4, "proximal term"),
         ("optimizer", "adam", "plain gradient steps"),
         ("lr_schedule", "step", "constant"),
-        ("local_epochs", 5, "local_iterations"),
     ],
 )
 def test_pfml_refuses_settings_it_would_ignore(field, value, needle):

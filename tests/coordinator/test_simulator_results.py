@@ -41,7 +41,7 @@ FLAGS = {
         "models": ["mlr", "mlp"],
         "global_model": "mlr",
         "local_epochs": 1,
-        "overrides": {"fml.guard": False},
+        "overrides": {"fml.guard": False, "fml.alpha_gate": "off"},
     },
     "fedavg": {"local_epochs": 1},
 }

@@ -86,6 +86,14 @@ def test_a_stacked_fit_gives_each_client_what_its_own_fit_gives(family):
             assert torch.equal(
                 s.ctx.trainer.generator.get_state(), a.ctx.trainer.generator.get_state()
             )
+            # the guard looked at each member's models, as after its own fit
+            ka, ks = a.guard.best, s.guard.best
+            assert ka is not None and ks is not None
+            assert (ks.name, ks.round, ks.correct) == (ka.name, ka.round, ka.correct)
+            assert ks.loss == pytest.approx(ka.loss, rel=1e-5)
+            for k, v in ka.model.weights.items():
+                assert _close(ks.model.weights[k], v), k
+            assert s.ctx.trainer.samples == a.ctx.trainer.samples == round_ * 4 * 8
 
 
 def test_clients_whose_batches_differ_in_size_train_one_by_one_with_the_same_result():
