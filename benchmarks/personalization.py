@@ -48,7 +48,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from coordinator.config import load_config  # noqa: E402
+from coordinator.config import load_config, parse_overrides  # noqa: E402
 from coordinator.simulator import simulate  # noqa: E402
 from model_zoo.data import load_dataset  # noqa: E402
 from model_zoo.data.base import stratified_indices  # noqa: E402
@@ -84,9 +84,12 @@ class Size:
 
 
 SIZES = {
-    "quick": Size(5, 2, 16, 0.01, clients=6, samples=1200, group_samples=1500, unlabeled=200),
-    "full": Size(10, 2, 16, 0.01, clients=12, samples=6000, group_samples=3000, unlabeled=500),
+    "quick": Size(5, 2, 16, 0.01, clients=6, samples=1500, group_samples=1500, unlabeled=200),
+    "full": Size(10, 2, 16, 0.01, clients=12, samples=3600, group_samples=1500, unlabeled=500),
 }
+# Every client's data: 30% train, 20% validation (what the guard and PersFL, FedMe decide on),
+# 50% test, so that one client's accuracy rests on a hundred images or more.
+DATA_SPLIT = [0.3, 0.2, 0.5]
 
 IMAGE_MODELS = ("lenet5", "mlp", "cnn1")
 
@@ -94,7 +97,7 @@ IMAGE_MODELS = ("lenet5", "mlp", "cnn1")
 def splits(size: Size) -> dict[str, Split]:
     """The benchmark's splits at `size`."""
     n, k = size.samples, size.clients
-    img = {"clients": k, "data.max_samples": n}
+    img = {"clients": k, "data.max_samples": n, "data.split": DATA_SPLIT}
     out = [
         Split(
             f"dir{a}-{ds}",
@@ -113,17 +116,17 @@ def splits(size: Size) -> dict[str, Split]:
     out.append(
         Split(
             "lg-fmnist",
-            "Fashion-MNIST, 4 label groups of 2-3 classes, 3 clients each, 60-90 training "
-            "images per client",
+            f"Fashion-MNIST, {k // 3} label groups, 3 clients each, 50-100 training images per "
+            "client",
             {
                 "data.dataset": "fashion_mnist",
                 "data.partition": "label_groups",
-                # 4 groups and 3 architectures round-robin: every group has every architecture
-                "data.partition_params": {"num_groups": 4},
-                "data.max_samples": size.group_samples,
-                # a large test split, so that one client's accuracy is not one image's worth
-                "data.split": [0.3, 0.1, 0.6],
-                "clients": 12,
+                # k/3 groups (not 3) and 3 architectures round-robin: every group has every
+                # architecture, so architecture and group are not the same thing
+                "data.partition_params": {"num_groups": k // 3},
+                "data.max_samples": size.group_samples * k // 6,
+                "data.split": DATA_SPLIT,
+                "clients": k,
             },
             IMAGE_MODELS,
             scarce=True,
@@ -138,6 +141,7 @@ def splits(size: Size) -> dict[str, Split]:
                 "data.options": {"alpha": 0.5, "beta": 0.5},
                 "data.partition": "natural",
                 "data.max_samples": 20000,
+                "data.split": DATA_SPLIT,
                 "clients": 10,
             },
             ("mlr", "mlp"),
@@ -187,11 +191,11 @@ _KEEP = (
 
 def _budget(size: Size, algorithm: str) -> dict[str, Any]:
     """The common budget, as each algorithm takes it. PFML (plain gradient steps, no momentum)
-    and FedeRiCo (Adam) keep their own learning rates."""
-    budget: dict[str, Any] = {"batch_size": size.batch_size}
-    if algorithm != "federico":
-        budget["local_epochs"] = size.local_epochs
-    if algorithm not in ("pfml", "federico"):
+    keeps its own learning rate; FedeRiCo (Adam, one step per round) its own batch and rate."""
+    if algorithm == "federico":
+        return {}
+    budget: dict[str, Any] = {"batch_size": size.batch_size, "local_epochs": size.local_epochs}
+    if algorithm != "pfml":
         budget["lr"] = size.lr
     return {f"{algorithm}.{k}": v for k, v in budget.items()}
 
@@ -218,12 +222,22 @@ def _unlabeled(split: Split, seed: int, count: int, out: Path) -> Path:
     return path
 
 
-def run_one(split: Split, seed: int, algorithm: str, size: Size, out: Path, family: str) -> Run:
+def run_one(
+    split: Split,
+    seed: int,
+    algorithm: str,
+    size: Size,
+    out: Path,
+    family: str,
+    overrides: dict[str, Any] | None = None,
+    variant: str = "",
+) -> Run:
     """One algorithm on one split and seed (cached under `out`). fedavg_ft trains `family` on
     every client; the others give each client the split's architecture for it (round-robin),
     and the personalized algorithms have `family` as their global one (FML's meme, PFML's local
     model, PersFL's teacher)."""
-    path = out / "runs" / split.name / str(seed) / f"{algorithm}-{family}.json"
+    tag = f"{algorithm}-{family}" + (f"-{variant}" if variant else "")
+    path = out / "runs" / split.name / str(seed) / f"{tag}.json"
     if path.is_file():
         return Run(**json.loads(path.read_text()))
     models = [family] if algorithm == "fedavg_ft" else list(split.models)
@@ -241,12 +255,13 @@ def run_one(split: Split, seed: int, algorithm: str, size: Size, out: Path, fami
     }
     if algorithm == "fedme":
         flags["fedme.unlabeled_path"] = str(_unlabeled(split, seed, size.unlabeled, out))
-    if algorithm == "federico":
+    if algorithm == "federico":  # as many passes over the data as local_epochs each round
         local = run_one(split, seed, "local", size, out, OWN)
         n = statistics.mean(c["n_train"] for c in local.clients)
-        steps = size.local_epochs * math.ceil(n / size.batch_size)
-        flags["rounds"] = size.rounds * steps
-    cfg = load_config(None, flags, environ=False)
+        own = load_config(None, {"algorithm": "federico"}, overrides, environ=False)
+        batch = own.federico.batch_size
+        flags["rounds"] = math.ceil(size.rounds * size.local_epochs * n / batch)
+    cfg = load_config(None, flags, overrides, environ=False)
     t0 = time.perf_counter()
     res = simulate(cfg, progress=False)
     run = Run(
@@ -259,7 +274,7 @@ def run_one(split: Split, seed: int, algorithm: str, size: Size, out: Path, fami
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(run.__dict__, indent=1) + "\n")
-    logging.info("%s-%s %s seed %d: %.1f s", algorithm, family, split.name, seed, run.wall_seconds)
+    logging.info("%s %s seed %d: %.1f s", tag, split.name, seed, run.wall_seconds)
     return run
 
 
@@ -296,7 +311,13 @@ def _passes(runs: Sequence[Run]) -> float:
 
 
 def summarize(
-    split: Split, seeds: Sequence[int], size: Size, out: Path, algorithms: Sequence[str]
+    split: Split,
+    seeds: Sequence[int],
+    size: Size,
+    out: Path,
+    algorithms: Sequence[str],
+    overrides: dict[str, Any] | None = None,
+    variant: str = "",
 ) -> list[dict[str, Any]]:
     local = [run_one(split, s, "local", size, out, OWN) for s in seeds]
     fts = {f: [run_one(split, s, "fedavg_ft", size, out, f) for s in seeds] for f in split.models}
@@ -305,7 +326,9 @@ def summarize(
     local_pc, ft_pc = _per_client(local), _per_client(fts[best])
     rows = []
     for name in ["local", "fedavg_ft", *algorithms]:
-        runs = baselines.get(name) or [run_one(split, s, name, size, out, best) for s in seeds]
+        runs = baselines.get(name) or [
+            run_one(split, s, name, size, out, best, overrides, variant) for s in seeds
+        ]
         means = [_mean_acc(r) for r in runs]
         pc = _per_client(runs)
         gaps = [a - b for a, b in zip(pc, local_pc, strict=True)]
@@ -381,6 +404,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--out", type=Path, help="where runs are kept (default runs/personalization/SIZE)"
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="override a field of the personalized algorithms' runs, e.g. fml.alpha=0.3 (the "
+        "runs are kept apart, under a name made of the overrides)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("coordinator", "edge_sdk", "model_zoo"):
@@ -396,11 +426,18 @@ def main(argv: list[str] | None = None) -> int:
     algorithms = [a for a in args.algorithms.split(",") if a]
     seeds = [int(s) for s in args.seeds.split(",")]
     t0 = time.perf_counter()
-    rows = [r for n in names for r in summarize(chosen[n], seeds, size, out, algorithms)]
+    overrides = parse_overrides(args.set)
+    variant = ",".join(args.set).replace("/", "_")
+    rows = [
+        r
+        for n in names
+        for r in summarize(chosen[n], seeds, size, out, algorithms, overrides, variant)
+    ]
     doc = {
         "size": size_name,
         "budget": size.__dict__,
         "seeds": seeds,
+        "overrides": overrides,
         "wall_seconds": round(time.perf_counter() - t0, 1),
         "rows": rows,
     }
