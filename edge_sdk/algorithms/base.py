@@ -148,7 +148,9 @@ class ClientAlgorithm(ABC):
     def __init__(self, ctx: ClientContext, config: BaseAlgorithmConfig) -> None:
         self.ctx = ctx
         self.config = config
-        self.guard = Guard(ctx.trainer, ctx.data)
+        self.guard = Guard(
+            ctx.trainer, ctx.data, config.guard_z if isinstance(config, GuardConfig) else 1.0
+        )
         self._deployed: tuple[Pick, nn.Module] | None = None  # the guard's pick, built once
 
     @property

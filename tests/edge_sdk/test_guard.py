@@ -11,6 +11,7 @@ from tests_helpers import raises_exactly
 
 from edge_sdk.algorithms import AlgorithmError, ClientContext, algorithm_class
 from edge_sdk.algorithms.fml import FML, FMLConfig
+from edge_sdk.algorithms.guard import Pick
 from edge_sdk.codec import WireModel
 from edge_sdk.state import load_state, save_state
 from edge_sdk.trainer import ClientData, Trainer
@@ -133,7 +134,9 @@ def test_guard_falls_back_to_an_earlier_round_when_the_final_model_is_spoiled():
     assert out.details["guard_arch"] == spec.family
     assert out.details["guard_val_acc"] == correct / len(data.y_val)
     assert out.details["guard_unguarded_acc"] == 0.25  # the spoiled model: one class in four
-    assert out.details["guard_reason"].startswith(f"on validation, {correct}/32 (loss ")
+    assert out.details["guard_reason"].startswith(
+        f"{out.details['guard_choice']} on validation, {correct}/32 (loss "
+    )
 
 
 def test_guard_off_deploys_the_spoiled_final_model():
@@ -166,39 +169,71 @@ def test_guard_keeps_the_final_personalized_model_when_nothing_beats_it():
     spec, model = client.personalized_model()
     assert model is client.personal and spec == MLP
     assert out.details["guard_choice"] == "personal (final, mlp)"
-    assert out.details["guard_reason"].startswith(
-        f"the final personal model did best on validation, {final[0]}/32"
-    )
+    assert out.details["guard_reason"].startswith(f"the final personal model, {final[0]}/32")
+    assert ", kept: no clear evidence against it; " in out.details["guard_reason"]
     assert out.details["guard_unguarded_acc"] == (
         out.metrics["personal_correct"] / out.metrics["personal_total"]
     )
 
 
-def test_guard_keeps_the_final_model_on_a_full_tie_and_breaks_accuracy_ties_by_loss():
-    # Prepare: models that all predict class 1, so they get the same validation samples right;
-    # one of them is surer of it, so its validation loss differs.
+@pytest.mark.parametrize(
+    ("b", "c", "z", "switch"),
+    [
+        (3, 0, 1.0, True),  # 3 > √3
+        (2, 0, 1.0, True),  # 2 > √2
+        (1, 0, 1.0, False),  # 1 > √1 fails: one sample is no evidence
+        (4, 1, 1.0, True),  # 3 > √5
+        (3, 1, 1.0, False),  # 2 > √4 fails
+        (1, 0, 0.0, True),  # z = 0: any net gain
+        (0, 0, 0.0, False),  # the same predictions: nothing to gain
+        (5, 2, 2.0, False),  # 3 > 2·√7 fails
+    ],
+)
+def test_guard_switches_only_on_clear_paired_evidence(b, c, z, switch):
+    # Prepare: the final personalized model predicts class 0 for everything, so it gets the
+    # class-0 validation samples right. The kept rival gets `b` class-1 samples right that the
+    # final model misses and `c` class-0 samples wrong that it gets, nothing else different.
+    client = _client(guard_z=z)
+    y = client.ctx.data.y_val
+    personal = build(MLP, seed=1)
+    _constant(personal, label=0)
+    hits = y == 0
+    hits[torch.nonzero(y == 1).flatten()[:b]] = True
+    hits[torch.nonzero(y == 0).flatten()[:c]] = False
+    rival = Pick("meme", 2, False, hits, 0.1, WireModel.of(MLR, build(MLR, seed=2)))
+    client.guard.best = rival
+
+    # Execute
+    d = client.guard.decide(3, {"personal": (MLP, personal)})
+
+    # Assert
+    assert (client.guard.deployed is rival) == switch
+    assert d["guard_choice"] == ("meme (round 2, mlr)" if switch else "personal (final, mlp)")
+    if switch:
+        assert f"right on {b} samples the final personal model" in d["guard_reason"]
+    else:
+        assert f"right on {b} it missed, wrong on {c}" in d["guard_reason"]
+
+
+def test_guard_keeps_the_best_copy_by_accuracy_then_loss():
+    # Two models that predict class 1 for everything get the same samples right; the surer one
+    # has another validation loss, and the kept copy is the one with the lower.
     client = _client()
     d = client.ctx.data
-    personal, same, surer = (build(MLP, seed=s) for s in (1, 2, 3))
-    for m in (personal, same, surer):
+    plain, surer = build(MLP, seed=1), build(MLP, seed=2)
+    for m in (plain, surer):
         _constant(m, label=1)
     with torch.no_grad():
         surer.layers[-1].bias[1] = 5.0
     loss = {
         n: _hand_scores(MLP, _copy(m), d.x_val, d.y_val)[1]
-        for n, m in (("personal", personal), ("surer", surer))
+        for n, m in (("plain", plain), ("surer", surer))
     }
-
-    # Execute
-    tie = client.guard.decide(1, {"personal": (MLP, personal), "same": (MLP, same)})
-    tie_deployed = client.guard.deployed
-    by_loss = client.guard.decide(1, {"personal": (MLP, personal), "surer": (MLP, surer)})
-
-    # Assert: an exact tie keeps the final personalized model; otherwise the lower loss wins.
-    assert tie_deployed is None and tie["guard_choice"] == "personal (final, mlp)"
-    winner = min(loss, key=loss.get)
-    assert by_loss["guard_choice"] == f"{winner} (final, mlp)"
-    assert (client.guard.deployed is None) == (winner == "personal")
+    client.guard.observe(1, {"plain": (MLP, plain), "surer": (MLP, surer)})
+    best = client.guard.best
+    assert best is not None and best.name == min(loss, key=loss.get)
+    assert best.loss == pytest.approx(min(loss.values()), rel=1e-6)
+    assert best.correct == int((d.y_val == 1).sum())
 
 
 def test_guard_without_validation_data_deploys_the_final_model_and_says_why():
