@@ -468,7 +468,7 @@ def test_federico_mixes_evaluates_and_finalizes_its_highest_weight_models_only()
     }
     assert scores == want and out.metrics == want
     # Each round drew one batch per neighbour (their gradients) and one for its own.
-    drawn = 2 * (2 + 1) * min(50, N)
+    drawn = 2 * (2 + 1) * min(c.config.batch_size, N)
     assert out.details == {
         "collaborators": ",".join(top),
         "mixture_size": 2,
