@@ -301,6 +301,17 @@ class ClientAlgorithm(ABC):
     def _materialize(self, model: WireModel) -> nn.Module:
         return self.ctx.materialize(model)
 
+    def _teaches(self, teacher: nn.Module, student: nn.Module) -> bool:
+        """Whether `teacher` has the lower cross-entropy on this client's validation split (True
+        without validation data: nothing says otherwise). The gate of FML's and FedMe's
+        distillation: learn from a peer model only while it knows this client's data better."""
+        d, trainer = self.ctx.data, self.ctx.trainer
+        if len(d.y_val) == 0:
+            return True
+        return trainer.evaluate(teacher, d.x_val, d.y_val).loss < (
+            trainer.evaluate(student, d.x_val, d.y_val).loss
+        )
+
     def _require(self, models: Mapping[str, WireModel], name: str) -> WireModel:
         if name not in models:
             raise AlgorithmError(f"{self.name}: the task carries no {name!r} model")

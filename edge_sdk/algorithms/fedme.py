@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -49,6 +50,10 @@ class FedMeConfig(AlgorithmConfig, GuardConfig):
     momentum: float = Field(0.9, ge=0)  # [paper]
     weight_decay: float = Field(1e-4, ge=0)  # [paper]
     clip_norm: float = Field(20.0, gt=0)  # [code] per-model gradient-norm clip
+    # [ours] "validation": a round's personalized model learns from the exchanged model (the KL
+    # term) only when the exchanged model arrives with the lower validation loss; otherwise from
+    # the labels alone. "off": always (the paper's 1:1).
+    kl_gate: Literal["validation", "off"] = "validation"
     # Coordinator: KMeans cluster counts and the fraction of the rounds at which each starts
     # (1, 2, 3, 4 clusters from 0, 50, 75, 90 % of the rounds) [paper].
     cluster_counts: list[int] = Field(default_factory=lambda: [1, 2, 3, 4], min_length=1)
@@ -131,6 +136,7 @@ class FedMe(ClientAlgorithm):
         clip = [(list(m.parameters()), cfg.clip_norm) for m in (personal, exchanged)]
         personal.train()
         exchanged.train()
+        learn = 1.0 if cfg.kl_gate == "off" or self._teaches(exchanged, personal) else 0.0
         total = torch.zeros((), device=self.ctx.device)
         steps = 0
         for _ in range(cfg.local_epochs):
@@ -138,7 +144,9 @@ class FedMe(ClientAlgorithm):
                 with trainer.autocast():
                     z_p, z_ex = personal(x), exchanged(x)
                 # Each loss reaches only its own model (the other side is detached).
-                loss_p = cross_entropy(z_p, y) + kl_distill(z_p, z_ex)
+                loss_p = cross_entropy(z_p, y)
+                if learn:
+                    loss_p = loss_p + kl_distill(z_p, z_ex)
                 loss_ex = cross_entropy(z_ex, y) + kl_distill(z_ex, z_p)
                 trainer.step(loss_p + loss_ex, opts, clip=clip)
                 total += (loss_p + loss_ex).detach()
@@ -159,6 +167,7 @@ class FedMe(ClientAlgorithm):
                 "val_loss_personal": val_p,
                 "val_loss_exchanged": val_ex,
                 "adopted": float(adopted),
+                "distilled": learn,
             },
             n_samples=d.n_train,
             details={"arch": self.personal_spec.family},

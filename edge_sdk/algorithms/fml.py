@@ -123,18 +123,15 @@ class FML(ClientAlgorithm):
         n = max(1, steps)
         return FitResult(
             models={"meme": WireModel(spec, shared_keys(state_of(meme), cfg.shared_prefixes))},
-            metrics={"loss_personal": float(sum_p) / n, "loss_meme": float(sum_m) / n},
+            metrics={"loss_personal": float(sum_p) / n, "loss_meme": float(sum_m) / n, "alpha": a},
             n_samples=data.n_train,
         )
 
     def _alpha(self, meme: nn.Module) -> float:
         """This round's α: the config's, or 1 when the gate finds the meme no better."""
-        d, trainer = self.ctx.data, self.ctx.trainer
-        if self.config.alpha_gate == "off" or len(d.y_val) == 0:
+        if self.config.alpha_gate == "off" or self._teaches(meme, self.personal):
             return self.config.alpha
-        meme_loss = trainer.evaluate(meme, d.x_val, d.y_val).loss
-        own_loss = trainer.evaluate(self.personal, d.x_val, d.y_val).loss
-        return self.config.alpha if meme_loss < own_loss else 1.0
+        return 1.0
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
         out = self._scores("personal", self.personal)

@@ -19,8 +19,8 @@ PRE_CHANGE = {
     "fml": {
         "acc": [0.675, 0.575, 0.825, 0.65],
         "metrics": [
-            {"loss_meme": 1.1854508817195892, "loss_personal": 1.1829951703548431},
-            {"loss_meme": 0.8995947539806366, "loss_personal": 0.8871442824602127},
+            {"loss_meme": 1.1854508817195892, "loss_personal": 1.1829951703548431, "alpha": 0.5},
+            {"loss_meme": 0.8995947539806366, "loss_personal": 0.8871442824602127, "alpha": 0.5},
         ],
     },
     "fedavg": {
