@@ -224,6 +224,20 @@ register(
         claim="paper 004: FedMe's personalized models beat local training and FedAvg",
     )
 )
+# Paper 004, Table 5: FedMe with every client on one fixed architecture (nothing to tune), against
+# the automatic choice above (clients start on four and adopt each other's).
+FEDME_FIXED = ("lenet5", "cnn1", "mlp", "mlr")
+for _arch in FEDME_FIXED:
+    register(
+        Row(
+            name=f"fedme-fmnist-fixed-{_arch}",
+            title=f"FedMe, the same split, every client on {_arch} (no tuning), T=15",
+            flags={"models": [_arch], "baselines": []},
+            config="examples/fedme_dirichlet.toml",
+            global_vs=(),
+            claim="paper 004, Table 5: the automatic choice is close to the best fixed one",
+        )
+    )
 
 
 # -- running -------------------------------------------------------------------------------------
@@ -358,9 +372,31 @@ def table(out: Path) -> str:
             f"{sm['wall_seconds']} s |"
         )
     (out / "summary.json").write_text(json.dumps(summaries, indent=2) + "\n")
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n" + _fedme_tuning(summaries)
     (out / "summary.md").write_text(text)
     return text
+
+
+def _fedme_tuning(summaries: list[dict[str, Any]]) -> str:
+    """Paper 004's Table 5 claim: FedMe's automatic architecture choice against the best of its
+    fixed-architecture runs (within 1 point), when both have run."""
+    by_row = {s["row"]: s["ours"]["personal_final"] for s in summaries}
+    auto = by_row.get("fedme-fmnist-dirichlet")
+    fixed = {
+        a: by_row[f"fedme-fmnist-fixed-{a}"]
+        for a in FEDME_FIXED
+        if f"fedme-fmnist-fixed-{a}" in by_row
+    }
+    if auto is None or not fixed:
+        return ""
+    best = max(fixed, key=lambda a: fixed[a])
+    gap = 100 * (auto - fixed[best])
+    runs = ", ".join(f"{a} {_pct(v)}" for a, v in fixed.items())
+    return (
+        f"\nFedMe's automatic architecture choice: {_pct(auto)} against the best fixed one, "
+        f"{best} {_pct(fixed[best])} ({gap:+.2f} points; within 1 point: "
+        f"{'yes' if gap >= -1 else 'no'}); fixed runs: {runs}\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

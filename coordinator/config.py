@@ -202,8 +202,7 @@ def _apply_training(tree: dict[str, Any], algorithms: list[str], key: str, value
     if not takers and any(n in known for n in algorithms):
         raise ConfigError(
             f"--{key.replace('_', '-')}: no algorithm of this run ({', '.join(algorithms)}) has a "
-            f"{key!r} setting; pfml counts local iterations of one batch each: set them with "
-            "--set pfml.local_iterations=N"
+            f"{key!r} setting (federico takes one gradient step per round: give it more rounds)"
         )
     skipped = [n for n in algorithms if n in known and n not in takers]
     if skipped:
@@ -258,7 +257,7 @@ def load_config(
     compared on the same budget. They resolve against the final algorithm and baselines, after
     `overrides` (e.g. `--set algorithm=pfml --lr 0.05` sets pfml.lr), and an override of the
     same field in a section (`--set pfml.lr=0.02`) still wins. A flag that no algorithm of the
-    run takes is an error (pfml counts local iterations, not epochs).
+    run takes is an error (federico takes one gradient step per round, not epochs).
     """
     tree: dict[str, Any] = {}
     if path is not None:

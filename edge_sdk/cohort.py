@@ -399,23 +399,29 @@ def run_stacked(
     for name in cls.persistent:
         setattr(stacked, name, _stack_state(name, members, stacked))
     incoming = _stack_models([models[i] for i in order])
-    rngs = [a.ctx.trainer.generator.get_state() for a in members]
+    rngs = [(a.ctx.trainer.generator.get_state(), a.ctx.trainer.samples) for a in members]
     try:
         if phase == "fit":
-            result = stacked.fit(round_, rounds, incoming)
+            result = stacked.train_round(round_, rounds, incoming)
         elif phase == "evaluate":
             result = FitResult(metrics=stacked.evaluate(incoming))
         else:
-            result = stacked.finalize(round_, rounds, incoming)
+            result = stacked.finish(round_, rounds, incoming)
     except BaseException:
-        for a, rng in zip(members, rngs, strict=True):  # as if nothing had run
+        for a, (rng, samples) in zip(members, rngs, strict=True):  # as if nothing had run
             a.ctx.trainer.generator.set_state(rng)
+            a.ctx.trainer.samples = samples
         raise
     if phase != "evaluate":  # evaluation changes no state
         for name in cls.persistent:
             _unstack_state(name, stacked, members)
     rows = _split_result(result, len(members))
     out: list[FitResult] = [rows[0]] * len(algos)
-    for row, i in zip(rows, order, strict=True):
+    for a, row, i in zip(members, rows, order, strict=True):
+        # What `fit` and `finalize` do after the stacked part, member by member (the guard).
+        if phase == "fit":
+            a.after_fit(round_)
+        elif phase == "finalize":
+            row = a.after_finish(rounds, models[i], row)
         out[i] = row
     return out

@@ -215,6 +215,8 @@ class CohortTrainer(Trainer):
         actives = torch.tensor(counts, device=self.device).gt(0).float() if masked else None
         for s in range(total):
             taking = [c > 0 for c in counts[s]]
+            for t, c in zip(self.members, counts[s], strict=True):
+                t.samples += c  # what each member's own epoch would count
             rows = n if masked else sum(taking)
             local = table[s, :rows]
             w = weights[s, :rows] if weights is not None and padded[s] else None

@@ -27,6 +27,7 @@ __all__ = [
     "cross_entropy",
     "kl_distill",
     "proximal",
+    "rows_of",
     "soft_cross_entropy",
     "stacked_batch",
 ]
@@ -53,6 +54,16 @@ def stacked_batch(batch: StackedBatch) -> Iterator[None]:
         yield
     finally:
         _STACKED.reset(token)
+
+
+def rows_of(value: float | torch.Tensor) -> float | torch.Tensor:
+    """A per-client value as this step's losses take it: a number as is; a stack's tensor of
+    one value per member (N,) cut to the members taking the current stacked step (a prefix of
+    the stack, `CohortTrainer`), so that it multiplies their (rows,) losses."""
+    batch = _STACKED.get()
+    if batch is None or not isinstance(value, torch.Tensor):
+        return value
+    return value[: batch.rows]
 
 
 def _per_client(values: torch.Tensor) -> torch.Tensor:

@@ -228,6 +228,9 @@ class Trainer:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # Training samples drawn so far (epochs and fresh batches; evaluation not counted): the
+        # budget an algorithm spent, reported next to its accuracy.
+        self.samples = 0
         dtype = autocast_dtype(device) if amp else None  # what results report as precision
         self.amp = dtype is not None
         self._amp_dtype = dtype or torch.float16
@@ -249,11 +252,14 @@ class Trainer:
         """Index batches over one random permutation of range(n) (the last may be short)."""
         perm = torch.randperm(n, generator=self.generator, device=self.device)
         for start in range(0, n, batch_size):
-            yield perm[start : start + batch_size]
+            batch = perm[start : start + batch_size]
+            self.samples += len(batch)
+            yield batch
 
     def sample(self, n: int, batch_size: int) -> torch.Tensor:
         """One fresh batch of min(batch_size, n) distinct indices."""
         perm = torch.randperm(n, generator=self.generator, device=self.device)
+        self.samples += min(batch_size, n)
         return perm[: min(batch_size, n)]
 
     def batches(

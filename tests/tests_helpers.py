@@ -36,13 +36,15 @@ def tiny_config(**flags: Any) -> Any:
         "round.register_timeout_s": 30,
     }
     training = {"local_epochs": 2, "batch_size": 32, "lr": 0.1}
+    epochs_given = "local_epochs" in flags
     for key in ("local_epochs", "batch_size", "lr"):
         if key in flags:
             training[key] = flags.pop(key)
     overrides = flags.pop("overrides", {})
     base.update(flags)
-    if "local_epochs" not in algorithm_class(base["algorithm"]).config_cls.model_fields:
-        del training["local_epochs"]  # pfml counts iterations (set pfml.local_iterations)
+    fields = algorithm_class(base["algorithm"]).config_cls.model_fields
+    if "local_epochs" not in fields or (base["algorithm"] == "pfml" and not epochs_given):
+        del training["local_epochs"]  # pfml counts its own iterations unless given epochs
     return load_config(None, base, overrides, training=training)
 
 

@@ -21,9 +21,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, model_validator
 from torch import nn
 
+from edge_sdk.algorithms.guard import PERSONAL, Candidate, Guard, GuardConfig, Pick
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.peers import Peers
-from edge_sdk.trainer import ClientData, OptimConfig, Trainer
+from edge_sdk.trainer import ClientData, EvalResult, OptimConfig, Trainer
 from model_zoo import ArchSpec, build
 
 __all__ = [
@@ -123,38 +124,116 @@ class FitResult:
 
 
 class ClientAlgorithm(ABC):
+    """The device half of an algorithm.
+
+    A subclass implements `train_round` (one round's local training), `trained_model` (the
+    personalized model its training leads to) and, when it does more than evaluate after the
+    last round, `finish`. The base class wraps them: `fit` and `finalize` add the guard
+    (edge_sdk.algorithms.guard) for algorithms whose config has `guard`, and the count of
+    training samples processed; `personalized_model` is what the client deploys.
+    """
+
     name: ClassVar[str]
     config_cls: ClassVar[type[BaseAlgorithmConfig]]
     # The attributes that hold this client's private state, in restore order (modules before
     # the optimizers that step them): modules built by `_build`/`_materialize`, optimizers,
     # tensors, ArchSpecs, WireModels, plain values, and dicts of any of these.
     persistent: ClassVar[tuple[str, ...]] = ()
-    # True when `fit` can run once for many clients on stacked models (edge_sdk.cohort): it
-    # builds models through ctx, draws batches with trainer.sample_batch, takes gradients with
-    # trainer.value_and_grad, averages with trainer.average and updates elementwise.
+    # True when `train_round` can run once for many clients on stacked models
+    # (edge_sdk.cohort): it builds models through ctx, draws batches with
+    # trainer.sample_batch, takes gradients with trainer.value_and_grad, averages with
+    # trainer.average and updates elementwise.
     stackable: ClassVar[bool] = False
 
     def __init__(self, ctx: ClientContext, config: BaseAlgorithmConfig) -> None:
         self.ctx = ctx
         self.config = config
+        self.guard = Guard(
+            ctx.trainer, ctx.data, config.guard_z if isinstance(config, GuardConfig) else 1.0
+        )
+        self._deployed: tuple[Pick, nn.Module] | None = None  # the guard's pick, built once
 
     @property
     def partial_models(self) -> frozenset[str]:
         """Names of incoming models that may carry only a subset of their tensors."""
         return frozenset()
 
+    @property
+    def guarded(self) -> bool:
+        return isinstance(self.config, GuardConfig) and self.config.guard
+
     def before_fit(self, round_: int, rounds: int) -> None:  # noqa: B027  (optional hook)
         """Called for every client of a fit step before any of them runs `fit` (the runtime
         that hosts many clients calls it for all first): what peers must see before this
         step starts goes out here (FedeRiCo publishes its model). Default: nothing."""
 
+    # -- what a subclass implements ----------------------------------------------------------
     @abstractmethod
-    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         """Train locally for one round; return the models to send back."""
 
     @abstractmethod
+    def trained_model(self) -> tuple[ArchSpec, nn.Module]:
+        """The personalized model this algorithm's training leads to (before the guard)."""
+
+    def finish(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        """After the last round (fine-tuning, distillation...); default: final evaluation."""
+        return FitResult(metrics=self.evaluate(models))
+
+    def guard_candidates(self) -> dict[str, Candidate]:
+        """The models this client could deploy now at no extra training, its personalized
+        model first (as PERSONAL); the guard scores them after every round and at the end."""
+        return {PERSONAL: self.trained_model()}
+
+    # -- what the client runtime calls -------------------------------------------------------
+    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        """One round: `train_round`, then the guard's look at what it left (`after_fit`)."""
+        result = self.train_round(round_, rounds, models)
+        self.after_fit(round_)
+        return result
+
+    def after_fit(self, round_: int) -> None:
+        """The guard keeps the best candidate so far (a cohort calls it per member)."""
+        if self.guarded:
+            self.guard.observe(round_, self.guard_candidates())
+
+    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+        """`finish`, then `after_finish`."""
+        return self.after_finish(rounds, models, self.finish(round_, rounds, models))
+
+    def after_finish(
+        self, rounds: int, models: Mapping[str, WireModel], result: FitResult
+    ) -> FitResult:
+        """The guard's choice of the model to deploy, after `finish` (a cohort calls it per
+        member); the reply's details say what it chose and why, and how many training samples
+        this client processed."""
+        if self.guarded:
+            final = self.guard_candidates()
+            glob = models.get("global")
+            if (
+                glob is not None
+                and "global" not in self.partial_models
+                and glob.spec.num_classes == self.ctx.data.num_classes
+            ):
+                final.setdefault("global", (glob.spec, self._materialize(glob)))
+            result.details |= self.guard.decide(rounds, final)
+            m = result.metrics
+            if m.get("personal_total"):  # the algorithm's own model on the test split, for reports
+                result.details["guard_unguarded_acc"] = m["personal_correct"] / m["personal_total"]
+            if self.guard.deployed is not None:
+                result.metrics |= self._scores("personal", self.personalized_model()[1])
+        result.details["samples_processed"] = self.ctx.trainer.samples
+        return result
+
     def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
-        """The model this client deploys (and exports to ONNX)."""
+        """The model this client deploys (and exports to ONNX): the guard's choice after the
+        last round, else the algorithm's own (`trained_model`)."""
+        pick = self.guard.deployed
+        if pick is None:
+            return self.trained_model()
+        if self._deployed is None or self._deployed[0] is not pick:
+            self._deployed = (pick, self._materialize(pick.model))
+        return pick.model.spec, self._deployed[1]
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
         """Personalized model on the client's own test split, and the global one if given."""
@@ -165,24 +244,26 @@ class ClientAlgorithm(ABC):
             out |= self._scores("global", self._materialize(glob))
         return out
 
-    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
-        """After the last round (fine-tuning, distillation...); default: final evaluation."""
-        return FitResult(metrics=self.evaluate(models))
-
     # -- persistence -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything this client has learned, as tensors and plain values (no pickle)."""
-        out: dict[str, Any] = {"__rng__": self.ctx.trainer.generator.get_state()}
+        out: dict[str, Any] = {
+            "__rng__": self.ctx.trainer.generator.get_state(),
+            "__samples__": self.ctx.trainer.samples,
+            "__guard__": _encode(self.guard.state_dict(), f"{self.name}.guard"),
+        }
         for name in self.persistent:
             out[name] = _encode(getattr(self, name), f"{self.name}.{name}")
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`'s output (modules in place when their architecture matches)."""
-        missing = [n for n in self.persistent if n not in state]
-        if missing or "__rng__" not in state:
-            raise AlgorithmError(f"{self.name}: the saved state lacks {missing or ['__rng__']}")
+        missing = [n for n in (*self.persistent, *_BASE_STATE) if n not in state]
+        if missing:
+            raise AlgorithmError(f"{self.name}: the saved state lacks {missing}")
         self.ctx.trainer.generator.set_state(state["__rng__"])
+        self.ctx.trainer.samples = int(state["__samples__"])
+        self.guard.load_state_dict(self._decode(None, state["__guard__"]))
         for name in self.persistent:
             setattr(self, name, self._decode(getattr(self, name, None), state[name]))
 
@@ -231,6 +312,24 @@ class ClientAlgorithm(ABC):
     def _materialize(self, model: WireModel) -> nn.Module:
         return self.ctx.materialize(model)
 
+    def _teaches(self, teacher: nn.Module, student: nn.Module) -> float | torch.Tensor:
+        """1.0 when `teacher` has the lower cross-entropy on this client's validation split, else
+        0.0 (1.0 without validation data: nothing says otherwise). The gate of FML's and FedMe's
+        distillation: learn from a peer model only while it knows this client's data better.
+        On a stack of clients (edge_sdk.cohort), a tensor of one gate per member: a step's loss
+        takes its rows with `edge_sdk.losses.rows_of`."""
+        d, trainer = self.ctx.data, self.ctx.trainer
+        t = trainer.evaluate(teacher, d.x_val, d.y_val)
+        s = trainer.evaluate(student, d.x_val, d.y_val)
+
+        def gate(total: int, teacher_loss: float, student_loss: float) -> float:
+            return 1.0 if total == 0 or teacher_loss < student_loss else 0.0
+
+        if isinstance(t, EvalResult):
+            return gate(t.total, t.loss, s.loss)
+        gates = [gate(*v) for v in zip(t.total, t.loss, s.loss, strict=True)]
+        return torch.tensor(gates, device=trainer.device)
+
     def _require(self, models: Mapping[str, WireModel], name: str) -> WireModel:
         if name not in models:
             raise AlgorithmError(f"{self.name}: the task carries no {name!r} model")
@@ -243,6 +342,10 @@ class ClientAlgorithm(ABC):
                 f"architecture is {self.ctx.spec}; {self.name} needs one architecture everywhere"
             )
 
+
+# What the base class saves besides `persistent`: the random generator, the count of training
+# samples processed, and what the guard keeps.
+_BASE_STATE = ("__rng__", "__samples__", "__guard__")
 
 SPEC_ATTR = "_edgefl_spec"  # the ArchSpec a module was built from (set by _build/_materialize)
 

@@ -49,7 +49,7 @@ class FedAvg(ClientAlgorithm):
         """A term added to each batch's loss, built once the global model is loaded (FedProx)."""
         return None
 
-    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         self._load_global(models)
         cfg, trainer = self.config, self.ctx.trainer
         opt = trainer.optimizer(self.model.parameters(), cfg, lr=cfg.lr_at(round_, rounds))
@@ -72,10 +72,10 @@ class FedAvg(ClientAlgorithm):
         scores = self._scores("personal", model)
         return scores | {k.replace("personal", "global"): v for k, v in scores.items()}
 
-    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def finish(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         if "global" in models:  # what this client deploys (and exports) is the final global model
             self._load_global(models)
-        return super().finalize(round_, rounds, models)
+        return super().finish(round_, rounds, models)
 
-    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+    def trained_model(self) -> tuple[ArchSpec, nn.Module]:
         return self.ctx.spec, self.model

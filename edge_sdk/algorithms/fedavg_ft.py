@@ -45,7 +45,7 @@ class FedAvgFT(FedAvg):
         scores = super().evaluate(models)
         return {k: v for k, v in scores.items() if k.startswith("global")}
 
-    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def finish(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         self._load_global(models)  # fine-tuning starts from the final global model
         scores = self._scores("global", self.model)  # on the client's own test split
         cfg, trainer = self.config, self.ctx.trainer

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -34,6 +35,7 @@ from edge_sdk.algorithms.base import (
     FitResult,
     register_algorithm,
 )
+from edge_sdk.algorithms.guard import GuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import cross_entropy, kl_distill
 from model_zoo import ArchSpec
@@ -41,13 +43,17 @@ from model_zoo import ArchSpec
 __all__ = ["FedMe", "FedMeConfig"]
 
 
-class FedMeConfig(AlgorithmConfig):
+class FedMeConfig(AlgorithmConfig, GuardConfig):
     local_epochs: int = Field(2, ge=0)  # [paper]
     batch_size: int = Field(40, ge=1)  # [paper] CIFAR-10 (FEMNIST: 20)
     lr: float = Field(0.01, gt=0)  # [paper]
     momentum: float = Field(0.9, ge=0)  # [paper]
     weight_decay: float = Field(1e-4, ge=0)  # [paper]
     clip_norm: float = Field(20.0, gt=0)  # [code] per-model gradient-norm clip
+    # [ours] "validation": a round's personalized model learns from the exchanged model (the KL
+    # term) only when the exchanged model arrives with the lower validation loss; otherwise from
+    # the labels alone. "off": always (the paper's 1:1).
+    kl_gate: Literal["validation", "off"] = "validation"
     # Coordinator: KMeans cluster counts and the fraction of the rounds at which each starts
     # (1, 2, 3, 4 clusters from 0, 50, 75, 90 % of the rounds) [paper].
     cluster_counts: list[int] = Field(default_factory=lambda: [1, 2, 3, 4], min_length=1)
@@ -113,7 +119,7 @@ class FedMe(ClientAlgorithm):
             self.personal.load_state_dict(incoming.weights)
         return self.personal
 
-    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         cfg, trainer, d = self.config, self.ctx.trainer, self.ctx.data
         if len(d.y_val) == 0:
             raise AlgorithmError(
@@ -130,12 +136,15 @@ class FedMe(ClientAlgorithm):
         clip = [(list(m.parameters()), cfg.clip_norm) for m in (personal, exchanged)]
         personal.train()
         exchanged.train()
+        learn = 1.0 if cfg.kl_gate == "off" else float(self._teaches(exchanged, personal))
 
         def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor]:
             with trainer.autocast():
                 z_p, z_ex = personal(x), exchanged(x)
             # Each loss reaches only its own model (the other side is detached).
-            loss_p = cross_entropy(z_p, y) + kl_distill(z_p, z_ex)
+            loss_p = cross_entropy(z_p, y)
+            if learn:  # the gate: distil from the exchanged model only while it knows more
+                loss_p = loss_p + kl_distill(z_p, z_ex)
             loss_ex = cross_entropy(z_ex, y) + kl_distill(z_ex, z_p)
             return (trainer.step(loss_p + loss_ex, opts, clip=clip),)
 
@@ -157,6 +166,7 @@ class FedMe(ClientAlgorithm):
                 "val_loss_personal": val_p,
                 "val_loss_exchanged": val_ex,
                 "adopted": float(adopted),
+                "distilled": learn,
             },
             n_samples=d.n_train,
             details={"arch": self.personal_spec.family},
@@ -168,7 +178,7 @@ class FedMe(ClientAlgorithm):
         _, model = self.personalized_model()
         return self._scores("personal", model)
 
-    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def finish(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         scores = self.evaluate(models)
         assert self.personal_spec is not None
         return FitResult(
@@ -177,7 +187,7 @@ class FedMe(ClientAlgorithm):
             details={"arch_start": self.ctx.spec.family, "arch_end": self.personal_spec.family},
         )
 
-    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+    def trained_model(self) -> tuple[ArchSpec, nn.Module]:
         if self.personal is None or self.personal_spec is None:
             raise RuntimeError("fedme: no personalized model before the coordinator sent one")
         return self.personal_spec, self.personal

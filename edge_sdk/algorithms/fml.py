@@ -18,7 +18,7 @@ global (a shared backbone); each client's meme keeps its own head sized to its o
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from pydantic import Field
@@ -31,14 +31,15 @@ from edge_sdk.algorithms.base import (
     FitResult,
     register_algorithm,
 )
+from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel, state_of
-from edge_sdk.losses import cross_entropy, kl_distill
+from edge_sdk.losses import cross_entropy, kl_distill, rows_of
 from model_zoo import ArchSpec
 
 __all__ = ["FML", "FMLConfig", "shared_keys"]
 
 
-class FMLConfig(AlgorithmConfig):
+class FMLConfig(AlgorithmConfig, GuardConfig):
     alpha: float = Field(0.5, ge=0, le=1)  # personalized model: weight of CE vs KL [code]
     beta: float = Field(0.5, ge=0, le=1)  # meme model: weight of CE vs KL [code]
     # [code] decays lr ×0.1 every ⌊R/3⌋ rounds ("step"). Our default is a constant lr, like the
@@ -49,6 +50,10 @@ class FMLConfig(AlgorithmConfig):
     weighting: Literal["uniform", "by_samples"] = "uniform"
     # State-dict key prefixes that are global (e.g. ["features."]); empty = the whole model.
     shared_prefixes: list[str] = Field(default_factory=list)
+    # [ours] "validation": a round's personalized model learns from the meme (α as set) only
+    # when the global model it starts from has a lower validation loss than the personalized
+    # model; otherwise from the labels alone (α = 1). "off": always α (the paper).
+    alpha_gate: Literal["validation", "off"] = "validation"
 
 
 def shared_keys(
@@ -93,7 +98,7 @@ class FML(ClientAlgorithm):
             raise ValueError(f"fml: global model has tensors the meme lacks: {unexpected[:5]}")
         return spec, self.meme
 
-    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         cfg, trainer, data = self.config, self.ctx.trainer, self.ctx.data
         spec, meme = self._meme_for(self._require(models, "global"))
         lr = cfg.lr_at(round_, rounds)
@@ -102,12 +107,13 @@ class FML(ClientAlgorithm):
         personal, opts = self.personal, [self.opt_personal, opt_meme]
         personal.train()
         meme.train()
-        a, b = cfg.alpha, cfg.beta
+        a, b = self._alpha(meme), cfg.beta
 
         def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             with trainer.autocast():
                 z_p, z_m = personal(x), meme(x)
-            loss_p = a * cross_entropy(z_p, y) + (1 - a) * kl_distill(z_p, z_m)
+            a_ = rows_of(a)
+            loss_p = a_ * cross_entropy(z_p, y) + (1 - a_) * kl_distill(z_p, z_m)
             loss_m = b * cross_entropy(z_m, y) + (1 - b) * kl_distill(z_m, z_p)
             trainer.step(loss_p + loss_m, opts)
             return loss_p.detach(), loss_m.detach()
@@ -116,9 +122,25 @@ class FML(ClientAlgorithm):
         loss_p, loss_m = trainer.run(step, batches, values=2)
         return FitResult(
             models={"meme": WireModel(spec, shared_keys(state_of(meme), cfg.shared_prefixes))},
-            metrics={"loss_personal": loss_p, "loss_meme": loss_m},
+            metrics={
+                "loss_personal": loss_p,
+                "loss_meme": loss_m,
+                # one per member on a stack of clients (the cohort splits lists per member)
+                "alpha": cast(float, a.tolist() if isinstance(a, torch.Tensor) else a),
+            },
             n_samples=data.n_train,
         )
+
+    def _alpha(self, meme: nn.Module) -> float | torch.Tensor:
+        """This round's α: the config's, or 1 when the gate finds the meme no better (one per
+        member on a stack of clients)."""
+        alpha = self.config.alpha
+        if self.config.alpha_gate == "off":
+            return alpha
+        gate = self._teaches(meme, self.personal)
+        if isinstance(gate, torch.Tensor):
+            return torch.where(gate > 0, alpha, 1.0)
+        return alpha if gate else 1.0
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
         out = self._scores("personal", self.personal)
@@ -127,5 +149,12 @@ class FML(ClientAlgorithm):
             out |= self._scores("global", self._materialize(glob))
         return out
 
-    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+    def trained_model(self) -> tuple[ArchSpec, nn.Module]:
         return self.ctx.spec, self.personal
+
+    def guard_candidates(self) -> dict[str, Candidate]:
+        # The meme after this round's training: the global model tuned on this client's data.
+        out: dict[str, Candidate] = {PERSONAL: self.trained_model()}
+        if self.meme is not None and self.meme_spec is not None:
+            out["meme"] = (self.meme_spec, self.meme)
+        return out

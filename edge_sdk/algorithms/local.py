@@ -37,11 +37,11 @@ class Local(ClientAlgorithm):
         # One optimizer for the whole run: momentum carries over between rounds.
         self.optimizer = ctx.trainer.optimizer(self.model.parameters(), config)
 
-    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         cfg, trainer = self.config, self.ctx.trainer
         trainer.set_lr(self.optimizer, cfg.lr_at(round_, rounds))
         loss = trainer.train_epochs(self.model, self.ctx.data, cfg, optimizer=self.optimizer)
         return FitResult(metrics={"train_loss": loss}, n_samples=self.ctx.data.n_train)
 
-    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+    def trained_model(self) -> tuple[ArchSpec, nn.Module]:
         return self.ctx.spec, self.model

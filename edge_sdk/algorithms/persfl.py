@@ -46,6 +46,7 @@ from edge_sdk.algorithms.base import (
     register_algorithm,
 )
 from edge_sdk.algorithms.fedavg import FedAvgConfig
+from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.losses import cross_entropy, kl_distill, soft_cross_entropy
 from model_zoo import ArchSpec
@@ -80,16 +81,19 @@ def archive_round(name: str) -> int | None:
     return int(tail)
 
 
-class PersFLConfig(FedAvgConfig):
+class PersFLConfig(FedAvgConfig, GuardConfig):
     distill_loss: Literal["kl", "gd"] = "kl"  # "gd": PersFL-GD (soft cross-entropy) [paper]
-    # [ours] λ/T grids (the paper's chosen values range over λ 0–0.75, T 1–25).
-    distill_lambdas: list[float] = Field(
-        default_factory=lambda: [0.0, 0.1, 0.25, 0.5, 0.75, 0.9], min_length=1
-    )
-    distill_temperatures: list[float] = Field(
-        default_factory=lambda: [1.0, 2.0, 4.0, 8.0, 16.0], min_length=1
-    )
-    distill_epochs: int = Field(5, ge=1)  # [ours] epochs of each grid point's distillation
+    # [ours] λ/T grids (the paper's chosen values range over λ 0–0.75, T 1–25): 5 students, each
+    # trained on the local budget (distill_epochs). λ = 0 is the undistilled student. The grid
+    # of the first version, λ ∈ {0, 0.1, 0.25, 0.5, 0.75, 0.9} × T ∈ {1, 2, 4, 8, 16} (26
+    # students), is a setting away.
+    distill_lambdas: list[float] = Field(default_factory=lambda: [0.0, 0.5, 0.75], min_length=1)
+    distill_temperatures: list[float] = Field(default_factory=lambda: [1.0, 4.0], min_length=1)
+    # [ours] Epochs of each grid point's distillation. None: the local-training budget of the
+    # run, rounds × local_epochs, so that the λ = 0 point (plain cross-entropy) gets the passes
+    # over the data that training alone gets (5, the earlier default, left students from scratch
+    # far below local training).
+    distill_epochs: int | None = Field(None, ge=1)
     # Coordinator: how many of the latest global models it keeps for new participants [ours].
     archive_size: int = Field(10, ge=0)
 
@@ -175,6 +179,7 @@ class PersFL(ClientAlgorithm):
         self.grid: list[GridPoint] = []
         self.diverged: list[tuple[float, float]] = []  # (λ, T) whose training loss went NaN/inf
         self.student_init: Literal["teacher", "scratch"] | None = None
+        self.rounds = 1  # the run's length (finalize says it), for the distillation budget
 
     def state_dict(self) -> dict[str, Any]:
         grid = [dataclasses.asdict(p) for p in self.grid]
@@ -213,7 +218,7 @@ class PersFL(ClientAlgorithm):
         self.teacher_round, self.teacher_loss = round_, loss
         return True
 
-    def fit(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         glob = self._require(models, "global")
         # The task of round r carries the global model after r−1 aggregations (none in round 1).
         if round_ > 1:
@@ -232,8 +237,9 @@ class PersFL(ClientAlgorithm):
         )
 
     # -- stage 2 ---------------------------------------------------------------------------
-    def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
+    def finish(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         """Stage 2 against the final global model ("global") and any archived ones."""
+        self.rounds = rounds
         candidates = [
             (r, m) for name, m in models.items() if (r := archive_round(name)) is not None
         ]
@@ -322,10 +328,15 @@ class PersFL(ClientAlgorithm):
         student.load_state_dict(best_state)
         return student, best
 
+    def epochs(self) -> int:
+        """Each grid point's epochs: `distill_epochs`, or rounds × local_epochs."""
+        cfg = self.config
+        return cfg.distill_epochs or self.rounds * cfg.local_epochs
+
     def distill(
         self, student: nn.Module, z_teacher: torch.Tensor, lam: float, temperature: float
     ) -> float:
-        """`distill_epochs` of the distillation loss on the training split; mean batch loss.
+        """`epochs()` of the distillation loss on the training split; mean batch loss.
 
         `z_teacher` holds the teacher's logits for every training sample, in order.
         """
@@ -342,18 +353,30 @@ class PersFL(ClientAlgorithm):
             )
             return (trainer.step(loss, [opt]),)
 
-        epochs = (trainer.epoch(d.n_train, cfg.batch_size) for _ in range(cfg.distill_epochs))
+        epochs = (trainer.epoch(d.n_train, cfg.batch_size) for _ in range(self.epochs()))
         (loss,) = trainer.run(step, ((idx,) for idx in itertools.chain.from_iterable(epochs)))
         return float(loss)
 
     # -- evaluation ------------------------------------------------------------------------
-    def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
+    def trained_model(self) -> tuple[ArchSpec, nn.Module]:
         """The distilled student; before stage 2, the teacher (the best global model so far)."""
         if self.student is not None:
             return self.ctx.spec, self.student
         if self.teacher is not None and self.teacher_spec is not None:
             return self.teacher_spec, self.teacher
         raise RuntimeError("persfl: no model before the first global model arrived")
+
+    def guard_candidates(self) -> dict[str, Candidate]:
+        # During stage 1: this client's copy of the global model after its local epochs (the
+        # teacher is a candidate at the end anyway). After stage 2: the student and the teacher.
+        if self.student is not None:
+            out: dict[str, Candidate] = {PERSONAL: self.trained_model()}
+            if self.teacher is not None and self.teacher_spec is not None:
+                out["teacher"] = (self.teacher_spec, self.teacher)
+            return out
+        if self.model is not None and self.model_spec is not None:
+            return {"tuned_global": (self.model_spec, self.model)}
+        return {}
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
         """The student after stage 2; before it, the model that would be the teacher now.

@@ -142,4 +142,7 @@ def test_persfl_new_participant_personalizes_from_the_archive_after_training():
     assert result.details["teacher_round"] in (2, 3)
     assert result.details["student_init"] == "scratch"
     assert result.metrics["personal_correct"] / result.metrics["personal_total"] > 0.5
-    assert newcomer.algorithm.personalized_model()[0].family == "mlp"
+    assert newcomer.algorithm.trained_model()[0].family == "mlp"  # its student
+    # What it deploys is the guard's pick between that student and the teacher, as reported.
+    deployed = newcomer.algorithm.personalized_model()[0].family
+    assert deployed == result.details["guard_arch"]

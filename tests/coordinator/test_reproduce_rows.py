@@ -23,3 +23,20 @@ def test_every_row_resolves_to_the_algorithm_and_rounds_it_names(name):
         reproduce.ROOT / row.config if row.config else None, reproduce._nest(row.flags)
     )
     assert cfg.algorithm in name and f"T={cfg.rounds}" in row.title
+
+
+def _summary(row, personal):
+    return {"row": row, "ours": {"personal_final": personal}}
+
+
+def test_fedme_tuning_line_compares_the_automatic_choice_with_the_best_fixed_architecture():
+    summaries = [
+        _summary("fedme-fmnist-dirichlet", 0.850),
+        _summary("fedme-fmnist-fixed-mlp", 0.862),
+        _summary("fedme-fmnist-fixed-cnn1", 0.855),
+    ]
+    line = reproduce._fedme_tuning(summaries)
+    assert "85.00 against the best fixed one, mlp 86.20 (-1.20 points; within 1 point: no)" in line
+    summaries[0] = _summary("fedme-fmnist-dirichlet", 0.855)
+    assert "(-0.70 points; within 1 point: yes)" in reproduce._fedme_tuning(summaries)
+    assert reproduce._fedme_tuning(summaries[:1]) == ""

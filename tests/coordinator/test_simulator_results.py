@@ -19,8 +19,8 @@ PRE_CHANGE = {
     "fml": {
         "acc": [0.675, 0.575, 0.825, 0.65],
         "metrics": [
-            {"loss_meme": 1.1854508817195892, "loss_personal": 1.1829951703548431},
-            {"loss_meme": 0.8995947539806366, "loss_personal": 0.8871442824602127},
+            {"loss_meme": 1.1854508817195892, "loss_personal": 1.1829951703548431, "alpha": 0.5},
+            {"loss_meme": 0.8995947539806366, "loss_personal": 0.8871442824602127, "alpha": 0.5},
         ],
     },
     "fedavg": {
@@ -32,11 +32,17 @@ PRE_CHANGE = {
 FLAGS = {
     "pfml": {
         "lr": 0.05,
-        "overrides": {"pfml.lam": 1.0, "pfml.local_iterations": 10},
+        # The guard off: these are the algorithm's own models, as before it existed.
+        "overrides": {"pfml.lam": 1.0, "pfml.local_iterations": 10, "pfml.guard": False},
         "models": ["mlr", "mlp"],
         "global_model": "mlr",
     },
-    "fml": {"models": ["mlr", "mlp"], "global_model": "mlr", "local_epochs": 1},
+    "fml": {
+        "models": ["mlr", "mlp"],
+        "global_model": "mlr",
+        "local_epochs": 1,
+        "overrides": {"fml.guard": False, "fml.alpha_gate": "off"},
+    },
     "fedavg": {"local_epochs": 1},
 }
 

@@ -309,16 +309,17 @@ def test_a_stacked_fit_refused_part_way_leaves_the_random_streams_as_they_were()
     # Assert
     for a, f in zip(refused, fresh, strict=True):
         assert torch.equal(a.ctx.trainer.generator.get_state(), f.ctx.trainer.generator.get_state())
+        assert a.ctx.trainer.samples == f.ctx.trainer.samples == 0  # nothing counted either
 
 
 class _DrawsThenRefuses(PFML):
     """PFML that, run stacked, draws a batch and only then finds it cannot go on."""
 
-    def fit(self, round_, rounds, models):
+    def train_round(self, round_, rounds, models):
         if isinstance(self.ctx, CohortContext):
             next(self.ctx.trainer.fresh_batches(self.ctx.data.x_train, self.ctx.data.y_train, 8, 1))
             raise CohortUnsupported("refused after drawing")
-        return super().fit(round_, rounds, models)
+        return super().train_round(round_, rounds, models)
 
 
 @pytest.mark.parametrize(

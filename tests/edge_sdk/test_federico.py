@@ -444,7 +444,7 @@ def test_federico_predictor_before_any_exchange_is_its_own_model_alone():
 def test_federico_mixes_evaluates_and_finalizes_its_highest_weight_models_only():
     # Prepare: two rounds; c's two highest weights are not its first two ids (a guard on the
     # case, so that taking the first ids or the lowest weights would show).
-    algos = _federation(GROUPS, neighbours=2, lr=0.05, mixture_top=2)
+    algos = _federation(GROUPS, neighbours=2, lr=0.05, mixture_top=2, guard=False)
     for round_ in (1, 2):
         _round(algos, round_)
     c = algos["c"]
@@ -470,5 +470,11 @@ def test_federico_mixes_evaluates_and_finalizes_its_highest_weight_models_only()
         ),
     }
     assert scores == want and out.metrics == want
-    assert out.details == {"collaborators": ",".join(top), "mixture_size": 2}
+    # Each round drew one batch per neighbour (their gradients) and one for its own.
+    drawn = 2 * (2 + 1) * min(c.config.batch_size, N)
+    assert out.details == {
+        "collaborators": ",".join(top),
+        "mixture_size": 2,
+        "samples_processed": drawn,
+    }
     assert out.n_samples == N

@@ -97,14 +97,14 @@ def test_fedme_keeps_its_model_when_the_exchanged_one_is_only_as_good():
 
 
 def test_fedme_evaluates_the_model_the_coordinator_returned_whatever_its_architecture():
-    client = _client(local_epochs=0)
+    client = _client(local_epochs=0, guard=False)
     returned = WireModel.of(MLP, build(MLP, seed=3))
     client.evaluate({"personal": returned})
     spec, model = client.personalized_model()
     assert spec == MLP
     assert torch.equal(model.layers[0].weight.detach(), returned.weights["layers.0.weight"])
     out = client.finalize(3, 3, {"personal": returned})
-    assert out.details == {"arch_start": "mlr", "arch_end": "mlp"}
+    assert out.details == {"arch_start": "mlr", "arch_end": "mlp", "samples_processed": 0}
     assert out.n_samples == 20
 
 
@@ -160,6 +160,7 @@ def test_fedme_round_is_deep_mutual_learning_with_clipped_momentum_sgd(epochs):
         weight_decay=wd,
         lr_schedule="step",
         lr_gamma=0.5,
+        kl_gate="off",  # the paper's DML: both models learn from each other every round
     )
     personal = WireModel.of(MLR, build(MLR, seed=5))
     exchanged = WireModel.of(MLP, build(MLP, seed=6))
@@ -208,3 +209,48 @@ def test_fedme_recreates_both_optimizers_every_round():
     for name in ("personal", "exchanged"):
         for k, v in first.models[name].weights.items():
             assert torch.allclose(second.models[name].weights[k], v, atol=1e-6)
+
+
+def _sure_of_class_zero(spec):
+    """Weights that predict class 0 for everything, surely: a high validation loss."""
+    w = {k: torch.zeros_like(v) for k, v in build(spec).state_dict().items()}
+    w[list(w)[-1]][0] = 10.0  # the last layer's bias
+    return w
+
+
+@pytest.mark.parametrize("spoiled", ["personal", "exchanged"])
+def test_fedme_kl_gate_distils_into_the_personal_model_only_from_a_better_exchanged_one(spoiled):
+    # Prepare: one of the two models is sure of one class, so the other has the lower
+    # validation loss; one full batch, no clipping, plain SGD.
+    data = _data()
+    lr = 0.1
+    client = _client(data, local_epochs=1, batch_size=1000, lr=lr, momentum=0.0,
+                     weight_decay=0.0, clip_norm=1e6, guard=False)  # fmt: skip
+    personal = WireModel.of(MLR, build(MLR, seed=5))
+    exchanged = WireModel.of(MLP, build(MLP, seed=6))
+    if spoiled == "personal":
+        personal = WireModel(MLR, _sure_of_class_zero(MLR))
+    else:
+        exchanged = WireModel(MLP, _sure_of_class_zero(MLP))
+    val_p = float(_ce(_logits(personal, data.x_val), data.y_val))
+    val_e = float(_ce(_logits(exchanged, data.x_val), data.y_val))
+    learn = val_e < val_p
+    assert learn == (spoiled == "personal")  # each case takes one side of the gate
+
+    # Execute
+    out = client.fit(1, 3, {"personal": personal, "exchanged": exchanged})
+
+    # Assert: the personal model's KL term only when the exchanged one does better; the
+    # exchanged model always learns from the personal one.
+    wp = {k: v.clone().requires_grad_(True) for k, v in personal.weights.items()}
+    we = {k: v.clone().requires_grad_(True) for k, v in exchanged.weights.items()}
+    z_p = _logits(WireModel(MLR, wp), data.x_train)
+    z_e = _logits(WireModel(MLP, we), data.x_train)
+    loss_p = _ce(z_p, data.y_train) + (_kl(z_p, z_e.detach()) if learn else 0)
+    loss_e = _ce(z_e, data.y_train) + _kl(z_e, z_p.detach())
+    for params, loss, name in ((wp, loss_p, "personal"), (we, loss_e, "exchanged")):
+        grads = torch.autograd.grad(loss, list(params.values()))
+        for (k, w), g in zip(params.items(), grads, strict=True):
+            want = (w - lr * g).detach()
+            assert torch.allclose(out.models[name].weights[k], want, atol=1e-5), (name, k)
+    assert out.metrics["distilled"] == float(learn)

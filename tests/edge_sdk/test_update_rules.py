@@ -314,6 +314,51 @@ def test_fml_mutual_learning_step_roles_kl_direction_meme_reset_and_optimizers(b
     assert scores["global_correct"] == accuracy(_params_of(g2.weights))
 
 
+def _sure_of_class_zero(spec: ArchSpec) -> dict[str, torch.Tensor]:
+    """Weights that predict class 0 for everything, surely: a high validation loss."""
+    w = {k: torch.zeros_like(v) for k, v in build(spec).state_dict().items()}
+    w[list(w)[-1]][0] = 10.0  # the last layer's bias
+    return w
+
+
+@pytest.mark.parametrize("spoiled", ["personal", "global"])
+def test_fml_alpha_gate_distils_into_the_personal_model_only_from_a_meme_that_does_better(spoiled):
+    # Prepare: a client with validation data; either its personalized model or the global model
+    # is sure of one class, so the other has the lower validation loss.
+    a, b, lr = 0.3, 0.8, 0.1
+    d = _data()
+    val = ClientData(d.x_train, d.y_train, d.x_train[:12], d.y_train[:12], d.x_test, d.y_test, 3)
+    cls = algorithm_class("fml")
+    cpu = torch.device("cpu")
+    ctx = ClientContext("c0", MLP, val, cpu, SEED, Trainer(cpu, seed=SEED))
+    cfg = {"alpha": a, "beta": b, "local_epochs": 1, "batch_size": 64, "lr": lr}
+    algo = cls(ctx, cls.config_cls(**cfg, momentum=0.0, weight_decay=0.0, guard=False))
+    glob = _wire(MLR, 1)
+    if spoiled == "personal":
+        algo.personal.load_state_dict(_sure_of_class_zero(MLP))
+    else:
+        glob = WireModel(MLR, _sure_of_class_zero(MLR))
+    personal, meme = _params_of(algo.personal.state_dict()), _params_of(glob.weights)
+    xv, yv = val.x_val, val.y_val
+    meme_better = float(ce(forward(meme, xv), yv)) < float(ce(forward(personal, xv), yv))
+    assert meme_better == (spoiled == "personal")  # each case takes one side of the gate
+    alpha = a if meme_better else 1.0  # the gate: learn from the meme only when it does better
+
+    # Execute
+    algo.fit(1, 1, {"global": glob})
+
+    # Assert: one plain SGD step of each loss, with this round's α (β as configured).
+    idx = epoch_batches(torch.Generator().manual_seed(SEED), 64)[0]
+    x, y = d.x_train[idx], d.y_train[idx]
+    z_p, z_m = forward(personal, x).detach(), forward(meme, x).detach()
+    g_p = grad(
+        lambda q: alpha * ce(forward(q, x), y) + (1 - alpha) * kl(z_m, forward(q, x)), personal
+    )
+    g_m = grad(lambda q: b * ce(forward(q, x), y) + (1 - b) * kl(z_p, forward(q, x)), meme)
+    _assert_weights(algo.personal, [p - lr * g for p, g in zip(personal, g_p, strict=True)])
+    _assert_weights(algo.meme, [m - lr * g for m, g in zip(meme, g_m, strict=True)])
+
+
 # -- PFML ----------------------------------------------------------------------------------------
 def _pfml_reference(w_global: Params, aux: Params, gen, *, E, D, K, lam, lr):
     """One round of Algorithm 1 as algorithms.md writes it; returns (w_i, m_i, mean loss)."""

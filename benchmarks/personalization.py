@@ -1,0 +1,459 @@
+"""Does personalization pay? Algorithms × splits × seeds, each client against training alone.
+
+For every split and seed this runs, on one data split and one local-training budget:
+- `local` (each client alone) and `fedavg_ft` (FedAvg, then fine-tuning) once per architecture
+  of the split, all clients on that architecture; the best of those is "FedAvg+FT";
+- each personalized algorithm (fml, pfml, persfl, fedme, federico), clients on the split's mixed
+  architectures, the guard on (edge_sdk.algorithms.guard).
+
+It reports, per algorithm and split: the mean personalized accuracy over seeds ± a 95% t-interval
+over the seeds' means; per client (its index, averaged over the seeds), win / tie / loss against
+local training and against FedAvg+FT (a tie: within ±1 point); the worst client's gap to local
+training (the guard's goal: no client more than 2 points below); and the training samples each
+client processed, as passes over its training data (PersFL's stage 2, FedMe's exchanged model,
+FedeRiCo's gradients for its neighbours and FedAvg+FT's fine-tuning are extra passes).
+
+    python benchmarks/personalization.py --quick                  # about 30 min on 2 cores
+    python benchmarks/personalization.py                          # the full size
+    python benchmarks/personalization.py --quick --splits lg-fmnist --algorithms fml,persfl
+
+Every run's per-client results are kept under `--out` (default runs/personalization/<size>),
+one JSON file per run, and a finished run is not run again: an interrupted benchmark resumes.
+It prints the summary as JSON, then as a table (also written to OUT/summary.json and
+OUT/summary.md).
+
+Budgets: every algorithm and baseline trains `local_epochs` epochs of `batch_size` per round for
+`rounds` rounds (PFML: the same epochs, `pfml.local_epochs`). FedeRiCo takes one gradient step
+per round by design, so it gets as many rounds as the others take steps:
+rounds · local_epochs · ⌈mean n_train / batch_size⌉. FedMe clusters its models on unlabeled
+inputs drawn from samples no client holds, so every algorithm runs on the same split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from coordinator.config import load_config, parse_overrides  # noqa: E402
+from coordinator.simulator import simulate  # noqa: E402
+from model_zoo.data import load_dataset  # noqa: E402
+from model_zoo.data.base import stratified_indices  # noqa: E402
+
+ALGORITHMS = ("fml", "pfml", "persfl", "fedme", "federico")
+TIE = 1.0  # points: a client within ±TIE of the other method ties
+GUARD_POINTS = 2.0  # the guard's goal: no client more than this below local training
+PAYS_POINTS = 5.0  # where data is scarce: at least local + this, and at least FedAvg+FT
+OWN = "own"  # local training: every client its own architecture
+
+
+@dataclass(frozen=True)
+class Split:
+    """A federated data split: what `edgefl simulate` takes, less the training budget."""
+
+    name: str
+    title: str
+    flags: dict[str, Any]  # RunConfig fields, dotted
+    models: tuple[str, ...]  # the personalized algorithms' clients, round-robin
+    # A label-skew split with few images per client, where personalization should pay: each
+    # personalized algorithm's mean at least FedAvg+FT's and local training's + 5 points. Every
+    # split here has a few dozen training images per client.
+    scarce: bool = False
+
+
+@dataclass(frozen=True)
+class Size:
+    rounds: int
+    local_epochs: int
+    batch_size: int
+    lr: float
+    clients: int  # image splits
+    samples: int  # image splits: the seeded subset of the pooled data set
+    group_samples: int  # label groups: the subset (50-100 training images per client)
+    unlabeled: int  # FedMe's unlabeled set
+
+
+SIZES = {
+    "quick": Size(5, 2, 16, 0.01, clients=6, samples=1500, group_samples=1500, unlabeled=200),
+    "full": Size(10, 2, 16, 0.01, clients=12, samples=3600, group_samples=1500, unlabeled=500),
+}
+# Every client's data: 30% train, 20% validation (what the guard and PersFL, FedMe decide on),
+# 50% test, so that one client's accuracy rests on a hundred images or more.
+DATA_SPLIT = [0.3, 0.2, 0.5]
+
+IMAGE_MODELS = ("lenet5", "mlp", "cnn1")
+
+
+def splits(size: Size) -> dict[str, Split]:
+    """The benchmark's splits at `size`."""
+    n, k = size.samples, size.clients
+    img = {"clients": k, "data.max_samples": n, "data.split": DATA_SPLIT}
+    out = [
+        Split(
+            f"dir{a}-{ds}",
+            f"{'digits' if ds == 'digits' else 'Fashion-MNIST'}, Dirichlet {a}",
+            {
+                "data.dataset": "digits" if ds == "digits" else "fashion_mnist",
+                "data.partition": "dirichlet",
+                "data.partition_params": {"alpha": a, "min_size": 20},
+                **img,
+            },
+            IMAGE_MODELS,
+            scarce=a == 0.1,  # most clients hold two or three classes
+        )
+        for ds in ("digits", "fmnist")
+        for a in (0.1, 0.5)
+    ]
+    out.append(
+        Split(
+            "lg-fmnist",
+            f"Fashion-MNIST, {k // 3} label groups, 3 clients each, 50-100 training images per "
+            "client",
+            {
+                "data.dataset": "fashion_mnist",
+                "data.partition": "label_groups",
+                # k/3 groups (not 3) and 3 architectures round-robin: every group has every
+                # architecture, so architecture and group are not the same thing
+                "data.partition_params": {"num_groups": k // 3},
+                "data.max_samples": size.group_samples * k // 6,
+                "data.split": DATA_SPLIT,
+                "clients": k,
+            },
+            IMAGE_MODELS,
+            scarce=True,
+        )
+    )
+    out.append(
+        Split(
+            "synthetic",
+            "Synthetic(0.5, 0.5), the first clients' users",
+            {
+                "data.dataset": "synthetic",
+                "data.options": {"alpha": 0.5, "beta": 0.5},
+                "data.partition": "natural",
+                "data.max_samples": 20000,
+                "data.split": DATA_SPLIT,
+                "clients": 10,
+            },
+            ("mlr", "mlp"),
+        )
+    )
+    out += [
+        Split(
+            f"ds{i}-fmnist",
+            f"Fashion-MNIST, PersFL's DS-{i}",
+            {"data.dataset": "fashion_mnist", "data.partition": f"ds{i}", **img},
+            IMAGE_MODELS,
+            scarce=i != 2,  # DS-1: 4 classes per client, DS-3: 2; DS-2 has all ten
+        )
+        for i in (1, 2, 3)
+    ]
+    return {s.name: s for s in out}
+
+
+# -- running -------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One run's per-client results (what the benchmark keeps of results.json)."""
+
+    algorithm: str
+    split: str
+    seed: int
+    family: str | None  # the one architecture of a baseline run; the global one otherwise
+    wall_seconds: float
+    clients: list[dict[str, Any]] = field(default_factory=list)
+
+
+_KEEP = (
+    "id",
+    "arch",
+    "n_train",
+    "personal_acc",
+    "samples_processed",
+    "guard_choice",
+    "guard_arch",
+    "guard_reason",
+    "guard_unguarded_acc",
+    "distill_lambda",
+    "distill_T",
+    "student_init",
+    "arch_end",
+)
+
+
+def _budget(size: Size, algorithm: str) -> dict[str, Any]:
+    """The common budget, as each algorithm takes it. PFML (plain gradient steps, no momentum)
+    keeps its own learning rate; FedeRiCo (Adam, one step per round) its own batch and rate."""
+    if algorithm == "federico":
+        return {}
+    budget: dict[str, Any] = {"batch_size": size.batch_size, "local_epochs": size.local_epochs}
+    if algorithm != "pfml":
+        budget["lr"] = size.lr
+    return {f"{algorithm}.{k}": v for k, v in budget.items()}
+
+
+def _unlabeled(split: Split, seed: int, count: int, out: Path) -> Path:
+    """FedMe's unlabeled inputs: `count` samples that no client of this split holds."""
+    path = out / "unlabeled" / f"{split.name}-{seed}.npy"
+    if path.is_file():
+        return path
+    f = split.flags
+    ds = load_dataset(f["data.dataset"], **f.get("data.options", {}))
+    y = ds.y.numpy()
+    held = np.zeros(len(y), dtype=bool)
+    held[stratified_indices(y, f.get("data.max_samples"), seed)] = True
+    if f.get("data.partition") == "natural":  # only the first `clients` users are clients
+        users = np.unique(ds.groups)[: f["clients"]]
+        held &= np.isin(ds.groups, users)
+    free = np.flatnonzero(~held)
+    if len(free) < count:
+        raise ValueError(f"{split.name}: only {len(free)} samples are free for FedMe's set")
+    pick = np.sort(np.random.default_rng(seed + 1).choice(free, size=count, replace=False))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, ds.x[pick].numpy())
+    return path
+
+
+def run_one(
+    split: Split,
+    seed: int,
+    algorithm: str,
+    size: Size,
+    out: Path,
+    family: str,
+    overrides: dict[str, Any] | None = None,
+    variant: str = "",
+) -> Run:
+    """One algorithm on one split and seed (cached under `out`). fedavg_ft trains `family` on
+    every client; the others give each client the split's architecture for it (round-robin),
+    and the personalized algorithms have `family` as their global one (FML's meme, PFML's local
+    model, PersFL's teacher)."""
+    tag = f"{algorithm}-{family}" + (f"-{variant}" if variant else "")
+    path = out / "runs" / split.name / str(seed) / f"{tag}.json"
+    if path.is_file():
+        return Run(**json.loads(path.read_text()))
+    models = [family] if algorithm == "fedavg_ft" else list(split.models)
+    flags: dict[str, Any] = {
+        **split.flags,
+        "algorithm": algorithm,
+        "seed": seed,
+        "rounds": size.rounds,
+        "models": models,
+        "global_model": split.models[0] if family == OWN else family,
+        "device": "cpu",
+        "round.eval_every": 10_000,  # only the last round: nothing here reads the others
+        "round.deadline_s": 3600,
+        **_budget(size, algorithm),
+    }
+    if algorithm == "fedme":
+        flags["fedme.unlabeled_path"] = str(_unlabeled(split, seed, size.unlabeled, out))
+    if algorithm == "federico":  # as many passes over the data as local_epochs each round
+        local = run_one(split, seed, "local", size, out, OWN)
+        n = statistics.mean(c["n_train"] for c in local.clients)
+        own = load_config(None, {"algorithm": "federico"}, overrides, environ=False)
+        batch = own.federico.batch_size
+        flags["rounds"] = math.ceil(size.rounds * size.local_epochs * n / batch)
+    cfg = load_config(None, flags, overrides, environ=False)
+    t0 = time.perf_counter()
+    res = simulate(cfg, progress=False)
+    run = Run(
+        algorithm,
+        split.name,
+        seed,
+        family,
+        round(time.perf_counter() - t0, 1),
+        [{k: c.get(k) for k in _KEEP} for c in res["clients"]],
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(run.__dict__, indent=1) + "\n")
+    logging.info("%s %s seed %d: %.1f s", tag, split.name, seed, run.wall_seconds)
+    return run
+
+
+# -- summarising ---------------------------------------------------------------------------------
+def _mean_acc(run: Run) -> float:
+    return 100 * statistics.mean(c["personal_acc"] for c in run.clients)
+
+
+def _ci95(values: Sequence[float]) -> float:
+    """Half-width of the 95% t-interval of the mean of `values`."""
+    if len(values) < 2:
+        return math.nan
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values)))
+
+
+def _per_client(runs: Sequence[Run]) -> list[float]:
+    """Each client index's accuracy (points), averaged over the seeds' runs."""
+    width = len(runs[0].clients)
+    return [100 * statistics.mean(r.clients[i]["personal_acc"] for r in runs) for i in range(width)]
+
+
+def _wtl(ours: Sequence[float], theirs: Sequence[float]) -> str:
+    d = [a - b for a, b in zip(ours, theirs, strict=True)]
+    return f"{sum(x > TIE for x in d)}/{sum(abs(x) <= TIE for x in d)}/{sum(x < -TIE for x in d)}"
+
+
+def _passes(runs: Sequence[Run]) -> float:
+    """Training samples processed per client, in passes over its training data (mean)."""
+    return statistics.mean(
+        (c["samples_processed"] or 0) / c["n_train"] for r in runs for c in r.clients
+    )
+
+
+def summarize(
+    split: Split,
+    seeds: Sequence[int],
+    size: Size,
+    out: Path,
+    algorithms: Sequence[str],
+    overrides: dict[str, Any] | None = None,
+    variant: str = "",
+) -> list[dict[str, Any]]:
+    local = [run_one(split, s, "local", size, out, OWN) for s in seeds]
+    fts = {f: [run_one(split, s, "fedavg_ft", size, out, f) for s in seeds] for f in split.models}
+    best = max(fts, key=lambda f: statistics.mean(_mean_acc(r) for r in fts[f]))
+    baselines = {"local": local, "fedavg_ft": fts[best]}
+    local_pc, ft_pc = _per_client(local), _per_client(fts[best])
+    rows = []
+    for name in ["local", "fedavg_ft", *algorithms]:
+        runs = baselines.get(name) or [
+            run_one(split, s, name, size, out, best, overrides, variant) for s in seeds
+        ]
+        means = [_mean_acc(r) for r in runs]
+        pc = _per_client(runs)
+        gaps = [a - b for a, b in zip(pc, local_pc, strict=True)]
+        row: dict[str, Any] = {
+            "split": split.name,
+            "algorithm": name,
+            # FedAvg+FT's one architecture; the personalized algorithms' global one
+            "architecture": best if name != "local" else ",".join(split.models),
+            "mean": statistics.mean(means),
+            "ci95": _ci95(means),
+            "seeds": list(seeds),
+            "per_seed": means,
+            "per_client": pc,
+            "vs_local": _wtl(pc, local_pc),
+            "vs_fedavg_ft": _wtl(pc, ft_pc),
+            "worst_vs_local": min(gaps),
+            "guard_holds": min(gaps) >= -GUARD_POINTS,
+            "passes": _passes(runs),
+            "wall_seconds": sum(r.wall_seconds for r in runs),
+        }
+        if name in ALGORITHMS:
+            row["guard_switched"] = sum(
+                not str(c.get("guard_choice") or "personal (final").startswith("personal (final")
+                for r in runs
+                for c in r.clients
+            )
+            unguarded = [
+                100
+                * statistics.mean(
+                    c["guard_unguarded_acc"]
+                    if c.get("guard_unguarded_acc") is not None
+                    else c["personal_acc"]
+                    for c in r.clients
+                )
+                for r in runs
+            ]
+            row["mean_unguarded"] = statistics.mean(unguarded)
+        if split.scarce and name in ALGORITHMS:
+            ft_mean = statistics.mean(_mean_acc(r) for r in fts[best])
+            local_mean = statistics.mean(_mean_acc(r) for r in local)
+            row["pays"] = row["mean"] >= ft_mean and row["mean"] >= local_mean + PAYS_POINTS
+        rows.append(row)
+    return rows
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "| split | method | mean ± 95% CI | vs local W/T/L | vs FedAvg+FT W/T/L | worst client "
+        "vs local | passes | guard | wall |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = r["algorithm"] + (f" ({r['architecture']})" if r["algorithm"] == "fedavg_ft" else "")
+        guard = ""
+        if "guard_switched" in r:
+            guard = f"{r['guard_switched']} switched, unguarded {r['mean_unguarded']:.1f}"
+        if "pays" in r:
+            guard += f"; pays: {'yes' if r['pays'] else 'no'}"
+        lines.append(
+            f"| {r['split']} | {name} | {r['mean']:.1f} ± {r['ci95']:.1f} | {r['vs_local']} | "
+            f"{r['vs_fedavg_ft']} | {r['worst_vs_local']:+.1f} | {r['passes']:.1f} | {guard} | "
+            f"{r['wall_seconds']:.0f} s |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the quick size (about 30 min, 2 cores)")
+    ap.add_argument("--splits", help="comma-separated split names (default: all)")
+    ap.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated")
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    ap.add_argument(
+        "--out", type=Path, help="where runs are kept (default runs/personalization/SIZE)"
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="override a field of the personalized algorithms' runs, e.g. fml.alpha=0.3 (the "
+        "runs are kept apart, under a name made of the overrides)",
+    )
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    for noisy in ("coordinator", "edge_sdk", "model_zoo"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    size_name = "quick" if args.quick else "full"
+    size = SIZES[size_name]
+    out = args.out or ROOT / "runs" / "personalization" / size_name
+    chosen = splits(size)
+    names = args.splits.split(",") if args.splits else list(chosen)
+    unknown = [n for n in names if n not in chosen]
+    if unknown:
+        ap.error(f"unknown split(s) {unknown}; known: {', '.join(chosen)}")
+    algorithms = [a for a in args.algorithms.split(",") if a]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    t0 = time.perf_counter()
+    overrides = parse_overrides(args.set)
+    variant = ",".join(args.set).replace("/", "_")
+    rows = [
+        r
+        for n in names
+        for r in summarize(chosen[n], seeds, size, out, algorithms, overrides, variant)
+    ]
+    doc = {
+        "size": size_name,
+        "budget": size.__dict__,
+        "seeds": seeds,
+        "overrides": overrides,
+        "wall_seconds": round(time.perf_counter() - t0, 1),
+        "rows": rows,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(doc, indent=1) + "\n")
+    text = table(rows)
+    (out / "summary.md").write_text(text + "\n")
+    print(json.dumps(doc, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

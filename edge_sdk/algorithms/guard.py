@@ -1,0 +1,203 @@
+"""The guard: each client deploys the best model it has seen on its own validation split.
+
+A personalized algorithm can leave a client worse off than training alone: a weak global model
+distilled into it, a schedule that suits other clients, an aggregation that pulled its model
+towards other clients' data. The guard costs no extra training. After every round's local
+training it scores the models the client could deploy at that moment (the algorithm names them:
+its personalized model and, for most, a model of the global architecture it has just trained on
+its own data) on the client's **validation** split, and keeps a copy of the best one so far (more
+correct samples; on equal counts, the lower loss). After the last round it compares the best of
+that copy and the final models with the algorithm's own final personalized model, sample by
+sample, and deploys the other only when the evidence is clear:
+
+    b = validation samples the other gets right and the final personalized model wrong
+    c = validation samples the final personalized model gets right and the other wrong
+    switch  ⇔  b − c > z·√(b + c)          (z = `guard_z`, 1 by default)
+
+(a sign test on the samples where the two disagree, McNemar's). Picking the best of a dozen
+candidates on a few dozen validation samples otherwise picks noise: on the benchmark's label
+groups, switching on one or two more correct samples lost points against the model it replaced.
+
+The test split is never looked at. A client without validation data deploys the algorithm's final
+model. What the guard keeps (the best copy, its scores and which validation samples it got
+right) is part of the client's persistent state, so a restarted device, or a round done again,
+continues exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, Field
+from torch import nn
+
+from edge_sdk.codec import WireModel
+from edge_sdk.trainer import ClientData, Trainer
+from model_zoo import ArchSpec
+
+__all__ = ["PERSONAL", "Candidate", "Guard", "GuardConfig", "Pick"]
+
+# What the guard may deploy: a name ("personal", "meme"...) → (architecture, model).
+Candidate = tuple[ArchSpec, nn.Module]
+
+# The name of the algorithm's own personalized model among the candidates.
+PERSONAL = "personal"
+
+_REASON_CHARS = 256  # a reply detail's limit
+
+
+class GuardConfig(BaseModel):
+    """The config fields of every algorithm the guard serves."""
+
+    # Deploy the best model seen on the validation split (see edge_sdk.algorithms.guard);
+    # False deploys the algorithm's final personalized model, as the paper describes it.
+    guard: bool = True
+    # [ours] How clear the evidence must be to deploy another model than the algorithm's own:
+    # b − c > guard_z·√(b + c) over the validation samples where the two disagree.
+    guard_z: float = Field(1.0, ge=0)
+
+
+@dataclass(frozen=True)
+class Pick:
+    """One scored candidate: which model, when, how it did on validation, and its weights."""
+
+    name: str
+    round: int  # the round whose training produced it
+    final: bool  # one of the models the client held after the last round (finalize)
+    hits: torch.Tensor  # bool, per validation sample: predicted right
+    loss: float  # mean validation cross-entropy
+    model: WireModel
+
+    @property
+    def correct(self) -> int:
+        return int(self.hits.sum())
+
+    @property
+    def total(self) -> int:
+        return len(self.hits)
+
+    def beats(self, other: Pick | None) -> bool:
+        """More correct validation samples; on a tie, a lower validation loss."""
+        if other is None:
+            return True
+        if self.correct != other.correct:
+            return self.correct > other.correct
+        return self.loss < other.loss
+
+    @property
+    def label(self) -> str:
+        when = "final" if self.final else f"round {self.round}"
+        return f"{self.name} ({when}, {self.model.spec.family})"
+
+    @property
+    def score(self) -> str:
+        return f"{self.correct}/{self.total} (loss {self.loss:.3f})"
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "round": self.round,
+            "final": self.final,
+            "hits": self.hits,
+            "loss": self.loss,
+            "model": self.model,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Pick:
+        return cls(
+            name=str(state["name"]),
+            round=int(state["round"]),
+            final=bool(state["final"]),
+            hits=state["hits"].to(torch.bool),
+            loss=float(state["loss"]),
+            model=state["model"],
+        )
+
+
+class Guard:
+    """Scores candidates on one client's validation split and remembers the best."""
+
+    def __init__(self, trainer: Trainer, data: ClientData, z: float = 1.0) -> None:
+        self.trainer = trainer
+        self.data = data
+        self.z = z
+        self.best: Pick | None = None  # the best candidate seen after a round's training
+        self.deployed: Pick | None = None  # set by `decide` when it is not the final personal
+
+    @property
+    def active(self) -> bool:
+        return len(self.data.y_val) > 0
+
+    def _score(self, name: str, cand: Candidate, round_: int, final: bool) -> Pick:
+        spec, model = cand
+        y = self.data.y_val
+        z = self.trainer.logits(model, self.data.x_val)
+        hits = (z.argmax(1) == y).cpu()
+        loss = float(F.cross_entropy(z, y))
+        return Pick(name, round_, final, hits, loss, WireModel.of(spec, model))
+
+    def observe(self, round_: int, candidates: Mapping[str, Candidate]) -> None:
+        """After a round's training: keep a copy of any candidate better than the best so far."""
+        if not self.active:
+            return
+        for name, cand in candidates.items():
+            pick = self._score(name, cand, round_, final=False)
+            if pick.beats(self.best):
+                self.best = pick
+
+    def decide(self, rounds: int, final: Mapping[str, Candidate]) -> dict[str, Any]:
+        """After the last round: the model to deploy, and the finalize reply's details.
+
+        `final` lists the models the client holds now, its personalized model first (under
+        PERSONAL). The best of the others and the kept copy replaces it only when the paired
+        evidence is clear (see the module's docstring).
+        """
+        self.deployed = None
+        if not self.active:
+            return {
+                "guard_choice": f"{PERSONAL} (final)",
+                "guard_reason": "no validation data: the algorithm's final model is deployed",
+            }
+        picks = [self._score(name, cand, rounds, final=True) for name, cand in final.items()]
+        default, others = picks[0], picks[1:] + ([self.best] if self.best is not None else [])
+        rival: Pick | None = None
+        for pick in others:
+            if pick.beats(rival):
+                rival = pick
+        chosen, reason = default, f"the final {default.name} model, {default.score}"
+        if rival is None:
+            reason += ", was the only candidate"
+        else:
+            b = int((rival.hits & ~default.hits).sum())
+            c = int((default.hits & ~rival.hits).sum())
+            evidence = f"; {rival.label}, {rival.score}, right on {b} it missed, wrong on {c}"
+            if b - c > self.z * math.sqrt(b + c):
+                self.deployed = chosen = rival
+                reason = f"{rival.label} on validation, {rival.score}, right on {b} samples the "
+                reason += f"final {default.name} model, {default.score}, missed; wrong on {c}"
+            else:
+                reason += f", kept: no clear evidence against it{evidence}"
+        return {
+            "guard_choice": chosen.label,
+            "guard_arch": chosen.model.spec.family,
+            "guard_val_acc": chosen.correct / chosen.total,
+            "guard_reason": reason[:_REASON_CHARS],
+        }
+
+    # -- persistence -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "best": None if self.best is None else self.best.to_state(),
+            "deployed": None if self.deployed is None else self.deployed.to_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        best, deployed = state["best"], state["deployed"]
+        self.best = None if best is None else Pick.from_state(best)
+        self.deployed = None if deployed is None else Pick.from_state(deployed)

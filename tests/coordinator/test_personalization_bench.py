@@ -1,0 +1,75 @@
+"""benchmarks/personalization.py: every split resolves to a valid run for every method, and the
+summary's arithmetic (win/tie/loss, the t-interval, passes) matches values computed here."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import load_config
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "personalization.py"
+_spec = importlib.util.spec_from_file_location("personalization", SCRIPT)
+assert _spec is not None and _spec.loader is not None
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["personalization"] = bench  # dataclasses look their module up
+_spec.loader.exec_module(bench)
+
+METHODS = ["local", "fedavg_ft", *bench.ALGORITHMS]
+
+
+@pytest.mark.parametrize("size", sorted(bench.SIZES))
+@pytest.mark.parametrize("method", METHODS)
+def test_every_split_resolves_for_every_method_with_the_common_budget(size, method):
+    budget = bench.SIZES[size]
+    for split in bench.splits(budget).values():
+        flags = {**split.flags, "algorithm": method, "models": list(split.models)}
+        cfg = load_config(None, flags | bench._budget(budget, method), environ=False)
+        section = cfg.algorithm_config(method)
+        if method != "federico":  # one step per round: it gets rounds instead
+            assert section.local_epochs == budget.local_epochs
+            assert section.batch_size == budget.batch_size
+        assert cfg.data.partition == split.flags["data.partition"]
+
+
+def test_label_groups_give_every_group_every_architecture():
+    for size in bench.SIZES.values():
+        split = bench.splits(size)["lg-fmnist"]
+        k, groups = split.flags["clients"], split.flags["data.partition_params"]["num_groups"]
+        archs = {
+            g: {split.models[i % 3] for i in range(k) if i % groups == g} for g in range(groups)
+        }
+        assert all(a == set(split.models) for a in archs.values())
+
+
+def _run(accs, samples=None, n=10):
+    clients = [
+        {"personal_acc": a, "n_train": n, "samples_processed": s}
+        for a, s in zip(accs, samples or [n] * len(accs), strict=True)
+    ]
+    return bench.Run("x", "s", 0, None, 1.0, clients)
+
+
+def test_per_client_accuracy_is_averaged_over_the_seeds_in_points():
+    runs = [_run([0.5, 0.9]), _run([0.7, 0.8])]
+    assert bench._per_client(runs) == pytest.approx([60.0, 85.0])
+
+
+def test_win_tie_loss_counts_a_tie_within_one_point():
+    ours = [80.0, 80.0, 80.0, 80.0]
+    theirs = [78.0, 79.5, 80.9, 82.0]  # +2 win, +0.5 tie, -0.9 tie, -2 loss
+    assert bench._wtl(ours, theirs) == "1/2/1"
+
+
+def test_ci95_is_the_t_interval_of_the_mean():
+    values = [80.0, 82.0, 87.0]
+    mean = sum(values) / 3
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / 2)
+    assert bench._ci95(values) == pytest.approx(4.302653 * sd / math.sqrt(3), rel=1e-6)
+    assert math.isnan(bench._ci95([80.0]))
+
+
+def test_passes_are_samples_processed_over_training_samples():
+    assert bench._passes([_run([0.5, 0.5], samples=[30, 50])]) == pytest.approx(4.0)
