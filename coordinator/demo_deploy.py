@@ -98,15 +98,33 @@ class ProcessGroup:
 
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt like SIGINT does, so both unwind through `finally`."""
+    """SIGINT and SIGTERM raise KeyboardInterrupt, so both unwind through `finally`; a signal
+    whose exception Python swallowed (one raised inside a `__del__`, such as a collected MQTT
+    client's, is only printed) is raised again by the next `raise_if_interrupted`."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    _interrupted.clear()
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+_interrupted = threading.Event()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    _interrupted.set()
+    raise KeyboardInterrupt
+
+
+def raise_if_interrupted() -> None:
+    """KeyboardInterrupt when a signal arrived inside `interruptible` (see there)."""
+    if _interrupted.is_set():
+        raise KeyboardInterrupt
 
 
 def _clients_online(port: int) -> int | None:
@@ -189,6 +207,7 @@ def deploy_and_follow(
     t0, online, shown = time.perf_counter(), -1, 0
     rounds_path = coordinator_out / "rounds.jsonl"
     while coordinator.poll() is None:
+        raise_if_interrupted()
         bad = procs.failed()
         if bad is not None:
             name, code = bad
