@@ -125,14 +125,15 @@ def run_federation(
         on_round=on_round,
         server_data=fed.server_data,
     )
-    parallel = cfg.parallel or os.cpu_count() or 1
+    cores = cfg.threads or os.cpu_count() or 1  # the CPU threads this run may use
+    parallel = cfg.parallel or cores
     gate = threading.Semaphore(parallel)
     # Clients train on their own threads: give each an equal share of the cores instead of
     # letting every one spawn a full intra-op pool (measured 1.7× faster on 2 cores). Set
     # before the client threads start, restored when the run ends.
     threads = torch.get_num_threads()
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel))
+        torch.set_num_threads(max(1, cores // parallel))
     release = _lean_heap(parallel)
     cohorts: dict[str, Cohort] = {}  # by architecture
     clients: list[EdgeClient] = []
@@ -151,6 +152,8 @@ def run_federation(
                     device=device,
                     seed=client_seed(cfg.seed, i),
                     onnx_path=export_dir / f"{cid}.onnx" if export_dir else None,
+                    # With exports, each client's state stays in OUT/state for `edgefl export`.
+                    state_dir=export_dir.parent / "state" if export_dir else None,
                     class_names=fed.dataset.classes,
                     normalization=fed.dataset.normalization,
                     fp16_upload=cfg.fp16_upload,
