@@ -187,7 +187,8 @@ def zoo() -> None:
 @common()
 def settings(
     prefix: Annotated[
-        str | None, typer.Argument(help="only the keys that start with this (e.g. fml, round)")
+        str | None,
+        typer.Argument(metavar="PREFIX", help="only the keys that start with this (fml, round)"),
     ] = None,
 ) -> None:
     """List every setting with its default.

@@ -331,14 +331,27 @@ def _apply_training(tree: dict[str, Any], algorithms: list[str], key: str, value
 
 
 def _env_tree() -> dict[str, Any]:
-    """What the environment says (`EDGEFL_*`), as a nested dict of raw values."""
+    """What the environment says (`EDGEFL_*`), as a nested dict of raw values; variables that
+    name no setting are left out (`unknown_env_settings` warns about them)."""
 
     class _FromEnv(BaseSettings, run_config_model()):  # type: ignore[misc]
         model_config = SettingsConfigDict(
             env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid"
         )
 
-    return dict(EnvSettingsSource(_FromEnv)())
+    return _known(dict(EnvSettingsSource(_FromEnv)()), run_config_model())
+
+
+def _known(tree: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
+    """`tree` without the keys `model` has no field for (recursively, through sections)."""
+    out = {}
+    for key, value in tree.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            continue
+        inner = _section_model(field.annotation)
+        out[key] = _known(value, inner) if inner and isinstance(value, dict) else value
+    return out
 
 
 def _deep_merge(tree: dict[str, Any], update: Mapping[str, Any]) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import ValidationError
@@ -63,6 +63,9 @@ from edge_sdk.protocol import (
 from edge_sdk.state import StateError, load_state, save_state
 from edge_sdk.trainer import ClientData, Trainer
 from edge_sdk.transport.base import Transport, TransportError
+
+if TYPE_CHECKING:
+    from edge_sdk.transport.mqtt import BrokerSettings
 from edge_sdk.wire import Endpoint, message_frame, pack_models, read_retained, unpack_models
 from model_zoo import ArchSpec
 
@@ -181,15 +184,24 @@ class EdgeClient:
     @classmethod
     def connect(
         cls,
-        broker: Any,
+        broker: str | BrokerSettings,
         client_id: str,
         spec: ArchSpec,
         data: ClientData,
         *,
         run_id: str = "default",
-        **kwargs: Any,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        onnx_path: str | Path | None = None,
+        class_names: list[str] | None = None,
+        normalization: dict[str, list[float]] | None = None,
+        fp16_upload: bool = False,
+        max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
+        on_task: Callable[[TaskOutcome], None] | None = None,
+        state_dir: str | Path | None = None,
     ) -> EdgeClient:
-        """An EdgeClient over its own `MqttTransport` to `broker` (a URL or `BrokerSettings`).
+        """An EdgeClient over its own `MqttTransport` to `broker` (a URL or `BrokerSettings`);
+        the other arguments are the constructor's.
 
         The MQTT session is named after the run and the client, so a restarted device resumes
         it (and receives what was queued for it while it was away).
@@ -197,7 +209,23 @@ class EdgeClient:
         from edge_sdk.transport.mqtt import MqttTransport
 
         transport = MqttTransport(broker, f"edgefl-{run_id}-{client_id}")
-        return cls(client_id, spec, data, transport, run_id=run_id, owns_transport=True, **kwargs)
+        return cls(
+            client_id,
+            spec,
+            data,
+            transport,
+            run_id=run_id,
+            device=device,
+            seed=seed,
+            onnx_path=onnx_path,
+            class_names=class_names,
+            normalization=normalization,
+            fp16_upload=fp16_upload,
+            max_blob_bytes=max_blob_bytes,
+            on_task=on_task,
+            owns_transport=True,
+            state_dir=state_dir,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> EdgeClient:
