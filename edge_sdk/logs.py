@@ -55,7 +55,8 @@ class RateLimit(logging.Filter):
     The first record let through after some were held back says how many (appended to its
     message, and as `record.suppressed`). Records below `min_level` always pass. Keys not seen
     for a while are forgotten, so memory stays bounded by the number of active keys
-    (at most `max_keys`; the oldest are dropped beyond that).
+    (at most `max_keys`; the oldest are dropped beyond that). A record `key` cannot handle
+    (it raises) is keyed by logger, level and template instead.
 
         handler.addFilter(RateLimit(interval_s=60, key=lambda r: (r.msg, r.args[0])))
     """
@@ -86,7 +87,10 @@ class RateLimit(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < self.min_level:
             return True
-        key = self.key(record)
+        try:
+            key = self.key(record)
+        except Exception:  # a key that does not fit this record must never break logging
+            key = _default_key(record)
         now = self._clock()
         with self._lock:
             state = self._state.get(key)

@@ -244,3 +244,13 @@ def test_quiet_hides_the_progress_bars(tmp_path):
     assert loud.returncode == quiet.returncode == 0, loud.stderr + quiet.stderr
     assert "round/s" in loud.stderr or "1/1" in loud.stderr  # tqdm's bar
     assert quiet.stderr == ""
+
+
+def test_the_demo_hands_its_log_options_and_plugins_to_every_process():
+    from coordinator.cli_common import CommonOptions
+
+    opts = CommonOptions(verbose=1, log_format="json", plugins=["mine.py"])
+    assert opts.child_args() == [
+        "--log-level", "INFO", "--log-format", "json", "--plugin", "mine.py",
+    ]  # fmt: skip
+    assert CommonOptions(quiet=True, log_level="debug").child_args()[:2] == ["--log-level", "DEBUG"]

@@ -33,8 +33,12 @@ def _alive(pid: int) -> bool:
 def test_demo_runs_devices_as_processes_and_writes_the_report(tmp_path: Path) -> None:
     lines: list[str] = []
 
+    plugin = ROOT / "examples" / "plugin" / "edgefl_example_plugin.py"
+    child_args = ("--log-level", "INFO", "--log-format", "json", "--plugin", str(plugin))
     results = run_demo(
-        DemoOptions(rounds=2, clients=2, dataset="digits", out=tmp_path, seed=3),
+        DemoOptions(
+            rounds=2, clients=2, dataset="digits", out=tmp_path, seed=3, child_args=child_args
+        ),
         echo=lines.append,
     )
 
@@ -71,6 +75,12 @@ def test_demo_runs_devices_as_processes_and_writes_the_report(tmp_path: Path) ->
     assert page.count("data:image/png;base64,") >= 3
     assert "## Data per client" in (tmp_path / "report.md").read_text()
     assert re.search(r"wall time: \d+\.\d s", text)
+    # Where the logs are, and every process got the demo's log options and plugins.
+    assert f"logs: {tmp_path / 'logs'}/<name>.log, one per process (coordinator, c0, c1)" in text
+    for name in ("coordinator", "c0", "c1"):
+        log = (tmp_path / "logs" / f"{name}.log").read_text().splitlines()
+        records = [json.loads(ln) for ln in log if ln.startswith("{")]
+        assert f"plugins loaded: {plugin}" in [r["message"] for r in records], name
 
 
 def test_demo_sigint_stops_the_broker_and_every_process(tmp_path: Path) -> None:

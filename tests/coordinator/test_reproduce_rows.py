@@ -23,3 +23,11 @@ def test_every_row_resolves_to_the_algorithm_and_rounds_it_names(name):
         reproduce.ROOT / row.config if row.config else None, reproduce._nest(row.flags)
     )
     assert cfg.algorithm in name and f"T={cfg.rounds}" in row.title
+
+
+def test_table_on_a_fresh_clone_says_to_run_a_row_first(tmp_path, capsys):
+    # Before: FileNotFoundError writing summary.json into the missing runs/reproduce.
+    assert reproduce.main(["table", "--out", str(tmp_path / "runs" / "reproduce")]) == 0
+    said = capsys.readouterr().out
+    assert "no row has been run yet under" in said
+    assert "python benchmarks/reproduce.py run pfml-synthetic-mlr" in said

@@ -1,0 +1,173 @@
+"""int8 from the command line: `simulate --onnx-int8` and `edgefl export`, each file checked
+against PyTorch, with what they print checked against onnxruntime run here directly."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from typer.testing import CliRunner
+
+from coordinator.cli import app
+from coordinator.config import run_config_model
+from coordinator.federation import prepare_federation
+
+runner = CliRunner()
+ROW = re.compile(
+    r"^(?P<fmt>fp32|fp16|int8-dynamic|int8-static)\s+(?P<kib>[\d.]+)\s+(?P<acc>[\d.]+)%\s+"
+    r"(?P<torch>[\d.]+)%\s+(?P<agree>[\d.]+)%\s+(?P<diff>\S+)\s+(?P<file>\S+)$"
+)
+
+
+def _tables(output: str) -> dict[str, dict[str, dict[str, str]]]:
+    """client -> format -> the printed row."""
+    out: dict[str, dict[str, dict[str, str]]] = {}
+    client = None
+    for line in output.splitlines():
+        head = re.match(r"^(c\d+) \((\w+)\):$", line)
+        if head:
+            client = head.group(1)
+            out[client] = {}
+        elif client and (m := ROW.match(line)):
+            out[client][m["fmt"]] = m.groupdict()
+    return out
+
+
+def _predict(path: str, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: x})[0].argmax(axis=1)
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    res = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--algorithm",
+            "fml",
+            "--dataset",
+            "digits",
+            "--max-samples",
+            "400",
+            "--partition",
+            "iid",
+            "--models",
+            "mlr,lenet5",
+            "--global-model",
+            "mlr",
+            "--clients",
+            "2",
+            "--rounds",
+            "1",
+            "--local-epochs",
+            "1",
+            "--lr",
+            "0.1",
+            "--batch-size",
+            "32",
+            "--device",
+            "cpu",
+            "--onnx-int8",
+            "static",
+            "-o",
+            str(out),
+            "-q",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    return out, res.output
+
+
+def test_simulate_onnx_int8_writes_and_checks_every_client(simulated):
+    out, output = simulated
+    results = json.loads((out / "results.json").read_text())
+    cfg = run_config_model().model_validate(results["config"])
+    fed = prepare_federation(cfg)
+    tables = _tables(output)
+    assert sorted(tables) == ["c0", "c1"]
+    for i, client in enumerate(results["clients"]):
+        rows = tables[client["id"]]
+        assert sorted(rows) == ["fp32", "int8-static"]
+        # fp32: what the federation measured for this client's personalized model.
+        assert float(rows["fp32"]["acc"]) == pytest.approx(100 * client["personal_acc"], abs=0.01)
+        # int8: its accuracy and agreement, recomputed here with onnxruntime.
+        x = fed.client_data[i].x_test.numpy()
+        y = fed.client_data[i].y_test.numpy()
+        fp32 = _predict(str(out / "onnx" / f"{client['id']}.onnx"), x)
+        int8 = _predict(rows["int8-static"]["file"], x)
+        assert rows["int8-static"]["file"] == str(out / "onnx" / f"{client['id']}.int8-static.onnx")
+        assert float(rows["int8-static"]["acc"]) == pytest.approx(
+            100 * np.mean(int8 == y), abs=0.01
+        )
+        assert float(rows["fp32"]["agree"]) == 100.0
+        assert float(rows["int8-static"]["agree"]) == pytest.approx(
+            100 * np.mean(int8 == fp32), abs=0.01
+        )
+        size = (out / "onnx" / f"{client['id']}.int8-static.onnx").stat().st_size
+        assert float(rows["int8-static"]["kib"]) == pytest.approx(size / 1024, abs=0.05)
+
+
+def test_export_writes_fp16_and_dynamic_int8_from_a_runs_output(simulated, tmp_path):
+    out, _ = simulated
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(out),
+            "--format",
+            "fp16,int8-dynamic",
+            "--client",
+            "c1",
+            "-o",
+            str(tmp_path),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    rows = _tables(res.output)["c1"]
+    assert sorted(rows) == ["fp16", "fp32", "int8-dynamic"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "c1.fp16.onnx",
+        "c1.int8-dynamic.onnx",
+        "c1.onnx",
+    ]
+    fp16 = onnx.load(str(tmp_path / "c1.fp16.onnx"))
+    props = {p.key: p.value for p in fp16.metadata_props}
+    assert props["edgefl.quantization"] == "fp16"
+    assert fp16.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert {i.data_type for i in fp16.graph.initializer} >= {onnx.TensorProto.FLOAT16}
+    assert float(rows["fp16"]["kib"]) < 0.6 * float(rows["fp32"]["kib"])
+
+
+def test_export_says_what_is_missing(tmp_path):
+    res = runner.invoke(app, ["export", str(tmp_path)])
+    assert res.exit_code == 2
+    assert f"no client state (<id>.state) under {tmp_path}" in res.output
+    res = runner.invoke(app, ["export", str(tmp_path), "--format", "int4"])
+    assert res.exit_code == 2
+    assert "'int4': choose from fp32, fp16, int8-dynamic, int8-static" in res.output
+
+
+def test_static_int8_is_refused_for_an_lstm_before_anything_is_written(tmp_path):
+    import torch
+
+    from edge_sdk.variants import export_variants
+    from model_zoo import ArchSpec, build
+
+    spec = ArchSpec(family="lstm", num_classes=3, input_shape=(1, 8, 8))
+    x = torch.randn(4, 1, 8, 8)
+    with pytest.raises(ValueError, match="no static int8 LSTM kernel"):
+        export_variants(
+            build(spec, seed=0),
+            spec,
+            tmp_path / "m.onnx",
+            ["int8-static"],
+            eval_inputs=x,
+            calibration_inputs=x,
+        )
+    assert list(tmp_path.iterdir()) == []
