@@ -38,7 +38,9 @@ def _formats(value: str) -> list[str]:
     chosen = csv_list(value) or []
     bad = [f for f in chosen if f not in FORMATS]
     if bad or not chosen:
-        raise typer.BadParameter(f"{', '.join(map(repr, bad)) or repr(value)}: choose from {', '.join(FORMATS)}")
+        raise typer.BadParameter(
+            f"{', '.join(map(repr, bad)) or repr(value)}: choose from {', '.join(FORMATS)}"
+        )
     return chosen
 
 

@@ -38,6 +38,7 @@ LogFormat = Literal["text", "json"]
 LOG_FORMATS: Final[tuple[str, ...]] = ("text", "json")
 LOG_LEVELS: Final[tuple[str, ...]] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 TEXT_FORMAT: Final[str] = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_OURS: Final[str] = "_edgefl_handler"
 
 # The attributes every LogRecord has; whatever else a record carries came from `extra=`.
 _STANDARD_ATTRS: Final[frozenset[str]] = frozenset(
@@ -149,8 +150,8 @@ def configure_logging(
     file: str | Path | None = None,
     rate_limit: RateLimit | None = None,
 ) -> logging.Handler:
-    """Replace the root logger's handlers with one handler: stderr, or `file` (appended to,
-    its folder created). `fmt` is `text` or `json` (one object per line). Warnings and above
+    """Give the root logger one handler (replacing the one an earlier call installed; handlers
+    installed by others stay): stderr, or `file` (appended to, its folder created). `fmt` is `text` or `json` (one object per line). Warnings and above
     pass through `rate_limit` (default: 3 per message template per minute). Returns the handler.
     """
     if fmt not in LOG_FORMATS:
@@ -169,10 +170,13 @@ def configure_logging(
         handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     handler.addFilter(rate_limit if rate_limit is not None else RateLimit())
+    handler.setLevel(level)  # loggers with a level of their own (torch's) stay below it too
+    setattr(handler, _OURS, True)
     root = logging.getLogger()
     for old in root.handlers[:]:
-        root.removeHandler(old)
-        old.close()
+        if getattr(old, _OURS, False):  # handlers someone else installed stay
+            root.removeHandler(old)
+            old.close()
     root.addHandler(handler)
     root.setLevel(level)
     return handler

@@ -58,7 +58,11 @@ STRIPES = ("horizontal", "vertical", "diagonal", "checker")
 
 @register_dataset("stripes", needs_root=False)
 def load_stripes(
-    *, n_samples: int = 800, size: int = 12, noise: float = 0.5, seed: int = 0,
+    *,
+    n_samples: int = 800,
+    size: int = 12,
+    noise: float = 0.5,
+    seed: int = 0,
     max_samples: int | None = None,
 ) -> Dataset:
     """Generated 1 x size x size images of four stripe patterns with Gaussian noise."""
