@@ -213,8 +213,8 @@ def simulate(
     """Simulate a federation in one process.
 
     A coordinator and N clients over the in-memory transport (or --broker), the same code a
-    deployment runs. The algorithm and every baseline run on one split with the same local-training budget.
-    OUT gets results.json, report.md, report.html and the plots.
+    deployment runs. The algorithm and every baseline run on one split with the same local-training
+    budget. OUT gets results.json, report.md, report.html and the plots.
     """
     from coordinator.simulator import simulate as run_simulation
 
@@ -289,11 +289,11 @@ def demo(
 ) -> None:
     """Run a real federation on this machine, with a report.
 
-    Takes 2-3 minutes on 2 cores. Starts an MQTT broker (mosquitto when installed, else the embedded one), a coordinator and
-    one process per device, each device with its own architecture (mlr, mlp, lenet5, cnn1, a
-    small vgg11, the row-LSTM), on a split where each device sees a few classes and about 100
-    training images. Then the local and FedAvg baselines, an ONNX benchmark of every device's
-    personalized model, and OUT/report.html. Every process logs to OUT/logs/<name>.log.
+    Takes 2-3 minutes on 2 cores. Starts an MQTT broker (mosquitto when installed, else the embedded
+    one), a coordinator and one process per device, each device with its own architecture (mlr, mlp,
+    lenet5, cnn1, a small vgg11, the row-LSTM), on a split where each device sees a few classes and
+    about 100 training images. Then the local and FedAvg baselines, an ONNX benchmark of every
+    device's personalized model, and OUT/report.html. Every process logs to OUT/logs/<name>.log.
     Ctrl-C stops everything it started.
     """
     from coordinator.demo import DemoError, DemoOptions, run_demo
@@ -409,10 +409,10 @@ def coordinator(
 ) -> None:
     """Run the coordinator daemon of a federation over MQTT.
 
-    Clients connect over an MQTT broker. It waits for the clients to register (round.register_timeout_s), writes OUT/rounds.jsonl as
-    rounds complete, then results.json, report.md and the plots. It checkpoints after every round
-    and, restarted with the same command, resumes at the next one. SIGTERM / Ctrl-C: stops
-    (exit 0); run the same command to resume.
+    Clients connect over an MQTT broker. It waits for the clients to register
+    (round.register_timeout_s), writes OUT/rounds.jsonl as rounds complete, then results.json,
+    report.md and the plots. It checkpoints after every round and, restarted with the same command,
+    resumes at the next one. SIGTERM / Ctrl-C: stops (exit 0); run the same command to resume.
     """
     from coordinator.deploy import run_coordinator
     from coordinator.server import Interrupted
@@ -543,9 +543,9 @@ def client(
 ) -> None:
     """Run one edge device of a federation over MQTT.
 
-    It trains when the coordinator asks. Its data is what the simulator would give client INDEX of the configured split. It persists
-    its state in STATE_DIR after every task, resumes from it when restarted, and exports its
-    personalized model to STATE_DIR/<id>.onnx after the run.
+    It trains when the coordinator asks. Its data is what the simulator would give client INDEX of
+    the configured split. It persists its state in STATE_DIR after every task, resumes from it when
+    restarted, and exports its personalized model to STATE_DIR/<id>.onnx after the run.
     """
     from coordinator.config import write_config
     from coordinator.deploy import run_device

@@ -84,11 +84,11 @@ def export(
 ) -> None:
     """Export a trained client's model to ONNX, fp32 to int8.
 
-    Formats: fp32, fp16, int8 dynamic or static. The model comes from the client's saved state; its data from the run's config (static int8
-    is calibrated on the client's own training data). Every file is checked against PyTorch on
-    the client's test split: its size, accuracy, how often its prediction agrees with PyTorch's
-    and the largest logit difference are printed. The files are <id>.onnx (fp32) and
-    <id>.<format>.onnx.
+    Formats: fp32, fp16, int8 dynamic or static. The model comes from the client's saved state; its
+    data from the run's config (static int8 is calibrated on the client's own training data). Every
+    file is checked against PyTorch on the client's test split: its size, accuracy, how often its
+    prediction agrees with PyTorch's and the largest logit difference are printed. The files are
+    <id>.onnx (fp32) and <id>.<format>.onnx.
     """
     from coordinator.config import load_config, parse_overrides
     from coordinator.export import export_clients
@@ -226,8 +226,9 @@ def broker_acl(
 ) -> None:
     """Write mosquitto password, ACL and credential files.
 
-    The password file is hashed; every user gets its own credentials file. Client X may publish only on its own up and peer topics and read only its own down topic, the
-    broadcast and status topics and the peer topics meant for it; the coordinator has its own user.
+    The password file is hashed; every user gets its own credentials file. Client X may publish only
+    on its own up and peer topics and read only its own down topic, the broadcast and status topics
+    and the peer topics meant for it; the coordinator has its own user.
     """
     from coordinator.acl import write_broker_files
 
@@ -271,8 +272,8 @@ def bench_onnx(
 ) -> None:
     """Compare PyTorch with onnxruntime fp32 and int8.
 
-    For every zoo family: latency, throughput, size and accuracy of briefly trained models on real data, measured side
-    by side. Prints JSON, then tables.
+    For every zoo family: latency, throughput, size and accuracy of briefly trained models on real
+    data, measured side by side. Prints JSON, then tables.
     """
     from coordinator.bench import (
         OnnxBenchConfig,

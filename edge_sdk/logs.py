@@ -151,8 +151,9 @@ def configure_logging(
     rate_limit: RateLimit | None = None,
 ) -> logging.Handler:
     """Give the root logger one handler (replacing the one an earlier call installed; handlers
-    installed by others stay): stderr, or `file` (appended to, its folder created). `fmt` is `text` or `json` (one object per line). Warnings and above
-    pass through `rate_limit` (default: 3 per message template per minute). Returns the handler.
+    installed by others stay): stderr, or `file` (appended to, its folder created). `fmt` is `text`
+    or `json` (one object per line). Warnings and above pass through `rate_limit` (default: 3 per
+    message template per minute). Returns the handler.
     """
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {fmt!r}")
