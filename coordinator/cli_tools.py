@@ -30,6 +30,8 @@ def print_export(done: Any) -> None:
 
     typer.echo(f"\n{done.client_id} ({done.arch}):")
     typer.echo(format_variant_table(done.reports))
+    for fmt, why in done.skipped.items():
+        typer.echo(f"{fmt} skipped: {why}")
 
 
 def _formats(value: str) -> list[str]:

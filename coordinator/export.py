@@ -27,7 +27,7 @@ from coordinator.federation import Federation, client_seed, client_spec, prepare
 from edge_sdk.algorithms import ClientContext, algorithm_class
 from edge_sdk.state import load_state
 from edge_sdk.trainer import Trainer
-from edge_sdk.variants import VariantReport, export_variants
+from edge_sdk.variants import VariantReport, export_variants, unsupported
 
 __all__ = [
     "CALIBRATION_SAMPLES",
@@ -53,6 +53,7 @@ class ClientExport:
     client_id: str
     arch: str
     reports: list[VariantReport]
+    skipped: dict[str, str]  # format -> why this model cannot take it
 
 
 def find_states(source: Path) -> dict[str, Path]:
@@ -152,7 +153,8 @@ def export_clients(
 ) -> list[ClientExport]:
     """Export the personalized model of every client state under `source` (or of `clients`)
     in `formats`, each checked against PyTorch on the client's own test split. Files go to
-    `out/<id>.onnx` (and `<id>.<format>.onnx`), by default next to each state file."""
+    `out/<id>.onnx` (and `<id>.<format>.onnx`), by default next to each state file. A format a
+    client's model cannot take is skipped for that client, with the reason in `skipped`."""
     states = find_states(source)
     if clients:
         missing = [c for c in clients if c not in states]
@@ -179,18 +181,19 @@ def export_clients(
             raise ConfigError(f"{path} holds the state of {saved.get('client')!r}, not {cid!r}")
         spec, model, i = _personalized(cfg, fed, cid, saved)
         data = fed.client_data[i]
+        skipped = {f: why for f in formats if (why := unsupported(model, f)) is not None}
         reports = export_variants(
             model,
             spec,
             (out or path.parent) / f"{cid}.onnx",
-            formats,
+            [f for f in formats if f not in skipped],
             eval_inputs=data.x_test,
             eval_labels=data.y_test,
             calibration_inputs=data.x_train[:calibration_samples],
             class_names=fed.dataset.classes,
             normalization=fed.dataset.normalization,
         )
-        result = ClientExport(cid, spec.family, reports)
+        result = ClientExport(cid, spec.family, reports, skipped)
         if on_client is not None:
             on_client(result)
         done.append(result)

@@ -34,6 +34,7 @@ __all__ = [
     "VariantReport",
     "export_variants",
     "format_variant_table",
+    "unsupported",
     "variant_path",
 ]
 
@@ -82,8 +83,11 @@ def _onnx_runner(path: Path) -> Callable[[torch.Tensor], np.ndarray]:
     return lambda b: session.run([OUTPUT_NAME], {INPUT_NAME: b.numpy()})[0]
 
 
-def _has_lstm(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.LSTM) for m in model.modules())
+def unsupported(model: nn.Module, fmt: str) -> str | None:
+    """Why `model` cannot be written in format `fmt`, or None when it can."""
+    if fmt == "int8-static" and any(isinstance(m, nn.LSTM) for m in model.modules()):
+        return "onnxruntime has no static int8 LSTM kernel; use int8-dynamic for this model"
+    return None
 
 
 def export_variants(
@@ -101,10 +105,10 @@ def export_variants(
     """Write `model` to `path` (fp32) and in every other format of `formats`; compare each
     file with PyTorch on `eval_inputs` (model inputs, preprocessed as in training).
 
-    `int8-static` needs `calibration_inputs` (a few hundred training inputs). onnxruntime has
-    no static int8 LSTM kernel: asking for it for a model with an LSTM raises `ValueError`
-    (`int8-dynamic` quantizes LSTMs). The fp32 file is always written and reported first: the
-    others are made from it. Raises `ValueError` for an unknown format, before writing anything.
+    `int8-static` needs `calibration_inputs` (a few hundred training inputs). The fp32 file is
+    always written and reported first: the others are made from it. An unknown format, or one
+    the model cannot take (`unsupported`: static int8 for an LSTM, which onnxruntime has no
+    kernel for; `int8-dynamic` quantizes LSTMs), raises `ValueError` before anything is written.
     """
     wanted = ["fp32", *[f for f in FORMATS[1:] if f in formats]]
     unknown = [f for f in formats if f not in FORMATS]
@@ -112,14 +116,11 @@ def export_variants(
         raise ValueError(
             f"unknown ONNX format(s) {', '.join(unknown)}; known: {', '.join(FORMATS)}"
         )
-    if "int8-static" in wanted:
-        if calibration_inputs is None or len(calibration_inputs) == 0:
-            raise ValueError("int8-static needs calibration inputs (the client's training data)")
-        if _has_lstm(model):
-            raise ValueError(
-                f"int8-static: onnxruntime has no static int8 LSTM kernel ({spec}); "
-                "use int8-dynamic for this model"
-            )
+    for fmt in wanted:
+        if (why := unsupported(model, fmt)) is not None:
+            raise ValueError(f"{fmt} for {spec}: {why}")
+    if "int8-static" in wanted and (calibration_inputs is None or len(calibration_inputs) == 0):
+        raise ValueError("int8-static needs calibration inputs (the client's training data)")
     x = torch.as_tensor(eval_inputs).detach().to("cpu", input_dtype(spec))
     if len(x) == 0:
         raise ValueError("no evaluation inputs to compare the ONNX files with PyTorch on")

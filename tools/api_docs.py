@@ -59,9 +59,7 @@ def _modules(package: str) -> list[ModuleType]:
         if any(part.startswith("_") for part in info.name.split(".")):
             continue
         found.append(importlib.import_module(info.name))
-    return sorted(
-        (m for m in found if getattr(m, "__all__", None)), key=lambda m: m.__name__
-    )
+    return sorted((m for m in found if getattr(m, "__all__", None)), key=lambda m: m.__name__)
 
 
 def _entry(name: str, obj: Any, module: ModuleType) -> list[str]:
