@@ -61,7 +61,6 @@ SetOpt = Annotated[
         help="any setting, dotted: fml.alpha=0.3 (repeatable; `edgefl settings` lists them all)",
     ),
 ]
-OutOpt = Annotated[Path | None, typer.Option("--out", "-o", help="output directory")]
 _BROKER_HELP = "MQTT broker URL, mqtt[s]://[user@]host[:port] (password: EDGEFL_BROKER__PASSWORD)"
 _ONNX_INT8_HELP = (
     "after the run, also write each personalized model as int8 ONNX: dynamic (any model) or "
@@ -271,7 +270,7 @@ def demo(
     clients: Annotated[int, typer.Option(min=1, help="devices, one process each")] = 6,
     dataset: Annotated[
         str | None,
-        typer.Option(help="[default: fashion_mnist when installed, else digits]"),
+        typer.Option(help="dataset name [default: fashion_mnist when installed, else digits]"),
     ] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="output directory")] = Path("runs/demo"),
     seed: Annotated[int, typer.Option(help="seed for data, initialisation and sampling")] = 0,
