@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -135,6 +136,11 @@ def run_federation(
     if device.type == "cpu":
         torch.set_num_threads(max(1, cores // parallel))
     release = _lean_heap(parallel)
+    # With exports, each client's state is kept in OUT/state for `edgefl export`; a simulation
+    # starts from scratch, never from what an earlier run with the same OUT left there.
+    state_dir = export_dir.parent / "state" if export_dir else None
+    if state_dir is not None:
+        shutil.rmtree(state_dir, ignore_errors=True)
     cohorts: dict[str, Cohort] = {}  # by architecture
     clients: list[EdgeClient] = []
     try:
@@ -152,8 +158,7 @@ def run_federation(
                     device=device,
                     seed=client_seed(cfg.seed, i),
                     onnx_path=export_dir / f"{cid}.onnx" if export_dir else None,
-                    # With exports, each client's state stays in OUT/state for `edgefl export`.
-                    state_dir=export_dir.parent / "state" if export_dir else None,
+                    state_dir=state_dir,
                     class_names=fed.dataset.classes,
                     normalization=fed.dataset.normalization,
                     fp16_upload=cfg.fp16_upload,

@@ -184,3 +184,20 @@ def test_static_int8_is_refused_for_an_lstm_before_anything_is_written(tmp_path)
             calibration_inputs=x,
         )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rerun_into_the_same_output_starts_from_scratch(tmp_path):
+    # The clients' states kept in OUT/state for `edgefl export` must not become the starting
+    # point of the next run written to the same OUT: the rerun gives the same results.
+    args = ["simulate", "--algorithm", "local", "--dataset", "digits", "--max-samples", "200",
+            "--partition", "iid", "--models", "mlr", "--clients", "2", "--rounds", "2",
+            "--local-epochs", "1", "--lr", "0.1", "--device", "cpu", "--export-onnx", "-q",
+            "--set", 'data.options={"size": 8}', "-o", str(tmp_path)]  # fmt: skip
+    accuracies = []
+    for _ in range(2):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 0, res.output
+        results = json.loads((tmp_path / "results.json").read_text())
+        accuracies.append([c["personal_acc"] for c in results["clients"]])
+    assert accuracies[0] == accuracies[1]
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["c0.state", "c1.state"]
