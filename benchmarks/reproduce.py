@@ -418,6 +418,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:28s} {row.title}")
         return 0
     if args.cmd == "table":
+        if not any((args.out / name / "results.json").is_file() for name in ROWS):
+            print(
+                f"no row has been run yet under {args.out}: run one first, e.g.\n"
+                f"  python benchmarks/reproduce.py run {next(iter(ROWS))} --rounds 10\n"
+                "(`list` shows every row)"
+            )
+            return 0
         print(table(args.out))
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -8,16 +8,24 @@ can, e.g. `models=["mlp","lenet5"]`, else as strings). The broker password may c
 environment or `broker.password_file`: never from a flag (it would show in `ps`) or a TOML file.
 The simulator, the coordinator daemon and `edgefl client` all read this one config.
 Every algorithm registered in `edge_sdk.algorithms` gets a section named after it, holding its
-config with the defaults from algorithms.md; adding an algorithm adds its section by itself.
+config with the defaults from algorithms.md; adding an algorithm adds its section by itself
+(one registered by a plugin too, when the plugin is loaded before the config).
+
+Typos are caught: an unknown key (`--set fml.alpah=0.3`, a TOML key, `EDGEFL_ROUNDZ=1`) is
+refused or, for environment variables, warned about, naming the valid keys nearest to it.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import logging
+import os
 import tomllib
-from collections.abc import Iterable, Mapping
+import types
+import typing
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +38,7 @@ from edge_sdk.auth import AuthSettings
 from edge_sdk.transport.mqtt import BrokerSettings
 from model_zoo import families
 from model_zoo.data import dataset_names, partition_schemes
+from model_zoo.files import write_atomic
 
 __all__ = [
     "ENV_PREFIX",
@@ -39,9 +48,15 @@ __all__ = [
     "RunConfig",
     "load_config",
     "parse_overrides",
+    "run_config_model",
+    "setting_keys",
+    "unknown_env_settings",
+    "write_config",
 ]
 
 ENV_PREFIX = "EDGEFL_"
+# EDGEFL_* variables that are not settings: read elsewhere, never warned about.
+ENV_NOT_SETTINGS = frozenset({"EDGEFL_PLUGINS"})
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +83,9 @@ class DeviceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str | None = None  # client id (default: the simulator's, c<index>)
-    index: int = Field(0, ge=0)  # which client of the partition's split this device holds
+    # Which client of the partition's split this device holds. No default: two devices started
+    # without it would both be client 0 (`edgefl client` refuses to start without it).
+    index: int | None = Field(None, ge=0)
     model: str | None = None  # its architecture family (default: models[index % len(models)])
     state_dir: str = "edgefl-state"  # where the exported ONNX model (and later, state) goes
     # Join a finished run: personalize from what it archived (PersFL), without training in it.
@@ -108,8 +125,12 @@ class RunConfig(BaseModel):
     # Where simulated clients run: "local", in this process (no serialisation); "network", each
     # an EdgeClient over the in-memory transport (a broker URL implies the network, over MQTT).
     fleet: Literal["local", "network"] = "local"
-    # In-process clients of one architecture whose algorithm can (pfml) train their fit tasks
-    # together as one stacked model (edge_sdk.cohort); False: one by one.
+    # CPU threads this process trains with (torch's intra-op pool; the simulator shares them
+    # among the clients training at once); None: the cores this process may use.
+    threads: int | None = Field(None, ge=1)
+    # In-process clients of one architecture whose algorithm can stack (local, FedAvg, FedProx,
+    # FedAvg+FT, FML, PFML) train each phase together as one stacked model (edge_sdk.cohort);
+    # False: one by one.
     cohort: bool = True
     run_id: str = "sim"
 
@@ -136,6 +157,11 @@ class RunConfig(BaseModel):
                 f"unknown partition {self.data.partition!r}; "
                 f"known: {', '.join(partition_schemes())}"
             )
+        if self.clients_per_round is not None and self.clients_per_round > self.clients:
+            raise ValueError(
+                f"clients_per_round ({self.clients_per_round}) is more than clients "
+                f"({self.clients}): a round cannot sample more clients than there are"
+            )
         return self
 
     def algorithm_config(self, name: str | None = None) -> BaseAlgorithmConfig:
@@ -149,16 +175,116 @@ class RunConfig(BaseModel):
         return self.global_model or self.models[0]
 
 
-def _with_sections() -> type[RunConfig]:
-    sections: dict[str, Any] = {}
-    for name in algorithm_names():
-        cls = algorithm_class(name).config_cls
-        sections[name] = (cls, Field(default_factory=cls))
-    return create_model("RunConfig", __base__=RunConfig, **sections)
+_MODELS: dict[tuple[str, ...], type[RunConfig]] = {}
 
 
-# The model load_config validates with: RunConfig plus one section per registered algorithm.
-_RUN_CONFIG_WITH_SECTIONS = _with_sections()
+def run_config_model() -> type[RunConfig]:
+    """The model load_config validates with: RunConfig plus one section per algorithm
+    registered now (built again when a plugin has registered another since)."""
+    names = tuple(algorithm_names())
+    if names not in _MODELS:
+        sections: dict[str, Any] = {}
+        for name in names:
+            cls = algorithm_class(name).config_cls
+            sections[name] = (cls, Field(default_factory=cls))
+        _MODELS[names] = create_model("RunConfig", __base__=RunConfig, **sections)
+    return _MODELS[names]
+
+
+# -- keys, and the nearest valid ones to a typo ---------------------------------------------------
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field holds (through `X | None`), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _section_model(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _model_at(model: type[BaseModel], path: Sequence[str]) -> type[BaseModel] | None:
+    for part in path:
+        field = model.model_fields.get(part)
+        inner = _section_model(field.annotation) if field is not None else None
+        if inner is None:
+            return None
+        model = inner
+    return model
+
+
+def _keys(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
+    for name, field in model.model_fields.items():
+        inner = _section_model(field.annotation)
+        if inner is None:
+            yield prefix + name
+        else:
+            yield from _keys(inner, f"{prefix}{name}.")
+
+
+def setting_keys() -> list[str]:
+    """Every setting's dotted key (`rounds`, `fml.alpha`, `round.deadline_s`...), sorted."""
+    return sorted(_keys(run_config_model()))
+
+
+def _nearest(typo: str) -> list[str]:
+    """The valid dotted keys nearest to `typo`: close ones in its own section first, else close
+    ones anywhere, and keys of the same name in other sections (`alpha` -> `fml.alpha`)."""
+    keys = setting_keys()
+    section = typo.rpartition(".")[0]
+    siblings = [k for k in keys if k.startswith(section + ".")] if section else keys
+    near = difflib.get_close_matches(typo, siblings, n=3, cutoff=0.6)
+    if not near:
+        near = difflib.get_close_matches(typo, keys, n=3, cutoff=0.6)
+    leaf = typo.rpartition(".")[2]
+    return near + [k for k in keys if k.rpartition(".")[2] == leaf and k not in near][:3]
+
+
+def _hint(typo: str, near: Sequence[str]) -> str:
+    if near:
+        return "did you mean " + " or ".join(near) + "?"
+    path = typo.split(".")[:-1]
+    model = _model_at(run_config_model(), path)
+    valid = sorted(model.model_fields) if model is not None else []
+    where = ".".join(path) or "the top level"
+    return f"valid keys in {where}: {', '.join(valid)}" if valid else "no such setting"
+
+
+def _error_text(err: Mapping[str, Any]) -> str:
+    """One pydantic error as a user reads it: the key, then what is wrong, without pydantic's
+    `Value error,` prefix; an unknown key comes with the nearest valid ones."""
+    loc = [str(x) for x in err["loc"]]
+    key = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        return f"{key}: unknown setting; {_hint(key, _nearest(key))}"
+    msg = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+    return f"{key}: {msg}" if key else msg
+
+
+def unknown_env_settings(environ: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each `EDGEFL_*` variable that names no setting (it would be ignored)."""
+    env = os.environ if environ is None else environ
+    model = run_config_model()
+    warnings = []
+    for var in sorted(env):
+        upper = var.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in ENV_NOT_SETTINGS:
+            continue
+        path = upper[len(ENV_PREFIX) :].lower().split("__")
+        node: type[BaseModel] | None = model
+        for i, part in enumerate(path):
+            assert node is not None
+            field = node.model_fields.get(part)
+            if field is None:
+                typo = ".".join(path[: i + 1])
+                near = [ENV_PREFIX + k.upper().replace(".", "__") for k in _nearest(typo)]
+                warnings.append(f"{var} is not a setting and is ignored; {_hint(typo, near)}")
+                break
+            node = _section_model(field.annotation)
+            if node is None:  # a value (or a dict of them): whatever follows is its content
+                break
+    return warnings
 
 
 def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
@@ -212,14 +338,27 @@ def _apply_training(tree: dict[str, Any], algorithms: list[str], key: str, value
 
 
 def _env_tree() -> dict[str, Any]:
-    """What the environment says (`EDGEFL_*`), as a nested dict of raw values."""
+    """What the environment says (`EDGEFL_*`), as a nested dict of raw values; variables that
+    name no setting are left out (`unknown_env_settings` warns about them)."""
 
-    class _FromEnv(BaseSettings, _RUN_CONFIG_WITH_SECTIONS):  # type: ignore[misc,valid-type]
+    class _FromEnv(BaseSettings, run_config_model()):  # type: ignore[misc]
         model_config = SettingsConfigDict(
             env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid"
         )
 
-    return dict(EnvSettingsSource(_FromEnv)())
+    return _known(dict(EnvSettingsSource(_FromEnv)()), run_config_model())
+
+
+def _known(tree: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
+    """`tree` without the keys `model` has no field for (recursively, through sections)."""
+    out = {}
+    for key, value in tree.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            continue
+        inner = _section_model(field.annotation)
+        out[key] = _known(value, inner) if inner and isinstance(value, dict) else value
+    return out
 
 
 def _deep_merge(tree: dict[str, Any], update: Mapping[str, Any]) -> None:
@@ -270,6 +409,8 @@ def load_config(
             raise ConfigError(f"{p}: invalid TOML: {exc}") from exc
         _refuse_secrets(tree, f"the config file {p}")
     if environ:
+        for warning in unknown_env_settings():
+            log.warning(warning)
         _deep_merge(tree, _env_tree())
     given: dict[str, Any] = {}
     for key, value in (flags or {}).items():
@@ -292,9 +433,26 @@ def load_config(
     for key, value in (overrides or {}).items():
         _set_dotted(tree, key, value)
     try:
-        return _RUN_CONFIG_WITH_SECTIONS.model_validate(tree)
+        return run_config_model().model_validate(tree)
     except ValidationError as exc:
-        msgs = "; ".join(
-            f"{'.'.join(str(x) for x in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()
-        )
+        msgs = "; ".join(_error_text(e) for e in exc.errors())
         raise ConfigError(f"invalid config: {msgs}") from exc
+
+
+def _without_nulls(value: Any) -> Any:
+    """TOML has no null: drop None fields (their defaults are None) recursively."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def write_config(cfg: RunConfig, path: str | Path, header: str = "") -> Path:
+    """`cfg` as TOML that `load_config` reads back to the same config (never the password);
+    `header` lines go first, as comments."""
+    import tomli_w
+
+    tree = _without_nulls(cfg.model_dump(mode="json", exclude={"broker": {"password"}}))
+    comments = "".join(f"# {line}\n" for line in header.splitlines())
+    return write_atomic(path, comments + tomli_w.dumps(tree))

@@ -40,10 +40,9 @@ from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
-import tomli_w
 
 from coordinator.broker import EmbeddedBroker, MosquittoBroker, start_broker
-from coordinator.config import RunConfig, load_config
+from coordinator.config import RunConfig, load_config, write_config
 from coordinator.demo_deploy import DemoError, ProcessGroup, deploy_and_follow, interruptible
 from coordinator.federation import Federation, prepare_federation, split_record, split_table
 from coordinator.results import RunResult, build_results, write_results
@@ -88,6 +87,9 @@ class DemoOptions:
     seed: int = 0
     broker: str | None = None  # None: start one
     keep_broker: bool = False  # after the report, keep the broker up for your own device app
+    device: str = "cpu"  # where the devices train: auto, cpu or cuda
+    # Options every child process gets: log level and format, plugins (`edgefl demo --plugin`).
+    child_args: tuple[str, ...] = ()
 
 
 @dataclass
@@ -126,7 +128,7 @@ def demo_config(opts: DemoOptions, dataset: str) -> RunConfig:
         "algorithm": opts.algorithm,
         "run_id": RUN_ID,
         "seed": opts.seed,
-        "device": "cpu",
+        "device": opts.device,
         "rounds": opts.rounds,
         "clients": opts.clients,
         "models": _families(opts.algorithm, opts.clients),
@@ -139,8 +141,6 @@ def demo_config(opts: DemoOptions, dataset: str) -> RunConfig:
         "data.partition": "label_groups",
         "data.partition_params": {"num_groups": num_groups},
         "data.split": list(SPLIT),
-        # Devices start in seconds here, but a slow machine may need longer to import torch.
-        "round.register_timeout_s": 300,
     }
     cfg = load_config(None, flags, training=TRAINING)
     holdout = strategy_class(cfg.algorithm).unlabeled_holdout(cfg.algorithm_config())
@@ -150,23 +150,12 @@ def demo_config(opts: DemoOptions, dataset: str) -> RunConfig:
     return cfg
 
 
-def _without_nulls(value: Any) -> Any:
-    """TOML has no null: drop None fields (their defaults are None) recursively."""
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
-    return value
-
-
-def write_config(cfg: RunConfig, path: Path) -> Path:
-    """The config as TOML that `load_config` reads back to the same config (no password)."""
-    tree = _without_nulls(cfg.model_dump(mode="json", exclude={"broker": {"password"}}))
-    return write_atomic(
+def _write_config(cfg: RunConfig, path: Path) -> Path:
+    return write_config(
+        cfg,
         path,
-        "# edgefl demo: the run config every process of the demo read.\n"
-        "# Rerun it in one process, baselines included: edgefl simulate --config demo.toml\n"
-        + tomli_w.dumps(tree),
+        "edgefl demo: the run config every process of the demo read.\n"
+        "Rerun it in one process, baselines included: edgefl simulate --config demo.toml",
     )
 
 
@@ -350,7 +339,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> Results:
             keys = issue_keys(out / "keys", fed.client_ids)
             cfg = cfg.model_copy(update={"auth": AuthSettings(roster=keys["roster"])})
             echo(f"keys: {out / 'keys'}/<id>.key, one per process; every message is signed")
-            write_config(cfg, out / "demo.toml")
+            _write_config(cfg, out / "demo.toml")
             write_atomic(out / "split.txt", split_table(fed) + "\n")
             if opts.broker:
                 url, what = opts.broker, "the broker you named"
@@ -376,7 +365,9 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> Results:
                 + f"local training per round: {_budget_words(cfg)}"
             )
             with timer.phase("deployment"):
-                deployed = deploy_and_follow(cfg, url, out, arch, procs, echo, extra)
+                deployed = deploy_and_follow(
+                    cfg, url, out, arch, procs, echo, extra, opts.child_args
+                )
             echo(
                 f"deployment finished in {timer.phases['deployment']:.1f} s; personalized "
                 f"models: {out / 'devices'}/<id>/<id>.onnx"

@@ -164,12 +164,14 @@ def deploy_and_follow(
     procs: ProcessGroup,
     echo: Callable[[str], None],
     extra_sets: Sequence[str],
+    child_args: Sequence[str] = (),
 ) -> RunResult:
-    """The coordinator daemon and one process per device; follows the rounds as they finish."""
+    """The coordinator daemon and one process per device; follows the rounds as they finish.
+    `child_args` go to every process (log options, plugins)."""
     config = str(out / "demo.toml")
     coordinator_out = out / "coordinator"
     metrics_port = free_port()
-    common = ["--config", config, "--broker", url, "--run-id", cfg.run_id]
+    common = ["--config", config, "--broker", url, "--run-id", cfg.run_id, *child_args]
 
     def key(name: str) -> list[str]:  # each process its own signing key (OUT/keys)
         return ["--set", f"auth.key_file={out / 'keys' / name}.key"]
@@ -203,6 +205,7 @@ def deploy_and_follow(
         )
         started.append(f"{cid} {family} (pid {p.pid})")
     echo("devices: " + ", ".join(started))
+    echo(f"logs: {procs.logs}/<name>.log, one per process (coordinator, {', '.join(arch)})")
     echo(f"waiting for {len(arch)} devices to start and register (each process imports torch)")
     t0, online, shown = time.perf_counter(), -1, 0
     rounds_path = coordinator_out / "rounds.jsonl"

@@ -262,8 +262,13 @@ def run_device(
     it when restarted; SIGTERM/SIGINT stop it after the task in progress, leaving cleanly.
     """
     _require_broker(cfg)
-    fed = prepare_federation(cfg)
     i = cfg.client.index
+    if i is None:  # two devices left on a default would both be client 0, and collide
+        raise ConfigError(
+            "which device is this? pass --index I (the client of the split whose data it holds; "
+            "client.index in a config) and, optionally, --id NAME (default c<I>)"
+        )
+    fed = prepare_federation(cfg)
     if i >= len(fed.client_ids):
         raise ConfigError(f"client index {i} is out of range for {len(fed.client_ids)} clients")
     cid = cfg.client.id or fed.client_ids[i]

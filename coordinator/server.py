@@ -71,7 +71,9 @@ class RoundConfig(BaseModel):
     # longer than a round's phases; None: the same as deadline_s.
     finalize_deadline_s: float | None = Field(None, gt=0)
     quorum: float = Field(0.5, gt=0, le=1)  # fraction of a round's tasks that must reply validly
-    register_timeout_s: float = Field(60.0, gt=0)
+    # How long the coordinator waits for its clients to register. Devices started by hand, or
+    # slow to import torch, take minutes: a daemon waits 10 by default.
+    register_timeout_s: float = Field(600.0, gt=0)
     eval_every: int = Field(1, ge=1)  # evaluate on all clients every N rounds (and the last)
     # Start once this many clients registered when `register_timeout_s` passes without all of
     # the expected ones (None: all expected clients are needed).

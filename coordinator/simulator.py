@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -106,6 +107,11 @@ def run_federation(
     broker `cfg.broker` names, the code path a deployment takes."""
     families = models or cfg.models
     run_id = f"{cfg.run_id}-{algorithm}"
+    # With exports, each client's state is kept in OUT/state for `edgefl export`; a simulation
+    # starts from scratch, never from what an earlier run with the same OUT left there.
+    state_dir = export_dir.parent / "state" if export_dir else None
+    if state_dir is not None:
+        shutil.rmtree(state_dir, ignore_errors=True)
     nodes = [
         build_node(
             cfg,
@@ -114,10 +120,12 @@ def run_federation(
             run_id=run_id,
             family=families[i % len(families)],
             onnx_path=export_dir / f"{cid}.onnx" if export_dir else None,
+            state_dir=state_dir,
         )
         for i, cid in enumerate(fed.client_ids)
     ]
-    parallel = cfg.parallel or cpu_threads()
+    threads = cfg.threads or cpu_threads()  # the CPU threads this run trains with
+    parallel = cfg.parallel or threads
     release = _lean_heap(parallel)
 
     def round_done(rec: RoundRecord) -> None:
@@ -127,12 +135,18 @@ def run_federation(
             on_round(rec)
 
     if cfg.fleet == "local" and cfg.broker.url is None:
-        fleet = LocalFleet(nodes, parallel=parallel, stack=cfg.cohort, fp16_upload=cfg.fp16_upload)
+        fleet = LocalFleet(
+            nodes,
+            parallel=parallel,
+            threads=threads,
+            stack=cfg.cohort,
+            fp16_upload=cfg.fp16_upload,
+        )
         coordinator = build_coordinator(
             cfg, fleet, algorithm=algorithm, fed=fed, run_id=run_id, on_round=round_done
         )
         return coordinator.run()
-    return _over_network(cfg, fed, algorithm, nodes, run_id, parallel, round_done)
+    return _over_network(cfg, fed, algorithm, nodes, run_id, threads, parallel, round_done)
 
 
 def _over_network(
@@ -141,10 +155,12 @@ def _over_network(
     algorithm: str,
     nodes: list[ClientNode],
     run_id: str,
+    threads: int,
     parallel: int,
     on_round: Callable[[RoundRecord], None],
 ) -> RunResult:
-    """Every node an EdgeClient on its own thread and transport, the coordinator on another."""
+    """Every node an EdgeClient on its own thread and transport, the coordinator on another;
+    `threads`: the CPU threads of the run, shared by the `parallel` clients training at once."""
     connect = transport_factory(cfg, run_id)
     transports = [connect(topics.COORDINATOR)]
     # Keys for this run only, in memory: every message is signed as in a deployment.
@@ -157,8 +173,8 @@ def _over_network(
     )
     # Clients train on their own threads: give each an equal share of the cores instead of
     # letting every one spawn a full intra-op pool. Restored when the run ends.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, cpu_threads() // parallel))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads // parallel))
     clients: list[EdgeClient] = []
     try:
         coordinator.open()
@@ -174,7 +190,7 @@ def _over_network(
             c.stop()
         for t in transports:
             t.close()
-        torch.set_num_threads(threads)
+        torch.set_num_threads(saved)
 
 
 def simulate(

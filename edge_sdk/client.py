@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import ValidationError
@@ -61,6 +61,10 @@ from edge_sdk.protocol import (
 )
 from edge_sdk.trainer import ClientData
 from edge_sdk.transport.base import Transport, TransportError
+
+if TYPE_CHECKING:
+    from edge_sdk.transport.mqtt import BrokerSettings
+
 from edge_sdk.wire import (
     DEFAULT_CHUNK_BYTES,
     Endpoint,
@@ -268,15 +272,26 @@ class EdgeClient:
     @classmethod
     def connect(
         cls,
-        broker: Any,
+        broker: str | BrokerSettings,
         client_id: str,
         spec: ArchSpec,
         data: ClientData,
         *,
         run_id: str = "default",
-        **kwargs: Any,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        onnx_path: str | Path | None = None,
+        class_names: list[str] | None = None,
+        normalization: dict[str, list[float]] | None = None,
+        fp16_upload: bool = False,
+        max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
+        on_task: Callable[[TaskOutcome], None] | None = None,
+        state_dir: str | Path | None = None,
+        dataset: str | None = None,
+        keyring: Keyring | None = None,
     ) -> EdgeClient:
-        """An EdgeClient over its own `MqttTransport` to `broker` (a URL or `BrokerSettings`).
+        """An EdgeClient over its own `MqttTransport` to `broker` (a URL or `BrokerSettings`);
+        the other arguments are the constructor's.
 
         The MQTT session is named after the run and the client, so a restarted device resumes
         it (and receives what was queued for it while it was away).
@@ -284,7 +299,25 @@ class EdgeClient:
         from edge_sdk.transport.mqtt import MqttTransport
 
         transport = MqttTransport(broker, f"edgefl-{run_id}-{client_id}")
-        return cls(client_id, spec, data, transport, run_id=run_id, owns_transport=True, **kwargs)
+        return cls(
+            client_id,
+            spec,
+            data,
+            transport,
+            run_id=run_id,
+            device=device,
+            seed=seed,
+            onnx_path=onnx_path,
+            class_names=class_names,
+            normalization=normalization,
+            fp16_upload=fp16_upload,
+            max_blob_bytes=max_blob_bytes,
+            on_task=on_task,
+            owns_transport=True,
+            state_dir=state_dir,
+            dataset=dataset,
+            keyring=keyring,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> EdgeClient:

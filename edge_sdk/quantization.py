@@ -1,6 +1,8 @@
-"""Int8 quantization of an `export_onnx` file, with its size and accuracy cost.
+"""Int8 quantization (and fp16 conversion) of an `export_onnx` file, with its size and accuracy
+cost.
 
-Two ways, both onnxruntime's and both written atomically with the edgefl metadata carried over:
+Two int8 ways, both onnxruntime's and both written atomically with the edgefl metadata carried
+over:
 
 * `quantize_dynamic_int8`: int8 weights, activations quantized at run time (MatMulInteger,
   ConvInteger, DynamicQuantizeLSTM). Needs no data; covers every family, the LSTM included.
@@ -9,6 +11,11 @@ Two ways, both onnxruntime's and both written atomically with the edgefl metadat
   pairs into QLinearConv/QLinearMatMul. For the convolutional families; it has no LSTM kernel.
 
 ``edgefl.quantization`` in the metadata says which (``dynamic-int8`` / ``static-int8-qdq``).
+
+`convert_fp16` halves the file instead: weights and activations in float16, inputs and outputs
+kept float32 (``edgefl.quantization = "fp16"``). onnxruntime's CPU provider runs many fp16 ops by
+casting back to float32, so it saves size and memory bandwidth, not CPU time; GPUs and NPUs run it
+natively.
 """
 
 from __future__ import annotations
@@ -51,8 +58,10 @@ from model_zoo.spec import input_dtype
 __all__ = [
     "DEFAULT_QUANTIZED_OPS",
     "DYNAMIC_INT8",
+    "FP16",
     "STATIC_INT8",
     "QuantizationReport",
+    "convert_fp16",
     "quantize_dynamic_int8",
     "quantize_static_int8",
 ]
@@ -61,6 +70,7 @@ logger = logging.getLogger(__name__)
 
 DYNAMIC_INT8 = "dynamic-int8"
 STATIC_INT8 = "static-int8-qdq"
+FP16 = "fp16"
 # Op types whose dynamic int8 versions (MatMulInteger, ConvInteger, DynamicQuantizeLSTM) run on
 # onnxruntime's CPU provider.
 DEFAULT_QUANTIZED_OPS: tuple[str, ...] = ("MatMul", "Gemm", "Conv", "LSTM")
@@ -203,6 +213,24 @@ def quantize_dynamic_int8(
         )
 
     return _quantize(Path(src), Path(dst), DYNAMIC_INT8, run, eval_inputs, eval_labels)
+
+
+def convert_fp16(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    eval_inputs: torch.Tensor | np.ndarray | None = None,
+    eval_labels: torch.Tensor | np.ndarray | Sequence[int] | None = None,
+) -> QuantizationReport:
+    """Convert `src` (an `export_onnx` file) to float16 weights and activations, keeping float32
+    inputs and outputs, and write `dst` atomically (``edgefl.quantization = "fp16"``). The
+    report's `int8_*` fields describe the fp16 file."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    def run(proto: onnx.ModelProto, meta: OnnxMetadata, tmp: Path) -> None:
+        onnx.save(convert_float_to_float16(proto, keep_io_types=True), os.fspath(tmp))
+
+    return _quantize(Path(src), Path(dst), FP16, run, eval_inputs, eval_labels)
 
 
 class _Batches(CalibrationDataReader):

@@ -48,8 +48,10 @@ log = logging.getLogger(__name__)
 
 
 class LocalFleet(Fleet):
-    """`nodes` as the clients of a run. `parallel`: how many groups train at once (default: the
-    threads this process may use, `edge_sdk.device.cpu_threads`). `stack`: compatible tasks run
+    """`nodes` as the clients of a run. `threads`: the CPU threads this fleet trains with
+    (default: those this process may use, `edge_sdk.device.cpu_threads`). `parallel`: how many
+    groups train at once, each with an equal share of the threads (default: one per thread).
+    `stack`: compatible tasks run
     as one stacked model (False: one by one). `fp16_upload`: replies are rounded through fp16,
     as a client uploading in fp16 would send them."""
 
@@ -58,6 +60,7 @@ class LocalFleet(Fleet):
         nodes: Sequence[ClientNode],
         *,
         parallel: int | None = None,
+        threads: int | None = None,
         stack: bool = True,
         fp16_upload: bool = False,
     ) -> None:
@@ -65,7 +68,8 @@ class LocalFleet(Fleet):
         self.nodes = {n.client_id: n for n in nodes}
         if len(self.nodes) != len(nodes):
             raise ValueError("two nodes share a client id")
-        self.parallel = max(1, parallel or cpu_threads())
+        self.threads = max(1, threads or cpu_threads())
+        self.parallel = max(1, parallel or self.threads)
         self.stack = stack
         self.fp16_upload = fp16_upload
         self.board = PeerBoard()
@@ -169,7 +173,10 @@ class LocalFleet(Fleet):
         if self.parallel == 1 or len(jobs) == 1:
             done = [run(ids) for ids in jobs]
         else:
-            with _threads_each(self.parallel), ThreadPoolExecutor(self.parallel) as pool:
+            with (
+                _threads_each(self.threads, self.parallel),
+                ThreadPoolExecutor(self.parallel) as pool,
+            ):
                 done = list(pool.map(run, jobs))
         return {
             cid: out
@@ -213,11 +220,11 @@ class LocalFleet(Fleet):
 
 
 @contextlib.contextmanager
-def _threads_each(workers: int) -> Iterator[None]:
-    """Give each of `workers` concurrently training threads an equal share of torch's intra-op
+def _threads_each(threads: int, workers: int) -> Iterator[None]:
+    """Give each of `workers` concurrently training threads an equal share of `threads` intra-op
     threads (instead of each spawning a pool the size of the machine); restored afterwards."""
     saved = torch.get_num_threads()
-    torch.set_num_threads(max(1, cpu_threads() // workers))
+    torch.set_num_threads(max(1, threads // workers))
     try:
         yield
     finally:

@@ -138,7 +138,8 @@ class NetworkFleet(Fleet):
                     break
                 raise CoordinatorError(
                     f"only {len(self.clients)} of {expected} clients registered "
-                    f"within {timeout_s:.0f} s"
+                    f"within {timeout_s:.0f} s (round.register_timeout_s: "
+                    "--register-timeout SECONDS waits longer; --min-clients M starts with fewer)"
                 )
             self._dispatch(env)
         self.started = True

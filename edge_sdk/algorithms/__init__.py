@@ -1,16 +1,13 @@
-"""Device halves of the algorithms, one file each, registered by name on import."""
+"""Device halves of the algorithms, one file each, registered by name on import.
 
-from edge_sdk.algorithms import (  # noqa: F401
-    fedavg,
-    fedavg_ft,
-    federico,
-    fedme,
-    fedprox,
-    fml,
-    local,
-    persfl,
-    pfml,
-)
+Every module of this package is imported here, so a new algorithm is one new file: nothing to
+add to a list. Algorithms outside the package register with `register_algorithm` from a plugin
+(`coordinator.plugins`).
+"""
+
+import importlib
+import pkgutil
+
 from edge_sdk.algorithms.base import (
     AlgorithmConfig,
     AlgorithmError,
@@ -38,3 +35,7 @@ __all__ = [
     "algorithm_names",
     "register_algorithm",
 ]
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")

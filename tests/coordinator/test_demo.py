@@ -6,6 +6,7 @@ devices, one or two rounds and scikit-learn's digits so that they stay short.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -33,8 +34,14 @@ def _alive(pid: int) -> bool:
 def test_demo_runs_devices_as_processes_and_writes_the_report(tmp_path: Path) -> None:
     lines: list[str] = []
 
+    # Children this test process had before (a session's broker fixture) are not the demo's.
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    plugin = ROOT / "examples" / "plugin" / "edgefl_example_plugin.py"
+    child_args = ("--log-level", "INFO", "--log-format", "json", "--plugin", str(plugin))
     results = run_demo(
-        DemoOptions(rounds=2, clients=2, dataset="digits", out=tmp_path, seed=3),
+        DemoOptions(
+            rounds=2, clients=2, dataset="digits", out=tmp_path, seed=3, child_args=child_args
+        ),
         echo=lines.append,
     )
 
@@ -52,7 +59,8 @@ def test_demo_runs_devices_as_processes_and_writes_the_report(tmp_path: Path) ->
     ]
     assert "messages signed and checked" in (tmp_path / "logs" / "coordinator.log").read_text()
     assert [c.arch for c in results.clients] == ["mlr", "mlp"]
-    assert psutil.Process().children(recursive=True) == []  # nothing left running
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert left == []  # nothing the demo started is left running
     # Live progress: one line per round with every client's accuracy.
     rounds = [ln for ln in lines if ln.startswith("round ")]
     assert [ln[:11] for ln in rounds] == ["round  1/2 ", "round  2/2 "]
@@ -82,6 +90,12 @@ def test_demo_runs_devices_as_processes_and_writes_the_report(tmp_path: Path) ->
     assert page.count("data:image/png;base64,") >= 3
     assert "## Data per client" in (tmp_path / "report.md").read_text()
     assert re.search(r"wall time: \d+\.\d s", text)
+    # Where the logs are, and every process got the demo's log options and plugins.
+    assert f"logs: {tmp_path / 'logs'}/<name>.log, one per process (coordinator, c0, c1)" in text
+    for name in ("coordinator", "c0", "c1"):
+        log = (tmp_path / "logs" / f"{name}.log").read_text().splitlines()
+        records = [json.loads(ln) for ln in log if ln.startswith("{")]
+        assert f"plugins loaded: {plugin}" in [r["message"] for r in records], name
 
 
 def test_demo_sigint_stops_the_broker_and_every_process(tmp_path: Path) -> None:

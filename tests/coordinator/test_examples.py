@@ -79,3 +79,30 @@ def test_the_embedded_device_app_runs_against_a_real_broker(mosquitto, tmp_path)
     assert all("predicts" in log and "round 2/2 fit: ok" in log for log in logs)
     assert (tmp_path / "phone0.onnx").is_file() and (tmp_path / "phone1.onnx").is_file()
     assert [c.id for c in result["run"].clients] == ["phone0", "phone1"]
+
+
+def _readme_block(heading: str) -> str:
+    """The first ```python block of README.md after `heading`."""
+    text = (EXAMPLES.parent / "README.md").read_text()
+    after = text[text.index(heading) :]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readmes_python_snippet_runs_as_written(tmp_path):
+    # Before: it predicted on an undefined `images`, normalising them a second time.
+    import subprocess
+    import sys
+
+    from model_zoo.data import DatasetNotFound, load_dataset
+
+    try:
+        load_dataset("fashion_mnist", max_samples=10)
+    except DatasetNotFound:
+        pytest.skip("Fashion-MNIST is not installed (make test installs it as root)")
+    code = _readme_block("## Using the pieces directly")
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "lenet5.onnx").is_file()
+    assert res.stdout.strip().splitlines()[-1].startswith("['")  # eight class names

@@ -40,3 +40,11 @@ def test_fedme_tuning_line_compares_the_automatic_choice_with_the_best_fixed_arc
     summaries[0] = _summary("fedme-fmnist-dirichlet", 0.855)
     assert "(-0.70 points; within 1 point: yes)" in reproduce._fedme_tuning(summaries)
     assert reproduce._fedme_tuning(summaries[:1]) == ""
+
+
+def test_table_on_a_fresh_clone_says_to_run_a_row_first(tmp_path, capsys):
+    # Before: FileNotFoundError writing summary.json into the missing runs/reproduce.
+    assert reproduce.main(["table", "--out", str(tmp_path / "runs" / "reproduce")]) == 0
+    said = capsys.readouterr().out
+    assert "no row has been run yet under" in said
+    assert "python benchmarks/reproduce.py run pfml-synthetic-mlr" in said
