@@ -56,7 +56,7 @@ def _reference():
         lr=0.1,
         parallel=2,
     )
-    return [c["personal_acc"] for c in simulate(cfg, progress=False)["clients"]]
+    return [c.personal_acc for c in simulate(cfg, progress=False).clients]
 
 
 class Attacker:

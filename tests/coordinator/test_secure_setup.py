@@ -88,7 +88,7 @@ def _reference():
         lr=0.1,
         parallel=2,
     )
-    return [c["personal_acc"] for c in simulate(cfg, progress=False)["clients"]]
+    return [c.personal_acc for c in simulate(cfg, progress=False).clients]
 
 
 def test_the_readme_secure_setup_runs_as_printed_and_no_credential_takes_a_session(etc):
