@@ -265,9 +265,10 @@ _BUDGET_FIELDS = ("local_epochs", "local_iterations", "batch_size", "lr", "ft_ep
 
 
 def training_budget(cfg: RunConfig, algorithm: str) -> dict[str, Any]:
-    """The local-training budget fields of one algorithm's config, in its own units."""
+    """The local-training budget fields of one algorithm's config, in its own units (a field
+    left unset, such as PFML's local_epochs when it runs fixed iterations, is not one)."""
     section = cfg.algorithm_config(algorithm).model_dump()
-    return {k: section[k] for k in _BUDGET_FIELDS if k in section}
+    return {k: section[k] for k in _BUDGET_FIELDS if section.get(k) is not None}
 
 
 def write_results(results: Results, out: Path) -> Path:
