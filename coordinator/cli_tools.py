@@ -231,12 +231,13 @@ def broker_acl(
         typer.Option(help="directory with ca.pem, broker.pem, broker.key (default: no TLS)"),
     ] = None,
 ) -> None:
-    """Write a mosquitto config, password file (hashed), ACL, per-user credentials and keys.
+    """Write a mosquitto config, users, ACL and signing keys.
 
-    Client X may publish only on its own up and peer topics and read only its own down topic, the
-    broadcast and status topics and the peer topics meant for it; the coordinator has its own user.
-    Each user's MQTT client id is its user name, so no credential can take another's session. Every
-    participant also gets its own signing key (see `edgefl keys`).
+    The password file is hashed; every user gets its own credentials file. Client X may publish
+    only on its own up and peer topics and read only its own down topic, the broadcast and status
+    topics and the peer topics meant for it; the coordinator has its own user. Each user's MQTT
+    client id is its user name, so no credential can take another's session. Every participant
+    also gets its own signing key (see `edgefl keys`).
     """
     from coordinator.acl import write_broker_files
 
@@ -263,9 +264,11 @@ def keys(
     clients: Annotated[str, typer.Option(help=f"{CSV} client ids")],
     out: Annotated[Path, typer.Option("--out", "-o", help="directory for the keys")],
 ) -> None:
-    """Issue signing keys: OUT/<id>.key for the coordinator and each client (mode 600) and
-    OUT/roster.json, the public keys everyone checks messages against. Keys already in OUT
-    are kept (add clients by running it again with more ids)."""
+    """Issue a signing key to the coordinator and each client.
+
+    OUT/<id>.key for each (mode 600) and OUT/roster.json, the public keys everyone checks
+    messages against. Keys already in OUT are kept (add clients by running it again with more
+    ids)."""
     from edge_sdk.auth import issue_keys
 
     paths = guard(lambda: issue_keys(out, csv_list(clients) or []))

@@ -30,6 +30,7 @@ it had before that round, so a repeated round trains exactly what the first atte
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -84,6 +85,11 @@ REGISTER_RETRY_S = 2.0
 # reconnection wake it at once; request_stop() (signal-safe: it only sets a flag) within this.
 # Every wake-up costs CPU: with 0.2 s, 200 simulated clients spent ~7 % of a round waking.
 IDLE_WAIT_S = 1.0
+# For this long after a reconnection, every status the coordinator publishes is answered with our
+# presence: one sent before the coordinator itself was back on the broker reached no one (a
+# broker restarted without persistence keeps no queue for it), and the coordinator publishes its
+# status again once it is back. A repeated presence changes nothing on its side.
+REANNOUNCE_S = 60.0
 _SEEN_TASKS = 256  # task ids remembered to ignore QoS 1 redeliveries
 # What reassembly may hold per topic before the coordinator's status says how large the run's
 # models are (then twice that, plus a chunk): a flood before it costs at most this much.
@@ -226,6 +232,7 @@ class EdgeClient:
         node.peers = self.peers
         self._stop = threading.Event()
         self._back = threading.Event()  # the connection came back: say we are online
+        self._back_at = -math.inf  # when it last came back (see REANNOUNCE_S)
         self._epoch_base = time.time_ns() // 1_000_000 * 1000  # a restart starts higher
         self._thread: threading.Thread | None = None
         self._seen: deque[str] = deque(maxlen=_SEEN_TASKS)
@@ -511,6 +518,7 @@ class EdgeClient:
         return None
 
     def _reconnected(self) -> None:
+        self._back_at = _now()
         self._back.set()
         self.endpoint.interrupt()
 
@@ -533,6 +541,8 @@ class EdgeClient:
             self._stop.set()
         elif self.accepted is None:
             self.register()
+        elif self.accepted and _now() - self._back_at < REANNOUNCE_S:
+            self._try_send(self._presence(self.transport.connection, online=True))
 
     def _handle(self, task: Task, blobs: Mapping[str, Buffer]) -> None:
         out_blobs: dict[str, bytes] = {}

@@ -44,6 +44,8 @@ def test_a_coordinator_whose_clients_do_not_come_says_how_to_wait_longer(mosquit
             "1",
             "--out",
             str(tmp_path),
+            "--set",
+            "auth.open=true",  # no keys needed: no client will come
         ],
     )
     assert res.exit_code == 2, res.output

@@ -97,6 +97,10 @@ def simulated(tmp_path_factory):
             "-o",
             str(out),
             "-q",
+            # Each client deploys its own architecture (the guard could pick the mlr meme over
+            # the LSTM, which is the client these tests need).
+            "--set",
+            "fml.guard=false",
         ],
     )
     assert res.exit_code == 0, res.output

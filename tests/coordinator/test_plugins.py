@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests_helpers import key_flags
 from typer.testing import CliRunner
 
 from coordinator.cli import app
@@ -153,9 +154,11 @@ def test_the_example_plugin_over_mqtt_coordinator_client_and_export(mosquitto, t
     # Prepare: a coordinator and a device, each its own process, each loading the plugin its
     # own way (environment variable; flag).
     common = ["--broker", mosquitto.url, "--run-id", "plugin-e2e", "--set", "device=cpu"]
+    keys = key_flags(tmp_path / "keys", ["c1"])
     coord = [
         "coordinator",
         *common,
+        *keys["coordinator"],
         "--algorithm",
         "fedavgm",
         "--clients",
@@ -194,6 +197,7 @@ def test_the_example_plugin_over_mqtt_coordinator_client_and_export(mosquitto, t
         "1",
         "--state-dir",
         str(tmp_path / "d1"),
+        *keys["c1"],
     ]
     procs = [
         subprocess.Popen(

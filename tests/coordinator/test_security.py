@@ -109,7 +109,7 @@ def test_edgefl_keys_issues_private_keys_and_a_roster_and_daemons_refuse_to_star
     assert all((tmp_path / "k" / k).stat().st_mode & 0o777 == 0o600 for k in keys)
     assert set(read_roster(tmp_path / "k" / "roster.json")) == {"coordinator", "c0", "c1"}
     # Without keys (and without auth.open), neither daemon starts; each says what to do.
-    for command in (["coordinator"], ["client", "--id", "c0"]):
+    for command in (["coordinator"], ["client", "--id", "c0", "--index", "0"]):
         res = runner.invoke(app, [*command, "--broker", "mqtt://127.0.0.1:1", "--run-id", "r"])
         assert res.exit_code == 2
         assert "edgefl keys --clients" in res.output and "auth.open=true" in res.output

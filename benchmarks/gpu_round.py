@@ -1,0 +1,348 @@
+"""A federation's round as one batched program against client by client, on CUDA or the CPU.
+
+Parts (`--parts`):
+
+- **fml**: the PFLlib-like FML round, training and evaluation: Fashion-MNIST, Dirichlet(0.1)
+  over 20 clients, cnn2 at width 32, batch 10, SGD lr 0.005, one local epoch, every client
+  evaluated every round (one architecture: one stack of 20).
+- **pfml**: PFML on Synthetic(0.5, 0.5), 100 clients (all train, 10 are aggregated), MLR,
+  D = E = 20, K = 3, λ = 20, β = 2, η = 0.01 (`examples/pfml_synthetic.toml`'s setting).
+- **fml100**: FML rounds of 100 clients, 100 Fashion-MNIST samples each (iid), batch 10, one
+  epoch, for each of `--families` (default mlr, mlp, lenet5).
+- **step**: one cnn2 (width 32) client's FML step at batch 10 on its own, as a device takes it:
+  milliseconds per step, captured in a CUDA graph and eager (on CUDA).
+
+Each federation runs twice in this process, side by side: **batched** (the default: clients of
+one architecture as one stacked program, `cohort = true`) and **client by client**
+(`cohort = false`), with `--parallel` groups at once (default 1: one stream of work). Round
+times are wall seconds (median of rounds 2.., the first includes building and capturing);
+`cpu_s` the process's CPU seconds a round. A separate pass of one round per mode counts the
+**torch operator calls** (a TorchDispatchMode over every aten call, the coordinator's
+included), with steps run eagerly so that the count does not depend on the device (a CUDA
+graph replays its kernels without calling operators). Accuracies are the final mean
+personalized accuracies: batched and client by client should agree.
+
+    python benchmarks/gpu_round.py --device cuda                 # on a GPU machine
+    python benchmarks/gpu_round.py --device cpu --parts pfml fml100 --rounds 3
+    python benchmarks/gpu_round.py --parts fml --ops-only         # operator counts alone
+
+Fashion-MNIST is read from /usr/share/datasets/fashion-mnist, or from `.device/data/fashion-mnist`
+on a machine prepared without network access. Prints one JSON object, then a table.
+On a shared machine absolute times are noisy: compare the ratios taken in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from coordinator.config import load_config
+from coordinator.federation import prepare_federation
+from coordinator.results import RoundRecord
+from coordinator.simulator import run_federation
+from edge_sdk.algorithms import algorithm_class
+from edge_sdk.algorithms.base import ClientContext
+from edge_sdk.codec import WireModel
+from edge_sdk.device import cpu_threads, resolve_device
+from edge_sdk.trainer import ClientData, Trainer
+from model_zoo import ArchSpec, build
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA_ROOTS = (Path("/usr/share/datasets/fashion-mnist"), ROOT / ".device/data/fashion-mnist")
+PARTS = ("fml", "pfml", "fml100", "step")
+GOALS = {  # the issue's, per part and device type: seconds per round, or ms per step
+    ("fml", "cuda"): "<= 1.0 s a round (H100)",
+    ("pfml", "cuda"): "<= 0.1 s a round (H100)",
+    ("step", "cuda"): "<= 0.5 ms a step (H100)",
+    ("fml100", "cpu"): ">= 3x client by client (2 cores)",
+}
+
+
+def _data_root() -> str:
+    for root in DATA_ROOTS:
+        if (root / "train-images-idx3-ubyte.gz").is_file():
+            return str(root)
+    raise SystemExit(f"Fashion-MNIST not found in {[str(r) for r in DATA_ROOTS]}")
+
+
+# -- the federations ---------------------------------------------------------------------------
+def fml_overrides(device: str) -> dict[str, Any]:
+    return {
+        "algorithm": "fml",
+        "clients": 20,
+        "models": ["cnn2"],
+        "model_kwargs": {"cnn2": {"width": 32}},
+        "device": device,
+        "data.dataset": "fashion_mnist",
+        "data.root": _data_root(),
+        "data.partition": "dirichlet",
+        "data.partition_params": {"alpha": 0.1},
+        "fml.local_epochs": 1,
+        "fml.batch_size": 10,
+        "fml.lr": 0.005,
+    }
+
+
+def pfml_overrides(device: str) -> dict[str, Any]:
+    return {
+        "algorithm": "pfml",
+        "clients": 100,
+        "clients_per_round": 10,
+        "models": ["mlr"],
+        "device": device,
+        "data.dataset": "synthetic",
+        "data.partition": "natural",
+        "data.split": [0.75, 0.0, 0.25],
+        "data.options": {"alpha": 0.5, "beta": 0.5},
+        "pfml.local_iterations": 20,
+        "pfml.batch_size": 20,
+        "pfml.lr": 0.01,
+        "pfml.k_steps": 3,
+        "pfml.lam": 20.0,
+        "pfml.beta": 2.0,
+        "pfml.participation": "all",
+        "pfml.weighting": "by_samples",
+    }
+
+
+def fml100_overrides(device: str, family: str) -> dict[str, Any]:
+    return {
+        "algorithm": "fml",
+        "clients": 100,
+        "models": [family],
+        "device": device,
+        "data.dataset": "fashion_mnist",
+        "data.root": _data_root(),
+        "data.max_samples": 100 * 100,
+        "data.partition": "iid",
+        "fml.local_epochs": 1,
+        "fml.batch_size": 10,
+        "fml.lr": 0.005,
+    }
+
+
+# -- measuring ---------------------------------------------------------------------------------
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operator calls made on this thread while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def eager_steps() -> Iterator[None]:
+    """Every Trainer built inside runs its steps eagerly (no CUDA graphs)."""
+    init = Trainer.__init__
+
+    def eager(self: Trainer, device: torch.device, **kw: Any) -> None:
+        init(self, device, **(kw | {"graphs": False}))
+
+    Trainer.__init__ = eager  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Trainer.__init__ = init  # type: ignore[method-assign]
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_mode(overrides: dict[str, Any], cohort: bool, rounds: int, parallel: int) -> dict[str, Any]:
+    """One federation, batched or client by client: round times, CPU seconds, accuracy."""
+    cfg = load_config(
+        overrides=overrides | {"cohort": cohort, "rounds": rounds, "parallel": parallel},
+        environ=False,
+    )
+    fed = prepare_federation(cfg)
+    device = overrides["device"]
+    cpu = [_cpu_s()]
+    walls: list[float] = []
+
+    def on_round(rec: RoundRecord) -> None:
+        _sync(device)
+        cpu.append(_cpu_s())
+        walls.append(rec.seconds)
+
+    run = run_federation(cfg, fed, cfg.algorithm, on_round=on_round)
+    accs = [c.personal_acc for c in run.clients if c.personal_acc is not None]
+    cpus = [b - a for a, b in itertools.pairwise(cpu)]
+    later = walls[1:] or walls
+    return {
+        "round_s": [round(s, 3) for s in walls],
+        "median_round_s": round(statistics.median(later), 3),
+        "cpu_s": [round(s, 3) for s in cpus],
+        "median_cpu_s": round(statistics.median(cpus[1:] or cpus), 3),
+        "mean_personal_acc": round(sum(accs) / len(accs), 4) if accs else None,
+    }
+
+
+def count_ops(overrides: dict[str, Any], cohort: bool) -> int:
+    """Operator calls of one round (training and evaluation), steps run eagerly."""
+    cfg = load_config(
+        overrides=overrides | {"cohort": cohort, "rounds": 1, "parallel": 1}, environ=False
+    )
+    fed = prepare_federation(cfg)
+    with eager_steps(), OpCounter() as counter:
+        run_federation(cfg, fed, cfg.algorithm)
+    return counter.calls
+
+
+def compare(overrides: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
+    """Batched and client by client, side by side."""
+    out: dict[str, Any] = {}
+    if not a.ops_only:
+        for name, cohort in (("batched", True), ("client_by_client", False)):
+            out[name] = run_mode(overrides, cohort, a.rounds, a.parallel)
+        out["speedup"] = round(
+            out["client_by_client"]["median_round_s"] / out["batched"]["median_round_s"], 2
+        )
+        out["cpu_speedup"] = round(
+            out["client_by_client"]["median_cpu_s"] / out["batched"]["median_cpu_s"], 2
+        )
+    if not a.no_ops:
+        ops = {
+            name: count_ops(overrides, cohort)
+            for name, cohort in (("batched", True), ("client_by_client", False))
+        }
+        out["ops_per_round"] = ops
+        out["ops_ratio"] = round(ops["batched"] / ops["client_by_client"], 4)
+    return out
+
+
+def step_part(device: str, steps: int) -> dict[str, Any]:
+    """One cnn2 client's FML steps at batch 10: ms per step, captured (CUDA) and eager."""
+    dev = resolve_device(device)
+    spec = ArchSpec(family="cnn2", num_classes=10, input_shape=(1, 28, 28), kwargs={"width": 32})
+    g = torch.Generator().manual_seed(0)
+    n = 10 * steps
+    x, y = torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+    glob = WireModel(spec, dict(build(spec, seed=1).state_dict()))
+    cls = algorithm_class("fml")
+    cfg = cls.config_cls(local_epochs=1, batch_size=10, lr=0.005)
+    out: dict[str, Any] = {}
+    for name, graphs in (("captured", True), ("eager", False)):
+        if graphs and dev.type != "cuda":
+            continue
+        data = ClientData(x, y, x[:0], y[:0], x[:0], y[:0], num_classes=10).to(dev)
+        trainer = Trainer(dev, seed=0, graphs=graphs)
+        client = cls(ClientContext("c0", spec, data, dev, 0, trainer), cfg)
+        client.fit(1, 3, {"global": glob})  # warm up (and capture)
+        _sync(device)
+        t0 = time.perf_counter()
+        client.fit(2, 3, {"global": glob})
+        _sync(device)
+        out[name] = {
+            "ms_per_step": round((time.perf_counter() - t0) * 1e3 / steps, 3),
+            "replayed_steps": trainer.stats.replayed,
+            "amp": trainer.amp_dtype,
+        }
+    return out
+
+
+# -- the report --------------------------------------------------------------------------------
+def machine(device: str) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "device": device,
+        "cpu_threads": cpu_threads(),
+        "torch_threads": torch.get_num_threads(),
+        "cpus_allowed": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "loadavg_start": os.getloadavg(),
+    }
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["amp"] = Trainer(torch.device(device)).amp_dtype
+    return info
+
+
+def table(out: dict[str, Any]) -> str:
+    dev = out["machine"]["device"]
+    lines = [
+        f"{out['machine'].get('gpu', out['machine']['processor'])}, {dev}, torch "
+        f"{out['machine']['torch']}, load {out['machine']['loadavg_start'][0]:.1f}",
+        f"{'part':<16} {'batched s':>10} {'1-by-1 s':>9} {'speedup':>8} {'cpu x':>6} "
+        f"{'ops batched':>12} {'ops 1-by-1':>11} {'ops ratio':>9}  acc (batched / 1-by-1)  goal",
+    ]
+    rows = []
+    for part in ("fml", "pfml"):
+        if part in out:
+            rows.append((part, out[part], GOALS.get((part, dev.split(":")[0]), "")))
+    for family, r in out.get("fml100", {}).items():
+        rows.append((f"fml100 {family}", r, GOALS.get(("fml100", dev.split(":")[0]), "")))
+    for name, r, goal in rows:
+        b, c = r.get("batched", {}), r.get("client_by_client", {})
+        ops = r.get("ops_per_round", {})
+        lines.append(
+            f"{name:<16} {b.get('median_round_s', ''):>10} {c.get('median_round_s', ''):>9} "
+            f"{r.get('speedup', ''):>8} {r.get('cpu_speedup', ''):>6} "
+            f"{ops.get('batched', ''):>12} {ops.get('client_by_client', ''):>11} "
+            f"{r.get('ops_ratio', ''):>9}  {b.get('mean_personal_acc')} / "
+            f"{c.get('mean_personal_acc')}  {goal}"
+        )
+    for name, r in out.get("step", {}).items():
+        lines.append(f"step {name:<11} {r['ms_per_step']} ms a step (amp {r['amp']})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per federation (>= 2)")
+    ap.add_argument("--families", nargs="+", default=["mlr", "mlp", "lenet5"], help="fml100")
+    ap.add_argument("--parallel", type=int, default=1, help="groups training at once")
+    ap.add_argument("--steps", type=int, default=200, help="step: steps timed")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: cpu_threads())")
+    ap.add_argument("--ops-only", action="store_true", help="only count operator calls")
+    ap.add_argument("--no-ops", action="store_true", help="skip counting operator calls")
+    ap.add_argument("--json-out", type=Path)
+    a = ap.parse_args(argv)
+    device = str(resolve_device(a.device))
+    torch.set_num_threads(a.threads or cpu_threads())
+    out: dict[str, Any] = {"machine": machine(device)}
+    if "fml" in a.parts:
+        out["fml"] = compare(fml_overrides(device), a)
+    if "pfml" in a.parts:
+        out["pfml"] = compare(pfml_overrides(device), a)
+    if "fml100" in a.parts:
+        out["fml100"] = {f: compare(fml100_overrides(device, f), a) for f in a.families}
+    if "step" in a.parts and not a.ops_only:
+        out["step"] = step_part(device, a.steps)
+    out["machine"]["loadavg_end"] = os.getloadavg()
+    text = json.dumps(out, indent=1)
+    if a.json_out:
+        a.json_out.write_text(text + "\n")
+    print(text)
+    print(table(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
