@@ -99,6 +99,26 @@ def small_federation(
     return coordinator, clients
 
 
+def simulated_fml_accuracies(rounds, models=("mlr", "mlp", "cnn1")):
+    """Each client's personalized accuracy after `rounds` of the deployment tests' FML federation
+    (3 clients of `models` on 8×8 digits, mlr memes), simulated in one process: what a
+    deployment of it must end with (the two are shown equal in test_deploy)."""
+    from coordinator.simulator import simulate
+
+    cfg = tiny_config(
+        algorithm="fml",
+        models=list(models),
+        global_model="mlr",
+        clients=3,
+        rounds=rounds,
+        local_epochs=2,
+        batch_size=32,
+        lr=0.1,
+        parallel=2,
+    )
+    return [c.personal_acc for c in simulate(cfg, progress=False).clients]
+
+
 def key_flags(where, clients):
     """Signing keys for a run's processes (written under `where`): each participant's `--set`
     flags, by id (the coordinator's under "coordinator")."""

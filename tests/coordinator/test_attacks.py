@@ -20,9 +20,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests_helpers import key_flags, tiny_config
+from tests_helpers import key_flags, simulated_fml_accuracies
 
-from coordinator.simulator import simulate
 from edge_sdk import topics
 from edge_sdk.protocol import Reply, Shutdown, Task, decode, encode
 from edge_sdk.transport.mqtt import MqttTransport
@@ -42,21 +41,6 @@ LATER = (
     "sys.argv = ['edgefl', *sys.argv[2:]]\n"
     "cli.main()\n"
 )
-
-
-def _reference():
-    cfg = tiny_config(
-        algorithm="fml",
-        models=ARCHS,
-        global_model="mlr",
-        clients=3,
-        rounds=ROUNDS,
-        local_epochs=2,
-        batch_size=32,
-        lr=0.1,
-        parallel=2,
-    )
-    return [c.personal_acc for c in simulate(cfg, progress=False).clients]
 
 
 class Attacker:
@@ -211,7 +195,7 @@ def test_a_hostile_open_broker_changes_nothing_in_the_run(mosquitto, tmp_path):
     assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))
     assert all(r["replied"] == ["c0", "c1", "c2"] and not r["failed"] for r in rounds), dump
     results = json.loads((out / "results.json").read_text())
-    assert [c["personal_acc"] for c in results["clients"]] == _reference()
+    assert [c["personal_acc"] for c in results["clients"]] == simulated_fml_accuracies(ROUNDS)
     # ... and everything dropped was counted, with a few log lines for ten thousand messages.
     assert metrics is not None
     for reason in ("unsigned", "bad_signature", "malformed", "unexpected_blob"):

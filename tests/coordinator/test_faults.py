@@ -10,10 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from tests_helpers import key_flags, tiny_config
+from tests_helpers import key_flags, simulated_fml_accuracies
 
 from coordinator.broker import MosquittoBroker
-from coordinator.simulator import simulate
 from edge_sdk import topics
 from edge_sdk.state import load_state
 from edge_sdk.transport.mqtt import MqttTransport
@@ -128,22 +127,6 @@ def fleet_factory(tmp_path):
         f.kill_everything()
 
 
-def _reference(rounds):
-    """The same federation, simulated in one process (shown equal to a deployment)."""
-    cfg = tiny_config(
-        algorithm="fml",
-        models=ARCHS,
-        global_model="mlr",
-        clients=3,
-        rounds=rounds,
-        local_epochs=2,
-        batch_size=32,
-        lr=0.1,
-        parallel=2,
-    )
-    return [c.personal_acc for c in simulate(cfg, progress=False).clients]
-
-
 class _Spy:
     """Counts the payload bytes the coordinator publishes, as the broker delivers them."""
 
@@ -175,7 +158,7 @@ def test_a_coordinator_killed_after_round_r_resumes_and_ends_like_an_uninterrupt
     rounds = fleet.rounds_done()
     assert [r["round"] for r in rounds] == [1, 2, 3, 4, 5]  # each exactly once
     results = json.loads((fleet.out / "results.json").read_text())
-    assert [c["personal_acc"] for c in results["clients"]] == _reference(5)
+    assert [c["personal_acc"] for c in results["clients"]] == simulated_fml_accuracies(5)
     # The byte counters cover both incarnations: the second one's own traffic, and the first
     # one's up to its last checkpoint (more than half of it: it had completed 2 of 3 rounds).
     second = spy.total - first
@@ -270,7 +253,7 @@ def test_a_broker_restart_without_persistence_loses_no_reply_and_waits_out_no_de
     assert [r["round"] for r in rounds] == list(range(1, 7))
     assert all(r["replied"] == ["c0", "c1", "c2"] and not r["failed"] for r in rounds)
     results = json.loads((fleet.out / "results.json").read_text())
-    assert [c["personal_acc"] for c in results["clients"]] == _reference(6)
+    assert [c["personal_acc"] for c in results["clients"]] == simulated_fml_accuracies(6)
 
 
 def test_a_dead_device_under_the_default_quorum_and_deadline_costs_no_round(

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import pytest
 import trustme
-from tests_helpers import tiny_config
+from tests_helpers import simulated_fml_accuracies
 
 from coordinator.acl import BROKER_USER
 from coordinator.broker import free_port, mosquitto_path
-from coordinator.simulator import simulate
 from edge_sdk import topics
 from edge_sdk.transport.base import ConnectError
 from edge_sdk.transport.mqtt import BrokerSettings, MqttTransport
@@ -74,21 +73,6 @@ def _as(user, port, out, ca, client_id):
         reconnect_max_s=1,
     )
     return MqttTransport(settings, client_id)
-
-
-def _reference():
-    cfg = tiny_config(
-        algorithm="fml",
-        models=ARCHS,
-        global_model="mlr",
-        clients=3,
-        rounds=ROUNDS,
-        local_epochs=2,
-        batch_size=32,
-        lr=0.1,
-        parallel=2,
-    )
-    return [c.personal_acc for c in simulate(cfg, progress=False).clients]
 
 
 def test_the_readme_secure_setup_runs_as_printed_and_no_credential_takes_a_session(etc):
@@ -198,4 +182,4 @@ def test_the_readme_secure_setup_runs_as_printed_and_no_credential_takes_a_sessi
     rounds = [json.loads(x) for x in (etc / "out" / "rounds.jsonl").read_text().splitlines()]
     assert all(r["replied"] == ["c0", "c1", "c2"] and not r["failed"] for r in rounds), dump
     results = json.loads((etc / "out" / "results.json").read_text())
-    assert [c["personal_acc"] for c in results["clients"]] == _reference()
+    assert [c["personal_acc"] for c in results["clients"]] == simulated_fml_accuracies(ROUNDS)
