@@ -268,7 +268,7 @@ def run_one(
         flags["rounds"] = math.ceil(size.rounds * size.local_epochs * n / batch)
     cfg = load_config(None, flags, overrides, environ=False)
     t0 = time.perf_counter()
-    res = simulate(cfg, progress=False)
+    res = json.loads(simulate(cfg, progress=False).to_json())  # results.json's document
     run = Run(
         algorithm,
         split.name,
