@@ -89,7 +89,7 @@ def _reference(n: int, rounds: int) -> list[float | None]:
         "parallel": 2,
     }
     cfg = load_config(None, flags, training=TRAINING)
-    return [c["personal_acc"] for c in simulate(cfg, progress=False)["clients"]]
+    return [c.personal_acc for c in simulate(cfg, progress=False).clients]
 
 
 class Attacks:
