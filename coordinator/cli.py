@@ -149,7 +149,7 @@ def simulate(
         int | None, typer.Option(help=with_default("communication rounds", "rounds"))
     ] = None,
     local_epochs: Annotated[
-        int | None, typer.Option(help=_training_help("local epochs (not pfml)", "local_epochs"))
+        int | None, typer.Option(help=_training_help("local epochs", "local_epochs"))
     ] = None,
     batch_size: Annotated[
         int | None, typer.Option(help=_training_help("batch size", "batch_size"))
