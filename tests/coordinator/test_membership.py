@@ -4,14 +4,16 @@ bounded memory and log lines under floods (in-process, over the in-memory transp
 import json
 import logging
 import threading
+import time
 
 import pytest
 from tests_helpers import eventually, small_federation
 
+import edge_sdk.client as client_mod
 from edge_sdk import topics
 from edge_sdk.algorithms import FitResult
 from edge_sdk.client import EdgeClient, RegistrationRefused
-from edge_sdk.protocol import Reply, Task, decode
+from edge_sdk.protocol import Presence, Reply, Task, decode
 from edge_sdk.transport import InMemoryBroker
 from edge_sdk.wire import Endpoint
 
@@ -151,3 +153,42 @@ def test_a_flood_of_bad_messages_is_counted_whole_and_logged_once(caplog):
     assert len(lines) == 1
     assert not any(r.levelno >= logging.ERROR for r in caplog.records)  # no traceback
     rx.close()
+
+
+@pytest.mark.parametrize("reannounce_s", [60.0, 0.0], ids=["answers", "without-the-answer"])
+def test_a_client_whose_online_presence_was_lost_says_it_again_to_the_coordinators_status(
+    monkeypatch, reannounce_s
+):
+    # A broker restarted without persistence: c2's will (offline) reached the coordinator, then
+    # c2 came back before the coordinator did, so its "online" reached no one (dropped here).
+    # The coordinator, back, publishes its status again; c2 answers it with its presence.
+    monkeypatch.setattr(client_mod, "REANNOUNCE_S", reannounce_s)
+    broker = InMemoryBroker()
+    coordinator, clients = small_federation(broker=broker, rounds=1)
+    _started(clients)
+    fleet = coordinator.fleet
+    eventually(lambda: fleet.online() == {"c0", "c1", "c2"} or bool(fleet.gather(5, None)))
+    c2 = clients[2]
+    send, lost = c2._try_send, []
+
+    def lossy(msg):
+        if isinstance(msg, Presence) and msg.online and not lost:
+            lost.append(msg)  # the broker lost it
+            return None
+        return send(msg)
+
+    monkeypatch.setattr(c2, "_try_send", lossy)
+    c2.transport.abort()  # the will fires
+    eventually(lambda: "c2" not in fleet.online())
+    c2.transport.connect()  # back, on a new connection; its presence is lost
+    eventually(lambda: bool(lost))
+    fleet._on_reconnect()  # the coordinator is back on the broker
+    fleet._receive(0)  # and publishes its status again
+    if reannounce_s:
+        eventually(lambda: "c2" in fleet.online())
+    else:
+        time.sleep(1.0)
+        assert "c2" not in fleet.online()
+    for c in clients:
+        c.stop()
+    fleet.pause()
