@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -117,6 +118,18 @@ def simulated_fml_accuracies(rounds, models=("mlr", "mlp", "cnn1")):
         parallel=2,
     )
     return [c.personal_acc for c in simulate(cfg, progress=False).clients]
+
+
+def exit_codes(procs, deadline):
+    """Each process's exit code by name, waiting for each until `deadline` (time.monotonic(); at
+    least a second each); None for one still running then."""
+    codes = {}
+    for name, p in procs.items():
+        try:
+            codes[name] = p.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            codes[name] = None
+    return codes
 
 
 def key_flags(where, clients):

@@ -20,7 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests_helpers import key_flags, simulated_fml_accuracies
+from tests_helpers import exit_codes, key_flags, simulated_fml_accuracies
 
 from edge_sdk import topics
 from edge_sdk.protocol import Reply, Shutdown, Task, decode, encode
@@ -164,12 +164,7 @@ def test_a_hostile_open_broker_changes_nothing_in_the_run(mosquitto, tmp_path):
                 attacker.take_sessions()
             metrics = _scrape(logs["coordinator"]) or metrics
             time.sleep(0.2)
-        codes = {}
-        for name, p in procs.items():
-            try:
-                codes[name] = p.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                codes[name] = None
+        codes = exit_codes(procs, deadline)
         dump = "\n".join(f"--- {n}\n{logs[n].read_text()[-3000:]}" for n in procs)
     finally:
         attacker.close()

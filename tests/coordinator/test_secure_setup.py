@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import trustme
-from tests_helpers import simulated_fml_accuracies
+from tests_helpers import exit_codes, simulated_fml_accuracies
 
 from coordinator.acl import BROKER_USER
 from coordinator.broker import free_port, mosquitto_path
@@ -160,12 +160,7 @@ def test_the_readme_secure_setup_runs_as_printed_and_no_credential_takes_a_sessi
                 intruder.close()
                 intrusions += 1
             time.sleep(0.5)
-        codes = {}
-        for name, p in procs.items():
-            try:
-                codes[name] = p.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                codes[name] = None
+        codes = exit_codes(procs, deadline)
         dump = "\n".join(f"--- {n}\n{logs[n].read_text()[-3000:]}" for n in logs)
     finally:
         for p in procs.values():
