@@ -51,9 +51,8 @@ class LocalFleet(Fleet):
     """`nodes` as the clients of a run. `threads`: the CPU threads this fleet trains with
     (default: those this process may use, `edge_sdk.device.cpu_threads`). `parallel`: how many
     groups train at once, each with an equal share of the threads (default: one per thread).
-    `stack`: compatible tasks run
-    as one stacked model (False: one by one). `fp16_upload`: replies are rounded through fp16,
-    as a client uploading in fp16 would send them."""
+    `stack`: compatible tasks run as one stacked model (False: one by one). `fp16_upload`:
+    replies are rounded through fp16, as a client uploading in fp16 would send them."""
 
     def __init__(
         self,
