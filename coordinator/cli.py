@@ -697,7 +697,8 @@ def _round_rules(cfg: Any) -> str:
     )
     return (
         f"rounds close with {need} of {n} valid replies (round.quorum {rc.quorum:g}) or after "
-        f"{rc.deadline_s:g} s per phase (round.deadline_s), retried {rc.retries}x; {keys}"
+        f"{rc.deadline_s:g} s per phase (round.deadline_s), {rc.reconnect_grace_s:g} s for a "
+        f"client whose connection dropped (round.reconnect_grace_s), retried {rc.retries}x; {keys}"
     )
 
 

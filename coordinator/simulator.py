@@ -166,7 +166,10 @@ def _over_network(
     # Keys for this run only, in memory: every message is signed as in a deployment.
     keys = Keyring.ephemeral([topics.COORDINATOR, *(n.client_id for n in nodes)])
     fleet = NetworkFleet(
-        transports[0], share_models=cfg.broadcast, keyring=keys[topics.COORDINATOR]
+        transports[0],
+        share_models=cfg.broadcast,
+        keyring=keys[topics.COORDINATOR],
+        reconnect_grace_s=cfg.round.reconnect_grace_s,
     )
     coordinator = build_coordinator(
         cfg, fleet, algorithm=algorithm, fed=fed, run_id=run_id, on_round=on_round

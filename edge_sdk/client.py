@@ -415,7 +415,7 @@ class EdgeClient:
             self._thread.join(timeout)
         if self.accepted and not self.finished and self.endpoint.is_open:
             # Leaving for now: say so, so that the coordinator stops waiting for our replies.
-            self._try_send(self._presence(self.transport.connection, online=False))
+            self._try_send(self._presence(self.transport.connection, online=False, leaving=True))
         self.endpoint.close()
         self.peers.close()
         if self._owns_transport:
@@ -593,7 +593,7 @@ class EdgeClient:
     def _epoch(self, connection: int) -> int:
         return self._epoch_base + connection
 
-    def _presence(self, connection: int, *, online: bool) -> Presence:
+    def _presence(self, connection: int, *, online: bool, leaving: bool = False) -> Presence:
         """Online or not, for connection number `connection` (its will says offline)."""
         return Presence(
             run=self.run_id,
@@ -601,6 +601,7 @@ class EdgeClient:
             online=online,
             epoch=self._epoch(connection),
             session=self.session,
+            leaving=leaving,
         )
 
     def _try_send(self, msg: Any, blobs: dict[str, bytes] | None = None) -> None:

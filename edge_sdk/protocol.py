@@ -190,6 +190,9 @@ class Presence(_Message):
     # connection, such as its will delivered late after a broker restart, is ignored.
     epoch: int = Field(0, ge=0)
     session: Session = ""
+    # Said by the client itself as it stops (not its will): it is not coming back soon, so the
+    # coordinator gives it no reconnection grace.
+    leaving: bool = False
 
 
 class Published(_Message):

@@ -14,11 +14,17 @@ whose registration for this incarnation it accepted last:
 Online means: registered in this incarnation, and its last news (registration, presence, will,
 goodbye) says so. An offline message is final for the connection it names (its epoch), so a
 replayed or late "online" of that connection cannot bring it back; a new connection can.
+
+Present means online, or dropped (its will, not its goodbye) less than `grace_s` ago: a device on
+a flaky network, or every device when the broker restarts, drops and reconnects within seconds,
+and a round that wrote it off at once would drop the reply it sends when it is back. A dead
+device costs one grace.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -44,9 +50,12 @@ class Members:
         clients: dict[str, ClientInfo],
         reject: Callable[[str, str, str], None],
         answer: Callable[[str, Registered], None],
+        grace_s: float = 0.0,
     ) -> None:
         self.clients = clients
         self.online: set[str] = set()
+        self.grace_s = grace_s
+        self._dropped: dict[str, float] = {}  # offline clients, since when (monotonic)
         self.started = False  # registrations of new clients closed
         self._reject = reject
         self._answer = answer
@@ -62,9 +71,22 @@ class Members:
         self._run = run
         self.started = started
         self.online.clear()
+        self._dropped.clear()
         self._sessions.clear()
         self._epochs.clear()
         self._offline.clear()
+
+    def present(self) -> set[str]:
+        """Online, or dropped less than `grace_s` ago (it may be back any moment)."""
+        now = time.monotonic()
+        return self.online | {c for c, t in self._dropped.items() if now - t < self.grace_s}
+
+    def grace_ends(self, cids: set[str]) -> float:
+        """When the first grace of the offline clients among `cids` runs out (monotonic; inf
+        when all of them are online)."""
+        return min(
+            (self._dropped[c] + self.grace_s for c in cids if c in self._dropped), default=math.inf
+        )
 
     def is_registered(self, cid: str, session: str) -> bool:
         return cid in self._sessions and self._sessions[cid] == session
@@ -165,9 +187,13 @@ class Members:
             log.info("%s: ignoring news about an older connection (%d)", cid, msg.epoch)
             return False
         self._epochs[cid] = self._offline[cid] = msg.epoch
+        if msg.leaving:
+            self._dropped.pop(cid, None)
+        elif cid in self.online:  # its will: the connection dropped, it may be back soon
+            self._dropped[cid] = time.monotonic()
         if cid in self.online:
             self.online.discard(cid)
-            log.warning("%s went offline", cid)
+            log.warning("%s %s", cid, "left" if msg.leaving else "went offline")
         return False
 
     def _connected(self, cid: str, epoch: int) -> bool:
@@ -181,4 +207,5 @@ class Members:
         if back and cid not in self.online and known >= 0:
             log.info("%s is back online", cid)
         self.online.add(cid)
+        self._dropped.pop(cid, None)
         return back

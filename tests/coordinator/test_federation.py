@@ -344,7 +344,9 @@ def test_a_round_that_misses_quorum_is_retried_and_can_succeed(tmp_path):
 
 
 def test_a_round_with_no_valid_reply_is_never_counted_as_aggregated():
-    coordinator, clients = small_federation(algorithm="local", rounds=2, retries=0)
+    coordinator, clients = small_federation(
+        algorithm="local", rounds=2, retries=0, reconnect_grace_s=0
+    )
 
     def everyone_vanishes(rec):  # after round 1 every client's connection dies: wills fire
         if rec.round == 1:

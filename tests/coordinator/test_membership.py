@@ -164,7 +164,8 @@ def test_a_client_whose_online_presence_was_lost_says_it_again_to_the_coordinato
     # The coordinator, back, publishes its status again; c2 answers it with its presence.
     monkeypatch.setattr(client_mod, "REANNOUNCE_S", reannounce_s)
     broker = InMemoryBroker()
-    coordinator, clients = small_federation(broker=broker, rounds=1)
+    # (no reconnection grace: c2 counts as online only once its presence arrives)
+    coordinator, clients = small_federation(broker=broker, rounds=1, reconnect_grace_s=0)
     _started(clients)
     fleet = coordinator.fleet
     eventually(lambda: fleet.online() == {"c0", "c1", "c2"} or bool(fleet.gather(5, None)))
@@ -192,3 +193,57 @@ def test_a_client_whose_online_presence_was_lost_says_it_again_to_the_coordinato
     for c in clients:
         c.stop()
     fleet.pause()
+
+
+@pytest.mark.parametrize("grace_s", [10.0, 0.0], ids=["within-the-grace", "without-a-grace"])
+def test_a_client_whose_connection_drops_mid_task_and_comes_back_within_the_grace_counts(grace_s):
+    # c0's connection dies while it trains (its will fires) and comes back once the others
+    # have replied. Within round.reconnect_grace_s the phase still waits for it, and its reply
+    # (sent on the new connection) counts; with no grace the round closed without it.
+    box = {}
+
+    class Drops(EdgeClient):
+        def run_task(self, task, blobs):
+            result = super().run_task(task, blobs)
+            if task.phase == "fit" and task.round == 1:
+                fleet = box["coordinator"].fleet
+                self.transport.abort()
+                eventually(lambda: "c0" not in fleet.members.online)
+                eventually(lambda: set(fleet._tasks) <= {"c0"})  # the others replied
+                self.transport.connect()
+            return result
+
+    coordinator, clients = small_federation(client_cls=Drops, rounds=1, reconnect_grace_s=grace_s)
+    box["coordinator"] = coordinator
+    result = coordinator.run() if _started(clients) else None
+    (record,) = result.rounds
+    assert record.trained == ["c0", "c1", "c2"]
+    assert record.replied == (["c0", "c1", "c2"] if grace_s else ["c1", "c2"])
+    for c in clients:
+        c.stop()
+
+
+def test_a_client_that_says_it_is_leaving_is_not_waited_for():
+    # A goodbye (SIGTERM, Ctrl-C) is not a dropped connection: with a grace as long as the
+    # deadline, the fit phase still closes as soon as the others replied, without c0.
+    box = {}
+
+    class Leaves(EdgeClient):
+        def run_task(self, task, blobs):
+            if task.phase == "fit":
+                self._try_send(
+                    self._presence(self.transport.connection, online=False, leaving=True)
+                )
+                fleet = box["coordinator"].fleet
+                eventually(lambda: "c0" not in fleet._tasks, timeout=20)
+                box["closed without c0"] = True
+            return super().run_task(task, blobs)
+
+    coordinator, clients = small_federation(
+        client_cls=Leaves, rounds=1, reconnect_grace_s=600, deadline_s=600
+    )
+    box["coordinator"] = coordinator
+    result = coordinator.run() if _started(clients) else None
+    assert box.get("closed without c0") and result.rounds[0].replied == ["c1", "c2"]
+    for c in clients:
+        c.stop()
