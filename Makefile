@@ -40,8 +40,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Two workers: the tests that run federations of processes one at a time on one, the in-process
+# tests on the other (see tests/conftest.py). `.venv/bin/python -m pytest tests/...` runs a part.
 test: $(STAMP) system-packages lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 
 # Mutation testing of the algorithms, losses, strategies and metrics (not part of `make test`;
 # about 11-15 minutes on 2 cores). Settings in pyproject's [tool.mutmut]; equivalent survivors

@@ -19,7 +19,9 @@ times are wall seconds (median of rounds 2.., the first includes building and ca
 `cpu_s` the process's CPU seconds a round. A separate pass of one round per mode counts the
 **torch operator calls** (a TorchDispatchMode over every aten call, the coordinator's
 included), with steps run eagerly so that the count does not depend on the device (a CUDA
-graph replays its kernels without calling operators). Accuracies are the final mean
+graph replays its kernels without calling operators), next to its floor: the ratio of the
+longest client's local steps to all clients' (`ops_floor`), below which no stacking can go.
+Accuracies are the final mean
 personalized accuracies: batched and client by client should agree.
 
     python benchmarks/gpu_round.py --device cuda                 # on a GPU machine
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -212,6 +215,22 @@ def count_ops(overrides: dict[str, Any], cohort: bool) -> int:
     return counter.calls
 
 
+def ops_floor(overrides: dict[str, Any]) -> float | None:
+    """The lowest ops ratio any stacking of one round's local steps can reach: a stacked step
+    is one set of operator calls whatever the stack's size, but a client's steps stay
+    sequential, so the batched round takes at least the longest client's steps, where client
+    by client takes every client's: max(steps) / sum(steps). None when steps are not epochs."""
+    cfg = load_config(overrides=overrides | {"rounds": 1}, environ=False)
+    section = getattr(cfg, cfg.algorithm)
+    epochs, batch = getattr(section, "local_epochs", None), getattr(section, "batch_size", None)
+    if not epochs or not batch:
+        return None
+    steps = [
+        epochs * math.ceil(len(cd.y_train) / batch) for cd in prepare_federation(cfg).client_data
+    ]
+    return round(max(steps) / sum(steps), 4)
+
+
 def compare(overrides: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     """Batched and client by client, side by side."""
     out: dict[str, Any] = {}
@@ -231,6 +250,7 @@ def compare(overrides: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         }
         out["ops_per_round"] = ops
         out["ops_ratio"] = round(ops["batched"] / ops["client_by_client"], 4)
+        out["ops_floor"] = ops_floor(overrides)
     return out
 
 
@@ -288,7 +308,8 @@ def table(out: dict[str, Any]) -> str:
         f"{out['machine'].get('gpu', out['machine']['processor'])}, {dev}, torch "
         f"{out['machine']['torch']}, load {out['machine']['loadavg_start'][0]:.1f}",
         f"{'part':<16} {'batched s':>10} {'1-by-1 s':>9} {'speedup':>8} {'cpu x':>6} "
-        f"{'ops batched':>12} {'ops 1-by-1':>11} {'ops ratio':>9}  acc (batched / 1-by-1)  goal",
+        f"{'ops batched':>12} {'ops 1-by-1':>11} {'ops ratio':>9} {'floor':>6}  "
+        "acc (batched / 1-by-1)  goal",
     ]
     rows = []
     for part in ("fml", "pfml"):
@@ -303,7 +324,8 @@ def table(out: dict[str, Any]) -> str:
             f"{name:<16} {b.get('median_round_s', ''):>10} {c.get('median_round_s', ''):>9} "
             f"{r.get('speedup', ''):>8} {r.get('cpu_speedup', ''):>6} "
             f"{ops.get('batched', ''):>12} {ops.get('client_by_client', ''):>11} "
-            f"{r.get('ops_ratio', ''):>9}  {b.get('mean_personal_acc')} / "
+            f"{r.get('ops_ratio', ''):>9} {r.get('ops_floor') or '':>6}  "
+            f"{b.get('mean_personal_acc')} / "
             f"{c.get('mean_personal_acc')}  {goal}"
         )
     for name, r in out.get("step", {}).items():

@@ -18,6 +18,35 @@ needs_mosquitto = pytest.mark.skipif(
 )
 
 
+# Modules whose tests run federations of real processes (a coordinator and clients, each importing
+# torch). `make test` runs two pytest workers (pytest-xdist): these tests run one after another on
+# one worker while the other worker takes the in-process tests. Two federations at once on 2 cores
+# slow each other several-fold (the hostile-broker test: 37 s alone, 162 s beside another), and
+# their deadlines are not meant to be measured against that.
+PROCESS_MODULES = {
+    "test_attacks.py",
+    "test_demo.py",
+    "test_deploy.py",
+    "test_examples.py",
+    "test_faults.py",
+    "test_plugins.py",
+    "test_secure_setup.py",
+}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """One unit of work for all of PROCESS_MODULES, one per test for the rest. (xdist's own
+    `--dist loadgroup` marks do not take under pytest 9: it renames node ids pytest no longer
+    reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ProcessesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "processes" if Path(nodeid.split("::")[0]).name in PROCESS_MODULES else nodeid
+
+    return ProcessesTogether(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _few_threads() -> None:
     torch.set_num_threads(1)
