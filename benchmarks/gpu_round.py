@@ -215,19 +215,17 @@ def count_ops(overrides: dict[str, Any], cohort: bool) -> int:
     return counter.calls
 
 
-def ops_floor(overrides: dict[str, Any]) -> float | None:
+def ops_floor(overrides: dict[str, Any]) -> float:
     """The lowest ops ratio any stacking of one round's local steps can reach: a stacked step
     is one set of operator calls whatever the stack's size, but a client's steps stay
     sequential, so the batched round takes at least the longest client's steps, where client
-    by client takes every client's: max(steps) / sum(steps). None when steps are not epochs."""
+    by client takes every client's: max(steps) / sum(steps). (Fixed iterations, PFML's
+    `local_iterations` alone: 1 / clients.)"""
     cfg = load_config(overrides=overrides | {"rounds": 1}, environ=False)
     section = getattr(cfg, cfg.algorithm)
-    epochs, batch = getattr(section, "local_epochs", None), getattr(section, "batch_size", None)
-    if not epochs or not batch:
-        return None
-    steps = [
-        epochs * math.ceil(len(cd.y_train) / batch) for cd in prepare_federation(cfg).client_data
-    ]
+    epochs, batch = getattr(section, "local_epochs", None), section.batch_size
+    sizes = [len(cd.y_train) for cd in prepare_federation(cfg).client_data]
+    steps = [math.ceil((epochs or 1) * n / batch) if epochs else 1 for n in sizes]
     return round(max(steps) / sum(steps), 4)
 
 
@@ -324,7 +322,7 @@ def table(out: dict[str, Any]) -> str:
             f"{name:<16} {b.get('median_round_s', ''):>10} {c.get('median_round_s', ''):>9} "
             f"{r.get('speedup', ''):>8} {r.get('cpu_speedup', ''):>6} "
             f"{ops.get('batched', ''):>12} {ops.get('client_by_client', ''):>11} "
-            f"{r.get('ops_ratio', ''):>9} {r.get('ops_floor') or '':>6}  "
+            f"{r.get('ops_ratio', ''):>9} {r.get('ops_floor', ''):>6}  "
             f"{b.get('mean_personal_acc')} / "
             f"{c.get('mean_personal_acc')}  {goal}"
         )
