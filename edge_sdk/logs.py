@@ -143,6 +143,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler to whatever `sys.stderr` is when a record is written: an app (or a test
+    harness) that swaps it after configuring gets the records, and none go to a closed one."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler's constructor sets it: ignored
+        pass
+
+
 def configure_logging(
     level: int | str = logging.WARNING,
     *,
@@ -164,7 +177,7 @@ def configure_logging(
         level = getattr(logging, name)
     handler: logging.Handler
     if file is None:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr()
     else:
         path = Path(file).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -91,6 +91,21 @@ def test_configure_logging_refuses_unknown_levels_and_formats():
         configure_logging(fmt="xml")  # type: ignore[arg-type]
 
 
+def test_records_go_to_the_stderr_of_the_moment_not_the_one_configured_with(monkeypatch):
+    # An app (or pytest's capture) swaps sys.stderr after configuring; the one configured with
+    # may be closed by then.
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr("sys.stderr", first)
+    handler = configure_logging("WARNING")
+    try:
+        first.close()
+        monkeypatch.setattr("sys.stderr", second)
+        logging.getLogger("test.stderr").warning("after the swap")
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert second.getvalue().endswith("WARNING test.stderr: after the swap\n"), second.getvalue()
+
+
 def test_the_cli_rate_limits_a_repeated_warning(tmp_path):
     from coordinator.cli import app
 
