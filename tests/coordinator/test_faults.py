@@ -172,12 +172,13 @@ def test_a_client_killed_mid_round_or_stalled_past_the_deadline_costs_only_its_r
     fleet = fleet_factory(
         mosquitto.url,
         "client-faults",
-        rounds=60,
+        rounds=40,
         round_sets=[
             "round.quorum=0.5",
             "round.deadline_s=6",  # replies in time on a busy machine; SIGSTOP outlasts it
             "round.finalize_deadline_s=120",
             "round.retries=2",  # a round that misses quorum on a busy machine is tried again
+            "round.reconnect_grace_s=2",  # the killed client is waited for 2 s, not 10
         ],
     )
     fleet.start_all()
@@ -205,12 +206,12 @@ def test_a_client_killed_mid_round_or_stalled_past_the_deadline_costs_only_its_r
     fleet.wait_all()
 
     rounds = {r["round"]: r for r in fleet.rounds_done()}
-    assert sorted(rounds) == list(range(1, 61)) and not any(r["failed"] for r in rounds.values())
+    assert sorted(rounds) == list(range(1, 41)) and not any(r["failed"] for r in rounds.values())
     assert "c1" not in rounds[stopped + 2]["replied"]  # closed at its deadline without c1
-    assert any("c1" in rounds[r]["replied"] for r in range(resumed + 1, 61))  # back again
+    assert any("c1" in rounds[r]["replied"] for r in range(resumed + 1, 41))  # back again
     assert "stale_reply" in fleet.log("coordinator")
     assert all("c2" not in rounds[r]["replied"] for r in range(killed + 2, restarted + 1))
-    assert any("c2" in rounds[r]["replied"] for r in range(restarted + 1, 61))
+    assert any("c2" in rounds[r]["replied"] for r in range(restarted + 1, 41))
     relaunch = fleet.log("c2", 2)
     assert "resumed from" in relaunch and "(round 0)" not in relaunch  # its saved state
     results = json.loads((fleet.out / "results.json").read_text())

@@ -88,12 +88,22 @@ def test_unsubscribe_stops_delivery(make_transport, root):
     assert got == [(f"{root}/u", b"1")]
 
 
-def test_what_was_published_while_disconnected_arrives_after_reconnect(make_transport, root):
+def test_what_was_published_while_disconnected_arrives_after_reconnect(
+    make_transport, root, broker_kind, request
+):
     pub, sub = make_transport("pub"), make_transport("sub")
     got = _collect(sub, f"{root}/q")
     pub.publish(f"{root}/q", b"before").wait(10)
     eventually(lambda: len(got) == 1)
     sub.disconnect()  # clean: the session (subscription, queue) stays on the broker
+    if broker_kind == "amqtt":
+        # amqtt 0.12 still hands a message published between a DISCONNECT and its tearing the
+        # connection down to that connection, and loses it (seen under load, 1 run in 15).
+        # MQTT 3.1.1's DISCONNECT has no answer, so a client cannot wait for that; the SDK
+        # copes (a task is sent again when its client is back). Disconnected means: amqtt
+        # says so.
+        sessions = request.getfixturevalue("amqtt_broker")._broker._sessions
+        eventually(lambda: sessions[sub.client_id][0].transitions.state == "disconnected")
     for i in range(3):
         pub.publish(f"{root}/q", b"while-%d" % i).wait(10)
     sub.connect(10)
