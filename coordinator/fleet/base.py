@@ -118,7 +118,8 @@ class Fleet(ABC):
 
     @abstractmethod
     def online(self) -> set[str]:
-        """The registered clients reachable now."""
+        """The registered clients reachable now (over a network: or expected back within their
+        reconnection grace)."""
 
     @abstractmethod
     def await_back(self, timeout_s: float) -> None:

@@ -14,8 +14,8 @@ less than `reconnect_grace_s` ago): a reply that is not signed by the registered
 nothing (the task stays open for it until the deadline; in open mode, where anyone may have sent
 it, so does a reply that does not validate), a client that stays away past its grace is not
 waited for, and one that comes back (reconnected, restarted, or the broker lost what was queued)
-is sent its task again. Bad messages are counted and dropped, their
-log lines limited to one per sender and reason per minute; the run goes on.
+is sent its task again. Bad messages are counted and dropped, their log lines limited to one per
+sender and reason per minute; the run goes on.
 """
 
 from __future__ import annotations
