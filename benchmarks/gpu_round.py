@@ -225,7 +225,7 @@ def ops_floor(overrides: dict[str, Any]) -> float:
     section = getattr(cfg, cfg.algorithm)
     epochs, batch = getattr(section, "local_epochs", None), section.batch_size
     sizes = [len(cd.y_train) for cd in prepare_federation(cfg).client_data]
-    steps = [math.ceil((epochs or 1) * n / batch) if epochs else 1 for n in sizes]
+    steps = [math.ceil(epochs * n / batch) if epochs else 1 for n in sizes]
     return round(max(steps) / sum(steps), 4)
 
 

@@ -197,12 +197,7 @@ def run_coordinator(
             on_round(rec)
 
     transport = MqttTransport(cfg.broker, f"edgefl-{cfg.run_id}-{topics.COORDINATOR}")
-    fleet = NetworkFleet(
-        transport,
-        share_models=cfg.broadcast,
-        keyring=keyring,
-        reconnect_grace_s=cfg.round.reconnect_grace_s,
-    )
+    fleet = NetworkFleet(transport, share_models=cfg.broadcast, keyring=keyring)
     coordinator = build_coordinator(cfg, fleet, on_round=record, checkpoint_path=ckpt)
     # The checkpoint is the truth: rounds.jsonl lists its rounds, each exactly once.
     resumed = coordinator.restore()

@@ -150,6 +150,7 @@ class Coordinator:
             expected_clients=self.expected_clients,
             allow=allowed,
             max_blob_bytes=max_blob_bytes,
+            reconnect_grace_s=self.rc.reconnect_grace_s,
         )
         self.strategy: Strategy | None = None
         self.stats = CoordinatorStats()

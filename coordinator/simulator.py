@@ -166,10 +166,7 @@ def _over_network(
     # Keys for this run only, in memory: every message is signed as in a deployment.
     keys = Keyring.ephemeral([topics.COORDINATOR, *(n.client_id for n in nodes)])
     fleet = NetworkFleet(
-        transports[0],
-        share_models=cfg.broadcast,
-        keyring=keys[topics.COORDINATOR],
-        reconnect_grace_s=cfg.round.reconnect_grace_s,
+        transports[0], share_models=cfg.broadcast, keyring=keys[topics.COORDINATOR]
     )
     coordinator = build_coordinator(
         cfg, fleet, algorithm=algorithm, fed=fed, run_id=run_id, on_round=on_round

@@ -85,11 +85,7 @@ def small_federation(
     broker = broker or InMemoryBroker()
     if keys is None:
         keys = Keyring.ephemeral([topics.COORDINATOR, *fed.client_ids])
-    fleet = NetworkFleet(
-        broker.connect("coordinator"),
-        keyring=keys.get(topics.COORDINATOR),
-        reconnect_grace_s=cfg.round.reconnect_grace_s,
-    )
+    fleet = NetworkFleet(broker.connect("coordinator"), keyring=keys.get(topics.COORDINATOR))
     coordinator = build_coordinator(
         cfg, fleet, fed=fed, checkpoint_path=checkpoint_path, incarnation=incarnation
     ).open()

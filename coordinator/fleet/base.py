@@ -62,6 +62,8 @@ class RunInfo:
     expected_clients: int
     allow: frozenset[str] | None = None  # the client ids admitted (None: any, up to expected)
     max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES
+    # How long a client whose connection dropped still counts as present (round.reconnect_grace_s)
+    reconnect_grace_s: float = 10.0
 
 
 @dataclass(frozen=True)

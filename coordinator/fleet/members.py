@@ -50,11 +50,10 @@ class Members:
         clients: dict[str, ClientInfo],
         reject: Callable[[str, str, str], None],
         answer: Callable[[str, Registered], None],
-        grace_s: float = 0.0,
     ) -> None:
         self.clients = clients
         self.online: set[str] = set()
-        self.grace_s = grace_s
+        self.grace_s = 0.0  # the run's reconnect_grace_s, from `open`
         self._dropped: dict[str, float] = {}  # offline clients, since when (monotonic)
         self.started = False  # registrations of new clients closed
         self._reject = reject
@@ -69,6 +68,7 @@ class Members:
     def open(self, run: RunInfo, *, started: bool = False) -> None:
         """A new incarnation: every client registers again (its sessions are forgotten)."""
         self._run = run
+        self.grace_s = run.reconnect_grace_s
         self.started = started
         self.online.clear()
         self._dropped.clear()

@@ -10,12 +10,12 @@ topic count, so neither an open broker nor another client's credentials can forg
 Membership (`coordinator.fleet.members`): one process (session) per client id counts, the one
 whose registration for this incarnation was accepted last; offline is known from wills and
 goodbyes at once. A phase waits for the tasks of clients that are present (online, or dropped
-less than `reconnect_grace_s` ago): a reply that is not signed by the registered process costs
-nothing (the task stays open for it until the deadline; in open mode, where anyone may have sent
-it, so does a reply that does not validate), a client that stays away past its grace is not
-waited for, and one that comes back (reconnected, restarted, or the broker lost what was queued)
-is sent its task again. Bad messages are counted and dropped, their log lines limited to one per
-sender and reason per minute; the run goes on.
+less than the run's `reconnect_grace_s` ago): a reply that is not signed by the registered
+process costs nothing (the task stays open for it until the deadline; in open mode, where anyone
+may have sent it, so does a reply that does not validate), a client that stays away past its
+grace is not waited for, and one that comes back (reconnected, restarted, or the broker lost
+what was queued) is sent its task again. Bad messages are counted and dropped, their log lines
+limited to one per sender and reason per minute; the run goes on.
 """
 
 from __future__ import annotations
@@ -65,8 +65,6 @@ class NetworkFleet(Fleet):
     `share_models`: a model several tasks carry crosses the broker once, on the broadcast topic
     (False: a copy rides with each task, for ACLs that cannot let clients read that topic).
     `keyring`: the coordinator's keys (None: open mode, nothing signed or checked).
-    `reconnect_grace_s`: a client that dropped counts as present this long (see
-    `coordinator.fleet.members`): it is given tasks and its replies are waited for.
     """
 
     def __init__(
@@ -75,7 +73,6 @@ class NetworkFleet(Fleet):
         *,
         share_models: bool = True,
         keyring: Keyring | None = None,
-        reconnect_grace_s: float = 10.0,
     ) -> None:
         super().__init__()
         if keyring is not None and keyring.me != topics.COORDINATOR:
@@ -87,7 +84,7 @@ class NetworkFleet(Fleet):
         self._round = 0
         self._phase = "registering"
         self._log = RateLimitedLog(log)
-        self.members = Members(self.clients, self._reject, self._answer, reconnect_grace_s)
+        self.members = Members(self.clients, self._reject, self._answer)
         self._model_bytes = 0  # the largest a message of this run carries (models, bytes)
         self._reconnected = threading.Event()
         # The phase in progress: each waiting client's task (and own blobs), the shared blobs,
