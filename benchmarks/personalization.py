@@ -38,6 +38,7 @@ import math
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -308,6 +309,19 @@ def _wtl(ours: Sequence[float], theirs: Sequence[float]) -> str:
     return f"{sum(x > TIE for x in d)}/{sum(abs(x) <= TIE for x in d)}/{sum(x < -TIE for x in d)}"
 
 
+# What a client's guard deployed (edge_sdk.algorithms.guard), by the start of its choice's label.
+DEPLOYED = {
+    "mixture": "personal+finetuned (final",  # the default: personalized ⊕ fine-tuned
+    "own": "personal (final",  # the algorithm's own final personalized model
+    "finetuned": "finetuned (final",  # the federation's final model, fine-tuned
+    "other": "",  # an earlier round's model, the meme, the global model...
+}
+
+
+def _deployed(choice: str | None) -> str:
+    return next(k for k, start in DEPLOYED.items() if (choice or DEPLOYED["own"]).startswith(start))
+
+
 def _passes(runs: Sequence[Run]) -> float:
     """Training samples processed per client, in passes over its training data (mean)."""
     return statistics.mean(
@@ -355,11 +369,8 @@ def summarize(
             "wall_seconds": sum(r.wall_seconds for r in runs),
         }
         if name in ALGORITHMS:
-            row["guard_switched"] = sum(
-                not str(c.get("guard_choice") or "personal (final").startswith("personal (final")
-                for r in runs
-                for c in r.clients
-            )
+            deployed = Counter(_deployed(c.get("guard_choice")) for r in runs for c in r.clients)
+            row["deployed"] = {k: deployed[k] for k in DEPLOYED if deployed[k]}
             unguarded = [
                 100
                 * statistics.mean(
@@ -388,8 +399,9 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     for r in rows:
         name = r["algorithm"] + (f" ({r['architecture']})" if r["algorithm"] == "fedavg_ft" else "")
         guard = ""
-        if "guard_switched" in r:
-            guard = f"{r['guard_switched']} switched, unguarded {r['mean_unguarded']:.1f}"
+        if "deployed" in r:
+            guard = ", ".join(f"{k} {v}" for k, v in r["deployed"].items())
+            guard += f"; unguarded {r['mean_unguarded']:.1f}"
         if "pays" in r:
             guard += f"; pays: {'yes' if r['pays'] else 'no'}"
         lines.append(

@@ -21,7 +21,16 @@ import torch
 from pydantic import BaseModel, ConfigDict, model_validator
 from torch import nn
 
-from edge_sdk.algorithms.guard import PERSONAL, Candidate, Guard, GuardConfig, Pick
+from edge_sdk.algorithms.guard import (
+    BLEND,
+    FINETUNED,
+    PERSONAL,
+    Candidate,
+    Guard,
+    GuardConfig,
+    Pick,
+    blend,
+)
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.peers import Peers
 from edge_sdk.trainer import ClientData, EvalResult, OptimConfig, Trainer
@@ -209,13 +218,15 @@ class ClientAlgorithm(ABC):
         this client processed."""
         if self.guarded:
             final = self.guard_candidates()
-            glob = models.get("global")
-            if (
-                glob is not None
-                and "global" not in self.partial_models
-                and glob.spec.num_classes == self.ctx.data.num_classes
-            ):
+            glob = self._full_global(models)
+            if glob is not None:
                 final.setdefault("global", (glob.spec, self._materialize(glob)))
+            tuned = self._finetuned(rounds, models)
+            if tuned is not None:
+                final[FINETUNED] = tuned
+                assert isinstance(self.config, GuardConfig)
+                if self.config.guard_default == "mixture":
+                    final = {BLEND: blend(final[PERSONAL], tuned), **final}
             result.details |= self.guard.decide(rounds, final)
             m = result.metrics
             if m.get("personal_total"):  # the algorithm's own model on the test split, for reports
@@ -224,6 +235,49 @@ class ClientAlgorithm(ABC):
                 result.metrics |= self._scores("personal", self.personalized_model()[1])
         result.details["samples_processed"] = self.ctx.trainer.samples
         return result
+
+    def finetune_base(self, models: Mapping[str, WireModel]) -> Candidate | None:
+        """The federation's final model, which the guard fine-tunes on this client's data as a
+        candidate (a fresh copy: fine-tuning it changes nothing else). Default: the finalize
+        task's global model, when it is whole and predicts this client's classes."""
+        glob = self._full_global(models)
+        return None if glob is None else (glob.spec, self._materialize(glob))
+
+    def finetune_optim(self) -> OptimConfig:
+        """How the guard fine-tunes (at the last round's learning rate, as FedAvg+FT does): the
+        algorithm's own optimizer settings where it trains whole epochs; an algorithm that does
+        not says its own."""
+        if not isinstance(self.config, OptimConfig):
+            raise NotImplementedError(f"{self.name}: say how to fine-tune (finetune_optim)")
+        return self.config
+
+    def _finetuned(self, rounds: int, models: Mapping[str, WireModel]) -> Candidate | None:
+        """`finetune_base` fine-tuned for `guard_ft_epochs` on the training split (None without
+        validation data to judge it by, or with 0 epochs). Its samples count as processed."""
+        assert isinstance(self.config, GuardConfig)
+        epochs = self.config.guard_ft_epochs
+        if epochs == 0 or not self.guard.active:
+            return None
+        base = self.finetune_base(models)
+        if base is None:
+            return None
+        spec, model = base
+        cfg = self.finetune_optim()
+        trainer = self.ctx.trainer
+        opt = trainer.optimizer(model.parameters(), cfg, lr=cfg.lr_at(rounds, rounds))
+        trainer.train_epochs(model, self.ctx.data, cfg, optimizer=opt, epochs=epochs)
+        return spec, model
+
+    def _full_global(self, models: Mapping[str, WireModel]) -> WireModel | None:
+        """The task's global model when it is whole and predicts this client's classes."""
+        glob = models.get("global")
+        if (
+            glob is None
+            or "global" in self.partial_models
+            or glob.spec.num_classes != self.ctx.data.num_classes
+        ):
+            return None
+        return glob
 
     def personalized_model(self) -> tuple[ArchSpec, nn.Module]:
         """The model this client deploys (and exports to ONNX): the guard's choice after the

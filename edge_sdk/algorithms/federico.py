@@ -43,6 +43,7 @@ from edge_sdk.codec import WireModel, state_of
 from edge_sdk.losses import cross_entropy
 from edge_sdk.optim import SGD, Adam
 from edge_sdk.peers import Peers
+from edge_sdk.trainer import OptimConfig
 from model_zoo import ArchSpec, build
 from model_zoo.models.mixture import mixture_spec
 
@@ -256,6 +257,23 @@ class FedeRiCo(ClientAlgorithm):
         if self.ctx.task.step == "exchange":
             return {}
         return {PERSONAL: self.trained_model(), "own": (self.ctx.spec, self.model)}
+
+    def finetune_base(self, models: Mapping[str, WireModel]) -> Candidate | None:
+        # No model is shared: what the guard fine-tunes is a copy of this client's own model,
+        # which its neighbours' gradients trained.
+        return self.ctx.spec, self._materialize(WireModel.of(self.ctx.spec, self.model))
+
+    def finetune_optim(self) -> OptimConfig:
+        # FedeRiCo's own optimizer and rate (Adam's β1 is 0.9 there, as torch's default).
+        cfg = self.config
+        momentum = 0.9 if cfg.optimizer == "adam" else 0.0
+        return OptimConfig(
+            optimizer=cfg.optimizer,
+            lr=cfg.lr,
+            batch_size=cfg.batch_size,
+            momentum=momentum,
+            weight_decay=0.0,
+        )
 
 
 def _format(p: torch.Tensor) -> torch.memory_format:

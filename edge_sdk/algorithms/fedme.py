@@ -35,7 +35,7 @@ from edge_sdk.algorithms.base import (
     FitResult,
     register_algorithm,
 )
-from edge_sdk.algorithms.guard import GuardConfig
+from edge_sdk.algorithms.guard import Candidate, GuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import cross_entropy, kl_distill
 from model_zoo import ArchSpec
@@ -191,3 +191,9 @@ class FedMe(ClientAlgorithm):
         if self.personal is None or self.personal_spec is None:
             raise RuntimeError("fedme: no personalized model before the coordinator sent one")
         return self.personal_spec, self.personal
+
+    def finetune_base(self, models: Mapping[str, WireModel]) -> Candidate | None:
+        # FedMe has no global model: the federation's final model for this client is the
+        # aggregate of every trained copy of its model, which the finalize task returned.
+        spec, model = self.trained_model()
+        return spec, self._materialize(WireModel.of(spec, model))

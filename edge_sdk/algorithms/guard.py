@@ -18,6 +18,16 @@ sample, and deploys the other only when the evidence is clear:
 candidates on a few dozen validation samples otherwise picks noise: on the benchmark's label
 groups, switching on one or two more correct samples lost points against the model it replaced.
 
+Two more candidates come from what the federation produced (`guard_ft_epochs`, `guard_default`):
+- *finetuned*: a copy of the federation's final model (the global model; FedMe's aggregate; for
+  FedeRiCo the client's own model) fine-tuned on the client's training split after the last
+  round, the step of the FedAvg+FT baseline. Where data is scarce, that model, trained on
+  everyone's data, is what a client of a small architecture cannot learn alone.
+- *personal+finetuned*: the mixture of the personalized and the fine-tuned model (the average of
+  their predicted probabilities, one `mixture` model). It is the default the others must clearly
+  beat: measured on the benchmark's splits, it was the best single choice on average, and it
+  keeps what the personalized model knows where the fine-tuned one is weak.
+
 The test split is never looked at. A client without validation data deploys the algorithm's final
 model. What the guard keeps (the best copy, its scores and which validation samples it got
 right) is part of the client's persistent state, so a restarted device, or a round done again,
@@ -29,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,14 +49,18 @@ from torch import nn
 from edge_sdk.codec import WireModel
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec
+from model_zoo.models.mixture import Mixture, mixture_spec
 
-__all__ = ["PERSONAL", "Candidate", "Guard", "GuardConfig", "Pick"]
+__all__ = ["BLEND", "FINETUNED", "PERSONAL", "Candidate", "Guard", "GuardConfig", "Pick", "blend"]
 
 # What the guard may deploy: a name ("personal", "meme"...) → (architecture, model).
 Candidate = tuple[ArchSpec, nn.Module]
 
 # The name of the algorithm's own personalized model among the candidates.
 PERSONAL = "personal"
+# The federation's final model fine-tuned on the client's data, and its mixture with PERSONAL.
+FINETUNED = "finetuned"
+BLEND = f"{PERSONAL}+{FINETUNED}"
 
 _REASON_CHARS = 256  # a reply detail's limit
 
@@ -60,6 +74,39 @@ class GuardConfig(BaseModel):
     # [ours] How clear the evidence must be to deploy another model than the algorithm's own:
     # b − c > guard_z·√(b + c) over the validation samples where the two disagree.
     guard_z: float = Field(1.0, ge=0)
+    # [ours] After the last round, fine-tune a copy of the federation's final model (the global
+    # model; FedMe: the aggregate it returns; FedeRiCo: the client's own model) for this many
+    # epochs on the training split, as one more candidate: the step of the FedAvg+FT baseline,
+    # whose `ft_epochs` default is the same. 0: no such candidate. Counted in samples_processed.
+    guard_ft_epochs: int = Field(5, ge=0)
+    # [ours] The candidate kept unless another is clearly better: "mixture", the personalized
+    # and the fine-tuned model averaged (one `mixture` model: the device runs both); "personal",
+    # the algorithm's own model (one model of the client's architecture, unless the guard finds
+    # clear evidence for another).
+    guard_default: Literal["mixture", "personal"] = "mixture"
+
+
+def blend(a: Candidate, b: Candidate) -> Candidate:
+    """The equal-weight mixture of two candidates' predicted probabilities, as one `mixture`
+    model built around the same modules (a mixture's members are taken as members, so that
+    a mixture never holds a mixture)."""
+    members: list[tuple[ArchSpec, nn.Module, float]] = []
+    for spec, model in (a, b):
+        if isinstance(model, Mixture):
+            weights = spec.kwargs["weights"]
+            inner = [ArchSpec.model_validate(m) for m in spec.kwargs["members"]]
+            total = float(sum(weights))
+            members += [
+                (s, m, 0.5 * w / total)
+                for s, m, w in zip(inner, model.members, weights, strict=True)
+            ]
+        else:
+            members.append((spec, model, 0.5))
+    weights = [w for _, _, w in members]
+    spec = mixture_spec([s for s, _, _ in members], weights)
+    mixture = Mixture([m for _, m, _ in members], weights)
+    device = next(a[1].parameters()).device
+    return spec, mixture.to(device)
 
 
 @dataclass(frozen=True)
@@ -154,9 +201,10 @@ class Guard:
     def decide(self, rounds: int, final: Mapping[str, Candidate]) -> dict[str, Any]:
         """After the last round: the model to deploy, and the finalize reply's details.
 
-        `final` lists the models the client holds now, its personalized model first (under
-        PERSONAL). The best of the others and the kept copy replaces it only when the paired
-        evidence is clear (see the module's docstring).
+        `final` lists the models the client holds now, the default first (its personalized
+        model, PERSONAL, or its mixture with the fine-tuned model, BLEND). The best of the
+        others and the kept copy replaces it only when the paired evidence is clear (see the
+        module's docstring). `deployed` is the choice, None when it is the personalized model.
         """
         self.deployed = None
         if not self.active:
@@ -178,11 +226,13 @@ class Guard:
             c = int((default.hits & ~rival.hits).sum())
             evidence = f"; {rival.label}, {rival.score}, right on {b} it missed, wrong on {c}"
             if b - c > self.z * math.sqrt(b + c):
-                self.deployed = chosen = rival
+                chosen = rival
                 reason = f"{rival.label} on validation, {rival.score}, right on {b} samples the "
                 reason += f"final {default.name} model, {default.score}, missed; wrong on {c}"
             else:
                 reason += f", kept: no clear evidence against it{evidence}"
+        if chosen.name != PERSONAL or not chosen.final:
+            self.deployed = chosen
         return {
             "guard_choice": chosen.label,
             "guard_arch": chosen.model.spec.family,

@@ -36,6 +36,7 @@ from edge_sdk.algorithms.base import (
 from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import cross_entropy, kl_distill
+from edge_sdk.trainer import OptimConfig
 from model_zoo import ArchSpec
 
 __all__ = ["PFML", "PFMLConfig"]
@@ -250,3 +251,8 @@ class PFML(ClientAlgorithm):
         if local is not None:
             out["local"] = (getattr(local, SPEC_ATTR), local)
         return out
+
+    def finetune_optim(self) -> OptimConfig:
+        # The guard fine-tunes with PFML's own plain gradient steps at η.
+        cfg = self.config
+        return OptimConfig(lr=cfg.lr, batch_size=cfg.batch_size, momentum=0.0, weight_decay=0.0)

@@ -18,6 +18,7 @@ MLR = ArchSpec(family="mlr", num_classes=CLASSES, input_shape=(FEATURES,))
 MLP = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=(FEATURES,), kwargs={"hidden": [8]})
 N = 30  # training samples
 ROUNDS, EPOCHS, BATCH = 3, 2, 8
+FT = 5  # the guard's fine-tuning of the federation's final model: epochs after the last round
 
 
 def _data(n=N, seed=0):
@@ -47,10 +48,19 @@ def _run(client, models):
 EPOCHS_CFG = {"local_epochs": EPOCHS, "batch_size": BATCH}
 
 
-@pytest.mark.parametrize(("name", "models"), [("local", {}), ("fml", _glob()), ("fedavg", _glob())])
+@pytest.mark.parametrize(("name", "models"), [("local", {}), ("fedavg", _glob())])
 def test_epoch_trained_algorithms_process_rounds_times_epochs_passes(name, models):
-    spec = MLP if name == "fml" else MLR
-    assert _run(_client(name, spec, **EPOCHS_CFG), models) == ROUNDS * EPOCHS * N
+    assert _run(_client(name, MLR, **EPOCHS_CFG), models) == ROUNDS * EPOCHS * N
+
+
+def test_fml_adds_the_guards_fine_tuning_epochs_by_default():
+    assert _run(_client("fml", MLP, **EPOCHS_CFG), _glob()) == (ROUNDS * EPOCHS + FT) * N
+
+
+@pytest.mark.parametrize(("ft", "guard"), [(3, True), (0, True), (3, False)])
+def test_the_guards_fine_tuning_is_counted_and_only_when_it_runs(ft, guard):
+    client = _client("fml", MLP, guard_ft_epochs=ft, guard=guard, **EPOCHS_CFG)
+    assert _run(client, _glob()) == (ROUNDS * EPOCHS + (ft if guard else 0)) * N
 
 
 def test_fedavg_ft_adds_its_fine_tuning_epochs():
@@ -60,7 +70,7 @@ def test_fedavg_ft_adds_its_fine_tuning_epochs():
 
 def test_fedme_counts_each_batch_once_though_two_models_learn_from_it():
     models = {"personal": _glob()["global"], "exchanged": _glob(MLP)["global"]}
-    assert _run(_client("fedme", **EPOCHS_CFG), models) == ROUNDS * EPOCHS * N
+    assert _run(_client("fedme", **EPOCHS_CFG), models) == (ROUNDS * EPOCHS + FT) * N
 
 
 def test_persfl_stage_two_costs_its_grid_times_the_local_budget():
@@ -69,18 +79,18 @@ def test_persfl_stage_two_costs_its_grid_times_the_local_budget():
         "persfl", MLP, distill_lambdas=[0.0, 0.5], distill_temperatures=[1.0, 2.0], **EPOCHS_CFG
     )
     assert client.config.distill_epochs is None
-    assert _run(client, _glob()) == ROUNDS * EPOCHS * N + 3 * ROUNDS * EPOCHS * N
+    assert _run(client, _glob()) == (ROUNDS * EPOCHS + FT) * N + 3 * ROUNDS * EPOCHS * N
 
 
 def test_persfl_distill_epochs_when_set_replaces_the_local_budget():
     client = _client("persfl", MLP, distill_lambdas=[0.0], distill_epochs=5, **EPOCHS_CFG)
-    assert _run(client, _glob()) == ROUNDS * EPOCHS * N + 5 * N
+    assert _run(client, _glob()) == (ROUNDS * EPOCHS + FT) * N + 5 * N
 
 
 def test_pfml_counts_its_iterations_of_one_batch():
     client = _client("pfml", MLP, local_iterations=5, batch_size=BATCH, lr=0.05)
     assert client.iterations() == 5
-    assert _run(client, _glob()) == ROUNDS * 5 * BATCH
+    assert _run(client, _glob()) == ROUNDS * 5 * BATCH + FT * N
 
 
 @pytest.mark.parametrize("n", [30, 32, 5])
@@ -88,7 +98,7 @@ def test_pfml_local_epochs_are_as_many_iterations_as_the_epochs_take_batches(n):
     client = _client("pfml", MLP, n=n, local_epochs=EPOCHS, batch_size=BATCH, lr=0.05)
     iterations = math.ceil(EPOCHS * n / BATCH)
     assert client.iterations() == iterations
-    assert _run(client, _glob()) == ROUNDS * iterations * min(BATCH, n)
+    assert _run(client, _glob()) == ROUNDS * iterations * min(BATCH, n) + FT * n
 
 
 def test_pfml_iterations_alone_turn_epochs_off_and_epochs_win_when_both_are_set():

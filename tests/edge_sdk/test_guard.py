@@ -11,7 +11,7 @@ from tests_helpers import raises_exactly
 
 from edge_sdk.algorithms import AlgorithmError, ClientContext, algorithm_class
 from edge_sdk.algorithms.fml import FML, FMLConfig
-from edge_sdk.algorithms.guard import Pick
+from edge_sdk.algorithms.guard import Pick, blend
 from edge_sdk.codec import WireModel
 from edge_sdk.state import load_state, save_state
 from edge_sdk.trainer import ClientData, Trainer
@@ -62,7 +62,14 @@ def _constant(model, label=0):
 def _client(data=None, cls=FML, **cfg):
     cpu = torch.device("cpu")
     ctx = ClientContext("c0", MLP, data or _data(), cpu, 0, Trainer(cpu, seed=0))
-    base = {"local_epochs": 2, "batch_size": 16, "lr": 0.1, "alpha_gate": "off"}
+    # No fine-tuned candidate unless a test asks for one: these tests are about the others.
+    base = {
+        "local_epochs": 2,
+        "batch_size": 16,
+        "lr": 0.1,
+        "alpha_gate": "off",
+        "guard_ft_epochs": 0,
+    }
     return cls(ctx, FMLConfig(**(base | cfg)))
 
 
@@ -286,3 +293,189 @@ def test_a_state_without_the_guard_or_the_sample_count_is_refused():
 @pytest.mark.parametrize("name", ["local", "fedavg", "fedprox", "fedavg_ft"])
 def test_baselines_have_no_guard(name):
     assert "guard" not in algorithm_class(name).config_cls.model_fields
+
+
+# -- the fine-tuned final model and its mixture with the personalized one ------------------------
+FT_CFG = {"batch_size": 64, "momentum": 0.9, "weight_decay": 5e-4}  # 64 = every training sample
+
+
+def _hand_finetuned(glob, data, epochs, lr):
+    """The global model after `epochs` full-batch SGD steps (momentum, weight decay) on the
+    training split, written out here with torch's own SGD: a full batch makes the batch order,
+    which the trainer draws, irrelevant."""
+    model = build(MLR)
+    model.load_state_dict(glob.weights)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+    for _ in range(epochs):
+        opt.zero_grad()
+        F.cross_entropy(model(data.x_train), data.y_train).backward()
+        opt.step()
+    return model
+
+
+def _probs(model, x):
+    model.eval()
+    with torch.no_grad():
+        return F.softmax(model(x), 1)
+
+
+def test_the_default_is_the_mixture_of_the_personal_and_the_fine_tuned_global_model():
+    # Prepare: two rounds, then the final global model (trained by no one: the fine-tuning is
+    # what teaches it this client's data).
+    client = _client(guard_ft_epochs=4, **FT_CFG)
+    data = client.ctx.data
+    for round_ in (1, 2):
+        client.fit(round_, 2, _glob(round_))
+    personal = _copy(client.personal)
+
+    # Execute
+    out = client.finalize(2, 2, _glob(9))
+
+    # Assert: it deploys one mixture model whose probabilities are the mean of the final
+    # personalized model's and of the global model fine-tuned here by hand, on every input.
+    spec, deployed = client.personalized_model()
+    assert spec.family == "mixture" and spec.kwargs["weights"] == [0.5, 0.5]
+    own = build(MLP)
+    own.load_state_dict(personal)
+    tuned = _hand_finetuned(_glob(9)["global"], data, epochs=4, lr=0.1)
+    x = torch.cat([data.x_val, data.x_test])
+    want = (_probs(own, x) + _probs(tuned, x)) / 2
+    assert torch.allclose(_probs(deployed, x), want, atol=1e-5)
+    assert _same(_copy(client.personal), personal)  # fine-tuning a copy left its model alone
+    assert out.details["guard_choice"] == "personal+finetuned (final, mixture)"
+    assert out.details["guard_arch"] == "mixture"
+    test_hits = int((want[len(data.y_val) :].argmax(1) == data.y_test).sum())
+    assert out.metrics["personal_correct"] == test_hits
+    assert out.details["guard_reason"].startswith("the final personal+finetuned model, ")
+
+
+def test_a_clearly_better_fine_tuned_model_replaces_the_spoiled_personal_one():
+    # Prepare: the personalized model and the meme are spoiled every round (predict class 0),
+    # and the guard's default is the algorithm's own model.
+    client = _client(cls=_Spoiled, guard_ft_epochs=6, guard_default="personal", **FT_CFG)
+    client.spoil = None
+    data = client.ctx.data
+    for round_ in (1, 2):
+        client.fit(round_, 2, _glob(round_))
+
+    # Execute
+    out = client.finalize(2, 2, _glob(9))
+
+    # Assert: the fine-tuned global model is deployed, its weights the hand-made ones.
+    tuned = _hand_finetuned(_glob(9)["global"], data, epochs=6, lr=0.1)
+    spec, deployed = client.personalized_model()
+    assert spec == MLR
+    for k, v in _copy(tuned).items():
+        assert torch.allclose(deployed.state_dict()[k], v, atol=1e-5), k
+    assert out.details["guard_choice"] == "finetuned (final, mlr)"
+    hits = int((_probs(tuned, data.x_test).argmax(1) == data.y_test).sum())
+    assert out.metrics["personal_correct"] == hits and hits > len(data.y_test) // 2
+    assert out.details["guard_unguarded_acc"] == 0.25  # what the spoiled model would score
+
+
+def test_the_mixture_is_not_deployed_when_the_personal_model_is_clearly_better():
+    # Prepare: the final global model predicts class 0 with a bias one fine-tuning step at a
+    # tiny rate cannot undo, so the mixture predicts class 0 everywhere; the personalized model
+    # learns the separable data from the labels alone (the meme is spoiled every round).
+    client = _client(cls=_Spoiled, alpha=1.0, guard_ft_epochs=1, **FT_CFG)
+    client.spoil, client.models = None, ("meme",)
+    for round_ in (1, 2):
+        client.fit(round_, 2, _glob(round_))
+    client.config = client.config.model_copy(update={"lr": 1e-6})  # the fine-tuning's rate
+    stuck = _glob(9)
+    stuck["global"].weights["linear.bias"] = torch.tensor([1e3, 0.0, 0.0, 0.0])
+
+    # Execute
+    out = client.finalize(2, 2, stuck)
+
+    # Assert
+    assert client.personalized_model()[1] is client.personal
+    assert out.details["guard_choice"] == "personal (final, mlp)"
+    assert "personal+finetuned" in out.details["guard_reason"]
+
+
+def test_a_deployed_mixture_survives_a_restart(tmp_path):
+    client = _client(guard_ft_epochs=2, **FT_CFG)
+    client.fit(1, 1, _glob(1))
+    client.finalize(1, 1, _glob(9))
+    save_state(tmp_path / "s", client.state_dict())
+    restored = _client(guard_ft_epochs=2, **FT_CFG)
+    restored.load_state_dict(load_state(tmp_path / "s"))
+    (spec_a, a), (spec_b, b) = client.personalized_model(), restored.personalized_model()
+    assert spec_a == spec_b and spec_a.family == "mixture"
+    x = client.ctx.data.x_test
+    assert torch.equal(_probs(a, x), _probs(b, x))
+
+
+def test_blend_flattens_a_mixture_into_its_members_with_halved_weights():
+    # A mixture (weights 1 and 3) blended with a plain model: three members, weights
+    # 0.5·(1/4, 3/4) and 0.5, and the same probabilities as the two averaged.
+    a, b, c = build(MLR, seed=1), build(MLP, seed=2), build(MLR, seed=3)
+    inner = blend((MLR, a), (MLP, b))
+    inner_spec = inner[0].model_copy(update={"kwargs": {**inner[0].kwargs, "weights": [1, 3]}})
+    inner_model = build(inner_spec)
+    inner_model.load_state_dict(inner[1].state_dict())
+    spec, mixed = blend((inner_spec, inner_model), (MLR, c))
+    assert spec.kwargs["weights"] == [0.125, 0.375, 0.5]
+    assert [m["family"] for m in spec.kwargs["members"]] == ["mlr", "mlp", "mlr"]
+    x = torch.randn(5, FEATURES)
+    want = 0.5 * (0.25 * _probs(a, x) + 0.75 * _probs(b, x)) + 0.5 * _probs(c, x)
+    assert torch.allclose(_probs(mixed, x), want, atol=1e-6)
+
+
+def _hand_tuned(start, data, epochs, opt_of):
+    """`start` (spec, weights) after `epochs` full-batch steps of the optimizer `opt_of` makes,
+    on the training split, written out here."""
+    spec, weights = start
+    model = build(spec)
+    model.load_state_dict(weights)
+    opt = opt_of(model.parameters())
+    for _ in range(epochs):
+        opt.zero_grad()
+        F.cross_entropy(model(data.x_train), data.y_train).backward()
+        opt.step()
+    return _copy(model)
+
+
+def _algo(name, spec, **cfg):
+    cls = algorithm_class(name)
+    cpu = torch.device("cpu")
+    return cls(
+        ClientContext("c0", spec, _data(), cpu, 0, Trainer(cpu, seed=0)), cls.config_cls(**cfg)
+    )
+
+
+@pytest.mark.parametrize("name", ["pfml", "fedme", "federico"])
+def test_each_algorithm_fine_tunes_its_federations_final_model_with_its_own_optimizer(name):
+    # Prepare: the model each fine-tunes and how, by hand. PFML: the global model, with its own
+    # plain gradient steps at η. FedMe: the aggregate the coordinator returned as its model,
+    # with its SGD (momentum 0.9, weight decay). FedeRiCo: its own model, with Adam.
+    glob = _glob(7)["global"]
+    if name == "pfml":
+        client = _algo(name, MLP, lr=0.2, batch_size=64, guard_ft_epochs=3)
+        models = {"global": glob}
+        start = (MLR, glob.weights)
+        opt = lambda p: torch.optim.SGD(p, lr=0.2)  # noqa: E731
+    elif name == "fedme":
+        client = _algo(name, MLR, lr=0.2, batch_size=64, guard_ft_epochs=3)
+        models = {"personal": glob}
+        start = (MLR, glob.weights)
+        opt = lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9, weight_decay=1e-4)  # noqa: E731
+    else:
+        client = _algo(name, MLR, lr=0.05, batch_size=64, guard_ft_epochs=3)
+        models = {}
+        start = (MLR, _copy(client.model))
+        opt = lambda p: torch.optim.Adam(p, lr=0.05)  # noqa: E731
+    client.finish(1, 1, models)  # what the finalize phase does before the guard
+    before = _copy(client.trained_model()[1]) if name != "federico" else _copy(client.model)
+
+    # Execute
+    spec, tuned = client._finetuned(1, models)
+
+    # Assert: the hand-made weights; the model it started from is unchanged.
+    want = _hand_tuned(start, client.ctx.data, 3, opt)
+    assert spec == MLR
+    for k, v in want.items():
+        assert torch.allclose(tuned.state_dict()[k], v, atol=1e-5), k
+    after = _copy(client.trained_model()[1]) if name != "federico" else _copy(client.model)
+    assert _same(before, after)

@@ -518,7 +518,10 @@ def test_persfl_finalize_distils_from_the_final_global_model_and_scores_it():
     # Prepare: a client that never trained; its finalize task carries the final global model.
     data = _data()
     glob, _ = _two_mlrs(13)
-    client = _client(data=data, distill_lambdas=[0.5], distill_temperatures=[2.0])
+    # (No fine-tuned candidate: the guard keeps the student it distilled.)
+    client = _client(
+        data=data, distill_lambdas=[0.5], distill_temperatures=[2.0], guard_ft_epochs=0
+    )
 
     # Execute
     out = client.finalize(5, 5, {"global": glob})
