@@ -40,6 +40,7 @@ from torch.func import functional_call, vmap
 
 from edge_sdk.algorithms.base import (
     SPEC_ATTR,
+    Candidate,
     ClientAlgorithm,
     ClientContext,
     FitResult,
@@ -416,12 +417,43 @@ def run_stacked(
         for name in cls.persistent:
             _unstack_state(name, stacked, members)
     rows = _split_result(result, len(members))
+    tuned: list[Candidate | None] = [None] * len(members)
+    if phase == "finalize" and all(a.finetunes for a in members):
+        tuned = _finetuned_rows(stacked, members, rounds, incoming)
     out: list[FitResult] = [rows[0]] * len(algos)
-    for a, row, i in zip(members, rows, order, strict=True):
+    for a, row, i, t in zip(members, rows, order, tuned, strict=True):
         # What `fit` and `finalize` do after the stacked part, member by member (the guard).
         if phase == "fit":
             a.after_fit(round_)
         elif phase == "finalize":
-            row = a.after_finish(rounds, models[i], row)
+            row = a.after_finish(rounds, models[i], row, tuned=t)
         out[i] = row
     return out
+
+
+def _finetuned_rows(
+    stacked: ClientAlgorithm,
+    members: Sequence[ClientAlgorithm],
+    rounds: int,
+    models: Mapping[str, WireModel],
+) -> list[Candidate | None]:
+    """The guards' fine-tuning of the federation's final model for every member at once (each
+    member's batches from its own generator, as alone), one model per member; None for every
+    member when it does not stack (each then trains its own, from the same random state)."""
+    none: list[Candidate | None] = [None] * len(members)
+    rngs = [(a.ctx.trainer.generator.get_state(), a.ctx.trainer.samples) for a in members]
+    try:
+        tuned = stacked.finetune(rounds, models)
+    except (CohortUnsupported, FloatingPointError) as exc:
+        for a, (rng, samples) in zip(members, rngs, strict=True):
+            a.ctx.trainer.generator.set_state(rng)
+            a.ctx.trainer.samples = samples
+        log.info("the guards' fine-tuning runs client by client: %s", exc)
+        return none
+    if tuned is None:
+        return none
+    spec, model = tuned
+    return [
+        (spec, a.ctx.materialize(WireModel(spec, unstack_module(model, k))))
+        for k, a in enumerate(members)
+    ]

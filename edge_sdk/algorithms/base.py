@@ -12,6 +12,7 @@ same name and reads the same config.
 from __future__ import annotations
 
 import copy
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ __all__ = [
     "algorithm_names",
     "register_algorithm",
 ]
+
+log = logging.getLogger(__name__)
 
 
 class AlgorithmError(ValueError):
@@ -211,17 +214,28 @@ class ClientAlgorithm(ABC):
         return self.after_finish(rounds, models, self.finish(round_, rounds, models))
 
     def after_finish(
-        self, rounds: int, models: Mapping[str, WireModel], result: FitResult
+        self,
+        rounds: int,
+        models: Mapping[str, WireModel],
+        result: FitResult,
+        tuned: Candidate | None = None,
     ) -> FitResult:
         """The guard's choice of the model to deploy, after `finish` (a cohort calls it per
         member); the reply's details say what it chose and why, and how many training samples
-        this client processed."""
+        this client processed. `tuned`: this client's fine-tuned final model when a stack of
+        clients trained theirs at once (edge_sdk.cohort); otherwise it is trained here."""
         if self.guarded:
             final = self.guard_candidates()
             glob = self._full_global(models)
             if glob is not None:
                 final.setdefault("global", (glob.spec, self._materialize(glob)))
-            tuned = self._finetuned(rounds, models)
+            if tuned is None and self.finetunes:
+                try:
+                    tuned = self.finetune(rounds, models)
+                except FloatingPointError as exc:  # not a candidate; the others remain
+                    log.warning(
+                        "%s: the guard's fine-tuning diverged (%s)", self.ctx.client_id, exc
+                    )
             if tuned is not None:
                 final[FINETUNED] = tuned
                 assert isinstance(self.config, GuardConfig)
@@ -235,6 +249,18 @@ class ClientAlgorithm(ABC):
                 result.metrics |= self._scores("personal", self.personalized_model()[1])
         result.details["samples_processed"] = self.ctx.trainer.samples
         return result
+
+    @property
+    def finetunes(self) -> bool:
+        """Whether the guard fine-tunes the federation's final model after the last round: it is
+        on, `guard_ft_epochs` > 0, and the client has validation data to judge the result by."""
+        cfg = self.config
+        return (
+            isinstance(cfg, GuardConfig)
+            and cfg.guard
+            and cfg.guard_ft_epochs > 0
+            and self.guard.active
+        )
 
     def finetune_base(self, models: Mapping[str, WireModel]) -> Candidate | None:
         """The federation's final model, which the guard fine-tunes on this client's data as a
@@ -251,13 +277,11 @@ class ClientAlgorithm(ABC):
             raise NotImplementedError(f"{self.name}: say how to fine-tune (finetune_optim)")
         return self.config
 
-    def _finetuned(self, rounds: int, models: Mapping[str, WireModel]) -> Candidate | None:
-        """`finetune_base` fine-tuned for `guard_ft_epochs` on the training split (None without
-        validation data to judge it by, or with 0 epochs). Its samples count as processed."""
+    def finetune(self, rounds: int, models: Mapping[str, WireModel]) -> Candidate | None:
+        """The guard's candidate: `finetune_base` trained for `guard_ft_epochs` on the training
+        split (its samples count as processed); None without a base. FloatingPointError when
+        the training diverges."""
         assert isinstance(self.config, GuardConfig)
-        epochs = self.config.guard_ft_epochs
-        if epochs == 0 or not self.guard.active:
-            return None
         base = self.finetune_base(models)
         if base is None:
             return None
@@ -265,7 +289,9 @@ class ClientAlgorithm(ABC):
         cfg = self.finetune_optim()
         trainer = self.ctx.trainer
         opt = trainer.optimizer(model.parameters(), cfg, lr=cfg.lr_at(rounds, rounds))
-        trainer.train_epochs(model, self.ctx.data, cfg, optimizer=opt, epochs=epochs)
+        trainer.train_epochs(
+            model, self.ctx.data, cfg, optimizer=opt, epochs=self.config.guard_ft_epochs
+        )
         return spec, model
 
     def _full_global(self, models: Mapping[str, WireModel]) -> WireModel | None:

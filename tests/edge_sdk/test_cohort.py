@@ -11,7 +11,7 @@ import edge_sdk.node as node_mod
 from coordinator.federation import prepare_federation
 from coordinator.simulator import run_federation
 from edge_sdk.algorithms import algorithm_class
-from edge_sdk.algorithms.base import SPEC_ATTR, AlgorithmError, ClientContext
+from edge_sdk.algorithms.base import SPEC_ATTR, AlgorithmError, ClientAlgorithm, ClientContext
 from edge_sdk.algorithms.pfml import PFML, PFMLConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.cohort import (
@@ -141,6 +141,58 @@ def test_a_stacked_fit_gives_each_client_what_its_own_fit_gives(algorithm, maske
     # take 4, 6 and 1 steps an epoch, each with a short last batch; two rounds, so what
     # persists (momentum, the auxiliary model) carries over stacked as it does alone
     _fits_alike(algorithm, masked=masked)
+
+
+@pytest.mark.parametrize("algorithm", ["fml", "pfml"])
+def test_the_guards_fine_tune_the_final_model_stacked_as_each_would_alone(algorithm, monkeypatch):
+    # Prepare: two rounds alone and stacked (equal, as above), then a spy on the fine-tuning.
+    alone, stacked = _fits_alike(algorithm, guard_ft_epochs=3)
+    calls = []
+    real = ClientAlgorithm.finetune
+    monkeypatch.setattr(
+        ClientAlgorithm, "finetune", lambda self, *a: calls.append(self) or real(self, *a)
+    )
+    spec = alone[0].ctx.spec
+    models = _models(algorithm, spec, len(alone))
+
+    # Execute
+    expected = [a.finalize(2, 2, m) for a, m in zip(alone, models, strict=True)]
+    assert len(calls) == len(alone)
+    got = run_stacked(stacked, "finalize", 2, 2, models)
+
+    # Assert: one fine-tuning for the whole stack, and every member deploys what it deploys
+    # alone: the same choice, scores, sample count and random stream, the same weights.
+    assert len(calls) == len(alone) + 1 and calls[-1] not in stacked
+    for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
+        assert g.details == e.details
+        _assert_close(g.metrics, e.metrics, "metrics")
+        (spec_a, model_a), (spec_s, model_s) = a.personalized_model(), s.personalized_model()
+        assert spec_s == spec_a and spec_a.family == "mixture"
+        _assert_close(model_s.state_dict(), model_a.state_dict(), "deployed")
+        _assert_close(s.state_dict(), a.state_dict(), f"{a.ctx.client_id} state")
+
+
+def test_fine_tuning_that_does_not_stack_runs_per_member_from_the_same_random_state(monkeypatch):
+    # Prepare: the stacked fine-tuning draws every member's first batch (their generators move,
+    # their sample counts grow), then finds it cannot stack.
+    alone, stacked = _fits_alike("fml", guard_ft_epochs=2, rounds=1)
+
+    def refuses(self, model, data, cfg, **kw):
+        next(iter(self.epochs(data.x_train, data.y_train, cfg.batch_size, 1)))
+        raise CohortUnsupported("not today")
+
+    monkeypatch.setattr(CohortTrainer, "train_epochs", refuses)
+    models = _models("fml", alone[0].ctx.spec, len(alone))
+
+    # Execute
+    expected = [a.finalize(1, 1, m) for a, m in zip(alone, models, strict=True)]
+    got = run_stacked(stacked, "finalize", 1, 1, models)
+
+    # Assert: each member fine-tuned on its own, from where it stood before the stacked try
+    for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
+        assert g.details == e.details
+        _assert_close(g.metrics, e.metrics, "metrics")
+        _assert_close(s.state_dict(), a.state_dict(), f"{a.ctx.client_id} state")
 
 
 @pytest.mark.parametrize("algorithm", ["fml", "local"])

@@ -470,7 +470,7 @@ def test_each_algorithm_fine_tunes_its_federations_final_model_with_its_own_opti
     before = _copy(client.trained_model()[1]) if name != "federico" else _copy(client.model)
 
     # Execute
-    spec, tuned = client._finetuned(1, models)
+    spec, tuned = client.finetune(1, models)
 
     # Assert: the hand-made weights; the model it started from is unchanged.
     want = _hand_tuned(start, client.ctx.data, 3, opt)
@@ -479,3 +479,15 @@ def test_each_algorithm_fine_tunes_its_federations_final_model_with_its_own_opti
         assert torch.allclose(tuned.state_dict()[k], v, atol=1e-5), k
     after = _copy(client.trained_model()[1]) if name != "federico" else _copy(client.model)
     assert _same(before, after)
+
+
+def test_a_diverging_fine_tuning_is_no_candidate_and_the_client_keeps_serving(caplog):
+    client = _client(guard_ft_epochs=2, **FT_CFG)
+    client.fit(1, 1, _glob(1))
+    client.config = client.config.model_copy(update={"lr": 1e38})  # the fine-tuning's rate
+
+    out = client.finalize(1, 1, _glob(9))
+
+    assert "finetuned" not in out.details["guard_reason"]
+    assert client.personalized_model()[0].family != "mixture"
+    assert "c0: the guard's fine-tuning diverged" in caplog.text
