@@ -312,8 +312,9 @@ class ClientAlgorithm(ABC):
         if pick is None:
             return self.trained_model()
         if self._deployed is None or self._deployed[0] is not pick:
+            assert pick.model is not None  # a deployed pick is kept
             self._deployed = (pick, self._materialize(pick.model))
-        return pick.model.spec, self._deployed[1]
+        return pick.spec, self._deployed[1]
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
         """Personalized model on the client's own test split, and the global one if given."""

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -111,22 +112,40 @@ def blend(a: Candidate, b: Candidate) -> Candidate:
 
 @dataclass(frozen=True)
 class Pick:
-    """One scored candidate: which model, when, how it did on validation, and its weights."""
+    """One scored candidate: which model, when, how it did on validation, and (once kept or
+    deployed, `kept`) a copy of its weights."""
 
     name: str
     round: int  # the round whose training produced it
     final: bool  # one of the models the client held after the last round (finalize)
     hits: torch.Tensor  # bool, per validation sample: predicted right
     loss: float  # mean validation cross-entropy
-    model: WireModel
+    model: WireModel | None = None  # the weights, copied when kept
+    # The live model it was scored from, until it is kept (a candidate that is not kept is
+    # never copied: the guard scores a few each round, on every client).
+    source: Candidate | None = field(default=None, compare=False, repr=False)
 
-    @property
+    @cached_property
     def correct(self) -> int:
         return int(self.hits.sum())
 
     @property
     def total(self) -> int:
         return len(self.hits)
+
+    @property
+    def spec(self) -> ArchSpec:
+        if self.model is not None:
+            return self.model.spec
+        assert self.source is not None
+        return self.source[0]
+
+    def kept(self) -> Pick:
+        """This pick holding a copy of its model's weights (what the guard keeps)."""
+        if self.model is not None:
+            return self
+        assert self.source is not None
+        return replace(self, model=WireModel.of(*self.source), source=None)
 
     def beats(self, other: Pick | None) -> bool:
         """More correct validation samples; on a tie, a lower validation loss."""
@@ -139,13 +158,14 @@ class Pick:
     @property
     def label(self) -> str:
         when = "final" if self.final else f"round {self.round}"
-        return f"{self.name} ({when}, {self.model.spec.family})"
+        return f"{self.name} ({when}, {self.spec.family})"
 
     @property
     def score(self) -> str:
         return f"{self.correct}/{self.total} (loss {self.loss:.3f})"
 
     def to_state(self) -> dict[str, Any]:
+        assert self.model is not None, "only a kept pick is saved"
         return {
             "name": self.name,
             "round": self.round,
@@ -182,12 +202,12 @@ class Guard:
         return len(self.data.y_val) > 0
 
     def _score(self, name: str, cand: Candidate, round_: int, final: bool) -> Pick:
-        spec, model = cand
+        _, model = cand
         y = self.data.y_val
         z = self.trainer.logits(model, self.data.x_val)
         hits = (z.argmax(1) == y).cpu()
         loss = float(F.cross_entropy(z, y))
-        return Pick(name, round_, final, hits, loss, WireModel.of(spec, model))
+        return Pick(name, round_, final, hits, loss, source=cand)
 
     def observe(self, round_: int, candidates: Mapping[str, Candidate]) -> None:
         """After a round's training: keep a copy of any candidate better than the best so far."""
@@ -196,7 +216,7 @@ class Guard:
         for name, cand in candidates.items():
             pick = self._score(name, cand, round_, final=False)
             if pick.beats(self.best):
-                self.best = pick
+                self.best = pick.kept()
 
     def decide(self, rounds: int, final: Mapping[str, Candidate]) -> dict[str, Any]:
         """After the last round: the model to deploy, and the finalize reply's details.
@@ -232,10 +252,10 @@ class Guard:
             else:
                 reason += f", kept: no clear evidence against it{evidence}"
         if chosen.name != PERSONAL or not chosen.final:
-            self.deployed = chosen
+            self.deployed = chosen.kept()
         return {
             "guard_choice": chosen.label,
-            "guard_arch": chosen.model.spec.family,
+            "guard_arch": chosen.spec.family,
             "guard_val_acc": chosen.correct / chosen.total,
             "guard_reason": reason[:_REASON_CHARS],
         }
