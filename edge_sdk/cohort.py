@@ -420,14 +420,29 @@ def run_stacked(
     tuned: list[Candidate | None] = [None] * len(members)
     if phase == "finalize" and all(a.finetunes for a in members):
         tuned = _finetuned_rows(stacked, members, rounds, incoming)
+    scores: list[dict[str, tuple[torch.Tensor, float]] | None] = [None] * len(members)
+    if phase == "fit" and all(a.guarded and a.guard.active for a in members):
+        scores = _guard_scores(stacked)
     out: list[FitResult] = [rows[0]] * len(algos)
-    for a, row, i, t in zip(members, rows, order, tuned, strict=True):
+    for a, row, i, t, sc in zip(members, rows, order, tuned, scores, strict=True):
         # What `fit` and `finalize` do after the stacked part, member by member (the guard).
         if phase == "fit":
-            a.after_fit(round_)
+            a.after_fit(round_, sc)
         elif phase == "finalize":
             row = a.after_finish(rounds, models[i], row, tuned=t)
         out[i] = row
+    return out
+
+
+def _guard_scores(stacked: ClientAlgorithm) -> list[dict[str, tuple[torch.Tensor, float]] | None]:
+    """What every member's guard scores after a fit, each candidate once for the whole stack:
+    per member and candidate, the validation samples it gets right and its mean loss."""
+    trainer, data = cast(CohortTrainer, stacked.ctx.trainer), stacked.ctx.data
+    out: list[dict[str, tuple[torch.Tensor, float]] | None] = [{} for _ in range(trainer.size)]
+    for name, (_, model) in stacked.guard_candidates().items():
+        for member, score in zip(out, trainer.scores(model, data.x_val, data.y_val), strict=True):
+            assert member is not None
+            member[name] = score
     return out
 
 

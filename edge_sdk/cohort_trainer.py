@@ -353,16 +353,48 @@ class CohortTrainer(Trainer):
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
-        """Each member's stacked model on its own samples: StackedEval (one value each).
-
-        Chunk by chunk, the members that still have samples run (the first `rows` of the
-        stack, as in training: the longest come first), a member's last chunk padded and its
-        padding not counted, so no member costs more than its own samples."""
-        xs, ys = _packed(x), _packed(y)
-        sizes = ys.sizes
+        """Each member's stacked model on its own samples: StackedEval (one value each)."""
         n = self.size
         correct = torch.zeros(n, dtype=torch.int64, device=self.device)
         loss_sum = torch.zeros(n, device=self.device)
+        for rows, _, counted, right, nll in self._chunks(model, x, y):
+            loss_sum[:rows] += (nll * counted).sum(1)
+            correct[:rows] += (right & counted).sum(1)
+        return StackedEval(
+            correct=PerMember(correct.tolist()),
+            total=PerMember(_packed(y).sizes),
+            loss_sum=PerMember(loss_sum.tolist()),
+        )
+
+    @torch.no_grad()
+    def scores(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor
+    ) -> list[tuple[torch.Tensor, float]]:
+        """Each member's stacked model on its own samples, as the guard scores a model: which
+        samples it gets right (bool, on the CPU) and its mean cross-entropy."""
+        sizes = _packed(y).sizes
+        longest = max(sizes, default=0)
+        right_all = torch.zeros(self.size, longest, dtype=torch.bool, device=self.device)
+        loss_sum = torch.zeros(self.size, device=self.device)
+        for rows, position, counted, right, nll in self._chunks(model, x, y):
+            right_all[:rows, position[0] : position[0] + len(position)] = right & counted
+            loss_sum[:rows] += (nll * counted).sum(1)
+        right_cpu, sums = right_all.cpu(), loss_sum.tolist()
+        return [
+            (right_cpu[i, :k].clone(), sums[i] / k if k else math.nan) for i, k in enumerate(sizes)
+        ]
+
+    def _chunks(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The stacked model over each member's own samples, chunk by chunk: (rows, the chunk's
+        positions, which of them count, which it gets right, their cross-entropy), (rows, c).
+
+        The members that still have samples run (the first `rows` of the stack, as in
+        training: the longest come first), a member's last chunk padded and its padding not
+        counted, so no member costs more than its own samples."""
+        xs, ys = _packed(x), _packed(y)
+        sizes = ys.sizes
         # Samples a forward, all members together at most a budget (activations are held for
         # the whole stack at once). On the CPU the stack's forwards cost calls more than
         # arithmetic (a PFML evaluation of 100 MLR clients made 100 calls of 64 samples each
@@ -371,35 +403,38 @@ class CohortTrainer(Trainer):
             per_member, budget = 1024, 32768
         else:
             per_sample = max(1, math.prod(xs.base.shape[1:]))
-            budget = max(1024, (2 << 20) // per_sample)
+            budget = max(_CPU_CHUNK_MIN, _CPU_CHUNK_VALUES // per_sample)
             per_member = budget
         last = torch.tensor([max(0, k - 1) for k in sizes], device=self.device)
         start, longest = 0, max(sizes, default=0)
         was_training = model.training
         model.eval()
-        while start < longest:
-            rows = 1 + max(i for i, k in enumerate(sizes) if k > start)
-            chunk = max(1, min(per_member, budget // rows, longest - start))
-            position = torch.arange(start, start + chunk, device=self.device)
-            local = torch.minimum(position[None, :], last[:rows, None])  # (rows, c)
-            with self.autocast():
-                z = model(xs.gather(local, rows)).float()  # (rows, c, C)
-            labels = ys.gather(local, rows)
-            nll = nn.functional.cross_entropy(z.flatten(0, 1), labels.flatten(), reduction="none")
-            counted = position[None, :] <= last[:rows, None]
-            if any(k <= start for k in sizes[:rows]):  # a member without samples here
-                counted &= torch.tensor([k > start for k in sizes[:rows]], device=self.device)[
-                    :, None
-                ]
-            loss_sum[:rows] += (nll.view(labels.shape) * counted).sum(1)
-            correct[:rows] += ((z.argmax(-1) == labels) & counted).sum(1)
-            start += chunk
-        model.train(was_training)
-        return StackedEval(
-            correct=PerMember(correct.tolist()),
-            total=PerMember(sizes),
-            loss_sum=PerMember(loss_sum.tolist()),
-        )
+        try:
+            while start < longest:
+                rows = 1 + max(i for i, k in enumerate(sizes) if k > start)
+                chunk = max(1, min(per_member, budget // rows, longest - start))
+                position = torch.arange(start, start + chunk, device=self.device)
+                local = torch.minimum(position[None, :], last[:rows, None])  # (rows, c)
+                with self.autocast():
+                    z = model(xs.gather(local, rows)).float()  # (rows, c, C)
+                labels = ys.gather(local, rows)
+                nll = nn.functional.cross_entropy(
+                    z.flatten(0, 1), labels.flatten(), reduction="none"
+                ).view(labels.shape)
+                counted = position[None, :] <= last[:rows, None]
+                if any(k <= start for k in sizes[:rows]):  # a member without samples here
+                    counted &= torch.tensor([k > start for k in sizes[:rows]], device=self.device)[
+                        :, None
+                    ]
+                yield rows, position, counted, z.argmax(-1) == labels, nll
+                start += chunk
+        finally:
+            model.train(was_training)
+
+
+# A stacked evaluation's forward on the CPU: what 8 MB of float inputs holds, at least 1024
+# samples (all members together).
+_CPU_CHUNK_VALUES, _CPU_CHUNK_MIN = 2 << 20, 1024
 
 
 def _packed(t: Any) -> _Packed:

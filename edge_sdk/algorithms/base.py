@@ -204,10 +204,13 @@ class ClientAlgorithm(ABC):
         self.after_fit(round_)
         return result
 
-    def after_fit(self, round_: int) -> None:
-        """The guard keeps the best candidate so far (a cohort calls it per member)."""
+    def after_fit(
+        self, round_: int, scores: Mapping[str, tuple[torch.Tensor, float]] | None = None
+    ) -> None:
+        """The guard keeps the best candidate so far (a cohort calls it per member, with the
+        `scores` it computed for the whole stack)."""
         if self.guarded:
-            self.guard.observe(round_, self.guard_candidates())
+            self.guard.observe(round_, self.guard_candidates(), scores)
 
     def finalize(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         """`finish`, then `after_finish`."""

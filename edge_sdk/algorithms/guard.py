@@ -64,6 +64,7 @@ FINETUNED = "finetuned"
 BLEND = f"{PERSONAL}+{FINETUNED}"
 
 _REASON_CHARS = 256  # a reply detail's limit
+_LOSS_ROUNDING = 1e-6  # relative: validation losses closer than this are equal
 
 
 class GuardConfig(BaseModel):
@@ -148,12 +149,14 @@ class Pick:
         return replace(self, model=WireModel.of(*self.source), source=None)
 
     def beats(self, other: Pick | None) -> bool:
-        """More correct validation samples; on a tie, a lower validation loss."""
+        """More correct validation samples; on a tie, a lower validation loss (losses equal to
+        float rounding are a tie: the same model scored alone or in a stack of clients, whose
+        batched sums round otherwise, keeps the earlier)."""
         if other is None:
             return True
         if self.correct != other.correct:
             return self.correct > other.correct
-        return self.loss < other.loss
+        return self.loss < other.loss - _LOSS_ROUNDING * max(1.0, abs(other.loss))
 
     @property
     def label(self) -> str:
@@ -209,12 +212,23 @@ class Guard:
         loss = float(F.cross_entropy(z, y))
         return Pick(name, round_, final, hits, loss, source=cand)
 
-    def observe(self, round_: int, candidates: Mapping[str, Candidate]) -> None:
-        """After a round's training: keep a copy of any candidate better than the best so far."""
+    def observe(
+        self,
+        round_: int,
+        candidates: Mapping[str, Candidate],
+        scores: Mapping[str, tuple[torch.Tensor, float]] | None = None,
+    ) -> None:
+        """After a round's training: keep a copy of any candidate better than the best so far.
+        `scores`: a candidate's (validation samples right, mean loss) when a stack of clients
+        scored theirs at once (edge_sdk.cohort); the others are scored here."""
         if not self.active:
             return
         for name, cand in candidates.items():
-            pick = self._score(name, cand, round_, final=False)
+            if scores is not None and name in scores:
+                hits, loss = scores[name]
+                pick = Pick(name, round_, False, hits, loss, source=cand)
+            else:
+                pick = self._score(name, cand, round_, final=False)
             if pick.beats(self.best):
                 self.best = pick.kept()
 

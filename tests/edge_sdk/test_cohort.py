@@ -2,11 +2,14 @@
 and each gets what its own fit would have given it (to float rounding: a batched matmul's
 rounding is not a single one's), whatever the sizes of their data."""
 
+import math
+
 import pytest
 import torch
 from tests_helpers import tiny_config
 from torch import nn
 
+import edge_sdk.cohort_trainer as cohort_trainer
 import edge_sdk.node as node_mod
 from coordinator.federation import prepare_federation
 from coordinator.simulator import run_federation
@@ -337,6 +340,57 @@ def test_a_stacked_evaluation_scores_each_member_on_its_own_samples(test_sizes):
         assert got.total[i] == len(d.y_test)
         expected = nn.functional.cross_entropy(z, d.y_test, reduction="sum").item()
         assert got.loss_sum[i] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("val_sizes", [(6, 6, 70), (70, 6, 0)])
+def test_the_guards_stacked_scores_are_each_members_hits_and_mean_loss(val_sizes, monkeypatch):
+    # Prepare: validation splits of different sizes (70: several chunks, at a budget of 16
+    # samples a forward; 0: none), the longest last or first
+    monkeypatch.setattr(cohort_trainer, "_CPU_CHUNK_VALUES", 16 * FEATURES)
+    monkeypatch.setattr(cohort_trainer, "_CPU_CHUNK_MIN", 16)
+    g = torch.Generator().manual_seed(6)
+    datas = []
+    for k in val_sizes:
+        x = torch.randn(8 + k, FEATURES, generator=g)
+        y = torch.randint(0, CLASSES, (8 + k,), generator=g)
+        datas.append(ClientData(x[:8], y[:8], x[8:], y[8:], x[:1], y[:1], num_classes=CLASSES))
+    models = [_model("mlp", s) for s in range(3)]
+    packed = StackedData.of(datas)
+    trainer = CohortTrainer([Trainer(CPU) for _ in range(3)])
+
+    # Execute
+    got = trainer.scores(stack_modules(models), packed.x_val, packed.y_val)
+
+    # Assert: each member's samples right, in order, and mean cross-entropy, computed here
+    for (hits, loss), m, d in zip(got, models, datas, strict=True):
+        with torch.no_grad():
+            z = m(d.x_val)
+        assert torch.equal(hits, z.argmax(1) == d.y_val)
+        if len(d.y_val):
+            assert loss == pytest.approx(nn.functional.cross_entropy(z, d.y_val).item(), rel=1e-5)
+        else:
+            assert math.isnan(loss)
+
+
+def test_a_stacked_fit_scores_the_guards_candidates_once_for_the_stack(monkeypatch):
+    # Prepare: a spy on per-client logits (what a guard alone scores with) and stacked scores
+    _, stacked = _clients("fml")
+    per_client, per_stack = [], []
+    logits, scores = Trainer.logits, CohortTrainer.scores
+    monkeypatch.setattr(
+        Trainer, "logits", lambda self, *a, **k: per_client.append(1) or logits(self, *a, **k)
+    )
+    monkeypatch.setattr(
+        CohortTrainer, "scores", lambda self, *a: per_stack.append(1) or scores(self, *a)
+    )
+
+    # Execute
+    run_stacked(stacked, "fit", 1, 2, _models("fml", stacked[0].ctx.spec, len(stacked)))
+
+    # Assert: the personalized model and the meme, once each; no client scored on its own,
+    # and every guard kept a model
+    assert len(per_stack) == 2 and per_client == []
+    assert all(a.guard.best is not None and a.guard.best.model is not None for a in stacked)
 
 
 def test_a_decision_on_a_per_client_value_is_refused():
