@@ -287,6 +287,13 @@ def _share(pairs: Iterable[tuple[float | None, float | None]]) -> str:
     return "—" if not ps else f"{100 * sum(p > o for p, o in ps) / len(ps):.0f}"
 
 
+def _pooled(accs: dict[str, float | None], n_test: dict[str, int]) -> float | None:
+    """Accuracy over all clients' test samples together (None without sizes or accuracies)."""
+    pairs = [(a, n_test[c]) for c, a in accs.items() if a is not None and c in n_test]
+    total = sum(n for _, n in pairs)
+    return sum(a * n for a, n in pairs) / total if total else None
+
+
 def summarize(row: Row, results: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     s, base = results["summary"], results.get("baselines", {})
     clients = results["clients"]
@@ -300,6 +307,19 @@ def summarize(row: Row, results: dict[str, Any], meta: dict[str, Any]) -> dict[s
         ours[f"{b}_personal_final"] = r["summary"]["mean_personal_acc"]
         ours[f"{b}_global_final"] = r["summary"]["global_acc"]
         ours[f"{b}_global_best"] = r["summary"].get("best_global_acc")
+    # Pooled over every client's test samples, as pFedMe's code (the PFML paper's) measures.
+    n_test = {c["id"]: c["n_test"] for c in (results.get("split") or {}).get("clients", [])}
+    per_round = [r.get("client_acc") or {} for r in results["rounds"]]
+    pooled = {
+        "personal_final": _pooled({c["id"]: c["personal_acc"] for c in clients}, n_test),
+        "personal_best": max(
+            (p for accs in per_round if (p := _pooled(accs, n_test)) is not None), default=None
+        ),
+        "global_final": _pooled({c["id"]: c["global_acc"] for c in clients}, n_test),
+    }
+    for b in base:
+        key = "local_acc" if b == "local" else f"{b}_acc"
+        pooled[b] = _pooled({c["id"]: c.get(key) for c in clients}, n_test)
     return {
         "row": row.name,
         "title": row.title,
@@ -308,6 +328,7 @@ def summarize(row: Row, results: dict[str, Any], meta: dict[str, Any]) -> dict[s
         "overrides": meta.get("overrides", {}),
         "wall_seconds": meta.get("wall_seconds"),
         "ours": ours,
+        "pooled": pooled,
         "PUI": (s.get("metrics") or {}).get("PUI"),
         "beats_local_pct": _share((c["personal_acc"], c["local_acc"]) for c in clients),
         "beats_fedavg_pct": _share((c["personal_acc"], c["fedavg_acc"]) for c in clients),
@@ -337,9 +358,9 @@ def _claim_check(row: Row, o: dict[str, Any]) -> str:
 def table(out: Path) -> str:
     lines = [
         "| row | T | personalized final / best | global final / best | "
-        + "baselines (global final / best; local: personalized) | PUI | >local | >FedAvg | "
-        + "paper / reference | wall |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        + "baselines (global final / best; local: personalized) | pooled | PUI | >local | "
+        + ">FedAvg | paper / reference | wall |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     summaries = []
     for name, row in ROWS.items():
@@ -365,16 +386,25 @@ def table(out: Path) -> str:
         ) or _claim_check(row, o)
         t = f"{sm['rounds']}" + (" (shortened)" if sm["shortened"] else "")
         pui = "—" if sm["PUI"] is None else f"{sm['PUI']:.0f}"
+        pl = sm["pooled"]
+        pooled = (
+            f"pers {_pct(pl['personal_final'])} / {_pct(pl['personal_best'])}, global "
+            f"{_pct(pl['global_final'])}"
+            + "".join(f", {b} {_pct(v)}" for b, v in pl.items() if b not in _POOLED_OURS)
+        )
         lines.append(
             f"| {name} | {t} | {_pct(o['personal_final'])} / {_pct(o['personal_best'])} | "
             f"{_pct(o['global_final'])} / {_pct(o['global_best'])} | {'; '.join(basel)} | "
-            f"{pui} | {sm['beats_local_pct']} | {sm['beats_fedavg_pct']} | {reported} | "
+            f"{pooled} | {pui} | {sm['beats_local_pct']} | {sm['beats_fedavg_pct']} | {reported} | "
             f"{sm['wall_seconds']} s |"
         )
     (out / "summary.json").write_text(json.dumps(summaries, indent=2) + "\n")
     text = "\n".join(lines) + "\n" + _fedme_tuning(summaries)
     (out / "summary.md").write_text(text)
     return text
+
+
+_POOLED_OURS = ("personal_final", "personal_best", "global_final")
 
 
 def _fedme_tuning(summaries: list[dict[str, Any]]) -> str:

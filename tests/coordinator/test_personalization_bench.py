@@ -73,3 +73,25 @@ def test_ci95_is_the_t_interval_of_the_mean():
 
 def test_passes_are_samples_processed_over_training_samples():
     assert bench._passes([_run([0.5, 0.5], samples=[30, 50])]) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize(
+    ("choice", "kind"),
+    [
+        ("personal+finetuned (final, mixture)", "mixture"),
+        ("personal (final, mlp)", "own"),
+        (None, "own"),  # the guard off: the algorithm's own model
+        ("finetuned (final, mlr)", "finetuned"),
+        ("meme (round 3, mlr)", "other"),
+        ("personal (round 2, mlp)", "other"),  # an earlier round's copy
+    ],
+)
+def test_what_a_guard_deployed_is_read_from_its_choice(choice, kind):
+    assert bench._deployed(choice) == kind
+
+
+@pytest.mark.parametrize("size", sorted(bench.SIZES))
+def test_digits_leaves_fedmes_unlabeled_set_images_no_client_holds(size):
+    budget = bench.SIZES[size]
+    for name in ("dir0.1-digits", "dir0.5-digits"):
+        assert bench.splits(budget)[name].flags["data.max_samples"] + budget.unlabeled <= 1797

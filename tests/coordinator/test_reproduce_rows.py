@@ -48,3 +48,11 @@ def test_table_on_a_fresh_clone_says_to_run_a_row_first(tmp_path, capsys):
     said = capsys.readouterr().out
     assert "no row has been run yet under" in said
     assert "python benchmarks/reproduce.py run pfml-synthetic-mlr" in said
+
+
+def test_pooled_accuracy_weighs_each_client_by_its_test_samples():
+    sizes = {"a": 10, "b": 30, "c": 5}
+    # c has no accuracy, d no size: neither counts
+    got = reproduce._pooled({"a": 1.0, "b": 0.5, "c": None, "d": 0.0}, sizes)
+    assert got == pytest.approx((10 * 1.0 + 30 * 0.5) / 40)
+    assert reproduce._pooled({}, sizes) is None
