@@ -376,8 +376,8 @@ class CohortTrainer(Trainer):
         longest = max(sizes, default=0)
         right_all = torch.zeros(self.size, longest, dtype=torch.bool, device=self.device)
         loss_sum = torch.zeros(self.size, device=self.device)
-        for rows, position, counted, right, nll in self._chunks(model, x, y):
-            right_all[:rows, position[0] : position[0] + len(position)] = right & counted
+        for rows, start, counted, right, nll in self._chunks(model, x, y):
+            right_all[:rows, start : start + right.shape[1]] = right & counted
             loss_sum[:rows] += (nll * counted).sum(1)
         right_cpu, sums = right_all.cpu(), loss_sum.tolist()
         return [
@@ -386,9 +386,10 @@ class CohortTrainer(Trainer):
 
     def _chunks(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor
-    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The stacked model over each member's own samples, chunk by chunk: (rows, the chunk's
-        positions, which of them count, which it gets right, their cross-entropy), (rows, c).
+        first position, and (rows, c): which samples count, which it gets right, their
+        cross-entropy).
 
         The members that still have samples run (the first `rows` of the stack, as in
         training: the longest come first), a member's last chunk padded and its padding not
@@ -426,7 +427,7 @@ class CohortTrainer(Trainer):
                     counted &= torch.tensor([k > start for k in sizes[:rows]], device=self.device)[
                         :, None
                     ]
-                yield rows, position, counted, z.argmax(-1) == labels, nll
+                yield rows, start, counted, z.argmax(-1) == labels, nll
                 start += chunk
         finally:
             model.train(was_training)

@@ -242,7 +242,7 @@ class ClientAlgorithm(ABC):
             if tuned is not None:
                 final[FINETUNED] = tuned
                 assert isinstance(self.config, GuardConfig)
-                if self.config.guard_default == "mixture":
+                if self.config.guard_default == "mixture" and PERSONAL in final:
                     final = {BLEND: blend(final[PERSONAL], tuned), **final}
             result.details |= self.guard.decide(rounds, final)
             m = result.metrics

@@ -73,7 +73,7 @@ class GuardConfig(BaseModel):
     # Deploy the best model seen on the validation split (see edge_sdk.algorithms.guard);
     # False deploys the algorithm's final personalized model, as the paper describes it.
     guard: bool = True
-    # [ours] How clear the evidence must be to deploy another model than the algorithm's own:
+    # [ours] How clear the evidence must be to deploy another model than the default:
     # b − c > guard_z·√(b + c) over the validation samples where the two disagree.
     guard_z: float = Field(1.0, ge=0)
     # [ours] After the last round, fine-tune a copy of the federation's final model (the global
