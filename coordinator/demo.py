@@ -51,6 +51,8 @@ from coordinator.simulator import run_federation
 from coordinator.strategies import strategy_class
 from edge_sdk.auth import AuthSettings, issue_keys
 from edge_sdk.onnx_bench import BenchSettings, benchmark_onnx
+from edge_sdk.onnx_format import read_metadata
+from model_zoo import ArchSpec
 from model_zoo.data import DatasetNotFound
 from model_zoo.files import atomic_open, write_atomic
 
@@ -212,8 +214,17 @@ def _baselines(cfg: RunConfig, fed: Federation) -> dict[str, RunResult]:
     return runs
 
 
-def _onnx_rows(fed: Federation, arch: dict[str, str], results: Results, out: Path) -> list[OnnxRow]:
-    """Each device's exported model, measured with onnxruntime on its own test split."""
+def _deployed_arch(spec: ArchSpec) -> str:
+    """What a device deploys, as the report names it: a mixture by its members (the guard's
+    default is the device's own model with the fine-tuned global one)."""
+    if spec.family != "mixture":
+        return spec.family
+    return "+".join(str(m["family"]) for m in spec.kwargs["members"])
+
+
+def _onnx_rows(fed: Federation, results: Results, out: Path) -> list[OnnxRow]:
+    """Each device's exported model (its architecture read from the file), measured with
+    onnxruntime on its own test split."""
     personal = {c.id: c.personal_acc for c in results.clients}
     rows = []
     for i, cid in enumerate(fed.client_ids):
@@ -225,7 +236,7 @@ def _onnx_rows(fed: Federation, arch: dict[str, str], results: Results, out: Pat
         rows.append(
             OnnxRow(
                 client=cid,
-                arch=arch[cid],
+                arch=_deployed_arch(read_metadata(path).spec),
                 file=str(path.relative_to(out)),
                 size_bytes=row.size_bytes,
                 latency_p50_ms=row.latency_p50_ms_b1,
@@ -245,12 +256,17 @@ def _print_outcome(results: Results, echo: Callable[[str], None]) -> None:
         return "—" if v is None else f"{100 * v:.1f}%"
 
     echo("")
-    echo("client  arch     personalized   local   FedAvg   FedAvg+FT   ONNX (size, p50 latency)")
+    echo(
+        "client  arch     personalized   local   FedAvg   FedAvg+FT   "
+        "ONNX (deployed model, size, p50 latency)"
+    )
     onnx = {r.client: r for r in results.onnx or []}
     for c in results.clients:
         o = onnx.get(c.id)
         model = (
-            f"{(o.size_bytes or 0) / 1024:.0f} KiB, {o.latency_p50_ms or 0:.3f} ms" if o else "—"
+            f"{o.arch}, {(o.size_bytes or 0) / 1024:.0f} KiB, {o.latency_p50_ms or 0:.3f} ms"
+            if o
+            else "—"
         )
         best = c.best_baseline()
         diff = (
@@ -382,7 +398,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> Results:
             results = build_results(cfg, runs)
             with timer.phase("onnx"):
                 echo("ONNX benchmark: onnxruntime, quick mode, 1 thread, each device's test split")
-                results.onnx = _onnx_rows(fed, arch, results, out)
+                results.onnx = _onnx_rows(fed, results, out)
             results.onnx_note = (
                 "Each device's personalized model as exported by the device itself after the "
                 "run, measured with onnxruntime (CPU, 1 thread, quick mode: indicative) on the "
