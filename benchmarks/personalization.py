@@ -18,7 +18,8 @@ FedeRiCo's gradients for its neighbours and FedAvg+FT's fine-tuning are extra pa
     python benchmarks/personalization.py --quick --splits lg-fmnist --algorithms fml,persfl
 
 Every run's per-client results are kept under `--out` (default runs/personalization/<size>),
-one JSON file per run, and a finished run is not run again: an interrupted benchmark resumes.
+one JSON file per run with its config, and a finished run is not run again while its config is
+the same: an interrupted benchmark resumes, and a changed split or setting runs again.
 It prints the summary as JSON, then as a table (also written to OUT/summary.json and
 OUT/summary.md).
 
@@ -184,6 +185,7 @@ class Run:
     family: str | None  # the one architecture of a baseline run; the global one otherwise
     wall_seconds: float
     clients: list[dict[str, Any]] = field(default_factory=list)
+    config: dict[str, Any] | None = None  # the run's whole config, as results.json holds it
 
 
 _KEEP = (
@@ -252,8 +254,6 @@ def run_one(
     model, PersFL's teacher)."""
     tag = f"{algorithm}-{family}" + (f"-{variant}" if variant else "")
     path = out / "runs" / split.name / str(seed) / f"{tag}.json"
-    if path.is_file():
-        return Run(**json.loads(path.read_text()))
     models = [family] if algorithm == "fedavg_ft" else list(split.models)
     flags: dict[str, Any] = {
         **split.flags,
@@ -276,6 +276,14 @@ def run_one(
         batch = own.federico.batch_size
         flags["rounds"] = math.ceil(size.rounds * size.local_epochs * n / batch)
     cfg = load_config(None, flags, overrides, environ=False)
+    config = json.loads(cfg.model_dump_json())
+    if path.is_file():  # kept from an earlier run: reused only if it ran this very config
+        kept = Run(**json.loads(path.read_text()))
+        if kept.config == config:
+            return kept
+        logging.info(
+            "%s %s seed %d: the kept run's config differs; running it again", tag, split.name, seed
+        )
     t0 = time.perf_counter()
     res = json.loads(simulate(cfg, progress=False).to_json())  # results.json's document
     n_test = {c["id"]: c["n_test"] for c in res["split"]["clients"]}
@@ -286,6 +294,7 @@ def run_one(
         family,
         round(time.perf_counter() - t0, 1),
         [{**{k: c.get(k) for k in _KEEP}, "n_test": n_test[c["id"]]} for c in res["clients"]],
+        config,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(run.__dict__, indent=1) + "\n")

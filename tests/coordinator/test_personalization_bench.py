@@ -95,3 +95,27 @@ def test_digits_leaves_fedmes_unlabeled_set_images_no_client_holds(size):
     budget = bench.SIZES[size]
     for name in ("dir0.1-digits", "dir0.5-digits"):
         assert bench.splits(budget)[name].flags["data.max_samples"] + budget.unlabeled <= 1797
+
+
+def test_a_kept_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch):
+    # Prepare: a tiny split and budget, and a count of the simulations really run
+    split = bench.Split(
+        "tiny",
+        "digits, 2 clients",
+        {"data.dataset": "digits", "data.max_samples": 200, "clients": 2, "data.partition": "iid"},
+        ("mlr",),
+    )
+    size = bench.Size(1, 1, 16, 0.01, clients=2, samples=200, group_samples=200, unlabeled=50)
+    runs = []
+    real = bench.simulate
+    monkeypatch.setattr(bench, "simulate", lambda cfg, **kw: runs.append(cfg) or real(cfg, **kw))
+
+    # Execute: the same run twice, then on another subset
+    first = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN)
+    again = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN)
+    other = bench.Split(split.name, split.title, split.flags | {"data.max_samples": 180}, ("mlr",))
+    changed = bench.run_one(other, 0, "local", size, tmp_path, bench.OWN)
+
+    # Assert
+    assert len(runs) == 2 and again == first
+    assert sum(c["n_test"] for c in changed.clients) < sum(c["n_test"] for c in first.clients)
