@@ -263,6 +263,7 @@ class ClientAlgorithm(ABC):
             and cfg.guard
             and cfg.guard_ft_epochs > 0
             and self.guard.active
+            and self.finetune_optim() is not None
         )
 
     def finetune_base(self, models: Mapping[str, WireModel]) -> Candidate | None:
@@ -272,24 +273,24 @@ class ClientAlgorithm(ABC):
         glob = self._full_global(models)
         return None if glob is None else (glob.spec, self._materialize(glob))
 
-    def finetune_optim(self) -> OptimConfig:
+    def finetune_optim(self) -> OptimConfig | None:
         """How the guard fine-tunes (at the last round's learning rate, as FedAvg+FT does): the
-        algorithm's own optimizer settings where it trains whole epochs; an algorithm that does
-        not says its own."""
-        if not isinstance(self.config, OptimConfig):
-            raise NotImplementedError(f"{self.name}: say how to fine-tune (finetune_optim)")
-        return self.config
+        algorithm's own optimizer settings where its config has them (an AlgorithmConfig); None,
+        no fine-tuned candidate, unless an algorithm with other settings says its own."""
+        return self.config if isinstance(self.config, OptimConfig) else None
 
     def finetune(self, rounds: int, models: Mapping[str, WireModel]) -> Candidate | None:
         """The guard's candidate: `finetune_base` trained for `guard_ft_epochs` on the training
-        split (its samples count as processed); None without a base. FloatingPointError when
-        the training diverges."""
+        split (its samples count as processed); None without a base or optimizer settings.
+        FloatingPointError when the training diverges."""
         assert isinstance(self.config, GuardConfig)
         base = self.finetune_base(models)
         if base is None:
             return None
         spec, model = base
         cfg = self.finetune_optim()
+        if cfg is None:
+            return None
         trainer = self.ctx.trainer
         opt = trainer.optimizer(model.parameters(), cfg, lr=cfg.lr_at(rounds, rounds))
         trainer.train_epochs(

@@ -491,3 +491,34 @@ def test_a_diverging_fine_tuning_is_no_candidate_and_the_client_keeps_serving(ca
     assert "finetuned" not in out.details["guard_reason"]
     assert client.personalized_model()[0].family != "mixture"
     assert "c0: the guard's fine-tuning diverged" in caplog.text
+
+
+def test_an_algorithm_without_optimizer_settings_gets_no_fine_tuned_candidate():
+    # A plugin's algorithm whose config is a BaseAlgorithmConfig with the guard, and no
+    # finetune_optim of its own: the guard works, without a fine-tuned candidate.
+    from edge_sdk.algorithms import BaseAlgorithmConfig, ClientAlgorithm, FitResult
+    from edge_sdk.algorithms.guard import GuardConfig
+
+    class Config(BaseAlgorithmConfig, GuardConfig):
+        pass
+
+    class Plain(ClientAlgorithm):
+        name = "plain_guarded"
+        config_cls = Config
+
+        def __init__(self, ctx, config):
+            super().__init__(ctx, config)
+            self.model = self._build(ctx.spec)
+
+        def train_round(self, round_, rounds, models):
+            return FitResult()
+
+        def trained_model(self):
+            return self.ctx.spec, self.model
+
+    cpu = torch.device("cpu")
+    client = Plain(ClientContext("c0", MLP, _data(), cpu, 0, Trainer(cpu, seed=0)), Config())
+    assert not client.finetunes
+    out = client.finalize(1, 1, _glob(9))
+    assert out.details["samples_processed"] == 0
+    assert "finetuned" not in out.details["guard_reason"]
