@@ -113,7 +113,9 @@ def metrics_collector(coordinator: Coordinator) -> Any:
                 "edgefl_clients_registered", "Clients registered", value=len(c.clients)
             )
             yield GaugeMetricFamily(
-                "edgefl_clients_online", "Registered clients online", value=len(fleet.online())
+                "edgefl_clients_online",
+                "Registered clients online",
+                value=len(fleet.known_online()),
             )
             yield SummaryMetricFamily(
                 "edgefl_round_seconds",

@@ -121,7 +121,13 @@ class Fleet(ABC):
     @abstractmethod
     def online(self) -> set[str]:
         """The registered clients reachable now (over a network: or expected back within their
-        reconnection grace)."""
+        reconnection grace). The round loop's: a network fleet first takes in what arrived
+        (registrations, wills), so only the thread that runs the phases may call it."""
+
+    @abstractmethod
+    def known_online(self) -> set[str]:
+        """`online()` as last known, taking nothing in: for other threads (the daemon's
+        metrics), which must never consume what the round loop waits for."""
 
     @abstractmethod
     def await_back(self, timeout_s: float) -> None:

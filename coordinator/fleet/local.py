@@ -104,6 +104,9 @@ class LocalFleet(Fleet):
     def online(self) -> set[str]:
         return set(self.clients)
 
+    def known_online(self) -> set[str]:
+        return set(self.clients)
+
     def await_back(self, timeout_s: float) -> None:
         """In-process clients never drop out."""
 

@@ -77,9 +77,11 @@ class Members:
         self._offline.clear()
 
     def present(self) -> set[str]:
-        """Online, or dropped less than `grace_s` ago (it may be back any moment)."""
+        """Online, or dropped less than `grace_s` ago (it may be back any moment). Read from
+        copies, so another thread (the daemon's metrics) may ask while the round loop updates."""
         now = time.monotonic()
-        return self.online | {c for c, t in self._dropped.items() if now - t < self.grace_s}
+        dropped = dict(self._dropped)
+        return set(self.online) | {c for c, t in dropped.items() if now - t < self.grace_s}
 
     def grace_ends(self, cids: set[str]) -> float:
         """When the first grace of the offline clients among `cids` runs out (monotonic; inf

@@ -167,6 +167,9 @@ class NetworkFleet(Fleet):
         self._drain()  # the latest registrations and wills count
         return self.members.present()
 
+    def known_online(self) -> set[str]:
+        return self.members.present()
+
     def await_back(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while set(self.clients) - self.members.online:

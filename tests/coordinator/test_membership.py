@@ -10,6 +10,7 @@ import pytest
 from tests_helpers import eventually, small_federation
 
 import edge_sdk.client as client_mod
+from coordinator.deploy import metrics_collector
 from edge_sdk import topics
 from edge_sdk.algorithms import FitResult
 from edge_sdk.client import EdgeClient, RegistrationRefused
@@ -247,5 +248,32 @@ def test_a_client_that_says_it_is_leaving_is_not_waited_for():
     box["coordinator"] = coordinator
     result = coordinator.run() if _started(clients) else None
     assert closed_without_c0.wait(30) and result.rounds[0].replied == ["c1", "c2"]
+    for c in clients:
+        c.stop()
+
+
+def test_scraping_the_daemons_metrics_during_the_rounds_loses_no_reply():
+    # The daemon's /metrics is read on the HTTP server's thread while the round loop waits for
+    # replies. Counting who is online there once took in what had arrived, on that thread: a
+    # reply it took was dropped as stale, and the round waited out its deadline for it.
+    coordinator, clients = small_federation(rounds=4, deadline_s=10)
+    collector = metrics_collector(coordinator)
+    done, scrapes = threading.Event(), []
+
+    def scrape():
+        while not done.is_set():
+            scrapes.append({m.name: m.samples for m in collector.collect()})
+
+    scraper = threading.Thread(target=scrape, daemon=True)
+    scraper.start()
+    try:
+        result = coordinator.run() if _started(clients) else None
+    finally:
+        done.set()
+        scraper.join(10)
+    assert len(scrapes) > 10
+    assert [r.replied for r in result.rounds] == [["c0", "c1", "c2"]] * 4
+    assert coordinator.fleet.rejections()["stale_reply"] == 0
+    assert scrapes[-1]["edgefl_clients_online"][0].value == 3
     for c in clients:
         c.stop()
