@@ -14,7 +14,7 @@ from edge_sdk.algorithms.fml import FML, FMLConfig
 from edge_sdk.algorithms.guard import Pick, blend
 from edge_sdk.codec import WireModel
 from edge_sdk.state import load_state, save_state
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import ClientData, OptimConfig, Trainer
 from model_zoo import ArchSpec, build
 
 FEATURES, CLASSES = 12, 4
@@ -241,6 +241,7 @@ def test_guard_keeps_the_best_copy_by_accuracy_then_loss():
     assert best is not None and best.name == min(loss, key=loss.get)
     assert best.loss == pytest.approx(min(loss.values()), rel=1e-6)
     assert best.correct == int((d.y_val == 1).sum())
+    assert best.source is None  # the kept copy holds no reference to the live model
 
 
 def test_guard_without_validation_data_deploys_the_final_model_and_says_why():
@@ -346,6 +347,7 @@ def test_the_default_is_the_mixture_of_the_personal_and_the_fine_tuned_global_mo
     assert out.details["guard_arch"] == "mixture"
     test_hits = int((want[len(data.y_val) :].argmax(1) == data.y_test).sum())
     assert out.metrics["personal_correct"] == test_hits
+    assert out.metrics["global_total"] == len(data.y_test)  # finish's other metrics stay
     assert out.details["guard_reason"].startswith("the final personal+finetuned model, ")
 
 
@@ -403,6 +405,9 @@ def test_a_deployed_mixture_survives_a_restart(tmp_path):
     restored.load_state_dict(load_state(tmp_path / "s"))
     (spec_a, a), (spec_b, b) = client.personalized_model(), restored.personalized_model()
     assert spec_a == spec_b and spec_a.family == "mixture"
+    label = "personal+finetuned (final, mixture)"
+    assert restored.guard.deployed.label == client.guard.deployed.label == label
+    assert restored.personalized_model()[1] is b  # built once, then the same module
     x = client.ctx.data.x_test
     assert torch.equal(_probs(a, x), _probs(b, x))
 
@@ -420,6 +425,11 @@ def test_blend_flattens_a_mixture_into_its_members_with_halved_weights():
     assert [m["family"] for m in spec.kwargs["members"]] == ["mlr", "mlp", "mlr"]
     x = torch.randn(5, FEATURES)
     want = 0.5 * (0.25 * _probs(a, x) + 0.75 * _probs(b, x)) + 0.5 * _probs(c, x)
+    assert torch.allclose(_probs(mixed, x), want, atol=1e-6)
+    # The mixture second: its members come after the plain model's.
+    spec, mixed = blend((MLR, c), (inner_spec, inner_model))
+    assert spec.kwargs["weights"] == [0.5, 0.125, 0.375]
+    assert [m["family"] for m in spec.kwargs["members"]] == ["mlr", "mlr", "mlp"]
     assert torch.allclose(_probs(mixed, x), want, atol=1e-6)
 
 
@@ -490,7 +500,8 @@ def test_a_diverging_fine_tuning_is_no_candidate_and_the_client_keeps_serving(ca
 
     assert "finetuned" not in out.details["guard_reason"]
     assert client.personalized_model()[0].family != "mixture"
-    assert "c0: the guard's fine-tuning diverged" in caplog.text
+    (warning,) = [r.getMessage() for r in caplog.records if "fine-tuning" in r.getMessage()]
+    assert warning.startswith("c0: the guard's fine-tuning diverged (training loss became ")
 
 
 def test_an_algorithm_without_optimizer_settings_gets_no_fine_tuned_candidate():
@@ -522,3 +533,97 @@ def test_an_algorithm_without_optimizer_settings_gets_no_fine_tuned_candidate():
     out = client.finalize(1, 1, _glob(9))
     assert out.details["samples_processed"] == 0
     assert "finetuned" not in out.details["guard_reason"]
+
+
+def test_the_fine_tuning_runs_at_the_last_rounds_learning_rate():
+    # Prepare: a step schedule halving the rate every round of three (0.4, 0.2, 0.1); the
+    # personalized model and the meme are spoiled, so the fine-tuned global model is deployed.
+    cfg = {"lr": 0.4, "lr_schedule": "step", "lr_gamma": 0.5, **FT_CFG}
+    client = _client(cls=_Spoiled, guard_ft_epochs=6, guard_default="personal", **cfg)
+    client.spoil = None
+    for round_ in (1, 2, 3):
+        client.fit(round_, 3, _glob(round_))
+
+    # Execute
+    out = client.finalize(3, 3, _glob(9))
+
+    # Assert: the weights of six full-batch epochs at the third round's rate, 0.1, by hand.
+    tuned = _hand_finetuned(_glob(9)["global"], client.ctx.data, epochs=6, lr=0.1)
+    assert out.details["guard_choice"] == "finetuned (final, mlr)"
+    deployed = client.personalized_model()[1].state_dict()
+    for k, v in _copy(tuned).items():
+        assert torch.allclose(deployed[k], v, atol=1e-5), k
+
+
+def test_the_final_global_model_is_a_candidate_of_its_own():
+    # Prepare: the personalized model and the meme are spoiled, no fine-tuning; the final
+    # global model is one trained well here by hand.
+    client = _client(cls=_Spoiled, guard_default="personal", **FT_CFG)
+    client.spoil = None
+    data = client.ctx.data
+    client.fit(1, 1, _glob(1))
+    good = _hand_finetuned(_glob(9)["global"], data, epochs=30, lr=0.1)
+    final = {"global": WireModel.of(MLR, good)}
+
+    # Execute
+    out = client.finalize(1, 1, final)
+
+    # Assert: it deploys that model, under its name.
+    assert out.details["guard_choice"] == "global (final, mlr)"
+    deployed = client.personalized_model()[1]
+    assert _same(_copy(deployed), _copy(good))
+
+
+def test_no_fine_tuned_candidate_from_a_partial_or_foreign_global_model():
+    # A global model that carries only a shared backbone (FML's shared_prefixes), or one that
+    # predicts other classes than this client's, is no model to fine-tune and deploy.
+    whole = _client(guard_ft_epochs=2, **FT_CFG)
+    assert whole.finetune(1, _glob(9)) is not None
+    partial = _client(guard_ft_epochs=2, shared_prefixes=["linear."], **FT_CFG)
+    assert partial.finetune(1, _glob(9)) is None
+    other = ArchSpec(family="mlr", num_classes=CLASSES + 1, input_shape=(FEATURES,))
+    assert whole.finetune(1, {"global": WireModel.of(other, build(other))}) is None
+
+
+def test_a_single_candidate_is_deployed_and_the_reason_says_so():
+    client = _client()
+    d = client.ctx.data
+    model = build(MLP, seed=1)
+    correct, loss = _hand_scores(MLP, _copy(model), d.x_val, d.y_val)
+
+    details = client.guard.decide(1, {"personal": (MLP, model)})
+
+    assert details["guard_reason"] == (
+        f"the final personal model, {correct}/{len(d.y_val)} (loss {loss:.3f}), "
+        "was the only candidate"
+    )
+
+
+@pytest.mark.parametrize(
+    "loss, other, beats",
+    [
+        (1.0 - 1.5e-6, 1.0, True),  # below a loss of 1 the tie is 1e-6 wide
+        (1.0 - 0.5e-6, 1.0, False),
+        (10.0 - 2e-5, 10.0, True),  # above it, 1e-6 of the loss
+        (10.0 - 5e-6, 10.0, False),
+    ],
+)
+def test_validation_losses_closer_than_a_millionth_tie(loss, other, beats):
+    hits = torch.tensor([True, False, True])
+    assert Pick("a", 1, False, hits, loss).beats(Pick("b", 1, False, hits, other)) is beats
+
+
+@pytest.mark.parametrize("optimizer, momentum", [("adam", 0.9), ("sgd", 0.0)])
+def test_federico_fine_tunes_with_its_own_optimizer_settings(optimizer, momentum):
+    # Adam's β1 is torch's 0.9 there, plain SGD has no momentum; its batch size and rate.
+    client = _algo("federico", MLR, lr=0.05, batch_size=8, optimizer=optimizer)
+    assert client.finetune_optim() == OptimConfig(
+        optimizer=optimizer, lr=0.05, batch_size=8, momentum=momentum, weight_decay=0.0
+    )
+
+
+def test_pfml_fine_tunes_with_plain_steps_at_its_rate_and_batch_size():
+    client = _algo("pfml", MLP, lr=0.2, batch_size=8)
+    assert client.finetune_optim() == OptimConfig(
+        lr=0.2, batch_size=8, momentum=0.0, weight_decay=0.0
+    )
