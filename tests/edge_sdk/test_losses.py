@@ -4,7 +4,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edge_sdk.losses import cross_entropy, kl_distill, proximal, soft_cross_entropy
+from edge_sdk.losses import (
+    StackedBatch,
+    cross_entropy,
+    kl_distill,
+    proximal,
+    rows_of,
+    soft_cross_entropy,
+    stacked_batch,
+)
 
 
 def _kl(p: list[float], q: list[float]) -> float:
@@ -111,3 +119,41 @@ def test_cross_entropy_and_its_gradient_equal_torchs_to_the_bit(batch, classes):
 
     assert torch.equal(ours, theirs)
     assert torch.equal(torch.autograd.grad(ours, z)[0], torch.autograd.grad(theirs, z)[0])
+
+
+def _hand_soft_losses(student, teacher, temperature):
+    """One client's T²·KL(teacher‖student) and T²·CE(teacher, student), batch means at
+    temperature T, written out from the probabilities."""
+    p = F.softmax(teacher / temperature, dim=1)
+    log_q = F.log_softmax(student / temperature, dim=1)
+    kl = (p * (p.log() - log_q)).sum(1).mean() * temperature**2
+    ce = -(p * log_q).sum(1).mean() * temperature**2
+    return kl, ce
+
+
+@pytest.mark.parametrize("shared_teacher", [False, True], ids=["own-teachers", "one-teacher"])
+def test_a_stacks_soft_losses_are_each_clients_own_at_its_own_temperature(shared_teacher):
+    # Three clients' logits stacked (N, B, C), one temperature per client; the teacher is each
+    # client's own (N, B, C) or the same (B, C) for all. Each client's value is its own losses.
+    g = torch.Generator().manual_seed(0)
+    student = torch.randn(3, 5, 4, generator=g)
+    teacher = torch.randn(5, 4, generator=g) if shared_teacher else torch.randn(3, 5, 4)
+    temps = torch.tensor([1.0, 2.0, 4.0])
+
+    kl, ce = kl_distill(student, teacher, temps), soft_cross_entropy(student, teacher, temps)
+
+    assert kl.shape == ce.shape == (3,)
+    for i, t in enumerate(temps.tolist()):
+        want_kl, want_ce = _hand_soft_losses(
+            student[i], teacher if shared_teacher else teacher[i], t
+        )
+        assert kl[i].item() == pytest.approx(want_kl.item(), rel=1e-5), i
+        assert ce[i].item() == pytest.approx(want_ce.item(), rel=1e-5), i
+
+
+def test_rows_of_cuts_a_stacks_values_to_the_clients_taking_the_step():
+    per_client = torch.tensor([1.0, 2.0, 3.0])
+    assert rows_of(per_client) is per_client and rows_of(0.5) == 0.5  # no stacked step
+    with stacked_batch(StackedBatch(rows=2)):
+        assert torch.equal(rows_of(per_client), per_client[:2])
+        assert rows_of(0.5) == 0.5  # a number is everyone's
