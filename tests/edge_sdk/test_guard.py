@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from tests_helpers import raises_exactly
 
-from edge_sdk.algorithms import AlgorithmError, ClientContext, algorithm_class
+from edge_sdk.algorithms import AlgorithmError, ClientContext, TaskInfo, algorithm_class
 from edge_sdk.algorithms.fml import FML, FMLConfig
 from edge_sdk.algorithms.guard import Pick, blend
 from edge_sdk.codec import WireModel
@@ -627,3 +627,41 @@ def test_pfml_fine_tunes_with_plain_steps_at_its_rate_and_batch_size():
     assert client.finetune_optim() == OptimConfig(
         lr=0.2, batch_size=8, momentum=0.0, weight_decay=0.0
     )
+
+
+def test_what_each_algorithm_offers_the_guard_after_a_round():
+    # PFML: its personalized (auxiliary) model and the local model it trained from the global.
+    pfml = _algo("pfml", MLP, batch_size=64)
+    pfml.fit(1, 1, _glob(1))
+    offered = pfml.guard_candidates()
+    assert sorted(offered) == ["local", "personal"] and offered["local"][1] is pfml.local
+    # FedeRiCo: its mixture and its own model after an update step; nothing after an exchange
+    # step, which changes no model.
+    federico = _algo("federico", MLR)
+    federico.ctx.task = TaskInfo("update", {})
+    offered = federico.guard_candidates()
+    assert sorted(offered) == ["own", "personal"] and offered["own"][1] is federico.model
+    federico.ctx.task = TaskInfo("exchange", {})
+    assert federico.guard_candidates() == {}
+    # PersFL: nothing before its first round; in stage 1 its copy of the global model after its
+    # local epochs; after stage 2 the student, with the teacher when it has one.
+    persfl = _algo("persfl", MLR)
+    assert persfl.guard_candidates() == {}
+    persfl.model, persfl.model_spec = build(MLR, seed=1), MLR
+    assert persfl.guard_candidates() == {"tuned_global": (MLR, persfl.model)}
+    persfl.student = build(MLR, seed=2)
+    assert sorted(persfl.guard_candidates()) == ["personal"]
+    persfl.teacher, persfl.teacher_spec = build(MLR, seed=3), MLR
+    offered = persfl.guard_candidates()
+    assert sorted(offered) == ["personal", "teacher"] and offered["teacher"][1] is persfl.teacher
+
+
+def test_a_peer_no_better_than_the_student_does_not_teach():
+    # FML's and FedMe's gate: a teacher whose validation loss only equals the student's (the
+    # same weights) is no reason to distill; a clearly better one is.
+    client = _client()
+    student = build(MLP, seed=1)
+    same = build(MLP, seed=1)
+    assert client._teaches(same, student) == 0.0
+    better = _hand_finetuned(_glob(9)["global"], client.ctx.data, epochs=30, lr=0.1)
+    assert client._teaches(better, student) == 1.0
