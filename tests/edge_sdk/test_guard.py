@@ -665,3 +665,29 @@ def test_a_peer_no_better_than_the_student_does_not_teach():
     assert client._teaches(same, student) == 0.0
     better = _hand_finetuned(_glob(9)["global"], client.ctx.data, epochs=30, lr=0.1)
     assert client._teaches(better, student) == 1.0
+
+
+@pytest.mark.parametrize("gate, distilled", [("off", 1.0), ("validation", 0.0)])
+def test_fedme_distils_from_a_worse_exchanged_model_only_without_its_gate(gate, distilled):
+    # The exchanged model predicts one class for everything, the personalized one is trained:
+    # the gate ("validation") keeps the personalized model from learning from it; "off", the
+    # paper's 1:1, distils whatever the exchanged model knows.
+    good = _hand_finetuned(_glob(9)["global"], _data(), epochs=30, lr=0.1)
+    bad = build(MLR, seed=3)
+    _constant(bad)
+    client = _algo("fedme", MLR, batch_size=64, kl_gate=gate)
+    models = {"personal": WireModel.of(MLR, good), "exchanged": WireModel.of(MLR, bad)}
+    assert client.fit(1, 1, models).metrics["distilled"] == distilled
+
+
+def test_fedme_reports_its_personalized_models_test_scores_at_the_end():
+    good = _hand_finetuned(_glob(9)["global"], _data(), epochs=30, lr=0.1)
+    client = _algo("fedme", MLR)
+    d = client.ctx.data
+    out = client.finish(1, 1, {"personal": WireModel.of(MLR, good)})
+    correct, _ = _hand_scores(MLR, _copy(good), d.x_test, d.y_test)
+    assert sorted(out.metrics) == ["personal_correct", "personal_loss", "personal_total"]
+    assert (out.metrics["personal_correct"], out.metrics["personal_total"]) == (
+        correct,
+        len(d.y_test),
+    )
