@@ -314,6 +314,12 @@ def _hand_finetuned(glob, data, epochs, lr):
     return model
 
 
+def _trained_mlr():
+    """An MLR that knows this client's data: the final global model after 30 full-batch epochs on
+    its training split, by hand."""
+    return _hand_finetuned(_glob(9)["global"], _data(), epochs=30, lr=0.1)
+
+
 def _probs(model, x):
     model.eval()
     with torch.no_grad():
@@ -560,9 +566,8 @@ def test_the_final_global_model_is_a_candidate_of_its_own():
     # global model is one trained well here by hand.
     client = _client(cls=_Spoiled, guard_default="personal", **FT_CFG)
     client.spoil = None
-    data = client.ctx.data
     client.fit(1, 1, _glob(1))
-    good = _hand_finetuned(_glob(9)["global"], data, epochs=30, lr=0.1)
+    good = _trained_mlr()
     final = {"global": WireModel.of(MLR, good)}
 
     # Execute
@@ -663,7 +668,7 @@ def test_a_peer_no_better_than_the_student_does_not_teach():
     student = build(MLP, seed=1)
     same = build(MLP, seed=1)
     assert client._teaches(same, student) == 0.0
-    better = _hand_finetuned(_glob(9)["global"], client.ctx.data, epochs=30, lr=0.1)
+    better = _trained_mlr()
     assert client._teaches(better, student) == 1.0
 
 
@@ -672,7 +677,7 @@ def test_fedme_distils_from_a_worse_exchanged_model_only_without_its_gate(gate, 
     # The exchanged model predicts one class for everything, the personalized one is trained:
     # the gate ("validation") keeps the personalized model from learning from it; "off", the
     # paper's 1:1, distils whatever the exchanged model knows.
-    good = _hand_finetuned(_glob(9)["global"], _data(), epochs=30, lr=0.1)
+    good = _trained_mlr()
     bad = build(MLR, seed=3)
     _constant(bad)
     client = _algo("fedme", MLR, batch_size=64, kl_gate=gate)
@@ -681,7 +686,7 @@ def test_fedme_distils_from_a_worse_exchanged_model_only_without_its_gate(gate, 
 
 
 def test_fedme_reports_its_personalized_models_test_scores_at_the_end():
-    good = _hand_finetuned(_glob(9)["global"], _data(), epochs=30, lr=0.1)
+    good = _trained_mlr()
     client = _algo("fedme", MLR)
     d = client.ctx.data
     out = client.finish(1, 1, {"personal": WireModel.of(MLR, good)})
