@@ -26,12 +26,14 @@ to float rounding.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from edge_sdk.graphs import StepRunner
@@ -238,14 +240,29 @@ class CohortTrainer(Trainer):
         active = torch.ones(self.size, device=self.device) if self.masked else None
         taking = [True] * self.size
         self._uneven = False
-        for _ in range(count):
-            picks = [
-                _padded(t.sample(size, batch_size), width)
-                for t, size in zip(self.members, ys.sizes, strict=True)
-            ]
-            local = torch.stack(picks)
-            rows = self.size
+        rows = self.size
+        for local in self._fresh_tables(ys.sizes, batch_size, count, width):
             yield _batch((xs.gather(local, rows), ys.gather(local, rows), weights, active), taking)
+
+    def _fresh_tables(
+        self, sizes: Sequence[int], batch_size: int, count: int, width: int
+    ) -> Iterator[torch.Tensor]:
+        """Each step's (N, width) local indices: member i's rows of its own `index_draws`,
+        padded to `width`. Where every member draws all `count` at once (the usual case), one
+        table for all steps; otherwise member by member, a step at a time."""
+        draws = [
+            t.index_draws(size, batch_size, count)
+            for t, size in zip(self.members, sizes, strict=True)
+        ]
+        if count <= 0:
+            return
+        if all(count <= Trainer.rows_per_draw(size) for size in sizes):
+            table = torch.stack([_padded(next(d), width) for d in draws], dim=1)  # (S, N, W)
+            yield from table
+            return
+        rows = [itertools.chain.from_iterable(d) for d in draws]
+        for _ in range(count):
+            yield torch.stack([_padded(next(r), width) for r in rows])
 
     def sample_batch(self, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> Any:
         """Outside `run`, a stacked batch of equal members' batches (padding needs `run`)."""
@@ -453,9 +470,10 @@ def _weight_table(counts: list[list[int]], batch_size: int, device: torch.device
 
 
 def _padded(idx: torch.Tensor, width: int) -> torch.Tensor:
-    if len(idx) == width:
+    """Indices (…, k) padded with zeros to (…, width) (the padding is weighted 0)."""
+    if idx.shape[-1] == width:
         return idx
-    return torch.cat([idx, idx.new_zeros(width - len(idx))])
+    return F.pad(idx, (0, width - idx.shape[-1]))
 
 
 class _Frozen:

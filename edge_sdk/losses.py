@@ -18,13 +18,17 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "DistillTarget",
     "StackedBatch",
+    "ce_plus_kl",
     "cross_entropy",
+    "distill_target",
     "kl_distill",
     "proximal",
     "rows_of",
@@ -120,6 +124,42 @@ def kl_distill(
     if isinstance(t, torch.Tensor):
         return kl * (t * t)
     return kl if t == 1.0 else kl * (t * t)
+
+
+class DistillTarget(NamedTuple):
+    """A fixed teacher's share of `ce_plus_kl`, computed once for every step on one batch:
+    `mass` = softmax(teacher) + one_hot(label), (…, B, C), and `neg_entropy` = Σ_c p log p of
+    the teacher, (…, B)."""
+
+    mass: torch.Tensor
+    neg_entropy: torch.Tensor
+
+
+def distill_target(teacher_logits: torch.Tensor, target: torch.Tensor) -> DistillTarget:
+    """What `ce_plus_kl` needs of a teacher's logits (B, C) or (N, B, C) and the labels (B,) or
+    (N, B); the teacher is detached."""
+    log_t = F.log_softmax(teacher_logits.detach().float(), dim=-1)
+    p_t = log_t.exp()
+    # one-hot by comparison: F.one_hot reads the labels' range on the host (a sync on CUDA)
+    classes = torch.arange(p_t.shape[-1], device=p_t.device)
+    mass = p_t + (target.unsqueeze(-1) == classes).to(p_t.dtype)
+    return DistillTarget(mass, (p_t * log_t).sum(-1))
+
+
+def ce_plus_kl(logits: torch.Tensor, target: DistillTarget) -> torch.Tensor:
+    """`cross_entropy(logits, y) + kl_distill(logits, teacher)` (T = 1), for a teacher that stays
+    fixed over several steps (PFML's inner steps): one log-softmax a step instead of two, and
+    none of the teacher's.
+
+    Per sample, −log p_y + Σ_c q_c (log q_c − log p_c) = Σ_c q_c log q_c − Σ_c (q_c + [c = y])
+    log p_c, with p the student's softmax and q the teacher's. Stacked logits give one value
+    per client, as the two losses do.
+    """
+    log_p = F.log_softmax(logits.float(), dim=-1)
+    per_sample = target.neg_entropy - (target.mass * log_p).sum(-1)
+    if logits.dim() == 3:
+        return _per_client(per_sample)
+    return per_sample.mean()
 
 
 def soft_cross_entropy(

@@ -38,6 +38,8 @@ Step = Callable[..., Sequence[torch.Tensor]]
 
 
 _DEFAULT_LR_GAMMA = 0.1
+# Uniform keys drawn at once for fresh batches (Trainer.index_draws): 16 MB of fp32.
+_DRAW_KEYS = 1 << 22
 
 
 class OptimConfig(BaseModel):
@@ -258,9 +260,22 @@ class Trainer:
 
     def sample(self, n: int, batch_size: int) -> torch.Tensor:
         """One fresh batch of min(batch_size, n) distinct indices."""
-        perm = torch.randperm(n, generator=self.generator, device=self.device)
-        self.samples += min(batch_size, n)
-        return perm[: min(batch_size, n)]
+        (rows,) = self.index_draws(n, batch_size, 1)
+        return rows[0]
+
+    def index_draws(self, n: int, batch_size: int, count: int) -> Iterator[torch.Tensor]:
+        """`count` fresh batches of min(batch_size, n) distinct indices of range(n), as tensors
+        of (rows, batch) drawn one at a time when the loop reaches them: each row is the
+        positions of the largest of n uniform keys, a uniformly random subset in random order.
+        One draw holds at most 2**22 keys (`rows_per_draw`): one call instead of a
+        permutation per batch; a cohort draws each member's the same way."""
+        b = min(batch_size, n)
+        per_draw = self.rows_per_draw(n)
+        for start in range(0, count, per_draw):
+            rows = min(per_draw, count - start)
+            keys = torch.rand(rows, n, generator=self.generator, device=self.device)
+            self.samples += rows * b
+            yield keys.topk(b, dim=1).indices
 
     def batches(
         self, x: torch.Tensor, y: torch.Tensor, batch_size: int
@@ -283,11 +298,18 @@ class Trainer:
         idx = self.sample(len(y), batch_size)
         return x.index_select(0, idx), y.index_select(0, idx)
 
+    @staticmethod
+    def rows_per_draw(n: int) -> int:
+        """How many batches of `index_draws` over n samples one draw holds."""
+        return max(1, _DRAW_KEYS // n)
+
     def fresh_batches(
         self, x: torch.Tensor, y: torch.Tensor, batch_size: int, count: int
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """`count` fresh batches (`sample_batch`), each drawn when the loop reaches it."""
-        return (self.sample_batch(x, y, batch_size) for _ in range(count))
+        """`count` fresh batches of distinct samples (`index_draws`)."""
+        for rows in self.index_draws(len(y), batch_size, count):
+            for idx in rows:
+                yield x.index_select(0, idx), y.index_select(0, idx)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Put a model on the device, channels_last when it convolves (matching ClientData)."""
@@ -322,7 +344,7 @@ class Trainer:
         model: nn.Module,
         objective: Callable[..., torch.Tensor],
         x: torch.Tensor,
-        *args: torch.Tensor,
+        *args: Any,
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """The gradient of `objective(model(x), *args)` with respect to the model's trainable
         parameters, and its value (detached).

@@ -35,7 +35,7 @@ from edge_sdk.algorithms.base import (
 )
 from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel
-from edge_sdk.losses import cross_entropy, kl_distill
+from edge_sdk.losses import DistillTarget, ce_plus_kl, distill_target
 from edge_sdk.trainer import OptimConfig
 from model_zoo import ArchSpec
 
@@ -97,10 +97,6 @@ class PFMLConfig(BaseAlgorithmConfig, GuardConfig):
         return self
 
 
-def _objective(z: torch.Tensor, y: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    return cross_entropy(z, y) + kl_distill(z, teacher)
-
-
 def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.requires_grad]
 
@@ -146,10 +142,10 @@ class PFML(ClientAlgorithm):
         work: nn.Module,
         anchor: list[torch.Tensor],
         x: torch.Tensor,
-        y: torch.Tensor,
-        teacher: torch.Tensor,
+        target: DistillTarget,
     ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...], torch.Tensor]:
-        """K gradient steps on CE + KL(teacher||·) + λ/2·||anchor − ·||², starting from `start`.
+        """K gradient steps on CE + KL(teacher||·) + λ/2·||anchor − ·||², starting from `start`
+        (`target`: the labels and the teacher, fixed for the K steps).
 
         Returns where they end, and the gradient and value of CE + KL at `start` (the first
         step's, taken there): the outer step needs exactly those, so it computes neither again.
@@ -161,7 +157,7 @@ class PFML(ClientAlgorithm):
                 p.copy_(q)
         first: tuple[tuple[torch.Tensor, ...], torch.Tensor] | None = None
         for _ in range(cfg.k_steps):
-            grads, loss = self.ctx.trainer.value_and_grad(work, _objective, x, y, teacher)
+            grads, loss = self.ctx.trainer.value_and_grad(work, ce_plus_kl, x, target)
             if first is None:
                 first = (grads, loss)
             with torch.no_grad():
@@ -191,9 +187,10 @@ class PFML(ClientAlgorithm):
         def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor]:
             with torch.no_grad(), trainer.autocast():  # each model is the other's teacher
                 z_m, z_w = aux(x), local(x)
+            to_m, to_w = distill_target(z_w, y), distill_target(z_m, y)
             # ∇L(m_i) and ∇L(w_i) are the first inner steps' gradients (they start there).
-            theta, grads_m, loss_m = self._inner(aux, theta_net, m_prev, x, y, teacher=z_w)
-            w_hat, grads_w, loss_w = self._inner(local, w_hat_net, w_global, x, y, teacher=z_m)
+            theta, grads_m, loss_m = self._inner(aux, theta_net, m_prev, x, to_m)
+            w_hat, grads_w, loss_w = self._inner(local, w_hat_net, w_global, x, to_w)
             with torch.no_grad():
                 for p, g, anchor in zip(params, grads_m + grads_w, theta + w_hat, strict=True):
                     p.sub_(eta * (g + lam * (p - anchor)))

@@ -6,7 +6,9 @@ import torch.nn.functional as F
 
 from edge_sdk.losses import (
     StackedBatch,
+    ce_plus_kl,
     cross_entropy,
+    distill_target,
     kl_distill,
     proximal,
     rows_of,
@@ -157,3 +159,44 @@ def test_rows_of_cuts_a_stacks_values_to_the_clients_taking_the_step():
     with stacked_batch(StackedBatch(rows=2)):
         assert torch.equal(rows_of(per_client), per_client[:2])
         assert rows_of(0.5) == 0.5  # a number is everyone's
+
+
+def _hand_ce_plus_kl(student, teacher, y):
+    """One client's CE + KL(teacher‖student) per sample, written out from the probabilities."""
+    p = F.softmax(teacher, dim=-1)
+    log_q = F.log_softmax(student, dim=-1)
+    ce = -log_q.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    return ce + (p * (p.log() - log_q)).sum(-1)
+
+
+def test_ce_plus_kl_is_cross_entropy_plus_kl_by_hand_with_its_gradient():
+    g = torch.Generator().manual_seed(1)
+    student = torch.randn(6, 5, generator=g, requires_grad=True)
+    teacher = torch.randn(6, 5, generator=g, requires_grad=True)
+    y = torch.randint(0, 5, (6,), generator=g)
+
+    got = ce_plus_kl(student, distill_target(teacher, y))
+    want = _hand_ce_plus_kl(student, teacher.detach(), y).mean()
+
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    (g_got,) = torch.autograd.grad(got, student)
+    (g_want,) = torch.autograd.grad(want, student)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-7)
+    assert not distill_target(teacher, y).mass.requires_grad  # the teacher is detached
+
+
+def test_a_stacks_ce_plus_kl_is_each_clients_own_over_its_own_samples():
+    # Three clients, batches of 4 padded to 4, 3 and 2 real samples (weights 0 for padding).
+    g = torch.Generator().manual_seed(2)
+    student, teacher = torch.randn(3, 4, 5, generator=g), torch.randn(3, 4, 5, generator=g)
+    y = torch.randint(0, 5, (3, 4), generator=g)
+    real = [4, 3, 2]
+    weights = torch.stack([(torch.arange(4) < k) / k for k in real])
+
+    with stacked_batch(StackedBatch(rows=3, weights=weights)):
+        got = ce_plus_kl(student, distill_target(teacher, y))
+
+    assert got.shape == (3,)
+    for i, k in enumerate(real):
+        want = _hand_ce_plus_kl(student[i, :k], teacher[i, :k], y[i, :k]).mean()
+        assert got[i].item() == pytest.approx(want.item(), rel=1e-6), i

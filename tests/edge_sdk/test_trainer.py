@@ -87,3 +87,33 @@ def test_adam_takes_momentum_as_beta1_and_the_weight_decay():
     cfg = OptimConfig(optimizer="adam", momentum=0.5, weight_decay=0.01, lr=0.2)
     group = Trainer(torch.device("cpu")).optimizer(params, cfg).param_groups[0]
     assert group["betas"] == (0.5, 0.999) and group["weight_decay"] == 0.01 and group["lr"] == 0.2
+
+
+def test_fresh_index_draws_are_distinct_seeded_uniform_and_counted():
+    t = Trainer(torch.device("cpu"), seed=5)
+    (rows,) = t.index_draws(10, 3, 4000)
+    assert rows.shape == (4000, 3) and t.samples == 12000
+    assert all(len(set(r)) == 3 for r in rows.tolist())  # distinct within a batch
+    assert rows.min() >= 0 and rows.max() < 10
+    # every sample as likely, in any position of the batch: 4000 draws, 400 expected per
+    # index in the first position (sd 19) and 1200 anywhere (sd 29)
+    first, anywhere = torch.bincount(rows[:, 0], minlength=10), torch.bincount(rows.flatten())
+    assert first.min() > 330 and first.max() < 470, first
+    assert anywhere.min() > 1090 and anywhere.max() < 1310, anywhere
+    (again,) = Trainer(torch.device("cpu"), seed=5).index_draws(10, 3, 4000)
+    assert torch.equal(rows, again)
+    assert Trainer(torch.device("cpu")).sample(4, 9).sort().values.tolist() == [0, 1, 2, 3]
+
+
+def test_fresh_batches_draw_at_most_the_keys_one_draw_holds(monkeypatch):
+    monkeypatch.setattr("edge_sdk.trainer._DRAW_KEYS", 25)  # two batches over 10 samples a draw
+    t = Trainer(torch.device("cpu"), seed=1)
+    draws = list(t.index_draws(10, 4, 5))
+    assert [d.shape for d in draws] == [(2, 4), (2, 4), (1, 4)] and t.samples == 20
+
+    x, y = torch.arange(10.0).view(10, 1) * 2, torch.arange(10)
+    t = Trainer(torch.device("cpu"), seed=1)
+    batches = list(t.fresh_batches(x, y, 4, 5))
+    assert len(batches) == 5
+    for (bx, by), idx in zip(batches, torch.cat(draws), strict=True):
+        assert torch.equal(by, idx) and torch.equal(bx[:, 0], 2 * idx.float())

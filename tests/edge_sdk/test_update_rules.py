@@ -5,8 +5,8 @@ model and fixed data, and compares the weights it ends with against an independe
 written here: models as lists of tensors with a functional forward, cross-entropy and
 KL(teacher || student) written out, SGD / Adam steps written out. Only the data order is shared:
 the reference draws its batches from a generator seeded like the client's Trainer, the way the
-Trainer documents it (a fresh permutation per epoch; one fresh permutation's first D per PFML
-iteration).
+Trainer documents it (a fresh permutation per epoch; for PFML's iterations, the positions of the
+largest D of fresh uniform keys).
 """
 
 from __future__ import annotations
@@ -139,8 +139,11 @@ def epoch_batches(gen: torch.Generator, batch_size: int) -> list[torch.Tensor]:
     return [perm[i : i + batch_size] for i in range(0, N, batch_size)]
 
 
-def one_batch(gen: torch.Generator, batch_size: int) -> torch.Tensor:
-    return torch.randperm(N, generator=gen)[: min(batch_size, N)]
+def fresh_batches(gen: torch.Generator, batch_size: int, count: int) -> list[torch.Tensor]:
+    """`count` batches of distinct samples: each the positions of the largest of N uniform
+    keys, the `count` rows of keys drawn at once."""
+    keys = torch.rand(count, N, generator=gen)
+    return list(keys.topk(min(batch_size, N), dim=1).indices)
 
 
 def sgd_epochs(p, opt, gen, epochs, batch_size, extra=None) -> tuple[Params, float]:
@@ -370,8 +373,7 @@ def _pfml_reference(w_global: Params, aux: Params, gen, *, E, D, K, lam, lr):
     def sq(q, anchor):
         return sum(((a - b) ** 2).sum() for a, b in zip(q, anchor, strict=True))
 
-    for _ in range(E):
-        idx = one_batch(gen, D)
+    for idx in fresh_batches(gen, D, E):
         x, y = d.x_train[idx], d.y_train[idx]
         p_w, p_m = forward(w, x).detach(), forward(m, x).detach()  # teachers of this iteration
 
