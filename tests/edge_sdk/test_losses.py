@@ -200,3 +200,11 @@ def test_a_stacks_ce_plus_kl_is_each_clients_own_over_its_own_samples():
     for i, k in enumerate(real):
         want = _hand_ce_plus_kl(student[i, :k], teacher[i, :k], y[i, :k]).mean()
         assert got[i].item() == pytest.approx(want.item(), rel=1e-6), i
+
+
+def test_distill_target_builds_its_one_hot_on_the_teachers_device():
+    # The "meta" device stands in for CUDA: a one-hot built on the CPU would not mix with it.
+    teacher = torch.randn(2, 4, 3, device="meta")
+    y = torch.zeros(2, 4, dtype=torch.long, device="meta")
+    target = distill_target(teacher, y)
+    assert target.mass.device.type == "meta" and target.mass.shape == (2, 4, 3)
