@@ -365,9 +365,19 @@ class ClientAlgorithm(ABC):
             if not isinstance(current, torch.optim.Optimizer):
                 raise AlgorithmError(f"{self.name}: an optimizer was saved where none exists now")
             saved = value["__optimizer__"]
+            # torch's load_state_dict adopts the saved tensors (momentum, Adam's moments) as
+            # they are, and the next step would change them in place: the saved state (a
+            # node's state before a round, which a retry and a failed round load again) must
+            # stay as it was.
             current.load_state_dict(
                 {
-                    "state": {int(k): v for k, v in saved["state"].items()},
+                    "state": {
+                        int(k): {
+                            n: t.clone() if isinstance(t, torch.Tensor) else t
+                            for n, t in entry.items()
+                        }
+                        for k, entry in saved["state"].items()
+                    },
                     "param_groups": saved["param_groups"],
                 }
             )

@@ -161,6 +161,19 @@ def test_a_saved_state_is_a_snapshot_that_later_training_does_not_change():
     assert _same_weights({k: v["momentum_buffer"] for k, v in _moments(state).items()}, momentum)
 
 
+def test_a_state_loaded_and_trained_on_stays_as_it_was_saved():
+    # A node loads its state from before a round to run the round again, and may load it once
+    # more if that round then fails: training after a load must not change the saved state
+    # (torch's optimizers adopt the tensors they are loaded from).
+    algo = _keeper()
+    algo.fit(1, 3, {})
+    state = algo.state_dict()
+    momentum = {k: v["momentum_buffer"].clone() for k, v in _moments(state).items()}
+    algo.load_state_dict(state)
+    algo.fit(2, 3, {})
+    assert _same_weights({k: v["momentum_buffer"] for k, v in _moments(state).items()}, momentum)
+
+
 def _moments(state):
     return state["optimizer"]["__optimizer__"]["state"]
 
