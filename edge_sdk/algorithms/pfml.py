@@ -89,12 +89,34 @@ class PFMLConfig(BaseAlgorithmConfig, GuardConfig):
 
     @model_validator(mode="after")
     def _stable(self) -> PFMLConfig:
-        # Each proximal step moves by η·λ·(w − anchor): at η·λ ≥ 2 it overshoots and diverges.
-        if self.lr * self.lam >= 2:
+        if not _pull_bounded(self.lr * self.lam, self.k_steps):
             raise ValueError(
-                f"pfml diverges when lr·lam >= 2 (got {self.lr}·{self.lam}); lower lr or lam"
+                f"pfml diverges when lr·lam >= {_pull_bound(self.k_steps):.3f} with k_steps = "
+                f"{self.k_steps} (got {self.lr}·{self.lam}); lower lr or lam"
             )
         return self
+
+
+def _pull_bounded(x: float, k: int) -> bool:
+    """Whether the proximal pull alone (the loss's gradient left out) does not grow at η·λ = x
+    (at 0 there is none).
+
+    Each inner step maps θ − a to (1 − x)(θ − a), so K of them from w end at
+    (1 − x)^K (w − a), and the outer step w ← w − x·(w − θ_K) maps w − a to
+    (1 − x(1 − (1 − x)^K))(w − a). The first factor must be below 1 in size, the second at most
+    1: x < 2, and x ≤ √2 for K = 1, about 1.62 for K = 3. Near the bound the loss's own
+    curvature can still tip it over (lr 0.05, λ 30, K 3 drifted about 200× further than without
+    λ on a tiny MLR)."""
+    return 0 <= x < 2 and abs(1 - x * (1 - (1 - x) ** k)) <= 1
+
+
+def _pull_bound(k: int) -> float:
+    """The largest η·λ at which the pull does not grow for K steps (to 1e-6)."""
+    lo, hi = 0.0, 2.0
+    while hi - lo > 1e-6:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _pull_bounded(mid, k) else (lo, mid)
+    return lo
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from edge_sdk.algorithms import AlgorithmError, ClientContext, algorithm_class
+from edge_sdk.algorithms.pfml import PFMLConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import cross_entropy, kl_distill
 from edge_sdk.trainer import ClientData, Trainer
@@ -106,6 +107,34 @@ def test_pfml_keeps_the_auxiliary_model_across_rounds_unless_told_to_reset():
     reset.fit(1, 3, {"global": g})
     reset._prepare(g)
     assert all(torch.equal(g.weights[k], v) for k, v in reset.aux.state_dict().items())
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_pfml_refuses_exactly_the_lr_lam_at_which_its_proximal_pull_grows(k):
+    # The pull alone, written out on a scalar distance to the anchor: K inner steps of
+    # θ ← θ − x·θ from w, then w ← w − x·(w − θ); 100 iterations either shrink it or not.
+    def shrinks(x):
+        w = 1.0
+        for _ in range(100):
+            theta = w
+            for _ in range(k):
+                theta -= x * theta
+            w -= x * (w - theta)
+        return abs(w) < 1.0
+
+    for x in [i / 20 for i in range(1, 41)]:  # lr·lam from 0.05 to 2
+        config = {"lr": x, "lam": 1.0, "k_steps": k}
+        if shrinks(x):
+            PFMLConfig(**config)
+        else:
+            with pytest.raises(ValueError, match=f"lr·lam >= .* k_steps = {k}"):
+                PFMLConfig(**config)
+
+
+def test_pfml_with_one_inner_step_diverges_below_lr_lam_2():
+    with pytest.raises(ValueError, match=r"lr·lam >= 1\.414"):
+        PFMLConfig(lr=0.05, lam=30.0, k_steps=1)  # 1.5: |1 − 1.5²| > 1
+    PFMLConfig(lr=0.05, lam=30.0, k_steps=3)  # the pull alone contracts at 1.5 with K = 3
 
 
 def test_pfml_auxiliary_may_have_its_own_architecture():
