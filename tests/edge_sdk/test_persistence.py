@@ -174,6 +174,18 @@ def test_a_state_loaded_and_trained_on_stays_as_it_was_saved():
     assert _same_weights({k: v["momentum_buffer"] for k, v in _moments(state).items()}, momentum)
 
 
+def test_an_optimizers_plain_values_load_as_saved():
+    # An optimizer may keep numbers beside its tensors in its per-parameter state; loading takes
+    # copies of the tensors and the numbers as they are.
+    algo = _keeper()
+    algo.fit(1, 3, {})
+    state = algo.state_dict()
+    for entry in _moments(state).values():
+        entry["steps_taken"] = 7
+    algo.load_state_dict(state)
+    assert all(s["steps_taken"] == 7 for s in algo.optimizer.state.values())
+
+
 def _moments(state):
     return state["optimizer"]["__optimizer__"]["state"]
 
