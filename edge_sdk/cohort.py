@@ -285,11 +285,15 @@ def _stack_entry(values: list[Any]) -> Any:
 
 def _unstack_state(name: str, stacked: ClientAlgorithm, members: Sequence[ClientAlgorithm]) -> None:
     """Each member (row i of the stack) gets its share of the stacked attribute `name`: its
-    rows of a stacked module or optimizer copied into its own (one copy for all members where
-    they exist), or its value."""
+    rows of a stacked module or optimizer, copied into new tensors in the layout of its own
+    (one copy for all members), or its value.
+
+    New tensors, not its own overwritten: what a member held before the round stays as it was,
+    so a node's state before the round (`ClientNode.begin`) needs no copy of its own."""
     value, n = getattr(stacked, name), len(members)
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
+    params: list[tuple[nn.Parameter, torch.Tensor]] = []
     for i, a in enumerate(members):
         own = getattr(a, name)
         if value is None:
@@ -298,7 +302,9 @@ def _unstack_state(name: str, stacked: ClientAlgorithm, members: Sequence[Client
             spec = getattr(value, SPEC_ATTR)
             if isinstance(own, nn.Module) and getattr(own, SPEC_ATTR, None) == spec:
                 for k, p in own.named_parameters():
-                    dst.append(p)
+                    fresh = torch.empty_like(p)
+                    params.append((p, fresh))
+                    dst.append(fresh)
                     src.append(value.get_parameter(k)[i])
             else:
                 saved = {"__module__": spec.to_json(), "weights": unstack_module(value, i)}
@@ -316,6 +322,8 @@ def _unstack_state(name: str, stacked: ClientAlgorithm, members: Sequence[Client
     if dst:
         with torch.no_grad():
             torch._foreach_copy_(dst, src)
+    for p, fresh in params:
+        p.data = fresh  # the same Parameter (its optimizer's), new memory
 
 
 def _unstack_optimizer(
@@ -338,7 +346,8 @@ def _unstack_optimizer(
                 if isinstance(v, torch.Tensor) and v.dim() and len(v) == n:
                     old = kept.get(k)
                     if isinstance(old, torch.Tensor) and old.shape == v.shape[1:]:
-                        dst.append(old)
+                        kept[k] = torch.empty_like(old)  # new memory, as for the parameters
+                        dst.append(kept[k])
                         src.append(v[i])
                     else:
                         kept[k] = (

@@ -126,6 +126,9 @@ class ClientNode:
         self._fit_round = 0  # the last round this client trained
         self._fit_steps: list[str] = []  # the steps of that round it has run
         self._before_fit: dict[str, Any] | None = None  # its state before that round
+        # `_before_fit` holds the algorithm's own tensors, not copies, until a task runs here
+        # (`execute` copies them first; a stacked round leaves them as they are).
+        self._before_fit_shared = False
 
     @property
     def trained_round(self) -> int:
@@ -161,7 +164,10 @@ class ClientNode:
         if task.phase == "fit":
             # The next step of the same round (multi-step rounds) goes on from here.
             if task.round != self._fit_round or self._before_fit is None:
-                self._before_fit, self._fit_steps = algo.state_dict(), []
+                # Not copied yet: a stacked round gives the members new tensors and leaves these
+                # as they were (edge_sdk.cohort), and `execute` copies them before it trains.
+                self._before_fit, self._fit_steps = algo.shared_state(), []
+                self._before_fit_shared = True
             elif task.step in self._fit_steps:
                 log.info("%s: round %d again: from the state before it", self.client_id, task.round)
                 algo.load_state_dict(self._before_fit)
@@ -192,6 +198,9 @@ class ClientNode:
     def execute(self, task: NodeTask) -> FitResult:
         """The algorithm's phase (after `begin`)."""
         algo = self._current()
+        if self._before_fit_shared and self._before_fit is not None:  # it trains in place
+            self._before_fit = algo.copied_state(self._before_fit)
+        self._before_fit_shared = False
         if task.phase == "fit":
             return algo.fit(task.round, task.rounds, task.models)
         if task.phase == "evaluate":
@@ -304,6 +313,7 @@ class ClientNode:
                 f"{self.client_id}: cannot resume from {self.state_path}: {exc}"
             ) from exc
         self._fit_round, self._before_fit = int(saved["fit_round"]), saved["before_fit"]
+        self._before_fit_shared = False  # read from the file: its own tensors
         self._fit_steps = [str(s) for s in saved.get("fit_steps", [""])]
         self.resumed_after = self._fit_round
         log.info(

@@ -337,9 +337,31 @@ class ClientAlgorithm(ABC):
             "__samples__": self.ctx.trainer.samples,
             "__guard__": _encode(self.guard.state_dict(), f"{self.name}.guard"),
         }
+        copies = not self._sharing
         for name in self.persistent:
-            out[name] = _encode(getattr(self, name), f"{self.name}.{name}")
+            out[name] = _encode(getattr(self, name), f"{self.name}.{name}", copies=copies)
         return out
+
+    _sharing = False  # state_dict() leaves the models' and optimizers' tensors uncopied
+
+    def shared_state(self) -> dict[str, Any]:
+        """`state_dict()` with its models' and optimizers' tensors as they are, not copied.
+
+        That is the state of this moment only while nothing changes those tensors in place (a
+        stacked round gives its members new ones, `edge_sdk.cohort`); `copied_state` turns it
+        into what `state_dict()` gives. A subclass's `state_dict` that extends the base's gets
+        this for free."""
+        self._sharing = True
+        try:
+            return self.state_dict()
+        finally:
+            self._sharing = False
+
+    @staticmethod
+    def copied_state(state: Mapping[str, Any]) -> dict[str, Any]:
+        """`shared_state()`'s output with its tensors copied: what `state_dict()` gave at that
+        moment, if nothing has changed them since."""
+        return {k: _copied(v) for k, v in state.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`'s output (modules in place when their architecture matches)."""
@@ -445,22 +467,39 @@ _BASE_STATE = ("__rng__", "__samples__", "__guard__")
 SPEC_ATTR = "_edgefl_spec"  # the ArchSpec a module was built from (set by _build/_materialize)
 
 
-def _encode(value: Any, where: str) -> Any:
+def _encode(value: Any, where: str, *, copies: bool = True) -> Any:
     if isinstance(value, nn.Module):
         spec = getattr(value, SPEC_ATTR, None)
         if spec is None:
             raise AlgorithmError(f"{where}: a module not built by _build/_materialize")
-        return {"__module__": spec.to_json(), "weights": state_of(value)}
+        weights = state_of(value) if copies else dict(value.state_dict())  # detached either way
+        return {"__module__": spec.to_json(), "weights": weights}
     if isinstance(value, torch.optim.Optimizer):
-        saved = copy.deepcopy(value.state_dict())  # a snapshot, not the live buffers
-        state = {str(k): v for k, v in saved["state"].items()}
-        return {"__optimizer__": {"state": state, "param_groups": saved["param_groups"]}}
+        saved = value.state_dict()  # its per-parameter state holds the live buffers
+        state = {str(k): dict(v) for k, v in saved["state"].items()}
+        opt = {"state": state, "param_groups": saved["param_groups"]}
+        return {"__optimizer__": copy.deepcopy(opt) if copies else opt}
     if isinstance(value, ArchSpec):
         return {"__spec__": value.to_json()}
     if isinstance(value, WireModel):
         return {"__wire__": value.spec.to_json(), "weights": dict(value.weights)}
     if isinstance(value, dict):  # e.g. a table per peer, a cache of peers' models
-        return {str(k): _encode(v, f"{where}.{k}") for k, v in value.items()}
+        return {str(k): _encode(v, f"{where}.{k}", copies=copies) for k, v in value.items()}
+    return value
+
+
+def _copied(value: Any) -> Any:
+    """An `_encode(..., copies=False)` value as `_encode` would have copied it: a module's
+    weights as CPU copies (as `state_of` makes them), an optimizer's state copied where it is."""
+    if isinstance(value, dict) and "__module__" in value:
+        weights = {
+            k: torch.empty(t.shape, dtype=t.dtype).copy_(t) for k, t in value["weights"].items()
+        }
+        return {"__module__": value["__module__"], "weights": weights}
+    if isinstance(value, dict) and "__optimizer__" in value:
+        return {"__optimizer__": copy.deepcopy(value["__optimizer__"])}
+    if isinstance(value, dict) and "__wire__" not in value and "__spec__" not in value:
+        return {k: _copied(v) for k, v in value.items()}
     return value
 
 

@@ -3,7 +3,7 @@ coordinator did not keep leaves no trace in the client's state."""
 
 import torch
 
-from edge_sdk.node import ClientNode, NodeTask
+from edge_sdk.node import ClientNode, NodeTask, execute_together
 from edge_sdk.trainer import ClientData
 from model_zoo import ArchSpec
 
@@ -11,12 +11,12 @@ SPEC = ArchSpec(family="mlr", num_classes=3, input_shape=(4,))
 CONFIG = {"local_epochs": 1, "batch_size": 4, "lr": 0.1, "momentum": 0.9}
 
 
-def _node() -> ClientNode:
-    g = torch.Generator().manual_seed(0)
+def _node(i: int = 0) -> ClientNode:
+    g = torch.Generator().manual_seed(i)
     y = torch.arange(24) % 3
     x = torch.randn(24, 4, generator=g) + y.view(-1, 1).float()
     data = ClientData(x, y, x[:6], y[:6], x[:6], y[:6], num_classes=3)
-    return ClientNode("c0", SPEC, data)
+    return ClientNode(f"c{i}", SPEC, data, seed=i)
 
 
 def _fit(round_: int, kept_round: int | None = None) -> NodeTask:
@@ -53,3 +53,46 @@ def test_a_round_run_twice_then_not_kept_leaves_the_state_before_it_momentum_inc
     assert after.keys() == before.keys()
     for k, v in before.items():
         assert torch.equal(after[k], v), k
+
+
+def _stacked_round(nodes, task):
+    for n in nodes:
+        n.begin(task)
+    results = execute_together(nodes, [task] * len(nodes))
+    assert all(not isinstance(r, Exception) for r in results)
+    for n, r in zip(nodes, results, strict=True):
+        n.end(task, r)
+
+
+def test_a_stacked_round_run_twice_then_not_kept_leaves_each_state_before_it(monkeypatch):
+    # Prepare: three clients that train as one stack (the stacked round does not copy each
+    # node's state before it: it gives the members new tensors instead); round 1 kept.
+    import edge_sdk.cohort as cohort
+
+    stacks = []
+    real = cohort.run_stacked
+    monkeypatch.setattr(
+        "edge_sdk.node.run_stacked",
+        lambda algos, *a, **k: stacks.append(len(algos)) or real(algos, *a, **k),
+    )
+    nodes = [_node(i) for i in range(3)]
+    _stacked_round(nodes, _fit(1))
+    before = [_tensors(n._current().state_dict()) for n in nodes]
+
+    # Execute: round 2 stacked, again, then round 3 told round 1 is the last one kept.
+    _stacked_round(nodes, _fit(2))
+    trained = [_tensors(n._current().state_dict()) for n in nodes]
+    _stacked_round(nodes, _fit(2))
+    for n in nodes:
+        n.begin(_fit(3, kept_round=1))
+
+    # Assert: every round ran as one stack, round 2 changed the weights, and each client starts
+    # round 3 from its round-1 state, tensor for tensor.
+    assert stacks == [3, 3, 3]
+    for b, t in zip(before, trained, strict=True):
+        assert any(not torch.equal(t[k], v) for k, v in b.items())
+    for n, b in zip(nodes, before, strict=True):
+        after = _tensors(n._current().state_dict())
+        assert after.keys() == b.keys()
+        for k, v in b.items():
+            assert torch.equal(after[k], v), (n.client_id, k)
