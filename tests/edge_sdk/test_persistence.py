@@ -186,6 +186,49 @@ def test_an_optimizers_plain_values_load_as_saved():
     assert all(s["steps_taken"] == 7 for s in algo.optimizer.state.values())
 
 
+def test_shared_state_holds_the_algorithms_own_tensors_and_copied_state_copies_them():
+    # A node keeps `shared_state()` as its state before a round without copying it (a stacked
+    # round gives the members new tensors); `copied_state` makes it what `state_dict()` gives.
+    algo = _keeper()
+    algo.fit(1, 3, {})
+    shared = algo.shared_state()
+    own = {
+        "model": algo.model.state_dict(),
+        "mods": algo.mods["m"].state_dict(),  # a module inside a dict, too
+        "momentum": {i: s["momentum_buffer"] for i, s in enumerate(algo.optimizer.state.values())},
+    }
+    held = {
+        "model": shared["model"]["weights"],
+        "mods": shared["mods"]["m"]["weights"],
+        "momentum": {int(i): s["momentum_buffer"] for i, s in _moments(shared).items()},
+    }
+    for part, tensors in own.items():
+        assert all(held[part][k].data_ptr() == t.data_ptr() for k, t in tensors.items()), part
+
+    copied, fresh = algo.copied_state(shared), algo.state_dict()  # (sharing is off again)
+    for state in (copied, fresh):
+        got = {
+            "model": state["model"]["weights"],
+            "mods": state["mods"]["m"]["weights"],
+            "momentum": {int(i): s["momentum_buffer"] for i, s in _moments(state).items()},
+        }
+        for part, tensors in own.items():
+            for k, t in tensors.items():
+                assert torch.equal(got[part][k], t) and got[part][k].data_ptr() != t.data_ptr()
+
+
+def test_copied_state_keeps_each_tensors_dtype():
+    state = {
+        "m": {
+            "__module__": "{}",
+            "weights": {"steps": torch.tensor([3], dtype=torch.int64), "w": torch.ones(2).double()},
+        }
+    }
+    copied = _keeper().copied_state(state)["m"]["weights"]
+    assert copied["steps"].dtype == torch.int64 and copied["w"].dtype == torch.float64
+    assert torch.equal(copied["steps"], state["m"]["weights"]["steps"])
+
+
 def _moments(state):
     return state["optimizer"]["__optimizer__"]["state"]
 
