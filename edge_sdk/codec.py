@@ -27,6 +27,7 @@ __all__ = [
     "WeightsError",
     "WireModel",
     "check_weights",
+    "cpu_copies",
     "decode_weights",
     "encode_weights",
     "sha256_hex",
@@ -56,10 +57,13 @@ def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
     Contiguous in the standard layout even when the model runs channels_last: safetensors and
     every reader of the weights expect it.
     """
-    return {
-        k: torch.empty(v.shape, dtype=v.dtype).copy_(v.detach())
-        for k, v in model.state_dict().items()
-    }
+    return cpu_copies(model.state_dict())
+
+
+def cpu_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached copies of `tensors` on the CPU, contiguous in the standard layout (`state_of`'s
+    copies, of tensors already taken out of a model)."""
+    return {k: torch.empty(v.shape, dtype=v.dtype).copy_(v.detach()) for k, v in tensors.items()}
 
 
 @dataclass(frozen=True)

@@ -250,12 +250,12 @@ class CohortTrainer(Trainer):
         """Each step's (N, width) local indices: member i's rows of its own `index_draws`,
         padded to `width`. Where every member draws all `count` at once (the usual case), one
         table for all steps; otherwise member by member, a step at a time."""
+        if count <= 0:
+            return
         draws = [
             t.index_draws(size, batch_size, count)
             for t, size in zip(self.members, sizes, strict=True)
         ]
-        if count <= 0:
-            return
         if all(count <= Trainer.rows_per_draw(size) for size in sizes):
             table = torch.stack([_padded(next(d), width) for d in draws], dim=1)  # (S, N, W)
             yield from table

@@ -105,7 +105,7 @@ class LocalFleet(Fleet):
         return set(self.clients)
 
     def known_online(self) -> set[str]:
-        return set(self.clients)
+        return self.online()  # takes nothing in
 
     def await_back(self, timeout_s: float) -> None:
         """In-process clients never drop out."""

@@ -32,7 +32,7 @@ from edge_sdk.algorithms.guard import (
     Pick,
     blend,
 )
-from edge_sdk.codec import WireModel, state_of
+from edge_sdk.codec import WireModel, cpu_copies, state_of
 from edge_sdk.peers import Peers
 from edge_sdk.trainer import ClientData, EvalResult, OptimConfig, Trainer
 from model_zoo import ArchSpec, build
@@ -492,10 +492,7 @@ def _copied(value: Any) -> Any:
     """An `_encode(..., copies=False)` value as `_encode` would have copied it: a module's
     weights as CPU copies (as `state_of` makes them), an optimizer's state copied where it is."""
     if isinstance(value, dict) and "__module__" in value:
-        weights = {
-            k: torch.empty(t.shape, dtype=t.dtype).copy_(t) for k, t in value["weights"].items()
-        }
-        return {"__module__": value["__module__"], "weights": weights}
+        return {"__module__": value["__module__"], "weights": cpu_copies(value["weights"])}
     if isinstance(value, dict) and "__optimizer__" in value:
         return {"__optimizer__": copy.deepcopy(value["__optimizer__"])}
     if isinstance(value, dict) and "__wire__" not in value and "__spec__" not in value:
