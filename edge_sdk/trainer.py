@@ -147,10 +147,19 @@ def _stack(ds: TorchDataset) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-# A data set's tensor → its copy on each device it was moved to (as long as it lives).
-_ON_DEVICE: weakref.WeakKeyDictionary[torch.Tensor, dict[torch.device, torch.Tensor]] = (
-    weakref.WeakKeyDictionary()
-)
+# id(a data set's tensor) → its copy on each device it was moved to, for as long as the tensor
+# lives. Keyed by id, not by the tensor: a WeakKeyDictionary compares keys with ==, which on
+# tensors is elementwise (finding a tensor already moved raised "Boolean value of Tensor with
+# more than one value is ambiguous").
+_ON_DEVICE: dict[int, dict[torch.device, torch.Tensor]] = {}
+
+
+def _copies(base: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+    key = id(base)
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = {}
+        weakref.finalize(base, _ON_DEVICE.pop, key, None)
+    return _ON_DEVICE[key]
 
 
 def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -158,7 +167,7 @@ def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     rows = _row_range(t, base) if base is not None and t.device != device else None
     if base is None or rows is None:
         return _layout(t.to(device))
-    copies = _ON_DEVICE.setdefault(base, {})
+    copies = _copies(base)
     if device not in copies:
         copies[device] = _layout(base.to(device))
     return copies[device][rows[0] : rows[1]]

@@ -117,3 +117,24 @@ def test_fresh_batches_draw_at_most_the_keys_one_draw_holds(monkeypatch):
     assert len(batches) == 5
     for (bx, by), idx in zip(batches, torch.cat(draws), strict=True):
         assert torch.equal(by, idx) and torch.equal(bx[:, 0], 2 * idx.float())
+
+
+def test_clients_moved_to_a_device_one_by_one_share_one_copy_of_the_data_they_slice():
+    # Prepare: a simulation's clients are row slices of one client-major data set; "meta" is a
+    # device other than the data's, as CUDA is (the path that found a tensor already moved
+    # used to compare tensors with ==: "Boolean value of Tensor ... is ambiguous")
+    x, y = torch.arange(30.0).reshape(10, 3).clone(), torch.arange(10)
+    meta = torch.device("meta")
+
+    # Execute: the second client moved after the first, and the first again
+    first = ClientData(x[:4], y[:4], x[4:5], y[4:5], x[5:6], y[5:6], num_classes=10).to(meta)
+    second = ClientData(x[6:9], y[6:9], x[9:], y[9:], x[:0], y[:0], num_classes=10).to(meta)
+    again = ClientData(x[:4], y[:4], x[4:5], y[4:5], x[5:6], y[5:6], num_classes=10).to(meta)
+
+    # Assert: every split a view of one copy of x (and of y), at its own rows
+    splits = [first.x_train, first.x_val, second.x_train, second.x_val, again.x_train]
+    assert all(t.device == meta and t._base is first.x_train._base for t in splits)
+    assert first.x_train._base.shape == (10, 3)
+    assert [t.storage_offset() for t in splits] == [0, 12, 18, 27, 0]
+    assert [len(t) for t in splits] == [4, 1, 3, 1, 4]
+    assert second.y_train._base is first.y_train._base and second.y_train.storage_offset() == 6
