@@ -16,8 +16,8 @@ epoch runs as many steps as the longest member's; at each step:
 
 That is the CPU's way: no padded client costs compute. A CUDA graph needs one shape for every
 step, so on CUDA (`masked`) every step takes the whole stack, finished members with all-zero
-weights and their update undone by a mask; both ways give every member exactly its own steps,
-and both are tested on the CPU.
+weights and their update undone by a mask (members who all take every step need no mask). Both
+ways give every member exactly its own steps, and both are tested on the CPU.
 
 Each member's generator draws exactly what it would draw alone, in the same order (a permutation
 per epoch, a permutation per fresh batch), so the stacked result equals the client-by-client one
@@ -211,10 +211,16 @@ class CohortTrainer(Trainer):
             [max(0, min(batch_size, size - s * batch_size)) for size in ys.sizes]
             for s in range(total)
         ]
-        padded = [masked or any(0 < c < batch_size for c in row) for row in counts]
+        padded = [any(0 < c < batch_size for c in row) for row in counts]
+        # Masked, every step of the epoch is of one kind (one CUDA graph): weighted where a
+        # batch is short or a member sits a step out, and masked only when one does (equal
+        # members take plain steps, without a masked step's saving and restoring every row).
+        mask = masked and any(0 in row for row in counts)
+        if masked:
+            padded = [mask or any(padded)] * total
         weights = _weight_table(counts, batch_size, self.device) if any(padded) else None
         # Who takes each step, on the device once per epoch (not a host-to-device copy a step).
-        actives = torch.tensor(counts, device=self.device).gt(0).float() if masked else None
+        actives = torch.tensor(counts, device=self.device).gt(0).float() if mask else None
         for s in range(total):
             taking = [c > 0 for c in counts[s]]
             for t, c in zip(self.members, counts[s], strict=True):
@@ -234,10 +240,10 @@ class CohortTrainer(Trainer):
         sizes = [min(batch_size, size) for size in ys.sizes]
         width = max(sizes)
         weights = None
-        if self.masked or len(set(sizes)) > 1:
+        if len(set(sizes)) > 1:
             c = torch.tensor(sizes, dtype=torch.float32)
             weights = ((torch.arange(width) < c[:, None]) / c[:, None]).to(self.device)
-        active = torch.ones(self.size, device=self.device) if self.masked else None
+        active = None  # every member takes every fresh batch: nothing to mask
         taking = [True] * self.size
         self._uneven = False
         rows = self.size
@@ -496,8 +502,11 @@ class _Frozen:
                     for t in [p, *state.values()]:
                         if isinstance(t, torch.Tensor) and t.dim() and len(t) == n:
                             self.tensors.append(t if self.active is not None else t[rows:])
+        # Few kernels (a masked step on CUDA saves and restores every row of every tensor,
+        # each step): one copy for all tensors, then one `where` per tensor, in place.
         with torch.no_grad():
-            self.saved = [t.clone() for t in self.tensors]
+            self.saved = [torch.empty_like(t) for t in self.tensors]
+            torch._foreach_copy_(self.saved, self.tensors)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -506,6 +515,6 @@ class _Frozen:
         if self.active is None:
             torch._foreach_copy_(self.tensors, self.saved)
             return
+        keep = self.active.bool()
         for t, s in zip(self.tensors, self.saved, strict=True):
-            keep = self.active.view(-1, *[1] * (t.dim() - 1)).bool()
-            t.copy_(torch.where(keep, t, s))
+            torch.where(keep.view(-1, *[1] * (t.dim() - 1)), t, s, out=t)

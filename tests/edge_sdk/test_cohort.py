@@ -287,6 +287,31 @@ def test_each_members_stacked_batches_are_the_batches_it_draws_alone():
         assert (w is None) == all(len(b[s][1]) == 8 for b in own[: x.shape[0]])
 
 
+def test_masked_steps_mask_only_what_the_members_need():
+    # Prepare: masked stacks (as on CUDA), batches of 8: members of 41, 30 and 5 samples (each
+    # epoch's steps all of one kind: one CUDA graph); of 16 and 16; of 16 and 13
+    def masked_steps(sizes):
+        packed = StackedData.of(_data(sizes))
+        trainer = CohortTrainer([Trainer(CPU, seed=i) for i in range(len(sizes))], masked=True)
+        return list(trainer.batches(packed.x_train, packed.y_train, 8))
+
+    # Execute
+    unequal, equal, short = masked_steps((41, 30, 5)), masked_steps((16, 16)), masked_steps((16, 13))
+
+    # Assert: every step takes the whole stack. Members sitting steps out: weights and a mask
+    # (who takes the step) on every step; all members taking every step: no mask, and weights
+    # only when a batch is short
+    counts = [[max(0, min(8, n - 8 * s)) for n in (41, 30, 5)] for s in range(6)]
+    assert len(unequal) == 6 and counts[0] == [8, 8, 5] and counts[4] == [8, 0, 0]
+    for (x, _, w, active), row in zip(unequal, counts, strict=True):
+        assert x.shape[0] == 3
+        assert active.tolist() == [float(c > 0) for c in row]
+        assert w.sum(1).tolist() == [1.0 if c else 0.0 for c in row]
+    assert len(equal) == 2 and all(w is None and a is None for _, _, w, a in equal)
+    assert len(short) == 2 and all(w is not None and a is None for _, _, w, a in short)
+    assert short[1][2].sum(1).tolist() == [1.0, 1.0] and short[1][2][1].count_nonzero() == 5
+
+
 def test_a_member_sitting_a_step_out_keeps_its_weights_and_momentum():
     # Prepare: two stacked linear models with momentum and weight decay, both with state
     model = stack_modules([_model("mlr", s, features=4, classes=3) for s in (1, 2)])
