@@ -30,6 +30,7 @@ __all__ = [
     "cross_entropy",
     "distill_target",
     "kl_distill",
+    "mutual_losses",
     "proximal",
     "rows_of",
     "soft_cross_entropy",
@@ -158,6 +159,46 @@ def ce_plus_kl(logits: torch.Tensor, target: DistillTarget) -> torch.Tensor:
     log_p = F.log_softmax(logits.float(), dim=-1)
     per_sample = target.neg_entropy - (target.mass * log_p).sum(-1)
     if logits.dim() == 3:
+        return _per_client(per_sample)
+    return per_sample.mean()
+
+
+def mutual_losses(
+    logits_a: torch.Tensor,
+    logits_b: torch.Tensor,
+    target: torch.Tensor,
+    alpha: float | torch.Tensor,
+    beta: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deep mutual learning's two losses (FML's step), each model the other's detached teacher:
+    α·CE(a, y) + (1 − α)·KL(b‖a) and β·CE(b, y) + (1 − β)·KL(a‖b) at T = 1, the values and
+    gradients of `cross_entropy` and `kl_distill` so weighted, from one log-softmax per model
+    (those take three log-softmaxes and a softmax for each: on CUDA every operation is a kernel
+    of a captured step).
+
+    Per sample, with p the student's softmax, q the teacher's and w its weight,
+    w·(−log p_y) + (1 − w)·Σ_c q_c (log q_c − log p_c)
+    = (1 − w)·Σ_c q_c log q_c − Σ_c ((1 − w)·q_c + w·[c = y]) log p_c.
+    α and β are numbers, or one per client taking a stacked step (`rows_of`); stacked logits
+    give one value per client.
+    """
+    log_a = F.log_softmax(logits_a.float(), dim=-1)
+    log_b = F.log_softmax(logits_b.float(), dim=-1)
+    classes = torch.arange(log_a.shape[-1], device=log_a.device)
+    hot = (target.unsqueeze(-1) == classes).to(log_a.dtype)  # see distill_target
+    return _mutual(log_a, log_b.detach(), hot, alpha), _mutual(log_b, log_a.detach(), hot, beta)
+
+
+def _mutual(
+    log_p: torch.Tensor, log_q: torch.Tensor, hot: torch.Tensor, w: float | torch.Tensor
+) -> torch.Tensor:
+    w_sample = w_class = w
+    if isinstance(w, torch.Tensor) and w.dim():  # one per client: (rows,)
+        w_sample, w_class = w.view(-1, 1), w.view(-1, 1, 1)
+    q = log_q.exp()
+    mass = torch.lerp(q, hot, w_class)  # (1 − w)·q + w·one-hot
+    per_sample = (1 - w_sample) * (q * log_q).sum(-1) - (mass * log_p).sum(-1)
+    if log_p.dim() == 3:
         return _per_client(per_sample)
     return per_sample.mean()
 

@@ -33,7 +33,7 @@ from edge_sdk.algorithms.base import (
 )
 from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel, state_of
-from edge_sdk.losses import cross_entropy, kl_distill, rows_of
+from edge_sdk.losses import mutual_losses, rows_of
 from model_zoo import ArchSpec
 
 __all__ = ["FML", "FMLConfig", "shared_keys"]
@@ -112,9 +112,7 @@ class FML(ClientAlgorithm):
         def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             with trainer.autocast():
                 z_p, z_m = personal(x), meme(x)
-            a_ = rows_of(a)
-            loss_p = a_ * cross_entropy(z_p, y) + (1 - a_) * kl_distill(z_p, z_m)
-            loss_m = b * cross_entropy(z_m, y) + (1 - b) * kl_distill(z_m, z_p)
+            loss_p, loss_m = mutual_losses(z_p, z_m, y, rows_of(a), b)
             trainer.step(loss_p + loss_m, opts)
             return loss_p.detach(), loss_m.detach()
 

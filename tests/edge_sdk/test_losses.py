@@ -10,6 +10,7 @@ from edge_sdk.losses import (
     cross_entropy,
     distill_target,
     kl_distill,
+    mutual_losses,
     proximal,
     rows_of,
     soft_cross_entropy,
@@ -208,3 +209,51 @@ def test_distill_target_builds_its_one_hot_on_the_teachers_device():
     y = torch.zeros(2, 4, dtype=torch.long, device="meta")
     target = distill_target(teacher, y)
     assert target.mass.device.type == "meta" and target.mass.shape == (2, 4, 3)
+
+
+def _hand_mutual(student, teacher, y, w):
+    """One client's w·CE + (1 − w)·KL(teacher‖student) per sample, written out."""
+    p = F.softmax(teacher, dim=-1)
+    log_q = F.log_softmax(student, dim=-1)
+    ce = -log_q.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    return w * ce + (1 - w) * (p * (p.log() - log_q)).sum(-1)
+
+
+def test_mutual_losses_are_each_models_weighted_ce_plus_kl_with_their_gradients():
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(6, 5, generator=g, requires_grad=True)
+    b = torch.randn(6, 5, generator=g, requires_grad=True)
+    y = torch.randint(0, 5, (6,), generator=g)
+
+    got_a, got_b = mutual_losses(a, b, y, 0.3, 0.8)
+    want_a = _hand_mutual(a, b.detach(), y, 0.3).mean()
+    want_b = _hand_mutual(b, a.detach(), y, 0.8).mean()
+
+    assert got_a.item() == pytest.approx(want_a.item(), rel=1e-6)
+    assert got_b.item() == pytest.approx(want_b.item(), rel=1e-6)
+    got = torch.autograd.grad(got_a + got_b, [a, b])
+    want = torch.autograd.grad(want_a + want_b, [a, b])
+    for g_got, g_want in zip(got, want, strict=True):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-7)
+    # each model is the other's teacher only: a's loss sends b no gradient
+    (to_b,) = torch.autograd.grad(mutual_losses(a, b, y, 0.3, 0.8)[0], b, allow_unused=True)
+    assert to_b is None or not to_b.any()
+
+
+def test_a_stacks_mutual_losses_are_each_clients_own_at_its_own_alpha():
+    # Three clients, batches of 4 padded to 4, 3 and 2 real samples; α one per client
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(3, 4, 5, generator=g), torch.randn(3, 4, 5, generator=g)
+    y = torch.randint(0, 5, (3, 4), generator=g)
+    real, alpha = [4, 3, 2], torch.tensor([0.5, 1.0, 0.2])
+    weights = torch.stack([(torch.arange(4) < k) / k for k in real])
+
+    with stacked_batch(StackedBatch(rows=3, weights=weights)):
+        got_a, got_b = mutual_losses(a, b, y, alpha, 0.6)
+
+    assert got_a.shape == got_b.shape == (3,)
+    for i, k in enumerate(real):
+        want_a = _hand_mutual(a[i, :k], b[i, :k], y[i, :k], alpha[i].item()).mean()
+        want_b = _hand_mutual(b[i, :k], a[i, :k], y[i, :k], 0.6).mean()
+        assert got_a[i].item() == pytest.approx(want_a.item(), rel=1e-6), i
+        assert got_b[i].item() == pytest.approx(want_b.item(), rel=1e-6), i
