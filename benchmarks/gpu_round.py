@@ -66,6 +66,7 @@ from model_zoo import ArchSpec, build
 ROOT = Path(__file__).resolve().parents[1]
 DATA_ROOTS = (Path("/usr/share/datasets/fashion-mnist"), ROOT / ".device/data/fashion-mnist")
 PARTS = ("fml", "pfml", "fml100", "step")
+MODES = {"batched": True, "client_by_client": False}  # name: cohort
 GOALS = {  # the issue's, per part and device type: seconds per round, or ms per step
     ("fml", "cuda"): "<= 1.0 s a round (H100)",
     ("pfml", "cuda"): "<= 0.1 s a round (H100)",
@@ -151,14 +152,15 @@ class OpCounter(TorchDispatchMode):
 
 
 @contextmanager
-def eager_steps() -> Iterator[None]:
-    """Every Trainer built inside runs its steps eagerly (no CUDA graphs)."""
+def trainer_settings(**settings: Any) -> Iterator[None]:
+    """Every Trainer built inside takes `settings` (graphs=False: steps run eagerly; amp=False:
+    float32 steps, no autocast)."""
     init = Trainer.__init__
 
-    def eager(self: Trainer, device: torch.device, **kw: Any) -> None:
-        init(self, device, **(kw | {"graphs": False}))
+    def patched(self: Trainer, device: torch.device, **kw: Any) -> None:
+        init(self, device, **(kw | settings))
 
-    Trainer.__init__ = eager  # type: ignore[method-assign]
+    Trainer.__init__ = patched  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -210,7 +212,7 @@ def count_ops(overrides: dict[str, Any], cohort: bool) -> int:
         overrides=overrides | {"cohort": cohort, "rounds": 1, "parallel": 1}, environ=False
     )
     fed = prepare_federation(cfg)
-    with eager_steps(), OpCounter() as counter:
+    with trainer_settings(graphs=False), OpCounter() as counter:
         run_federation(cfg, fed, cfg.algorithm)
     return counter.calls
 
@@ -233,8 +235,10 @@ def compare(overrides: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     """Batched and client by client, side by side."""
     out: dict[str, Any] = {}
     if not a.ops_only:
-        for name, cohort in (("batched", True), ("client_by_client", False)):
-            out[name] = run_mode(overrides, cohort, a.rounds, a.parallel)
+        for name, cohort in MODES.items():
+            if name in a.modes:
+                out[name] = run_mode(overrides, cohort, a.rounds, a.parallel)
+    if len(out) == len(MODES):
         out["speedup"] = round(
             out["client_by_client"]["median_round_s"] / out["batched"]["median_round_s"], 2
         )
@@ -242,10 +246,7 @@ def compare(overrides: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
             out["client_by_client"]["median_cpu_s"] / out["batched"]["median_cpu_s"], 2
         )
     if not a.no_ops:
-        ops = {
-            name: count_ops(overrides, cohort)
-            for name, cohort in (("batched", True), ("client_by_client", False))
-        }
+        ops = {name: count_ops(overrides, cohort) for name, cohort in MODES.items()}
         out["ops_per_round"] = ops
         out["ops_ratio"] = round(ops["batched"] / ops["client_by_client"], 4)
         out["ops_floor"] = ops_floor(overrides)
@@ -253,7 +254,8 @@ def compare(overrides: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
 
 
 def step_part(device: str, steps: int) -> dict[str, Any]:
-    """One cnn2 client's FML steps at batch 10: ms per step, captured (CUDA) and eager."""
+    """One cnn2 client's FML steps at batch 10: ms per step, captured (CUDA; with autocast and
+    in float32) and eager."""
     dev = resolve_device(device)
     spec = ArchSpec(family="cnn2", num_classes=10, input_shape=(1, 28, 28), kwargs={"width": 32})
     g = torch.Generator().manual_seed(0)
@@ -263,11 +265,12 @@ def step_part(device: str, steps: int) -> dict[str, Any]:
     cls = algorithm_class("fml")
     cfg = cls.config_cls(local_epochs=1, batch_size=10, lr=0.005)
     out: dict[str, Any] = {}
-    for name, graphs in (("captured", True), ("eager", False)):
+    variants = (("captured", True, True), ("captured_fp32", True, False), ("eager", False, True))
+    for name, graphs, amp in variants:
         if graphs and dev.type != "cuda":
             continue
         data = ClientData(x, y, x[:0], y[:0], x[:0], y[:0], num_classes=10).to(dev)
-        trainer = Trainer(dev, seed=0, graphs=graphs)
+        trainer = Trainer(dev, seed=0, graphs=graphs, amp=amp)
         client = cls(ClientContext("c0", spec, data, dev, 0, trainer), cfg)
         client.fit(1, 3, {"global": glob})  # warm up (and capture)
         _sync(device)
@@ -327,7 +330,7 @@ def table(out: dict[str, Any]) -> str:
             f"{c.get('mean_personal_acc')}  {goal}"
         )
     for name, r in out.get("step", {}).items():
-        lines.append(f"step {name:<11} {r['ms_per_step']} ms a step (amp {r['amp']})")
+        lines.append(f"step {name:<13} {r['ms_per_step']} ms a step (amp {r['amp']})")
     return "\n".join(lines)
 
 
@@ -337,16 +340,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     ap.add_argument("--rounds", type=int, default=3, help="rounds per federation (>= 2)")
     ap.add_argument("--families", nargs="+", default=["mlr", "mlp", "lenet5"], help="fml100")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--parallel", type=int, default=1, help="groups training at once")
     ap.add_argument("--steps", type=int, default=200, help="step: steps timed")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: cpu_threads())")
     ap.add_argument("--ops-only", action="store_true", help="only count operator calls")
     ap.add_argument("--no-ops", action="store_true", help="skip counting operator calls")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs: every step eager")
+    ap.add_argument("--fp32", action="store_true", help="no autocast on CUDA: float32 steps")
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args(argv)
     device = str(resolve_device(a.device))
     torch.set_num_threads(a.threads or cpu_threads())
-    out: dict[str, Any] = {"machine": machine(device)}
+    settings = ({"graphs": False} if a.eager else {}) | ({"amp": False} if a.fp32 else {})
+    out: dict[str, Any] = {"machine": machine(device) | {"settings": settings}}
+    with trainer_settings(**settings):
+        _run_parts(a, device, out)
+    out["machine"]["loadavg_end"] = os.getloadavg()
+    text = json.dumps(out, indent=1)
+    if a.json_out:
+        a.json_out.write_text(text + "\n")
+    print(text)
+    print(table(out))
+    return 0
+
+
+def _run_parts(a: argparse.Namespace, device: str, out: dict[str, Any]) -> None:
     if "fml" in a.parts:
         out["fml"] = compare(fml_overrides(device), a)
     if "pfml" in a.parts:
@@ -355,13 +374,6 @@ def main(argv: list[str] | None = None) -> int:
         out["fml100"] = {f: compare(fml100_overrides(device, f), a) for f in a.families}
     if "step" in a.parts and not a.ops_only:
         out["step"] = step_part(device, a.steps)
-    out["machine"]["loadavg_end"] = os.getloadavg()
-    text = json.dumps(out, indent=1)
-    if a.json_out:
-        a.json_out.write_text(text + "\n")
-    print(text)
-    print(table(out))
-    return 0
 
 
 if __name__ == "__main__":
