@@ -173,8 +173,8 @@ def mutual_losses(
     """Deep mutual learning's two losses (FML's step), each model the other's detached teacher:
     α·CE(a, y) + (1 − α)·KL(b‖a) and β·CE(b, y) + (1 − β)·KL(a‖b) at T = 1, the values and
     gradients of `cross_entropy` and `kl_distill` so weighted, from one log-softmax per model
-    (those take three log-softmaxes and a softmax for each: on CUDA every operation is a kernel
-    of a captured step).
+    (those two take two log-softmaxes and a softmax per model; on CUDA every operation is a
+    kernel of the captured step).
 
     Per sample, with p the student's softmax, q the teacher's and w its weight,
     w·(−log p_y) + (1 − w)·Σ_c q_c (log q_c − log p_c)

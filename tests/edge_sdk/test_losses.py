@@ -257,3 +257,11 @@ def test_a_stacks_mutual_losses_are_each_clients_own_at_its_own_alpha():
         want_b = _hand_mutual(b[i, :k], a[i, :k], y[i, :k], 0.6).mean()
         assert got_a[i].item() == pytest.approx(want_a.item(), rel=1e-6), i
         assert got_b[i].item() == pytest.approx(want_b.item(), rel=1e-6), i
+
+
+def test_mutual_losses_build_their_one_hot_on_the_logits_device():
+    # The "meta" device stands in for CUDA: a one-hot built on the CPU would not mix with it.
+    a, b = torch.randn(2, 4, 3, device="meta"), torch.randn(2, 4, 3, device="meta")
+    y = torch.zeros(2, 4, dtype=torch.long, device="meta")
+    loss_a, loss_b = mutual_losses(a, b, y, 0.5, 0.5)
+    assert loss_a.device.type == loss_b.device.type == "meta" and loss_a.shape == (2,)
