@@ -91,11 +91,14 @@ def test_a_reply_signed_by_the_client_but_from_another_process_does_not_count():
         topics.down("default", "c1"),
         lambda t, p: tasks.append(m) if isinstance(m := decode(p[68:]), Task) else None,
     )
-    # Another process holding c1's key (not registered) answers c1's tasks first.
+    # Another process holding c1's key (not registered) answers c1's tasks first: c1's own
+    # reply to a task waits until the twin has answered it (else, on a busy machine, c1 could
+    # answer first and the twin's reply would find the task closed).
     twin = Endpoint(broker.connect("twin"), "unused", keyring=clients[1].keyring)
+    answered: set[str] = set()
+    twin_sent = threading.Condition()
 
     def answer():
-        answered = set()
         while len(answered) < 3:
             for t in [t for t in tasks if t.task_id not in answered]:
                 reply = Reply(
@@ -103,8 +106,20 @@ def test_a_reply_signed_by_the_client_but_from_another_process_does_not_count():
                     phase=t.phase, ok=True, session="ab" * 8,
                 )  # fmt: skip
                 twin.send(topics.up("default", "c1"), reply)
-                answered.add(t.task_id)
+                with twin_sent:
+                    answered.add(t.task_id)
+                    twin_sent.notify_all()
+            time.sleep(0.005)
 
+    own_send = clients[1]._send
+
+    def after_the_twin(msg, blobs=None):
+        if isinstance(msg, Reply):
+            with twin_sent:
+                twin_sent.wait_for(lambda: msg.task_id in answered, timeout=20)
+        own_send(msg, blobs)
+
+    clients[1]._send = after_the_twin
     threading.Thread(target=answer, daemon=True).start()
     result = coordinator.run() if _started(clients) else None
     assert result.rounds[0].replied == ["c0", "c1", "c2"] and not result.rounds[0].failed
