@@ -27,6 +27,10 @@ personalized accuracies: batched and client by client should agree.
     python benchmarks/gpu_round.py --device cuda                 # on a GPU machine
     python benchmarks/gpu_round.py --device cpu --parts pfml fml100 --rounds 3
     python benchmarks/gpu_round.py --parts fml --ops-only         # operator counts alone
+    python benchmarks/gpu_round.py --parts fml --modes batched --fp32   # batched only, no autocast
+
+`--eager` runs every step without CUDA graphs, `--fp32` without autocast (both record it in the
+JSON's `machine.settings`).
 
 Fashion-MNIST is read from /usr/share/datasets/fashion-mnist, or from `.device/data/fashion-mnist`
 on a machine prepared without network access. Prints one JSON object, then a table.
@@ -353,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     device = str(resolve_device(a.device))
     torch.set_num_threads(a.threads or cpu_threads())
     settings = ({"graphs": False} if a.eager else {}) | ({"amp": False} if a.fp32 else {})
-    out: dict[str, Any] = {"machine": machine(device) | {"settings": settings}}
     with trainer_settings(**settings):
+        out: dict[str, Any] = {"machine": machine(device) | {"settings": settings}}
         _run_parts(a, device, out)
     out["machine"]["loadavg_end"] = os.getloadavg()
     text = json.dumps(out, indent=1)
