@@ -141,10 +141,21 @@ def distill_target(teacher_logits: torch.Tensor, target: torch.Tensor) -> Distil
     (N, B); the teacher is detached."""
     log_t = F.log_softmax(teacher_logits.detach().float(), dim=-1)
     p_t = log_t.exp()
-    # one-hot by comparison: F.one_hot reads the labels' range on the host (a sync on CUDA)
-    classes = torch.arange(p_t.shape[-1], device=p_t.device)
-    mass = p_t + (target.unsqueeze(-1) == classes).to(p_t.dtype)
-    return DistillTarget(mass, (p_t * log_t).sum(-1))
+    return DistillTarget(p_t + _one_hot(target, p_t), (p_t * log_t).sum(-1))
+
+
+def _one_hot(target: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Class ids (…, B) as one-hot rows shaped, typed and placed as `like` (…, B, C), built by
+    comparison: F.one_hot reads the labels' range on the host (a sync on CUDA)."""
+    classes = torch.arange(like.shape[-1], device=like.device)
+    return (target.unsqueeze(-1) == classes).to(like.dtype)
+
+
+def _sample_mean(per_sample: torch.Tensor) -> torch.Tensor:
+    """Per-sample values (B,) → their mean; a stack's (N, B) → each client's (`_per_client`)."""
+    if per_sample.dim() == 2:
+        return _per_client(per_sample)
+    return per_sample.mean()
 
 
 def ce_plus_kl(logits: torch.Tensor, target: DistillTarget) -> torch.Tensor:
@@ -157,10 +168,7 @@ def ce_plus_kl(logits: torch.Tensor, target: DistillTarget) -> torch.Tensor:
     per client, as the two losses do.
     """
     log_p = F.log_softmax(logits.float(), dim=-1)
-    per_sample = target.neg_entropy - (target.mass * log_p).sum(-1)
-    if logits.dim() == 3:
-        return _per_client(per_sample)
-    return per_sample.mean()
+    return _sample_mean(target.neg_entropy - (target.mass * log_p).sum(-1))
 
 
 def mutual_losses(
@@ -184,8 +192,7 @@ def mutual_losses(
     """
     log_a = F.log_softmax(logits_a.float(), dim=-1)
     log_b = F.log_softmax(logits_b.float(), dim=-1)
-    classes = torch.arange(log_a.shape[-1], device=log_a.device)
-    hot = (target.unsqueeze(-1) == classes).to(log_a.dtype)  # see distill_target
+    hot = _one_hot(target, log_a)
     return _mutual(log_a, log_b.detach(), hot, alpha), _mutual(log_b, log_a.detach(), hot, beta)
 
 
@@ -197,10 +204,7 @@ def _mutual(
         w_sample, w_class = w.view(-1, 1), w.view(-1, 1, 1)
     q = log_q.exp()
     mass = torch.lerp(q, hot, w_class)  # (1 − w)·q + w·one-hot
-    per_sample = (1 - w_sample) * (q * log_q).sum(-1) - (mass * log_p).sum(-1)
-    if log_p.dim() == 3:
-        return _per_client(per_sample)
-    return per_sample.mean()
+    return _sample_mean((1 - w_sample) * (q * log_q).sum(-1) - (mass * log_p).sum(-1))
 
 
 def soft_cross_entropy(
