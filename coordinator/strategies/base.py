@@ -69,17 +69,19 @@ def weighted_mean(
     total = float(sum(weights))
     if total <= 0:
         raise StrategyError(f"aggregation weights sum to {total}")
-    out: dict[str, torch.Tensor] = {}
-    for key in states[0]:
-        tensors = [s[key] for s in states]
-        if tensors[0].is_floating_point():
-            acc = torch.zeros_like(tensors[0], dtype=torch.float64)
-            for t, w in zip(tensors, weights, strict=True):
-                acc += t.to(torch.float64) * (w / total)
-            out[key] = acc.to(tensors[0].dtype)
-        else:
-            out[key] = torch.stack(tensors).max(dim=0).values
-    return out
+    first = states[0]
+    floats = [k for k, t in first.items() if t.is_floating_point()]
+    # One float64 accumulator per tensor, each state added to all of them in one foreach call
+    # (a call per state, not per state and tensor: 20 clients' replies made a twentieth of a
+    # stacked round's operator calls here).
+    acc = [torch.zeros_like(first[k], dtype=torch.float64) for k in floats]
+    for s, w in zip(states, weights, strict=True):
+        torch._foreach_add_(acc, [s[k] for k in floats], alpha=w / total)
+    out = {k: a.to(first[k].dtype) for k, a in zip(floats, acc, strict=True)}
+    for key, t in first.items():
+        if not t.is_floating_point():
+            out[key] = torch.stack([s[key] for s in states]).max(dim=0).values
+    return {k: out[k] for k in first}
 
 
 class Strategy(ABC):

@@ -121,6 +121,22 @@ def test_nan_weights_and_wrong_shapes_are_refused():
     check_weights(missing, m.weights, partial=True)  # a subset is fine when partial
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_one_non_finite_value_in_any_tensor_is_found_and_named(dtype, value):
+    weights = {
+        "a": torch.full((3, 2), 60000.0, dtype=dtype),  # large and finite in every dtype
+        "empty": torch.zeros(0, dtype=dtype),
+        "steps": torch.tensor([1, 2]),  # integers are not checked
+        "b": torch.ones(2, 3, dtype=dtype),
+        "c": torch.ones(4, dtype=dtype),
+    }
+    check_weights(weights)
+    weights["b"][1, 2] = value
+    with pytest.raises(WeightsError, match="tensor 'b' contains NaN or inf"):
+        check_weights(weights)
+
+
 def test_unpack_checks_weights_against_the_arch_spec():
     refs, blobs = pack_models({"global": _model()})
     assert unpack_models(refs, blobs)["global"].spec == SPEC
