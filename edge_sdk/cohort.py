@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -48,6 +49,7 @@ from edge_sdk.algorithms.base import (
 )
 from edge_sdk.codec import WireModel
 from edge_sdk.cohort_trainer import CohortTrainer, CohortUnsupported, PerMember, StackedData
+from edge_sdk.trainer import Score
 from model_zoo import ArchSpec, build
 from model_zoo.models.linear import MultinomialLogisticRegression
 
@@ -134,12 +136,13 @@ def stack_modules(modules: Sequence[nn.Module]) -> nn.Module:
     if any(getattr(m, SPEC_ATTR, None) != spec or type(m) is not type(first) for m in modules):
         raise CohortUnsupported("the members' models differ in architecture")
     rows = {}
-    for name, _ in first.named_parameters():
-        members = [m.get_parameter(name).detach() for m in modules]
-        if _transposed(first, name):  # stacked straight into the layout _stacked keeps
-            rows[name] = torch.stack([p.t() for p in members]).transpose(1, 2)
-        else:
-            rows[name] = torch.stack(members)
+    with torch.no_grad():  # one stacking call per parameter, whatever the number of members
+        for name, p in first.named_parameters():
+            members: list[torch.Tensor] = [m.get_parameter(name) for m in modules]
+            out = None
+            if _transposed(first, name):  # stacked straight into the layout _stacked keeps
+                out = p.new_empty((len(modules), *reversed(p.shape))).transpose(1, 2)
+            rows[name] = torch.stack(members, out=out)
     return _stacked(first, rows)
 
 
@@ -286,14 +289,12 @@ def _stack_entry(values: list[Any]) -> Any:
 def _unstack_state(name: str, stacked: ClientAlgorithm, members: Sequence[ClientAlgorithm]) -> None:
     """Each member (row i of the stack) gets its share of the stacked attribute `name`: its
     rows of a stacked module or optimizer, copied into new tensors in the layout of its own
-    (one copy for all members), or its value.
+    (`_Copies`: one call for all members), or its value.
 
     New tensors, not its own overwritten: what a member held before the round stays as it was,
     so a node's state before the round (`ClientNode.begin`) needs no copy of its own."""
     value, n = getattr(stacked, name), len(members)
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    params: list[tuple[nn.Parameter, torch.Tensor]] = []
+    copies = _Copies()
     for i, a in enumerate(members):
         own = getattr(a, name)
         if value is None:
@@ -302,10 +303,8 @@ def _unstack_state(name: str, stacked: ClientAlgorithm, members: Sequence[Client
             spec = getattr(value, SPEC_ATTR)
             if isinstance(own, nn.Module) and getattr(own, SPEC_ATTR, None) == spec:
                 for k, p in own.named_parameters():
-                    fresh = torch.empty_like(p)
-                    params.append((p, fresh))
-                    dst.append(fresh)
-                    src.append(value.get_parameter(k)[i])
+                    # the same Parameter (its optimizer's), new memory
+                    copies.add(p, copies.row(value.get_parameter(k), i), partial(_rebind, p))
             else:
                 saved = {"__module__": spec.to_json(), "weights": unstack_module(value, i)}
                 setattr(a, name, a._decode(own, saved))
@@ -314,16 +313,55 @@ def _unstack_state(name: str, stacked: ClientAlgorithm, members: Sequence[Client
                 module = getattr(a, _owner(value, stacked))
                 own = cast(Any, type(value))(list(module.parameters()))
                 setattr(a, name, own)
-            _unstack_optimizer(value, own, i, n, dst, src)
+            _unstack_optimizer(value, own, i, n, copies)
         elif isinstance(value, PerMember):
             setattr(a, name, value[i])
         else:
             setattr(a, name, copy.deepcopy(value))
-    if dst:
+    copies.make()
+
+
+def _rebind(p: nn.Parameter, t: torch.Tensor) -> None:
+    p.data = t
+
+
+class _Copies:
+    """New tensors for the members, copied from rows of stacked tensors: each stacked tensor's
+    rows taken once (one `unbind`), and every copy made in one `_foreach_clone` per memory
+    layout, where a new tensor and a row per member and tensor took two calls each."""
+
+    def __init__(self) -> None:
+        self._rows: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+        self._todo: dict[torch.memory_format, list[tuple[torch.Tensor, Callable[..., None]]]] = {}
+
+    def row(self, stacked: torch.Tensor, i: int) -> torch.Tensor:
+        """Row i of `stacked` (a view)."""
+        if id(stacked) not in self._rows:  # the tensor is kept with its rows: ids stay unique
+            with torch.no_grad():
+                self._rows[id(stacked)] = (stacked, stacked.unbind(0))
+        return self._rows[id(stacked)][1][i]
+
+    def add(
+        self, like: torch.Tensor, src: torch.Tensor, put: Callable[[torch.Tensor], None]
+    ) -> None:
+        """Copy `src` into a new tensor laid out as `like` and hand it to `put` (at `make`)."""
+        if like.is_contiguous():
+            layout = torch.contiguous_format
+        elif like.dim() == 4 and like.is_contiguous(memory_format=torch.channels_last):
+            layout = torch.channels_last
+        else:  # any other layout: a copy of its own
+            with torch.no_grad():
+                put(torch.empty_like(like).copy_(src))
+            return
+        self._todo.setdefault(layout, []).append((src, put))
+
+    def make(self) -> None:
         with torch.no_grad():
-            torch._foreach_copy_(dst, src)
-    for p, fresh in params:
-        p.data = fresh  # the same Parameter (its optimizer's), new memory
+            for layout, todo in self._todo.items():
+                made = torch._foreach_clone([src for src, _ in todo], memory_format=layout)
+                for (_, put), t in zip(todo, made, strict=True):
+                    put(t)
+        self._todo.clear()
 
 
 def _unstack_optimizer(
@@ -331,11 +369,10 @@ def _unstack_optimizer(
     own: torch.optim.Optimizer,
     i: int,
     n: int,
-    dst: list[torch.Tensor],
-    src: list[torch.Tensor],
+    copies: _Copies,
 ) -> None:
-    """Member i's settings and state of a stacked optimizer into its own (tensors to copy are
-    added to dst/src; new ones made in its parameters' layout)."""
+    """Member i's settings and state of a stacked optimizer into its own (its tensors new ones,
+    in its parameters' layout, made by `copies`)."""
     for group, mine in zip(stacked.param_groups, own.param_groups, strict=True):
         mine.update({k: v for k, v in group.items() if k != "params"})
         for sp, op in zip(group["params"], mine["params"], strict=True):
@@ -345,16 +382,11 @@ def _unstack_optimizer(
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and v.dim() and len(v) == n:
                     old = kept.get(k)
-                    if isinstance(old, torch.Tensor) and old.shape == v.shape[1:]:
-                        kept[k] = torch.empty_like(old)  # new memory, as for the parameters
-                        dst.append(kept[k])
-                        src.append(v[i])
+                    like = old if isinstance(old, torch.Tensor) and old.shape == v.shape[1:] else op
+                    if like.shape == v.shape[1:]:
+                        copies.add(like, copies.row(v, i), partial(kept.__setitem__, k))
                     else:
-                        kept[k] = (
-                            torch.empty_like(op).copy_(v[i])
-                            if v[i].shape == op.shape
-                            else v[i].clone()
-                        )
+                        kept[k] = v[i].clone()
                 else:
                     kept[k] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
 
@@ -385,10 +417,13 @@ def _row(value: Any, i: int, n: int) -> Any:
 
 
 def _split_result(result: FitResult, n: int) -> list[FitResult]:
+    rows = {
+        name: {k: v.unbind(0) for k, v in w.weights.items()} for name, w in result.models.items()
+    }
     return [
         FitResult(
             models={
-                name: WireModel(w.spec, {k: v[i] for k, v in w.weights.items()})
+                name: WireModel(w.spec, {k: v[i] for k, v in rows[name].items()})
                 for name, w in result.models.items()
             },
             metrics={k: _row(v, i, n) for k, v in result.metrics.items()},
@@ -445,7 +480,7 @@ def run_stacked(
     tuned: list[Candidate | None] = [None] * len(members)
     if phase == "finalize" and all(a.finetunes for a in members):
         tuned = _finetuned_rows(stacked, members, rounds, incoming)
-    scores: list[dict[str, tuple[torch.Tensor, float]] | None] = [None] * len(members)
+    scores: list[dict[str, Score] | None] = [None] * len(members)
     if phase == "fit" and all(a.guarded and a.guard.active for a in members):
         scores = _guard_scores(stacked)
     out: list[FitResult] = [rows[0]] * len(algos)
@@ -459,11 +494,11 @@ def run_stacked(
     return out
 
 
-def _guard_scores(stacked: ClientAlgorithm) -> list[dict[str, tuple[torch.Tensor, float]] | None]:
+def _guard_scores(stacked: ClientAlgorithm) -> list[dict[str, Score] | None]:
     """What every member's guard scores after a fit, each candidate once for the whole stack:
     per member and candidate, the validation samples it gets right and its mean loss."""
     trainer, data = cast(CohortTrainer, stacked.ctx.trainer), stacked.ctx.data
-    out: list[dict[str, tuple[torch.Tensor, float]] | None] = [{} for _ in range(trainer.size)]
+    out: list[dict[str, Score] | None] = [{} for _ in range(trainer.size)]
     for name, (_, model) in stacked.guard_candidates().items():
         for member, score in zip(out, trainer.scores(model, data.x_val, data.y_val), strict=True):
             assert member is not None

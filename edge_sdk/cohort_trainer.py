@@ -38,7 +38,7 @@ from torch import nn
 
 from edge_sdk.graphs import StepRunner
 from edge_sdk.losses import StackedBatch, stacked_batch
-from edge_sdk.trainer import ClientData, Step, Trainer, _check_finite, _row_range
+from edge_sdk.trainer import ClientData, Score, Step, Trainer, _check_finite, _row_range
 
 __all__ = ["CohortTrainer", "CohortUnsupported", "PerMember", "StackedData", "StackedEval"]
 
@@ -390,11 +390,10 @@ class CohortTrainer(Trainer):
         )
 
     @torch.no_grad()
-    def scores(
-        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor
-    ) -> list[tuple[torch.Tensor, float]]:
+    def scores(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[Score]:
         """Each member's stacked model on its own samples, as the guard scores a model: which
-        samples it gets right (bool, on the CPU) and its mean cross-entropy."""
+        samples it gets right (bool, on the CPU), its mean cross-entropy and how many it gets
+        right."""
         sizes = _packed(y).sizes
         longest = max(sizes, default=0)
         right_all = torch.zeros(self.size, longest, dtype=torch.bool, device=self.device)
@@ -403,8 +402,14 @@ class CohortTrainer(Trainer):
             right_all[:rows, start : start + right.shape[1]] = right & counted
             loss_sum[:rows] += (nll * counted).sum(1)
         right_cpu, sums = right_all.cpu(), loss_sum.tolist()
-        return [
-            (right_cpu[i, :k].clone(), sums[i] / k if k else math.nan) for i, k in enumerate(sizes)
+        counts = right_cpu.sum(1).tolist()
+        return [  # hits: views of one tensor made here (a few bytes a member), never changed
+            Score(
+                row if k == longest else row[:k],
+                sums[i] / k if k else math.nan,
+                counts[i],
+            )
+            for i, (row, k) in enumerate(zip(right_cpu.unbind(0), sizes, strict=True))
         ]
 
     def _chunks(

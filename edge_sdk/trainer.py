@@ -18,7 +18,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -30,7 +30,7 @@ from edge_sdk.graphs import StepRunner
 from edge_sdk.losses import cross_entropy
 from edge_sdk.optim import SGD, Adam
 
-__all__ = ["ClientData", "EvalResult", "LoopStats", "OptimConfig", "Step", "Trainer"]
+__all__ = ["ClientData", "EvalResult", "LoopStats", "OptimConfig", "Score", "Step", "Trainer"]
 
 # A training step: one batch's tensors (inputs, labels) → the values to average over the loop
 # (losses), after it has updated the models (Trainer.step).
@@ -207,6 +207,14 @@ class EvalResult:
     @property
     def loss(self) -> float:
         return self.loss_sum / self.total if self.total else float("nan")
+
+
+class Score(NamedTuple):
+    """How a model did on a client's validation samples, as the guard scores it."""
+
+    hits: torch.Tensor  # bool, per sample (on the CPU): predicted right
+    loss: float  # mean cross-entropy
+    correct: int  # hits' count
 
 
 @dataclass

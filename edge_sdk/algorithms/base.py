@@ -34,7 +34,7 @@ from edge_sdk.algorithms.guard import (
 )
 from edge_sdk.codec import WireModel, cpu_copies, state_of
 from edge_sdk.peers import Peers
-from edge_sdk.trainer import ClientData, EvalResult, OptimConfig, Trainer
+from edge_sdk.trainer import ClientData, EvalResult, OptimConfig, Score, Trainer
 from model_zoo import ArchSpec, build
 
 __all__ = [
@@ -204,9 +204,7 @@ class ClientAlgorithm(ABC):
         self.after_fit(round_)
         return result
 
-    def after_fit(
-        self, round_: int, scores: Mapping[str, tuple[torch.Tensor, float]] | None = None
-    ) -> None:
+    def after_fit(self, round_: int, scores: Mapping[str, Score] | None = None) -> None:
         """The guard keeps the best candidate so far (a cohort calls it per member, with the
         `scores` it computed for the whole stack)."""
         if self.guarded:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -48,7 +47,7 @@ from pydantic import BaseModel, Field
 from torch import nn
 
 from edge_sdk.codec import WireModel
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import ClientData, Score, Trainer
 from model_zoo import ArchSpec
 from model_zoo.models.mixture import Mixture, mixture_spec
 
@@ -125,10 +124,11 @@ class Pick:
     # The live model it was scored from, until it is kept (a candidate that is not kept is
     # never copied: the guard scores a few each round, on every client).
     source: Candidate | None = field(default=None, compare=False, repr=False)
+    correct: int = -1  # hits' count; counted here unless given (a stack counts its members')
 
-    @cached_property
-    def correct(self) -> int:
-        return int(self.hits.sum())
+    def __post_init__(self) -> None:
+        if self.correct < 0:
+            object.__setattr__(self, "correct", int(self.hits.sum()))
 
     @property
     def total(self) -> int:
@@ -216,17 +216,17 @@ class Guard:
         self,
         round_: int,
         candidates: Mapping[str, Candidate],
-        scores: Mapping[str, tuple[torch.Tensor, float]] | None = None,
+        scores: Mapping[str, Score] | None = None,
     ) -> None:
         """After a round's training: keep a copy of any candidate better than the best so far.
-        `scores`: a candidate's (validation samples right, mean loss) when a stack of clients
-        scored theirs at once (edge_sdk.cohort); the others are scored here."""
+        `scores`: a candidate's score when a stack of clients scored theirs at once
+        (edge_sdk.cohort); the others are scored here."""
         if not self.active:
             return
         for name, cand in candidates.items():
             if scores is not None and name in scores:
-                hits, loss = scores[name]
-                pick = Pick(name, round_, False, hits, loss, source=cand)
+                hits, loss, correct = scores[name]
+                pick = Pick(name, round_, False, hits, loss, source=cand, correct=correct)
             else:
                 pick = self._score(name, cand, round_, final=False)
             if pick.beats(self.best):

@@ -217,6 +217,61 @@ def test_a_stack_of_clients_with_separate_tensors_trains_as_they_do(algorithm):
     _fits_alike(algorithm, shared=False, rounds=1)
 
 
+def test_a_stacked_round_gives_each_member_new_tensors_of_its_own_in_its_own_layout():
+    # Prepare: lenet5 clients (4-D conv weights, transposed-stacked linear weights) after a
+    # round alone (momentum buffers exist); the first member's conv weights and their momentum
+    # laid out channels_last, as a CUDA trainer lays them out
+    spec = ArchSpec(family="lenet5", num_classes=CLASSES, input_shape=(1, 28, 28))
+    g = torch.Generator().manual_seed(3)
+    algos = []
+    for i, n in enumerate((9, 5, 12)):
+        x, y = torch.randn(n + 4, 1, 28, 28, generator=g), torch.arange(n + 4) % CLASSES
+        data = ClientData(x[:n], y[:n], x[n:], y[n:], x[n:], y[n:], num_classes=CLASSES)
+        ctx = ClientContext(f"c{i}", spec, data, CPU, i, Trainer(CPU, seed=i))
+        algos.append(algorithm_class("local")(ctx, _local()))
+    for a in algos:
+        a.fit(1, 2, {})
+    first = algos[0]
+    convs = [p for p in first.model.parameters() if p.dim() == 4]
+    for p in convs:
+        p.data = p.data.to(memory_format=torch.channels_last)
+        buf = first.optimizer.state[p]["momentum_buffer"]
+        first.optimizer.state[p]["momentum_buffer"] = buf.to(memory_format=torch.channels_last)
+    before = [{k: t.clone() for k, t in _state_tensors(a).items()} for a in algos]
+
+    # Execute
+    run_stacked(algos, "fit", 2, 2, [{}] * 3)
+
+    # Assert: new values; every tensor in memory of its own; each in its member's layout
+    seen = set()
+    for a, old in zip(algos, before, strict=True):
+        for k, t in _state_tensors(a).items():
+            assert t.shape == old[k].shape and not torch.equal(t, old[k]), k
+            assert t.untyped_storage().data_ptr() not in seen, k
+            seen.add(t.untyped_storage().data_ptr())
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), k
+            assert _layout(t) == _layout(old[k]), k
+    assert sum(_layout(t) == (False, True) for t in _state_tensors(first).values()) == 2
+
+
+def _layout(t):
+    return t.is_contiguous(), t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _local():
+    return algorithm_class("local").config_cls(local_epochs=1, batch_size=4, lr=0.1)
+
+
+def _state_tensors(algo):
+    """A client's parameters and optimizer buffers, by name (the live tensors)."""
+    out = {f"param {k}": p.data for k, p in algo.model.named_parameters()}
+    for k, p in algo.model.named_parameters():
+        for name, t in algo.optimizer.state[p].items():
+            if isinstance(t, torch.Tensor) and t.dim():
+                out[f"{name} {k}"] = t
+    return out
+
+
 def test_stacked_fml_with_a_shared_backbone_keeps_each_clients_own_head():
     spec = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=(FEATURES,))
     backbone = {k: v for k, v in _global(spec).weights.items() if k.startswith("layers.0.")}
@@ -401,10 +456,11 @@ def test_the_guards_stacked_scores_are_each_members_hits_and_mean_loss(val_sizes
     got = trainer.scores(stack_modules(models), packed.x_val, packed.y_val)
 
     # Assert: each member's samples right, in order, and mean cross-entropy, computed here
-    for (hits, loss), m, d in zip(got, models, datas, strict=True):
+    for (hits, loss, correct), m, d in zip(got, models, datas, strict=True):
         with torch.no_grad():
             z = m(d.x_val)
         assert torch.equal(hits, z.argmax(1) == d.y_val)
+        assert correct == sum(int(p == y) for p, y in zip(z.argmax(1), d.y_val, strict=True))
         if len(d.y_val):
             assert loss == pytest.approx(nn.functional.cross_entropy(z, d.y_val).item(), rel=1e-5)
         else:
