@@ -27,6 +27,7 @@ __all__ = [
     "WeightsError",
     "WireModel",
     "check_weights",
+    "clones",
     "cpu_copies",
     "decode_weights",
     "encode_weights",
@@ -57,17 +58,32 @@ def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
     Contiguous in the standard layout even when the model runs channels_last: safetensors and
     every reader of the weights expect it.
     """
-    return cpu_copies(model.state_dict())
+    return cpu_copies(model.state_dict(keep_vars=True))  # copied without autograd: detached
 
 
 def cpu_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached copies of `tensors` on the CPU, contiguous in the standard layout (`state_of`'s
-    copies, of tensors already taken out of a model), copied in one foreach call."""
-    out = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in tensors.items()}
-    if out:
-        with torch.no_grad():
-            torch._foreach_copy_(list(out.values()), list(tensors.values()))
-    return out
+    copies, of tensors already taken out of a model): one foreach call for all of them."""
+    src = list(tensors.values())
+    with torch.no_grad():
+        if all(t.device.type == "cpu" for t in src):
+            made = clones(src, torch.contiguous_format)
+        else:
+            made = [torch.empty(t.shape, dtype=t.dtype) for t in src]
+            if made:
+                torch._foreach_copy_(made, src)
+    return dict(zip(tensors, made, strict=True))
+
+
+def clones(tensors: list[torch.Tensor], layout: torch.memory_format) -> list[torch.Tensor]:
+    """Copies of `tensors` in new memory, laid out as `layout`: one operator call for the list
+    (`torch._foreach_clone`), a clone each on a torch without it."""
+    if not tensors:
+        return []
+    foreach = getattr(torch, "_foreach_clone", None)
+    if foreach is None:
+        return [t.clone(memory_format=layout) for t in tensors]
+    return list(foreach(tensors, memory_format=layout))
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from edge_sdk.algorithms.base import (
     FitResult,
     TaskInfo,
 )
-from edge_sdk.codec import WireModel
+from edge_sdk.codec import WireModel, clones
 from edge_sdk.cohort_trainer import CohortTrainer, CohortUnsupported, PerMember, StackedData
 from edge_sdk.trainer import Score
 from model_zoo import ArchSpec, build
@@ -159,8 +159,15 @@ def _stacked(template: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.Modu
     """A copy of `template` whose parameters are `params` (stacked rows, under the template's
     names) and whose forward runs the template's once per row."""
     _check_stackable(template)
-    shell = copy.deepcopy(template)
-    meta = copy.deepcopy(template).to("meta")
+    # Both copies take shapes for the template's parameters, not copies of their values: the
+    # shell's are replaced below, and the per-row template is meta (a copy per parameter,
+    # twice, then a move to meta, was a third of a stacked lenet5's stacking calls).
+    shapes = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        for p in template.parameters()
+    }
+    shell = copy.deepcopy(template, dict(shapes))
+    meta = copy.deepcopy(template, dict(shapes)).to("meta")
     for name, p in template.named_parameters():
         owner, _, leaf = name.rpartition(".")
         rows = params[name]
@@ -327,8 +334,8 @@ def _rebind(p: nn.Parameter, t: torch.Tensor) -> None:
 
 class _Copies:
     """New tensors for the members, copied from rows of stacked tensors: each stacked tensor's
-    rows taken once (one `unbind`), and every copy made in one `_foreach_clone` per memory
-    layout, where a new tensor and a row per member and tensor took two calls each."""
+    rows taken once (one `unbind`), and every copy made in one call per memory layout
+    (`codec.clones`), where a new tensor and a row per member and tensor took two calls each."""
 
     def __init__(self) -> None:
         self._rows: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
@@ -358,7 +365,7 @@ class _Copies:
     def make(self) -> None:
         with torch.no_grad():
             for layout, todo in self._todo.items():
-                made = torch._foreach_clone([src for src, _ in todo], memory_format=layout)
+                made = clones([src for src, _ in todo], layout)
                 for (_, put), t in zip(todo, made, strict=True):
                     put(t)
         self._todo.clear()

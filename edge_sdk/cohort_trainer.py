@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -75,6 +78,7 @@ class _Packed:
         else:
             offsets = [r[0] for r in ranges if r is not None]
         self.base = base
+        self.in_place = base is tensors[0]._base  # views of one data set: nothing was copied
         self.offsets = offsets
         # A member without samples reads (and never counts) a row that exists.
         safe = [min(o, max(0, len(base) - 1)) for o in offsets]
@@ -97,6 +101,16 @@ def _cumulative(sizes: Sequence[int]) -> list[int]:
     return out
 
 
+# Recently packed groups of members' data (StackedData.of): (classes, the tensors' ids) → (weak
+# references to the tensors, the pack). A few groups a phase (one per architecture; halves of a
+# stack out of memory; the sampled clients of a round).
+_PACKS: OrderedDict[tuple[int, ...], tuple[list[weakref.ref[torch.Tensor]], StackedData]] = (
+    OrderedDict()
+)
+_PACKS_KEPT = 16
+_PACKS_LOCK = threading.RLock()  # a collected tensor's callback may run inside a locked block
+
+
 class StackedData(ClientData):
     """The members' data side by side: each split is a `_Packed` of the members' tensors,
     and `n_train` one count per member."""
@@ -106,13 +120,34 @@ class StackedData(ClientData):
 
     @classmethod
     def of(cls, datas: Sequence[ClientData]) -> StackedData:
+        """The members' data packed (`_Packed`). The same members' data packed in place (views
+        of one data set, as a simulation's) is packed once and reused: packing 100 clients'
+        splits took 7-10 ms of Python on every stacked phase, a tenth of a PFML round."""
+        fields = ClientData._tensor_fields()
+        tensors = [getattr(d, name) for d in datas for name in fields]
+        key = (datas[0].num_classes, *map(id, tensors))
+        with _PACKS_LOCK:
+            hit = _PACKS.get(key)
+            if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)):
+                _PACKS.move_to_end(key)
+                return hit[1]
+
         def packed(name: str) -> torch.Tensor:
             return cast(torch.Tensor, _Packed([getattr(d, name) for d in datas]))
 
-        return cls(
-            **{name: packed(name) for name in ClientData._tensor_fields()},
-            num_classes=datas[0].num_classes,
-        )
+        out = cls(**{name: packed(name) for name in fields}, num_classes=datas[0].num_classes)
+        if all(cast(_Packed, getattr(out, name)).in_place for name in fields):
+            # Held by weak references: the entry goes when a member's data does (the pack
+            # holds only the data set the members' splits are views of).
+            def forget(_: object) -> None:
+                with _PACKS_LOCK:
+                    _PACKS.pop(key, None)
+
+            with _PACKS_LOCK:
+                _PACKS[key] = ([weakref.ref(t, forget) for t in tensors], out)
+                while len(_PACKS) > _PACKS_KEPT:
+                    _PACKS.popitem(last=False)
+        return out
 
     @property
     def n_train(self) -> Any:

@@ -342,6 +342,38 @@ def test_each_members_stacked_batches_are_the_batches_it_draws_alone():
         assert (w is None) == all(len(b[s][1]) == 8 for b in own[: x.shape[0]])
 
 
+def test_the_same_members_data_is_packed_once_while_it_lives():
+    # Prepare: clients whose splits are views of one data set (a simulation's), and clients
+    # whose splits are tensors of their own
+    import gc
+
+    views, own = _data(SIZES), _data(SIZES, shared=False)
+
+    # Execute / Assert: the views' pack is reused, for the same members in the same order only
+    first = StackedData.of(views)
+    assert StackedData.of(list(views)) is first
+    assert StackedData.of(views[::-1]) is not first
+    assert StackedData.of(views[:2]) is not first
+    moved = [ClientData(d.x_train.clone(), *_splits(d)[1:], num_classes=CLASSES) for d in views]
+    assert StackedData.of(moved) is not first  # other tensors: packed anew
+    for name in ClientData._tensor_fields():  # and what it holds is right
+        got = getattr(StackedData.of(views), name)
+        for i, d in enumerate(views):
+            a = got.offsets[i]
+            assert torch.equal(got.base[a : a + got.sizes[i]], getattr(d, name))
+    # tensors of their own are concatenated: not kept
+    assert StackedData.of(own) is not StackedData.of(own)
+    # the pack is forgotten with the members' data
+    kept = len(cohort_trainer._PACKS)
+    del views, moved, first
+    gc.collect()
+    assert len(cohort_trainer._PACKS) <= kept - 3  # the views, reversed, and two of them
+
+
+def _splits(d):
+    return [getattr(d, name) for name in ClientData._tensor_fields()]
+
+
 def test_masked_steps_mask_only_what_the_members_need():
     # Prepare: masked stacks (as on CUDA), batches of 8: members of 41, 30 and 5 samples (each
     # epoch's steps all of one kind: one CUDA graph); of 16 and 16; of 16 and 13

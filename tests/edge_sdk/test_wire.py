@@ -14,8 +14,10 @@ from edge_sdk.codec import (
     WeightsError,
     WireModel,
     check_weights,
+    clones,
     decode_weights,
     encode_weights,
+    state_of,
 )
 from edge_sdk.protocol import ProtocolError, Register, Reply, Shutdown, decode, encode
 from edge_sdk.transport import InMemoryBroker, PayloadTooLarge
@@ -135,6 +137,52 @@ def test_one_non_finite_value_in_any_tensor_is_found_and_named(dtype, value):
     weights["b"][1, 2] = value
     with pytest.raises(WeightsError, match="tensor 'b' contains NaN or inf"):
         check_weights(weights)
+
+
+def test_state_of_copies_a_models_weights_detached_into_new_standard_layout_memory():
+    # Prepare: a cnn whose convolution weights are channels_last (as a CUDA trainer lays them
+    # out); its parameters require grad
+    spec = ArchSpec(family="cnn1", num_classes=3, input_shape=(1, 8, 8), kwargs={"hidden": 4})
+    model = build(spec, seed=1).to(memory_format=torch.channels_last)
+    live = dict(model.state_dict(keep_vars=True))
+    assert any(t.dim() == 4 and not t.is_contiguous() for t in live.values())
+
+    # Execute
+    got = state_of(model)
+
+    # Assert: the same values in new, contiguous memory, not tied to autograd or to the model
+    assert got.keys() == live.keys()
+    for k, t in live.items():
+        c = got[k]
+        assert torch.equal(c, t.detach()) and c.dtype == t.dtype and c.is_contiguous(), k
+        assert (
+            not c.requires_grad and c.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+        )
+    with torch.no_grad():
+        for t in live.values():
+            t.add_(1.0)
+    assert all(not torch.equal(got[k], t) for k, t in live.items())
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_clones_are_new_memory_in_the_layout_asked_for(foreach, monkeypatch):
+    if not foreach:  # a torch without _foreach_clone (a device's own build may be older)
+        monkeypatch.delattr(torch, "_foreach_clone", raising=False)
+    x = torch.arange(2 * 3 * 4 * 5.0).view(2, 3, 4, 5)
+    images = [x, x.to(memory_format=torch.channels_last), x[:, :, 1:3].double()]
+    cases = [
+        ([*images, x[:, 1], torch.ones(3)], torch.contiguous_format),
+        (images, torch.channels_last),
+    ]
+    for ts, layout in cases:
+        got = clones(ts, layout)
+        assert len(got) == len(ts)
+        for c, t in zip(got, ts, strict=True):
+            assert (
+                torch.equal(c, t) and c.dtype == t.dtype and c.is_contiguous(memory_format=layout)
+            )
+            assert c.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    assert clones([], torch.contiguous_format) == []
 
 
 def test_unpack_checks_weights_against_the_arch_spec():
