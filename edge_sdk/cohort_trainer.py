@@ -237,9 +237,15 @@ class CohortTrainer(Trainer):
         # The members still in their epoch are a prefix when the longest come first (as
         # run_stacked orders them); otherwise the whole stack runs, masked.
         masked = self.masked or steps != sorted(steps, reverse=True)
-        table = torch.zeros(n, total * batch_size, dtype=torch.int64, device=self.device)
-        for i, perm in enumerate(perms):
-            table[i, : len(perm)] = perm
+        # Each member's permutation at the start of its row, zeros after it: the rows' first
+        # `size` places filled in order from all permutations end to end (a fixed number of
+        # calls, where a row at a time took three a member).
+        width = total * batch_size
+        table = torch.zeros(n, width, dtype=torch.int64, device=self.device)
+        filled = torch.arange(width, device=self.device) < torch.tensor(
+            ys.sizes, device=self.device
+        ).unsqueeze(1)
+        table.masked_scatter_(filled, torch.cat(perms))
         table = table.view(n, total, batch_size).transpose(0, 1).contiguous()  # (S, N, B)
         # On the host: how many samples of its step s each member has (0: it sits it out).
         counts = [
