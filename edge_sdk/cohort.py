@@ -161,7 +161,7 @@ def _stacked(template: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.Modu
     _check_stackable(template)
     # Both copies take shapes for the template's parameters, not copies of their values: the
     # shell's are replaced below, and the per-row template is meta (a copy per parameter,
-    # twice, then a move to meta, was a third of a stacked lenet5's stacking calls).
+    # twice, then a move to meta, was three quarters of a stacked lenet5's stacking calls).
     shapes = {
         id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
         for p in template.parameters()

@@ -121,8 +121,9 @@ class StackedData(ClientData):
     @classmethod
     def of(cls, datas: Sequence[ClientData]) -> StackedData:
         """The members' data packed (`_Packed`). The same members' data packed in place (views
-        of one data set, as a simulation's) is packed once and reused: packing 100 clients'
-        splits took 7-10 ms of Python on every stacked phase, a tenth of a PFML round."""
+        of one data set, as a simulation's) is packed once and reused: packing 100 PFML
+        clients' splits takes 2.5 ms of Python (and on CUDA a copy to the device per split),
+        twice a round; reused, 0.13-0.2 ms."""
         fields = ClientData._tensor_fields()
         tensors = [getattr(d, name) for d in datas for name in fields]
         key = (datas[0].num_classes, *map(id, tensors))
