@@ -9,6 +9,8 @@ Parts (`--parts`):
   D = E = 20, K = 3, λ = 20, β = 2, η = 0.01 (`examples/pfml_synthetic.toml`'s setting).
 - **fml100**: FML rounds of 100 clients, 100 Fashion-MNIST samples each (iid), batch 10, one
   epoch, for each of `--families` (default mlr, mlp, lenet5).
+- **fml20**: the same with 20 clients: 20 clients of one architecture with equal data, the
+  setting of the operator-call goal (batched ≤ 1/10 of client by client; the floor is 1/20).
 - **step**: one cnn2 (width 32) client's FML step at batch 10 on its own, as a device takes it:
   milliseconds per step, captured in a CUDA graph and eager (on CUDA).
 
@@ -16,17 +18,19 @@ Each federation runs twice in this process, side by side: **batched** (the defau
 one architecture as one stacked program, `cohort = true`) and **client by client**
 (`cohort = false`), with `--parallel` groups at once (default 1: one stream of work). Round
 times are wall seconds (median of rounds 2.., the first includes building and capturing);
-`cpu_s` the process's CPU seconds a round. A separate pass of one round per mode counts the
-**torch operator calls** (a TorchDispatchMode over every aten call, the coordinator's
-included), with steps run eagerly so that the count does not depend on the device (a CUDA
-graph replays its kernels without calling operators), next to its floor: the ratio of the
-longest client's local steps to all clients' (`ops_floor`), below which no stacking can go.
+`cpu_s` the process's CPU seconds a round. Separate runs per mode count the **torch operator
+calls** of a round (a TorchDispatchMode over every aten call, the coordinator's included): a
+two-round run's calls minus a one-round run's, i.e. a round before the last (training,
+evaluation, the guard, aggregation; the finalize after the last round left out), with steps run
+eagerly so that the count does not depend on the device (a CUDA graph replays its kernels
+without calling operators), next to its floor: the ratio of the longest client's local steps to
+all clients' (`ops_floor`), below which no stacking can go.
 Accuracies are the final mean
 personalized accuracies: batched and client by client should agree.
 
     python benchmarks/gpu_round.py --device cuda                 # on a GPU machine
     python benchmarks/gpu_round.py --device cpu --parts pfml fml100 --rounds 3
-    python benchmarks/gpu_round.py --parts fml --ops-only         # operator counts alone
+    python benchmarks/gpu_round.py --parts fml20 --ops-only       # operator counts alone
     python benchmarks/gpu_round.py --parts fml --modes batched --fp32   # batched only, no autocast
 
 `--eager` runs every step without CUDA graphs, `--fp32` without autocast (both record it in the
@@ -69,13 +73,15 @@ from model_zoo import ArchSpec, build
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_ROOTS = (Path("/usr/share/datasets/fashion-mnist"), ROOT / ".device/data/fashion-mnist")
-PARTS = ("fml", "pfml", "fml100", "step")
+PARTS = ("fml", "pfml", "fml100", "fml20", "step")
 MODES = {"batched": True, "client_by_client": False}  # name: cohort
 GOALS = {  # the issue's, per part and device type: seconds per round, or ms per step
     ("fml", "cuda"): "<= 1.0 s a round (H100)",
     ("pfml", "cuda"): "<= 0.1 s a round (H100)",
     ("step", "cuda"): "<= 0.5 ms a step (H100)",
     ("fml100", "cpu"): ">= 3x client by client (2 cores)",
+    ("fml20", "cpu"): "ops ratio <= 0.1",
+    ("fml20", "cuda"): "ops ratio <= 0.1",
 }
 
 
@@ -126,15 +132,15 @@ def pfml_overrides(device: str) -> dict[str, Any]:
     }
 
 
-def fml100_overrides(device: str, family: str) -> dict[str, Any]:
+def fml100_overrides(device: str, family: str, clients: int = 100) -> dict[str, Any]:
     return {
         "algorithm": "fml",
-        "clients": 100,
+        "clients": clients,
         "models": [family],
         "device": device,
         "data.dataset": "fashion_mnist",
         "data.root": _data_root(),
-        "data.max_samples": 100 * 100,
+        "data.max_samples": clients * 100,
         "data.partition": "iid",
         "fml.local_epochs": 1,
         "fml.batch_size": 10,
@@ -210,15 +216,20 @@ def run_mode(overrides: dict[str, Any], cohort: bool, rounds: int, parallel: int
     }
 
 
-def count_ops(overrides: dict[str, Any], cohort: bool) -> int:
-    """Operator calls of one round (training and evaluation), steps run eagerly."""
+def count_ops(overrides: dict[str, Any], cohort: bool, rounds: int) -> int:
+    """Operator calls of a run of `rounds` rounds (its finalize included), steps run eagerly."""
     cfg = load_config(
-        overrides=overrides | {"cohort": cohort, "rounds": 1, "parallel": 1}, environ=False
+        overrides=overrides | {"cohort": cohort, "rounds": rounds, "parallel": 1}, environ=False
     )
     fed = prepare_federation(cfg)
     with trainer_settings(graphs=False), OpCounter() as counter:
         run_federation(cfg, fed, cfg.algorithm)
     return counter.calls
+
+
+def round_ops(overrides: dict[str, Any], cohort: bool) -> int:
+    """Operator calls of a round before the last: a two-round run's minus a one-round run's."""
+    return count_ops(overrides, cohort, 2) - count_ops(overrides, cohort, 1)
 
 
 def ops_floor(overrides: dict[str, Any]) -> float:
@@ -250,7 +261,7 @@ def compare(overrides: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
             out["client_by_client"]["median_cpu_s"] / out["batched"]["median_cpu_s"], 2
         )
     if not a.no_ops:
-        ops = {name: count_ops(overrides, cohort) for name, cohort in MODES.items()}
+        ops = {name: round_ops(overrides, cohort) for name, cohort in MODES.items()}
         out["ops_per_round"] = ops
         out["ops_ratio"] = round(ops["batched"] / ops["client_by_client"], 4)
         out["ops_floor"] = ops_floor(overrides)
@@ -320,8 +331,9 @@ def table(out: dict[str, Any]) -> str:
     for part in ("fml", "pfml"):
         if part in out:
             rows.append((part, out[part], GOALS.get((part, dev.split(":")[0]), "")))
-    for family, r in out.get("fml100", {}).items():
-        rows.append((f"fml100 {family}", r, GOALS.get(("fml100", dev.split(":")[0]), "")))
+    for part in ("fml100", "fml20"):
+        for family, r in out.get(part, {}).items():
+            rows.append((f"{part} {family}", r, GOALS.get((part, dev.split(":")[0]), "")))
     for name, r, goal in rows:
         b, c = r.get("batched", {}), r.get("client_by_client", {})
         ops = r.get("ops_per_round", {})
@@ -343,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     ap.add_argument("--rounds", type=int, default=3, help="rounds per federation (>= 2)")
-    ap.add_argument("--families", nargs="+", default=["mlr", "mlp", "lenet5"], help="fml100")
+    ap.add_argument("--families", nargs="+", default=["mlr", "mlp", "lenet5"], help="fml100/20")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--parallel", type=int, default=1, help="groups training at once")
     ap.add_argument("--steps", type=int, default=200, help="step: steps timed")
@@ -376,6 +388,8 @@ def _run_parts(a: argparse.Namespace, device: str, out: dict[str, Any]) -> None:
         out["pfml"] = compare(pfml_overrides(device), a)
     if "fml100" in a.parts:
         out["fml100"] = {f: compare(fml100_overrides(device, f), a) for f in a.families}
+    if "fml20" in a.parts:
+        out["fml20"] = {f: compare(fml100_overrides(device, f, 20), a) for f in a.families}
     if "step" in a.parts and not a.ops_only:
         out["step"] = step_part(device, a.steps)
 
