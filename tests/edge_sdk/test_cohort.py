@@ -365,7 +365,7 @@ def test_the_same_members_data_is_packed_once_while_it_lives():
     assert StackedData.of(own) is not StackedData.of(own)
     # the pack is forgotten with the members' data
     kept = len(cohort_trainer._PACKS)
-    del views, moved, first
+    del views, moved, first, d
     gc.collect()
     assert len(cohort_trainer._PACKS) <= kept - 3  # the views, reversed, and two of them
 
