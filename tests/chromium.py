@@ -7,8 +7,11 @@ natural size. Every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -54,7 +57,9 @@ def load_page(path: Path, timeout: float = 60.0) -> dict[str, Any]:
     """Open `path` and report what the page did (see the module docs)."""
     exe = chromium_path()
     assert exe is not None, "chromium is not installed"
-    with tempfile.TemporaryDirectory(prefix="edgefl-chromium-") as tmp:
+    # Chromium's helper processes can still be writing to the profile as the main one exits:
+    # the whole process group is stopped, and what is left of the profile may stay in /tmp.
+    with tempfile.TemporaryDirectory(prefix="edgefl-chromium-", ignore_cleanup_errors=True) as tmp:
         profile = Path(tmp)
         proc = subprocess.Popen(
             [
@@ -66,6 +71,7 @@ def load_page(path: Path, timeout: float = 60.0) -> dict[str, Any]:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, helpers included
         )
         try:
             port = _port(profile, proc, timeout)
@@ -74,12 +80,25 @@ def load_page(path: Path, timeout: float = 60.0) -> dict[str, Any]:
             with connect(pages[0]["webSocketDebuggerUrl"], max_size=None) as ws:
                 return _drive(ws, path.resolve().as_uri(), timeout)
         finally:
-            proc.terminate()
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop chromium and every helper process it started (its process group)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            continue
+        deadline = time.monotonic() + 5  # the helpers, after the main process
+        while time.monotonic() < deadline:
             try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
 
 
 def _drive(ws: Any, url: str, timeout: float) -> dict[str, Any]:
