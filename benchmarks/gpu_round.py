@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import platform
@@ -58,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _report import emit
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from coordinator.config import load_config
@@ -372,12 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     with trainer_settings(**settings):
         out: dict[str, Any] = {"machine": machine(device) | {"settings": settings}}
         _run_parts(a, device, out)
-    out["machine"]["loadavg_end"] = os.getloadavg()
-    text = json.dumps(out, indent=1)
-    if a.json_out:
-        a.json_out.write_text(text + "\n")
-    print(text)
-    print(table(out))
+    emit(out, a.json_out, table)
     return 0
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -52,6 +51,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _report import emit
 
 from coordinator.config import load_config
 from coordinator.federation import prepare_federation
@@ -373,12 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         out["fml"] = run_fml(a.fml_rounds, a.fleet)
     if "scale" in a.parts:
         out["scale"] = run_scale(a.families, a.sizes, a.scale_rounds, a.rss_rounds, a.fleet)
-    out["machine"]["loadavg_end"] = os.getloadavg()
-    text = json.dumps(out, indent=1)
-    if a.json_out:
-        a.json_out.write_text(text + "\n")
-    print(text)
-    print(tables(out))
+    emit(out, a.json_out, tables)
     return 0
 
 
