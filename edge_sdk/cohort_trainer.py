@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -41,7 +38,15 @@ from torch import nn
 
 from edge_sdk.graphs import StepRunner
 from edge_sdk.losses import StackedBatch, stacked_batch
-from edge_sdk.trainer import ClientData, Score, Step, Trainer, _check_finite, _row_range
+from edge_sdk.trainer import (
+    ClientData,
+    IdentityCache,
+    Score,
+    Step,
+    Trainer,
+    _check_finite,
+    _row_range,
+)
 
 __all__ = ["CohortTrainer", "CohortUnsupported", "PerMember", "StackedData", "StackedEval"]
 
@@ -101,14 +106,9 @@ def _cumulative(sizes: Sequence[int]) -> list[int]:
     return out
 
 
-# Recently packed groups of members' data (StackedData.of): (classes, the tensors' ids) → (weak
-# references to the tensors, the pack). A few groups a phase (one per architecture; halves of a
-# stack out of memory; the sampled clients of a round).
-_PACKS: OrderedDict[tuple[int, ...], tuple[list[weakref.ref[torch.Tensor]], StackedData]] = (
-    OrderedDict()
-)
-_PACKS_KEPT = 16
-_PACKS_LOCK = threading.RLock()  # a collected tensor's callback may run inside a locked block
+# Recently packed groups of members' data (StackedData.of), by their tensors. A few groups a
+# phase (one per architecture; halves of a stack out of memory; the sampled clients of a round).
+_PACKS: IdentityCache[StackedData] = IdentityCache(limit=16)
 
 
 class StackedData(ClientData):
@@ -126,28 +126,18 @@ class StackedData(ClientData):
         twice a round; reused, 0.13-0.2 ms."""
         fields = ClientData._tensor_fields()
         tensors = [getattr(d, name) for d in datas for name in fields]
-        key = (datas[0].num_classes, *map(id, tensors))
-        with _PACKS_LOCK:
-            hit = _PACKS.get(key)
-            if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)):
-                _PACKS.move_to_end(key)
-                return hit[1]
+        hit = _PACKS.get(tensors)
+        if hit is not None and hit.num_classes == datas[0].num_classes:
+            return hit
 
         def packed(name: str) -> torch.Tensor:
             return cast(torch.Tensor, _Packed([getattr(d, name) for d in datas]))
 
         out = cls(**{name: packed(name) for name in fields}, num_classes=datas[0].num_classes)
         if all(cast(_Packed, getattr(out, name)).in_place for name in fields):
-            # Held by weak references: the entry goes when a member's data does (the pack
-            # holds only the data set the members' splits are views of).
-            def forget(_: object) -> None:
-                with _PACKS_LOCK:
-                    _PACKS.pop(key, None)
-
-            with _PACKS_LOCK:
-                _PACKS[key] = ([weakref.ref(t, forget) for t in tensors], out)
-                while len(_PACKS) > _PACKS_KEPT:
-                    _PACKS.popitem(last=False)
+            # forgotten when a member's data goes (the pack holds only the data set the
+            # members' splits are views of)
+            _PACKS.put(tensors, out)
         return out
 
     @property

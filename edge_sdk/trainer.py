@@ -15,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -31,6 +33,8 @@ from edge_sdk.losses import cross_entropy
 from edge_sdk.optim import SGD, Adam
 
 __all__ = ["ClientData", "EvalResult", "LoopStats", "OptimConfig", "Score", "Step", "Trainer"]
+
+V = TypeVar("V")
 
 # A training step: one batch's tensors (inputs, labels) → the values to average over the loop
 # (losses), after it has updated the models (Trainer.step).
@@ -147,19 +151,49 @@ def _stack(ds: TorchDataset) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-# id(a data set's tensor) → its copy on each device it was moved to, for as long as the tensor
-# lives. Keyed by id, not by the tensor: a WeakKeyDictionary compares keys with ==, which on
-# tensors is elementwise (finding a tensor already moved raised "Boolean value of Tensor with
-# more than one value is ambiguous").
-_ON_DEVICE: dict[int, dict[torch.device, torch.Tensor]] = {}
+class IdentityCache(Generic[V]):
+    """Values kept for some tensors, by their identity, each forgotten when one of its tensors
+    is collected (and, given a `limit`, when it is the least recently used beyond it).
+
+    Keyed by ids, not by the tensors: a WeakKeyDictionary compares keys with ==, which on
+    tensors is elementwise (finding a tensor already there raised "Boolean value of Tensor with
+    more than one value is ambiguous"). While an entry lives its tensors do, so their ids are
+    theirs."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self._entries: OrderedDict[tuple[int, ...], V] = OrderedDict()
+        self._limit = limit
+        self._lock = threading.RLock()  # a collected tensor's finalizer may run inside a block
+
+    def get(self, tensors: Sequence[torch.Tensor]) -> V | None:
+        key = tuple(map(id, tensors))
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def put(self, tensors: Sequence[torch.Tensor], value: V) -> V:
+        key = tuple(map(id, tensors))
+        with self._lock:
+            if key not in self._entries:
+                for t in {id(t): t for t in tensors}.values():
+                    weakref.finalize(t, self._forget, key)
+            self._entries[key] = value
+            while self._limit is not None and len(self._entries) > self._limit:
+                self._entries.popitem(last=False)
+        return value
+
+    def _forget(self, key: tuple[int, ...]) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
-def _copies(base: torch.Tensor) -> dict[torch.device, torch.Tensor]:
-    key = id(base)
-    if key not in _ON_DEVICE:
-        _ON_DEVICE[key] = {}
-        weakref.finalize(base, _ON_DEVICE.pop, key, None)
-    return _ON_DEVICE[key]
+# A data set's tensor → its copy on each device it was moved to, for as long as the tensor lives.
+_ON_DEVICE: IdentityCache[dict[torch.device, torch.Tensor]] = IdentityCache()
 
 
 def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -167,7 +201,9 @@ def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     rows = _row_range(t, base) if base is not None and t.device != device else None
     if base is None or rows is None:
         return _layout(t.to(device))
-    copies = _copies(base)
+    copies = _ON_DEVICE.get([base])
+    if copies is None:
+        copies = _ON_DEVICE.put([base], {})
     if device not in copies:
         copies[device] = _layout(base.to(device))
     return copies[device][rows[0] : rows[1]]

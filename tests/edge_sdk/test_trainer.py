@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from edge_sdk.trainer import ClientData, OptimConfig, Trainer
+from edge_sdk.trainer import ClientData, IdentityCache, OptimConfig, Trainer
 
 
 def test_step_schedule_decays_every_third_of_the_run():
@@ -117,6 +117,22 @@ def test_fresh_batches_draw_at_most_the_keys_one_draw_holds(monkeypatch):
     assert len(batches) == 5
     for (bx, by), idx in zip(batches, torch.cat(draws), strict=True):
         assert torch.equal(by, idx) and torch.equal(bx[:, 0], 2 * idx.float())
+
+
+def test_an_identity_cache_finds_the_same_tensors_only_and_forgets_with_them():
+    import gc
+
+    a, b, c = torch.ones(3), torch.ones(3), torch.zeros(2)  # a and b equal, not the same
+    cache: IdentityCache[str] = IdentityCache(limit=2)
+    assert cache.put([a, c], "ac") == "ac"
+    assert cache.get([a, c]) == "ac" and cache.get([b, c]) is None and cache.get([c, a]) is None
+    cache.put([b], "b")
+    cache.get([a, c])  # used last: b is now the least recently used
+    cache.put([c], "c")
+    assert cache.get([b]) is None and cache.get([a, c]) == "ac" and cache.get([c]) == "c"
+    del a
+    gc.collect()
+    assert len(cache) == 1 and cache.get([c]) == "c"  # the entry holding a went with it
 
 
 def test_clients_moved_to_a_device_one_by_one_share_one_copy_of_the_data_they_slice():
