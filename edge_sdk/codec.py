@@ -178,8 +178,16 @@ _DTYPES = {
     "I16": torch.int16,
     "I8": torch.int8,
     "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
     "BOOL": torch.bool,
-}
+    "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+}  # every dtype safetensors reads into torch: what it reads, this reads (test_fuzz)
 _MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 
