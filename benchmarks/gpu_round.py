@@ -11,8 +11,9 @@ Parts (`--parts`):
   epoch, for each of `--families` (default mlr, mlp, lenet5).
 - **fml20**: the same with 20 clients: 20 clients of one architecture with equal data, the
   setting of the operator-call goal (batched ≤ 1/10 of client by client; the floor is 1/20).
-- **step**: one cnn2 (width 32) client's FML step at batch 10 on its own, as a device takes it:
-  milliseconds per step, captured in a CUDA graph and eager (on CUDA).
+- **step**: one cnn2 (width 32) client's FML rounds at batch 10 on its own, as a device takes
+  them: milliseconds per step of a round after the first, captured in a CUDA graph (kept from
+  round to round) and eager (on CUDA); what one more step costs, and what a round costs besides.
 
 Each federation runs twice in this process, side by side: **batched** (the default: clients of
 one architecture as one stacked program, `cohort = true`) and **client by client**
@@ -269,31 +270,46 @@ def compare(overrides: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
 
 
 def step_part(device: str, steps: int) -> dict[str, Any]:
-    """One cnn2 client's FML steps at batch 10: ms per step, captured (CUDA; with autocast and
-    in float32) and eager."""
+    """One cnn2 client's FML rounds at batch 10, as a device takes them: captured (CUDA; with
+    autocast and in float32) and eager. `ms_per_step`: a round after the first (which warms up
+    and captures) over its steps, median of three; from rounds of `steps` and 3 × `steps`
+    steps, what one more step costs (`marginal_ms`) and what a round costs besides its steps
+    (`round_overhead_ms`: building the meme's optimizer, the loop's one host read, the reply)."""
     dev = resolve_device(device)
     spec = ArchSpec(family="cnn2", num_classes=10, input_shape=(1, 28, 28), kwargs={"width": 32})
-    g = torch.Generator().manual_seed(0)
-    n = 10 * steps
-    x, y = torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
     glob = WireModel(spec, dict(build(spec, seed=1).state_dict()))
     cls = algorithm_class("fml")
     cfg = cls.config_cls(local_epochs=1, batch_size=10, lr=0.005)
+
+    def round_s(n: int, graphs: bool, amp: bool) -> tuple[float, Trainer]:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(10 * n, 1, 28, 28, generator=g), torch.randint(0, 10, (10 * n,))
+        data = ClientData(x, y, x[:0], y[:0], x[:0], y[:0], num_classes=10).to(dev)
+        trainer = Trainer(dev, seed=0, graphs=graphs, amp=amp)
+        client = cls(ClientContext("c0", spec, data, dev, 0, trainer), cfg)
+        client.fit(1, 4, {"global": glob})  # warm up (and capture)
+        times = []
+        for r in (2, 3, 4):
+            _sync(device)
+            t0 = time.perf_counter()
+            client.fit(r, 4, {"global": glob})
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), trainer
+
     out: dict[str, Any] = {}
     variants = (("captured", True, True), ("captured_fp32", True, False), ("eager", False, True))
     for name, graphs, amp in variants:
         if graphs and dev.type != "cuda":
             continue
-        data = ClientData(x, y, x[:0], y[:0], x[:0], y[:0], num_classes=10).to(dev)
-        trainer = Trainer(dev, seed=0, graphs=graphs, amp=amp)
-        client = cls(ClientContext("c0", spec, data, dev, 0, trainer), cfg)
-        client.fit(1, 3, {"global": glob})  # warm up (and capture)
-        _sync(device)
-        t0 = time.perf_counter()
-        client.fit(2, 3, {"global": glob})
-        _sync(device)
+        short, trainer = round_s(steps, graphs, amp)
+        long, _ = round_s(3 * steps, graphs, amp)
+        marginal = (long - short) / (2 * steps)
         out[name] = {
-            "ms_per_step": round((time.perf_counter() - t0) * 1e3 / steps, 3),
+            "ms_per_step": round(short * 1e3 / steps, 3),
+            "marginal_ms": round(marginal * 1e3, 3),
+            "round_overhead_ms": round((short - steps * marginal) * 1e3, 2),
+            "graphs": trainer.stats.graphs,  # captured in four rounds
             "replayed_steps": trainer.stats.replayed,
             "amp": trainer.amp_dtype,
         }
@@ -346,7 +362,10 @@ def table(out: dict[str, Any]) -> str:
             f"{c.get('mean_personal_acc')}  {goal}"
         )
     for name, r in out.get("step", {}).items():
-        lines.append(f"step {name:<13} {r['ms_per_step']} ms a step (amp {r['amp']})")
+        lines.append(
+            f"step {name:<13} {r['ms_per_step']} ms a step (one more: {r['marginal_ms']} ms; "
+            f"a round besides its steps: {r['round_overhead_ms']} ms; amp {r['amp']})"
+        )
     return "\n".join(lines)
 
 

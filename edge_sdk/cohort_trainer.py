@@ -318,10 +318,16 @@ class CohortTrainer(Trainer):
 
     # -- the loop --------------------------------------------------------------------------
     def run(
-        self, step: Step, batches: Iterable[tuple[torch.Tensor, ...]], values: int = 1
+        self,
+        step: Step,
+        batches: Iterable[tuple[torch.Tensor, ...]],
+        values: int = 1,
+        *,
+        keep: Sequence[object] = (),
     ) -> list[Any]:
         """`Trainer.run` for the stack: the step runs once per stacked batch for the members
-        taking it; each value's mean is per member, over the steps it took."""
+        taking it; each value's mean is per member, over the steps it took. Nothing is kept
+        (`keep` is not used): a stack's tensors are new every round."""
         n = self.size
         runner = StepRunner(self._stepper(step), capture=self.graphs)
         sums = torch.zeros(values, n, device=self.device)

@@ -19,23 +19,84 @@ What a captured step may do: tensor operations on the device, autograd, optimize
 must not: read a value on the host (`.item()`, `float(t)`, `if t:`), draw random numbers from a
 generator of its own, or change shape from one batch to the next (a new shape is a new graph).
 Its outputs are the graph's static tensors: read them before the next call.
+
+A runner can outlive its task: `Trainer.run(..., keep=...)` keeps it for the next task whose
+step reads the same tensors at the same addresses with the same settings (`footprint`), so a
+device's later rounds replay the step captured in its first without warming up or capturing
+again (about 20 ms a round for one cnn2 client's FML step, benchmarks/gpu_round.py).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["StepRunner"]
+__all__ = ["StepRunner", "footprint"]
 
 Step = Callable[..., Sequence[torch.Tensor]]
 
 
 def _key(inputs: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
     return tuple(None if t is None else (tuple(t.shape), t.dtype, t.stride()) for t in inputs)
+
+
+class _Unkept(Exception):
+    """Something a footprint cannot tell apart by value."""
+
+
+def footprint(*things: object) -> tuple[Any, ...] | None:
+    """What a captured step bakes in of `things`, the modules, optimizers and plain values
+    (numbers, strings, None) it reads: equal footprints, equal replays.
+
+    A module counts with its class, its modules' modes (train or eval) and the address, shape,
+    layout and `requires_grad` of every parameter and buffer; an optimizer with its class, its
+    settings (learning rate, momentum, ...) and the address of each parameter and state tensor.
+    A parameter given new memory, an optimizer given new state or another learning rate, a
+    value changed: another footprint. None where something cannot be told apart by value (a
+    tensor among the settings, another kind of object): such a step is not kept.
+    """
+    try:
+        return tuple(_footprint(thing) for thing in things)
+    except _Unkept:
+        return None
+
+
+def _footprint(thing: object) -> Any:
+    if isinstance(thing, torch.nn.Module):
+        tensors = itertools.chain(thing.parameters(), thing.buffers())
+        modes = tuple(m.training for m in thing.modules())
+        return (type(thing), modes, *map(_where, tensors))
+    if isinstance(thing, torch.optim.Optimizer):
+        groups = tuple(
+            (
+                tuple(sorted((k, _value(v)) for k, v in group.items() if k != "params")),
+                *map(_where, group["params"]),
+            )
+            for group in thing.param_groups
+        )
+        state = tuple(
+            (_where(p), k, _where(v) if isinstance(v, torch.Tensor) else _value(v))
+            for p, entry in thing.state.items()
+            for k, v in sorted(entry.items())
+        )
+        return (type(thing), groups, state)
+    return _value(thing)
+
+
+def _where(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def _value(v: object) -> Any:
+    if isinstance(v, tuple | list):
+        return tuple(_value(x) for x in v)
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    raise _Unkept(type(v).__name__)
 
 
 @dataclass

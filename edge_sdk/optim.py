@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 import torch._compile
 
-__all__ = ["SGD", "Adam"]
+__all__ = ["SGD", "Adam", "restart"]
 
 # The wrapper `torch._disable_dynamo` puts around a method; what it wraps is `__wrapped__`.
 _DISABLE_WRAPPER = torch._compile._disable_dynamo(lambda: None).__code__
@@ -83,3 +83,18 @@ class SGD(_SGD):
 @_without_dynamo
 class Adam(torch.optim.Adam):
     """`torch.optim.Adam`, without loading `torch._dynamo`."""
+
+
+def restart(optimizer: torch.optim.Optimizer) -> None:
+    """Let `optimizer` step on as a new one over the same parameters would: its state zeroed in
+    place (SGD's momentum, Adam's moments and step count), so that a captured step reading that
+    state stays valid (`edge_sdk.graphs`). A zero momentum buffer equals a new SGD's first step
+    (its buffer is that step's gradient) only without dampening; otherwise the state is dropped.
+    """
+    if any(g.get("dampening", 0) for g in optimizer.param_groups):
+        optimizer.state.clear()
+        return
+    tensors = [v for entry in optimizer.state.values() for v in entry.values()]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if tensors:
+        torch._foreach_zero_(tensors)

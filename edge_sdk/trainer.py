@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import Dataset as TorchDataset
 
 from edge_sdk.device import autocast_dtype
-from edge_sdk.graphs import StepRunner
+from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.losses import cross_entropy
 from edge_sdk.optim import SGD, Adam
 
@@ -42,6 +42,9 @@ Step = Callable[..., Sequence[torch.Tensor]]
 
 
 _DEFAULT_LR_GAMMA = 0.1
+# Captured steps a trainer keeps between loops (Trainer.run's keep): a device's FML step and,
+# when an algorithm alternates between two settings (FML's α gate), the other one's.
+_KEPT_STEPS = 2
 # Uniform keys drawn at once for fresh batches (Trainer.index_draws): 16 MB of fp32.
 _DRAW_KEYS = 1 << 22
 
@@ -296,6 +299,8 @@ class Trainer:
         capturable = device.type == "cuda" and self._scaler is None
         self.graphs = capturable if graphs is None else graphs and capturable
         self.stats = LoopStats()
+        # Captured steps kept for later loops (`run`'s keep), by footprint, oldest first.
+        self._kept: OrderedDict[Any, StepRunner] = OrderedDict()
 
     @property
     def amp_dtype(self) -> str | None:
@@ -461,6 +466,8 @@ class Trainer:
         step: Step,
         batches: Iterable[tuple[torch.Tensor, ...]],
         values: int = 1,
+        *,
+        keep: Sequence[object] = (),
     ) -> list[Any]:
         """A training loop: `step(*batch)` on every batch (inputs, labels); the mean of each
         of the `values` values it returns.
@@ -468,24 +475,48 @@ class Trainer:
         The values are summed on the device and read once, after the last batch (one host
         sync per loop); a non-finite mean stops the task with FloatingPointError. On CUDA the
         step runs as a captured CUDA graph (`edge_sdk.graphs`). A loop of no batches gives NaN.
+
+        `keep`: everything the step reads besides its batch, the modules, optimizers and plain
+        values (learning rate factors, loss weights). Given it, a captured step is kept after
+        the loop, and a later loop whose `keep` has the same footprint (`graphs.footprint`: the
+        same tensors at the same addresses, the same settings and values) replays it from its
+        first batch, without warming up or capturing again. The caller promises that the step
+        reads nothing else that changes between loops.
         """
-        runner = StepRunner(step, capture=self.graphs)
+        runner, key = self._runner(step, keep)
+        before = (runner.eager + runner.replayed, runner.replayed, runner.graphs)
         sums: list[torch.Tensor] | None = None
-        steps = 0
         for batch in batches:
             out = runner(*batch)
             if sums is None:
                 sums = [torch.zeros_like(v) for v in out]
             torch._foreach_add_(sums, list(out))
-            steps += 1
+        steps = runner.eager + runner.replayed - before[0]
         self.stats.steps += steps
-        self.stats.replayed += runner.replayed
-        self.stats.graphs += runner.graphs
+        self.stats.replayed += runner.replayed - before[1]
+        self.stats.graphs += runner.graphs - before[2]
+        if key is not None and runner.graphs:
+            after = footprint(*keep)  # the optimizers' state exists now
+            if after is not None:
+                self._kept[after] = runner
+                self._kept.move_to_end(after)
+                while len(self._kept) > _KEPT_STEPS:
+                    self._kept.popitem(last=False)
         if sums is None:
             return [math.nan] * values
         means = torch.stack(sums).div_(steps).tolist()  # the loop's one host sync
         _check_finite(means)
         return means
+
+    def _runner(self, step: Step, keep: Sequence[object]) -> tuple[StepRunner, Any]:
+        """A kept runner whose step read what `keep` holds now (its later captures made with
+        this `step`), else a new one; and the footprint (None: not to be kept)."""
+        key = footprint(*keep) if keep and self.graphs else None
+        runner = self._kept.pop(key, None) if key is not None else None
+        if runner is None:
+            return StepRunner(step, capture=self.graphs), key
+        runner.step = step
+        return runner, key
 
     def train_epochs(
         self,
@@ -509,7 +540,10 @@ class Trainer:
             return (self.step(loss, [opt]),)
 
         n = cfg.local_epochs if epochs is None else epochs
-        (loss,) = self.run(step, self.epochs(data.x_train, data.y_train, cfg.batch_size, n))
+        batches = self.epochs(data.x_train, data.y_train, cfg.batch_size, n)
+        # What else the step reads (the extra loss's tensors) is the caller's to know.
+        keep = (model, opt) if extra_loss is None else ()
+        (loss,) = self.run(step, batches, keep=keep)
         return loss
 
     # -- evaluation ------------------------------------------------------------------------

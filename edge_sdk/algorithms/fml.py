@@ -34,6 +34,7 @@ from edge_sdk.algorithms.base import (
 from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.losses import mutual_losses, rows_of
+from edge_sdk.optim import restart
 from model_zoo import ArchSpec
 
 __all__ = ["FML", "FMLConfig", "shared_keys"]
@@ -65,6 +66,13 @@ def shared_keys(
     return {k: v for k, v in weights.items() if any(k.startswith(p) for p in prefixes)}
 
 
+def _steps(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
+    """Whether `optimizer` steps exactly `model`'s parameters."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    own = list(model.parameters())
+    return len(params) == len(own) and all(a is b for a, b in zip(params, own, strict=True))
+
+
 @register_algorithm
 class FML(ClientAlgorithm):
     name = "fml"
@@ -72,6 +80,7 @@ class FML(ClientAlgorithm):
     stackable = True
     config_cls = FMLConfig
     config: FMLConfig
+    opt_meme: torch.optim.Optimizer | None = None  # per round, not persistent
 
     def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
         super().__init__(ctx, config)
@@ -102,7 +111,14 @@ class FML(ClientAlgorithm):
         cfg, trainer, data = self.config, self.ctx.trainer, self.ctx.data
         spec, meme = self._meme_for(self._require(models, "global"))
         lr = cfg.lr_at(round_, rounds)
-        opt_meme = trainer.optimizer(meme.parameters(), cfg, lr=lr)  # re-created each round [code]
+        # The meme's optimizer starts afresh each round [code]: kept, its state zeroed in place,
+        # so that a device's captured step stays valid from round to round (Trainer.run's keep).
+        opt_meme = self.opt_meme
+        if opt_meme is None or not _steps(opt_meme, meme):
+            opt_meme = self.opt_meme = trainer.optimizer(meme.parameters(), cfg, lr=lr)
+        else:
+            restart(opt_meme)
+            trainer.set_lr(opt_meme, lr)
         trainer.set_lr(self.opt_personal, lr)
         personal, opts = self.personal, [self.opt_personal, opt_meme]
         personal.train()
@@ -117,7 +133,8 @@ class FML(ClientAlgorithm):
             return loss_p.detach(), loss_m.detach()
 
         batches = trainer.epochs(data.x_train, data.y_train, cfg.batch_size, cfg.local_epochs)
-        loss_p, loss_m = trainer.run(step, batches, values=2)
+        keep = (personal, meme, *opts, a, b)
+        loss_p, loss_m = trainer.run(step, batches, values=2, keep=keep)
         return FitResult(
             models={"meme": WireModel(spec, shared_keys(state_of(meme), cfg.shared_prefixes))},
             metrics={

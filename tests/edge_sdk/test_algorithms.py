@@ -65,13 +65,25 @@ def test_fml_single_backward_equals_two_separate_backward_passes():
 
 
 def test_fml_resets_the_meme_optimizer_but_keeps_personal_momentum():
+    # Prepare: two equal clients; the twin's meme optimizer is thrown away after round 1
     algo = _algo("fml", _spec("mlp"), local_epochs=1, batch_size=16)
+    twin = _algo("fml", _spec("mlp"), local_epochs=1, batch_size=16)
     g = _global(_spec("mlr"))
+
+    # Execute
     out = algo.fit(1, 3, {"global": g})
-    opt = algo.opt_personal
-    assert opt.state  # momentum buffers exist after round 1...
+    twin.fit(1, 3, {"global": g})
+    opt, opt_meme = algo.opt_personal, algo.opt_meme
+    assert opt.state and opt_meme.state  # momentum buffers exist after round 1...
+    twin.opt_meme = None  # a new optimizer for the twin's round 2
     algo.fit(2, 3, {"global": g})
-    assert algo.opt_personal is opt  # ...and the same optimizer carries them into round 2
+    twin.fit(2, 3, {"global": g})
+
+    # Assert: the same optimizer carries the personal momentum into round 2; the meme's is
+    # kept but starts afresh, stepping exactly as a new one
+    assert algo.opt_personal is opt and algo.opt_meme is opt_meme
+    for a, b in zip(algo.meme.parameters(), twin.meme.parameters(), strict=True):
+        assert torch.equal(a, b)
     meme = out.models["meme"]
     assert meme.spec == g.spec and set(meme.weights) == set(g.weights)
     assert any(not torch.equal(meme.weights[k], g.weights[k]) for k in g.weights)

@@ -14,6 +14,8 @@ from edge_sdk.algorithms import algorithm_class
 from edge_sdk.algorithms.base import ClientContext
 from edge_sdk.codec import WireModel
 from edge_sdk.cohort import run_stacked
+from edge_sdk.graphs import footprint
+from edge_sdk.optim import SGD, restart
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec, build
 
@@ -42,10 +44,10 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _clients(algorithm, device, sizes=(30, 21, 5), epochs=None, amp=True, graphs=None):
+def _clients(algorithm, device, sizes=(30, 21, 5), epochs=None, amp=True, graphs=None, **overrides):
     spec = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=(FEATURES,))
     cls = algorithm_class(algorithm)
-    settings = SETTINGS[algorithm] | ({"local_epochs": epochs} if epochs else {})
+    settings = SETTINGS[algorithm] | ({"local_epochs": epochs} if epochs else {}) | overrides
     if "guard" in cls.config_cls.model_fields:
         # The guard scores each client's models after its fit (how often it reads the host
         # depends on what it finds, not on the steps): these tests count the training loop's.
@@ -126,6 +128,65 @@ def test_a_stacked_fit_reads_its_values_on_the_host_as_often_whatever_its_steps(
     assert reads[0] == reads[1]
 
 
+def _net():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt = SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()  # momentum buffers exist
+    return model, opt
+
+
+def _moved(t):
+    t.data = t.data.clone()
+
+
+CHANGES = {
+    "a parameter in new memory": lambda m, o: _moved(m[0].weight),
+    "a buffer in new memory": lambda m, o: _moved(m[1].running_mean),
+    "a submodule in eval mode": lambda m, o: m[1].eval(),
+    "a parameter frozen": lambda m, o: m[0].bias.requires_grad_(False),
+    "another learning rate": lambda m, o: o.param_groups[0].update(lr=0.2),
+    "another momentum": lambda m, o: o.param_groups[0].update(momentum=0.5),
+    "new optimizer state": lambda m, o: o.state[m[0].weight].update(
+        momentum_buffer=torch.zeros(3, 4)
+    ),
+    "optimizer state dropped": lambda m, o: o.state.clear(),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_a_footprint_changes_with_what_a_captured_step_reads(change):
+    # Prepare
+    model, opt = _net()
+    before = footprint(model, opt, 0.5, "kl")
+
+    # Execute
+    CHANGES[change](model, opt)
+
+    # Assert: a kept step would not be replayed onto other tensors or settings
+    assert footprint(model, opt, 0.5, "kl") != before
+
+
+def test_a_footprint_stays_through_in_place_updates_and_names_what_it_cannot_tell_apart():
+    # Prepare
+    model, opt = _net()
+    before = footprint(model, opt, 0.5, "kl")
+
+    # Execute: what a round does in place (new weights loaded, the optimizer restarted)
+    model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()})
+    restart(opt)
+    opt.param_groups[0]["lr"] = 0.1
+
+    # Assert
+    assert footprint(model, opt, 0.5, "kl") == before
+    assert footprint(model, opt, 0.25, "kl") != before  # a plain value the step bakes in
+    assert footprint(model, torch.tensor(0.5)) is None  # a tensor: its value is not seen
+    assert footprint(object()) is None
+    opt.param_groups[0]["lr"] = torch.tensor(0.1)
+    assert footprint(model, opt) is None
+
+
 # -- on a CUDA machine ------------------------------------------------------------------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -184,3 +245,62 @@ def test_a_captured_stack_on_cuda_trains_each_client_as_it_trains_alone(algorith
         for name, weights in _weights(a).items():
             for k, v in weights.items():
                 assert torch.allclose(_weights(s)[name][k], v, atol=1e-5), (name, k)
+
+
+@cuda
+@pytest.mark.parametrize("algorithm", ["fml", "local"])
+def test_a_devices_step_is_captured_once_and_replayed_in_its_later_rounds(algorithm):
+    # Prepare: one client captured and its eager twin, fp32; FML's α fixed (the gate would
+    # switch between two steps, each kept); a new global model every round
+    dev = torch.device("cuda")
+    kw = {"sizes": (64,), "epochs": 2, "amp": False}
+    kw |= {"alpha_gate": "off"} if algorithm == "fml" else {}
+    spec, (captured,) = _clients(algorithm, dev, **kw)
+    _, (eager,) = _clients(algorithm, dev, graphs=False, **kw)
+    stats = captured.ctx.trainer.stats
+    counts = []
+
+    # Execute
+    for r in (1, 2, 3):
+        glob = WireModel(spec, dict(build(spec, seed=7 + r).state_dict()))
+        models = {"global": glob} if algorithm == "fml" else {}
+        got, expected = captured.fit(r, 3, models), eager.fit(r, 3, models)
+        counts.append((stats.graphs, stats.replayed, stats.steps))
+        assert got.metrics == pytest.approx(expected.metrics, rel=1e-4)
+
+    # Assert: one graph, captured in round 1; every later step replayed; trained as eagerly
+    assert counts[0][0] == counts[2][0] == 1
+    assert counts[2][1] - counts[0][1] == counts[2][2] - counts[0][2] == 2 * 16
+    for name, weights in _weights(eager).items():
+        for k, v in weights.items():
+            assert torch.allclose(_weights(captured)[name][k], v, atol=1e-5), (name, k)
+
+
+@cuda
+def test_a_kept_step_is_not_replayed_onto_tensors_a_stacked_round_replaced():
+    # Prepare: two clients, captured and eager; round 2 runs them stacked, which gives each
+    # client's models new memory
+    dev = torch.device("cuda")
+    kw = {"sizes": (32, 32), "epochs": 1, "amp": False, "alpha_gate": "off"}
+    spec, captured = _clients("fml", dev, **kw)
+    _, eager = _clients("fml", dev, graphs=False, **kw)
+    graphs = captured[0].ctx.trainer.stats
+
+    # Execute: alone, stacked, alone
+    for r in (1, 2, 3):
+        models = {"global": WireModel(spec, dict(build(spec, seed=7 + r).state_dict()))}
+        for clients in (captured, eager):
+            if r == 2:
+                run_stacked(clients, "fit", r, 3, [models] * 2)
+            else:
+                for c in clients:
+                    c.fit(r, 3, models)
+        if r == 1:
+            first = graphs.graphs
+
+    # Assert: round 3 captured again (its kept step's tensors were gone), and trained as eagerly
+    assert graphs.graphs > first
+    for c, e in zip(captured, eager, strict=True):
+        for name, weights in _weights(e).items():
+            for k, v in weights.items():
+                assert torch.allclose(_weights(c)[name][k], v, atol=1e-5), (name, k)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge_sdk.optim import SGD, Adam
+from edge_sdk.optim import SGD, Adam, restart
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -81,3 +81,43 @@ def test_optim_a_simulated_federation_never_loads_torch_compile():
     # Assert: torch.compile's machinery (~150 MB resident) was never imported.
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"ok": True, "dynamo": False}
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}),
+        (SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+        (SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.5}),
+        (Adam, {"lr": 0.01, "betas": (0.8, 0.99)}),
+    ],
+)
+def test_restart_steps_on_as_a_new_optimizer_would(cls, kwargs):
+    # Prepare: a model trained for a few steps, and its copy
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    opt = cls(model.parameters(), **kwargs)
+    x, y = torch.randn(7, 6), torch.tensor([0, 1, 2, 0, 1, 2, 0])
+
+    def steps(model, opt, n=3):
+        for _ in range(n):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    steps(model, opt)
+    state = [t for entry in opt.state.values() for t in entry.values()]
+    twin = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    twin.load_state_dict(model.state_dict())
+
+    # Execute: the restarted optimizer and a new one over the copy take the same steps
+    restart(opt)
+    steps(model, opt)
+    steps(twin, cls(twin.parameters(), **kwargs))
+
+    # Assert: the same parameters, bit for bit; without dampening, in the same state tensors
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+    if not kwargs.get("dampening"):
+        kept = [t for entry in opt.state.values() for t in entry.values()]
+        assert all(a is b for a, b in zip(kept, state, strict=True))
