@@ -30,7 +30,7 @@ from torch.utils.data import Dataset as TorchDataset
 from edge_sdk.device import autocast_dtype
 from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.losses import cross_entropy
-from edge_sdk.optim import SGD, Adam
+from edge_sdk.optim import SGD, Adam, restart
 
 __all__ = ["ClientData", "EvalResult", "LoopStats", "OptimConfig", "Score", "Step", "Trainer"]
 
@@ -391,6 +391,32 @@ class Trainer:
                 capturable=self.graphs,  # its step count on the device, as a graph needs
             )
         return SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+    def fresh_optimizer(
+        self,
+        kept: torch.optim.Optimizer | None,
+        params: Iterable[nn.Parameter],
+        cfg: OptimConfig,
+        lr: float | None = None,
+    ) -> torch.optim.Optimizer:
+        """An optimizer that steps as a new one from `optimizer` would: `kept` itself,
+        restarted in place (`optim.restart`) at this learning rate, when it is of the same kind
+        and settings and steps exactly `params`; otherwise the new one. For an algorithm that
+        starts an optimizer afresh every round: a kept one keeps the tensors a device's captured
+        step reads, and so the step itself (`run`'s keep)."""
+        params = list(params)
+        new = self.optimizer(params, cfg, lr)
+        if kept is None or type(kept) is not type(new) or len(kept.param_groups) != 1:
+            return new
+        (group,), (fresh,) = kept.param_groups, new.param_groups
+        same = len(group["params"]) == len(params) and all(
+            a is b for a, b in zip(group["params"], params, strict=True)
+        )
+        if not same or any(group[k] != v for k, v in fresh.items() if k not in ("params", "lr")):
+            return new
+        restart(kept)
+        group["lr"] = fresh["lr"]
+        return kept
 
     @staticmethod
     def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -35,6 +35,7 @@ class FedAvg(ClientAlgorithm):
     config: FedAvgConfig
     persistent: ClassVar[tuple[str, ...]] = ("model",)
     stackable = True
+    opt: torch.optim.Optimizer | None = None  # per round, not persistent
 
     def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
         super().__init__(ctx, config)
@@ -52,7 +53,9 @@ class FedAvg(ClientAlgorithm):
     def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         self._load_global(models)
         cfg, trainer = self.config, self.ctx.trainer
-        opt = trainer.optimizer(self.model.parameters(), cfg, lr=cfg.lr_at(round_, rounds))
+        lr = cfg.lr_at(round_, rounds)
+        # A new optimizer each round (kept and restarted in place: Trainer.fresh_optimizer).
+        opt = self.opt = trainer.fresh_optimizer(self.opt, self.model.parameters(), cfg, lr)
         loss = trainer.train_epochs(
             self.model, self.ctx.data, cfg, optimizer=opt, extra_loss=self._extra_loss()
         )

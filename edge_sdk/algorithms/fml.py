@@ -34,7 +34,6 @@ from edge_sdk.algorithms.base import (
 from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.losses import mutual_losses, rows_of
-from edge_sdk.optim import restart
 from model_zoo import ArchSpec
 
 __all__ = ["FML", "FMLConfig", "shared_keys"]
@@ -64,13 +63,6 @@ def shared_keys(
     if not prefixes:
         return dict(weights)
     return {k: v for k, v in weights.items() if any(k.startswith(p) for p in prefixes)}
-
-
-def _steps(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
-    """Whether `optimizer` steps exactly `model`'s parameters."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    own = list(model.parameters())
-    return len(params) == len(own) and all(a is b for a, b in zip(params, own, strict=True))
 
 
 @register_algorithm
@@ -111,14 +103,11 @@ class FML(ClientAlgorithm):
         cfg, trainer, data = self.config, self.ctx.trainer, self.ctx.data
         spec, meme = self._meme_for(self._require(models, "global"))
         lr = cfg.lr_at(round_, rounds)
-        # The meme's optimizer starts afresh each round [code]: kept, its state zeroed in place,
-        # so that a device's captured step stays valid from round to round (Trainer.run's keep).
-        opt_meme = self.opt_meme
-        if opt_meme is None or not _steps(opt_meme, meme):
-            opt_meme = self.opt_meme = trainer.optimizer(meme.parameters(), cfg, lr=lr)
-        else:
-            restart(opt_meme)
-            trainer.set_lr(opt_meme, lr)
+        # The meme's optimizer starts afresh each round [code] (kept and restarted in place:
+        # a device's captured step stays valid from round to round).
+        opt_meme = self.opt_meme = trainer.fresh_optimizer(
+            self.opt_meme, meme.parameters(), cfg, lr
+        )
         trainer.set_lr(self.opt_personal, lr)
         personal, opts = self.personal, [self.opt_personal, opt_meme]
         personal.train()

@@ -154,6 +154,7 @@ class PersFL(ClientAlgorithm):
     name = "persfl"
     config_cls = PersFLConfig
     config: PersFLConfig
+    opt: torch.optim.Optimizer | None = None  # stage 1's, per round, not persistent
     persistent = (
         "model",
         "model_spec",
@@ -228,7 +229,9 @@ class PersFL(ClientAlgorithm):
         else:
             self.model.load_state_dict(glob.weights)
         cfg, trainer = self.config, self.ctx.trainer
-        opt = trainer.optimizer(self.model.parameters(), cfg, lr=cfg.lr_at(round_, rounds))
+        lr = cfg.lr_at(round_, rounds)
+        # A new optimizer each round (kept and restarted in place: Trainer.fresh_optimizer).
+        opt = self.opt = trainer.fresh_optimizer(self.opt, self.model.parameters(), cfg, lr)
         loss = trainer.train_epochs(self.model, self.ctx.data, cfg, optimizer=opt)
         return FitResult(
             models={"model": WireModel.of(glob.spec, self.model)},

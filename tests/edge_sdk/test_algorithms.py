@@ -64,26 +64,48 @@ def test_fml_single_backward_equals_two_separate_backward_passes():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(joint, separate, strict=True))
 
 
-def test_fml_resets_the_meme_optimizer_but_keeps_personal_momentum():
-    # Prepare: two equal clients; the twin's meme optimizer is thrown away after round 1
-    algo = _algo("fml", _spec("mlp"), local_epochs=1, batch_size=16)
-    twin = _algo("fml", _spec("mlp"), local_epochs=1, batch_size=16)
-    g = _global(_spec("mlr"))
+def _modules(algo):
+    return {
+        name: {k: v.clone() for k, v in m.state_dict().items()}
+        for name in type(algo).persistent
+        if isinstance(m := getattr(algo, name), torch.nn.Module)
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "attr"), [("fml", "opt_meme"), ("fedavg", "opt"), ("persfl", "opt")]
+)
+def test_an_optimizer_new_each_round_is_kept_and_steps_as_a_new_one(name, attr):
+    # Prepare: two equal clients; the twin's round optimizer is thrown away after round 1
+    algo, twin = (_algo(name, _spec("mlp"), local_epochs=1, batch_size=16) for _ in range(2))
+    g = _global(_spec("mlp"))
 
     # Execute
-    out = algo.fit(1, 3, {"global": g})
+    algo.fit(1, 3, {"global": g})
     twin.fit(1, 3, {"global": g})
-    opt, opt_meme = algo.opt_personal, algo.opt_meme
-    assert opt.state and opt_meme.state  # momentum buffers exist after round 1...
-    twin.opt_meme = None  # a new optimizer for the twin's round 2
+    kept = getattr(algo, attr)
+    assert kept.state  # momentum buffers exist after round 1
+    setattr(twin, attr, None)  # a new optimizer for the twin's round 2
     algo.fit(2, 3, {"global": g})
     twin.fit(2, 3, {"global": g})
 
-    # Assert: the same optimizer carries the personal momentum into round 2; the meme's is
-    # kept but starts afresh, stepping exactly as a new one
-    assert algo.opt_personal is opt and algo.opt_meme is opt_meme
-    for a, b in zip(algo.meme.parameters(), twin.meme.parameters(), strict=True):
-        assert torch.equal(a, b)
+    # Assert: the same optimizer object, restarted: every model as the twin's, bit for bit
+    assert getattr(algo, attr) is kept
+    got, expected = _modules(algo), _modules(twin)
+    assert got.keys() == expected.keys() and got
+    for m in expected:
+        for k, v in expected[m].items():
+            assert torch.equal(got[m][k], v), (m, k)
+
+
+def test_fml_keeps_personal_momentum():
+    algo = _algo("fml", _spec("mlp"), local_epochs=1, batch_size=16)
+    g = _global(_spec("mlr"))
+    out = algo.fit(1, 3, {"global": g})
+    opt = algo.opt_personal
+    assert opt.state  # momentum buffers exist after round 1...
+    algo.fit(2, 3, {"global": g})
+    assert algo.opt_personal is opt  # ...and the same optimizer carries them into round 2
     meme = out.models["meme"]
     assert meme.spec == g.spec and set(meme.weights) == set(g.weights)
     assert any(not torch.equal(meme.weights[k], g.weights[k]) for k in g.weights)

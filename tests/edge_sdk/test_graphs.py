@@ -248,7 +248,7 @@ def test_a_captured_stack_on_cuda_trains_each_client_as_it_trains_alone(algorith
 
 
 @cuda
-@pytest.mark.parametrize("algorithm", ["fml", "local"])
+@pytest.mark.parametrize("algorithm", ["fml", "fedavg", "local"])
 def test_a_devices_step_is_captured_once_and_replayed_in_its_later_rounds(algorithm):
     # Prepare: one client captured and its eager twin, fp32; FML's α fixed (the gate would
     # switch between two steps, each kept); a new global model every round
@@ -263,7 +263,7 @@ def test_a_devices_step_is_captured_once_and_replayed_in_its_later_rounds(algori
     # Execute
     for r in (1, 2, 3):
         glob = WireModel(spec, dict(build(spec, seed=7 + r).state_dict()))
-        models = {"global": glob} if algorithm == "fml" else {}
+        models = {} if algorithm == "local" else {"global": glob}
         got, expected = captured.fit(r, 3, models), eager.fit(r, 3, models)
         counts.append((stats.graphs, stats.replayed, stats.steps))
         assert got.metrics == pytest.approx(expected.metrics, rel=1e-4)

@@ -154,3 +154,32 @@ def test_clients_moved_to_a_device_one_by_one_share_one_copy_of_the_data_they_sl
     assert [t.storage_offset() for t in splits] == [0, 12, 18, 27, 0]
     assert [len(t) for t in splits] == [4, 1, 3, 1, 4]
     assert second.y_train._base is first.y_train._base and second.y_train.storage_offset() == 6
+
+
+def test_fresh_optimizer_keeps_an_optimizer_of_the_same_kind_over_the_same_parameters():
+    # Prepare: an SGD with momentum state over a model
+    trainer = Trainer(torch.device("cpu"))
+    model, other = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    cfg = OptimConfig(lr=0.1, momentum=0.9, weight_decay=1e-3)
+    kept = trainer.optimizer(model.parameters(), cfg)
+    model(torch.randn(4, 3)).sum().backward()
+    kept.step()
+
+    # Execute / Assert: kept, restarted, at the new learning rate
+    assert trainer.fresh_optimizer(kept, model.parameters(), cfg, lr=0.05) is kept
+    assert kept.param_groups[0]["lr"] == 0.05
+    assert all(not b.any() for s in kept.state.values() for b in s.values())
+    # a new one for other parameters, another kind, other settings, or nothing kept
+    changed = [
+        (kept, other.parameters(), cfg),
+        (kept, model.parameters(), cfg.model_copy(update={"optimizer": "adam"})),
+        (kept, model.parameters(), cfg.model_copy(update={"momentum": 0.5})),
+        (kept, model.parameters(), cfg.model_copy(update={"weight_decay": 0.0})),
+        (None, model.parameters(), cfg),
+    ]
+    for k, params, c in changed:
+        params = list(params)
+        new = trainer.fresh_optimizer(k, params, c)
+        group = new.param_groups[0]
+        assert new is not kept and all(a is b for a, b in zip(group["params"], params, strict=True))
+        assert group["weight_decay"] == c.weight_decay and not new.state
