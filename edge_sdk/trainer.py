@@ -42,9 +42,14 @@ Step = Callable[..., Sequence[torch.Tensor]]
 
 
 _DEFAULT_LR_GAMMA = 0.1
-# Captured steps a trainer keeps between loops (Trainer.run's keep): a device's FML step and,
-# when an algorithm alternates between two settings (FML's α gate), the other one's.
+# Captured steps kept between loops (Trainer.run's keep), each holding its graph's memory: per
+# trainer, a device's step and, when an algorithm alternates between two settings (FML's α
+# gate), the other one's; per process, a few (a simulation's clients one after another on one
+# GPU would otherwise hold one each: a hundred VGG clients' activations).
 _KEPT_STEPS = 2
+_KEPT_IN_PROCESS = 8
+_KEPT_ORDER: OrderedDict[tuple[int, Any], weakref.ref[Trainer]] = OrderedDict()
+_KEPT_LOCK = threading.Lock()
 # Uniform keys drawn at once for fresh batches (Trainer.index_draws): 16 MB of fp32.
 _DRAW_KEYS = 1 << 22
 
@@ -399,7 +404,7 @@ class Trainer:
         cfg: OptimConfig,
         lr: float | None = None,
     ) -> torch.optim.Optimizer:
-        """An optimizer that steps as a new one from `optimizer` would: `kept` itself,
+        """An optimizer that steps as a new one from `Trainer.optimizer` would: `kept` itself,
         restarted in place (`optim.restart`) at this learning rate, when it is of the same kind
         and settings and steps exactly `params`; otherwise the new one. For an algorithm that
         starts an optimizer afresh every round: a kept one keeps the tensors a device's captured
@@ -522,23 +527,39 @@ class Trainer:
         self.stats.replayed += runner.replayed - before[1]
         self.stats.graphs += runner.graphs - before[2]
         if key is not None and runner.graphs:
-            after = footprint(*keep)  # the optimizers' state exists now
-            if after is not None:
-                self._kept[after] = runner
-                self._kept.move_to_end(after)
-                while len(self._kept) > _KEPT_STEPS:
-                    self._kept.popitem(last=False)
+            self._keep(footprint(*keep), runner)  # the optimizers' state exists now
         if sums is None:
             return [math.nan] * values
         means = torch.stack(sums).div_(steps).tolist()  # the loop's one host sync
         _check_finite(means)
         return means
 
+    def _keep(self, key: Any, runner: StepRunner) -> None:
+        """Keep `runner` under `key`, dropping the least recently kept beyond the limits."""
+        if key is None:
+            return
+        with _KEPT_LOCK:
+            self._kept[key] = runner
+            self._kept.move_to_end(key)
+            while len(self._kept) > _KEPT_STEPS:
+                old, _ = self._kept.popitem(last=False)
+                _KEPT_ORDER.pop((id(self), old), None)
+            _KEPT_ORDER[id(self), key] = weakref.ref(self)
+            _KEPT_ORDER.move_to_end((id(self), key))
+            while len(_KEPT_ORDER) > _KEPT_IN_PROCESS:
+                (_, old), ref = _KEPT_ORDER.popitem(last=False)
+                owner = ref()
+                if owner is not None:
+                    owner._kept.pop(old, None)
+
     def _runner(self, step: Step, keep: Sequence[object]) -> tuple[StepRunner, Any]:
         """A kept runner whose step read what `keep` holds now (its later captures made with
         this `step`), else a new one; and the footprint (None: not to be kept)."""
         key = footprint(*keep) if keep and self.graphs else None
-        runner = self._kept.pop(key, None) if key is not None else None
+        with _KEPT_LOCK:
+            runner = self._kept.pop(key, None) if key is not None else None
+            if runner is not None:
+                _KEPT_ORDER.pop((id(self), key), None)
         if runner is None:
             return StepRunner(step, capture=self.graphs), key
         runner.step = step

@@ -1,6 +1,10 @@
+from collections import OrderedDict
+
 import pytest
 import torch
 
+import edge_sdk.trainer as trainer_mod
+from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.trainer import ClientData, IdentityCache, OptimConfig, Trainer
 
 
@@ -183,3 +187,32 @@ def test_fresh_optimizer_keeps_an_optimizer_of_the_same_kind_over_the_same_param
         group = new.param_groups[0]
         assert new is not kept and all(a is b for a, b in zip(group["params"], params, strict=True))
         assert group["weight_decay"] == c.weight_decay and not new.state
+
+
+def test_kept_steps_are_found_by_footprint_and_bounded_per_trainer_and_per_process(monkeypatch):
+    # Prepare: six trainers looking up kept steps as on CUDA (nothing here captures), each
+    # keeping a step for three values of a setting, one trainer after another
+    monkeypatch.setattr(trainer_mod, "_KEPT_ORDER", OrderedDict())
+    trainers = [Trainer(torch.device("cpu")) for _ in range(6)]
+    model = torch.nn.Linear(2, 2)
+    runners = {}
+    for i, t in enumerate(trainers):
+        t.graphs = True
+        for value in (1.0, 2.0, 3.0):
+            runners[i, value] = StepRunner(lambda: (), capture=True)
+            t._keep(footprint(model, value), runners[i, value])
+
+    # Assert: two kept per trainer (its last), eight in the process (the last kept)
+    kept = {
+        (i, v) for (i, v), r in runners.items() if trainers[i]._kept.get(footprint(model, v)) is r
+    }
+    assert kept == {(i, v) for i in range(2, 6) for v in (2.0, 3.0)}
+    # a loop reading the same finds its step, once; one whose parameter moved does not
+    found, key = trainers[5]._runner(lambda: (), [model, 3.0])
+    assert found is runners[5, 3.0] and key == footprint(model, 3.0)
+    assert trainers[5]._runner(lambda: (), [model, 3.0])[0] is not found
+    model.weight.data = model.weight.data.clone()
+    assert trainers[4]._runner(lambda: (), [model, 2.0])[0] is not runners[4, 2.0]
+    # a trainer that does not capture keeps nothing
+    trainers[0].graphs = False
+    assert trainers[0]._runner(lambda: (), [model, 2.0])[1] is None
