@@ -283,7 +283,8 @@ def step_part(device: str, steps: int) -> dict[str, Any]:
 
     def round_s(n: int, graphs: bool, amp: bool) -> tuple[float, Trainer]:
         g = torch.Generator().manual_seed(0)
-        x, y = torch.randn(10 * n, 1, 28, 28, generator=g), torch.randint(0, 10, (10 * n,))
+        x = torch.randn(10 * n, 1, 28, 28, generator=g)
+        y = torch.randint(0, 10, (10 * n,), generator=g)
         data = ClientData(x, y, x[:0], y[:0], x[:0], y[:0], num_classes=10).to(dev)
         trainer = Trainer(dev, seed=0, graphs=graphs, amp=amp)
         client = cls(ClientContext("c0", spec, data, dev, 0, trainer), cfg)
