@@ -61,6 +61,8 @@ def load_page(path: Path, timeout: float = 60.0) -> dict[str, Any]:
     # the whole process group is stopped, and what is left of the profile may stay in /tmp.
     with tempfile.TemporaryDirectory(prefix="edgefl-chromium-", ignore_cleanup_errors=True) as tmp:
         profile = Path(tmp)
+        scratch = profile / "tmp"  # chromium's own temporary directories, removed with it
+        scratch.mkdir()
         proc = subprocess.Popen(
             [
                 exe,
@@ -71,6 +73,7 @@ def load_page(path: Path, timeout: float = 60.0) -> dict[str, Any]:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env={**os.environ, "TMPDIR": str(scratch)},
             start_new_session=True,  # its own process group, helpers included
         )
         try:
