@@ -98,6 +98,37 @@ def test_an_optimizer_new_each_round_is_kept_and_steps_as_a_new_one(name, attr):
             assert torch.equal(got[m][k], v), (m, k)
 
 
+@pytest.mark.parametrize("name", ["fml", "fedavg", "local"])
+def test_a_kept_training_loop_names_every_model_and_optimizer_it_steps(name, monkeypatch):
+    # Prepare: one client; Trainer.run watched for what each loop says its step reads
+    extra = {"alpha_gate": "off", "guard": False} if name == "fml" else {}
+    algo = _algo(name, _spec("mlp"), local_epochs=1, batch_size=16, **extra)
+    keeps = []
+    real = Trainer.run
+
+    def watched(self, step, batches, values=1, *, keep=()):
+        keeps.append(tuple(keep))
+        return real(self, step, batches, values, keep=keep)
+
+    monkeypatch.setattr(Trainer, "run", watched)
+
+    # Execute
+    algo.fit(1, 2, {} if name == "local" else {"global": _global(_spec("mlp"))})
+
+    # Assert: the training loop names its models and optimizers (a replay on CUDA is valid only
+    # while they hold the same tensors), and FML its loss weights
+    (keep,) = keeps
+    modules = {id(m) for m in keep if isinstance(m, torch.nn.Module)}
+    optimizers = {id(o) for o in keep if isinstance(o, torch.optim.Optimizer)}
+    if name == "fml":
+        assert modules == {id(algo.personal), id(algo.meme)}
+        assert optimizers == {id(algo.opt_personal), id(algo.opt_meme)}
+        assert [v for v in keep if isinstance(v, float)] == [algo.config.alpha, algo.config.beta]
+    else:
+        opt = algo.opt if name == "fedavg" else algo.optimizer
+        assert modules == {id(algo.model)} and optimizers == {id(opt)}
+
+
 def test_fml_keeps_personal_momentum():
     algo = _algo("fml", _spec("mlp"), local_epochs=1, batch_size=16)
     g = _global(_spec("mlr"))

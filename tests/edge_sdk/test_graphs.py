@@ -187,39 +187,6 @@ def test_a_footprint_stays_through_in_place_updates_and_names_what_it_cannot_tel
     assert footprint(model, opt) is None
 
 
-@pytest.mark.parametrize("algorithm", ["fml", "fedavg", "local"])
-def test_a_kept_step_names_every_model_and_optimizer_it_steps(algorithm, monkeypatch):
-    # Prepare: one client; Trainer.run watched for what each loop says its step reads
-    cpu = torch.device("cpu")
-    extra = {"alpha_gate": "off"} if algorithm == "fml" else {}
-    spec, (client,) = _clients(algorithm, cpu, sizes=(16,), **extra)
-    keeps = []
-    real = Trainer.run
-
-    def watched(self, step, batches, values=1, *, keep=()):
-        keeps.append(tuple(keep))
-        return real(self, step, batches, values, keep=keep)
-
-    monkeypatch.setattr(Trainer, "run", watched)
-
-    # Execute
-    client.fit(1, 2, _models(algorithm, spec))
-
-    # Assert: the training loop names its models and optimizers (a replay on CUDA is valid only
-    # while they hold the same tensors), and FML its loss weights
-    (keep,) = keeps
-    modules = {id(m) for m in keep if isinstance(m, torch.nn.Module)}
-    optimizers = {id(o) for o in keep if isinstance(o, torch.optim.Optimizer)}
-    if algorithm == "fml":
-        assert modules == {id(client.personal), id(client.meme)}
-        assert optimizers == {id(client.opt_personal), id(client.opt_meme)}
-        cfg = client.config
-        assert [v for v in keep if isinstance(v, float)] == [cfg.alpha, cfg.beta]
-    else:
-        opt = client.opt if algorithm == "fedavg" else client.optimizer
-        assert modules == {id(client.model)} and optimizers == {id(opt)}
-
-
 # -- on a CUDA machine ------------------------------------------------------------------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
