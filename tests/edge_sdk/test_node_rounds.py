@@ -1,11 +1,14 @@
 """A client node's rounds: a round run again starts from the state before it, and a round the
 coordinator did not keep leaves no trace in the client's state."""
 
+import pytest
 import torch
 
+from edge_sdk.codec import WireModel
+from edge_sdk.graphs import footprint
 from edge_sdk.node import ClientNode, NodeTask, execute_together
-from edge_sdk.trainer import ClientData
-from model_zoo import ArchSpec
+from edge_sdk.trainer import ClientData, Trainer
+from model_zoo import ArchSpec, build
 
 SPEC = ArchSpec(family="mlr", num_classes=3, input_shape=(4,))
 CONFIG = {"local_epochs": 1, "batch_size": 4, "lr": 0.1, "momentum": 0.9}
@@ -96,3 +99,31 @@ def test_a_stacked_round_run_twice_then_not_kept_leaves_each_state_before_it(mon
         assert after.keys() == b.keys()
         for k, v in b.items():
             assert torch.equal(after[k], v), (n.client_id, k)
+
+
+@pytest.mark.parametrize("algorithm", ["fml", "fedavg", "local"])
+def test_a_devices_training_loop_reads_the_same_tensors_every_round(algorithm, monkeypatch):
+    # Prepare: one node's rounds, as a device runs them (the global model new every round);
+    # what each training loop says its step reads, before and after the loop
+    node = _node()
+    seen = []
+    real = Trainer.run
+
+    def watched(self, step, batches, values=1, *, keep=()):
+        seen.append(footprint(*keep))
+        out = real(self, step, batches, values, keep=keep)
+        seen.append(footprint(*keep))
+        return out
+
+    monkeypatch.setattr(Trainer, "run", watched)
+    config = CONFIG | ({"alpha_gate": "off"} if algorithm == "fml" else {})
+
+    # Execute
+    for r in (1, 2, 3):
+        glob = {"global": WireModel.of(SPEC, build(SPEC, seed=10 + r))}
+        node.run(NodeTask(r, 3, "fit", algorithm, config, {} if algorithm == "local" else glob))
+
+    # Assert: from the end of one round's loop to the start of the next, the same tensors at
+    # the same addresses with the same settings: on CUDA its captured step is replayed
+    assert len(seen) == 6 and all(f is not None for f in seen)
+    assert seen[1] == seen[2] and seen[3] == seen[4]
