@@ -8,6 +8,7 @@ import pytest
 import torch
 from tests_helpers import tiny_config
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import edge_sdk.cohort_trainer as cohort_trainer
 import edge_sdk.node as node_mod
@@ -582,6 +583,95 @@ def test_a_stacked_module_runs_each_row_on_its_own_input():
         assert torch.allclose(out[i], x[i] @ w.T + b, atol=1e-6)
         assert torch.allclose(shared[i], x[0] @ w.T + b, atol=1e-6)
     assert prefix.shape == (2, 4, 3) and torch.allclose(prefix, out[:2])
+
+
+class _Calls(TorchDispatchMode):
+    """Counts the torch operator calls made under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Residual(nn.Module):
+    """Not a chain: the input is used twice, so a stack of it runs vmapped."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = x.flatten(1)
+        return self.b(torch.tanh(self.a(x)) + x)
+
+
+FEED_FORWARD = {  # family: (input shape, options): every layer kind a chain runs, small
+    "mlr": ((6,), {}),
+    "mlp": ((1, 6, 6), {"hidden": [5]}),
+    "lenet5": ((1, 12, 12), {}),
+    "cnn1": ((2, 8, 8), {"hidden": 5}),
+    "cnn2": ((2, 8, 8), {"width": 3}),
+}
+
+
+def _stack_of(family, n=3):
+    if family == "residual":
+        spec = ArchSpec(family="mlr", num_classes=3, input_shape=(6,))
+        models = [_Residual() for _ in range(n)]
+        for i, m in enumerate(models):
+            torch.manual_seed(i)
+            m.a.reset_parameters(), m.b.reset_parameters()
+    else:
+        shape, options = FEED_FORWARD[family]
+        spec = ArchSpec(family=family, num_classes=3, input_shape=shape, kwargs=options)
+        models = [build(spec, seed=i) for i in range(n)]
+    for m in models:
+        setattr(m, SPEC_ATTR, spec)
+    return spec, models, stack_modules(models)
+
+
+@pytest.mark.parametrize("family", [*FEED_FORWARD, "residual"])
+def test_every_row_of_a_stacked_model_computes_what_its_model_computes(family):
+    # Prepare: three models of one architecture, their stack, a batch of 4 per row
+    spec, models, stacked = _stack_of(family)
+    x = torch.randn(3, 4, *spec.input_shape, generator=torch.Generator().manual_seed(0))
+    weights = torch.randn(3, 4, 3, generator=torch.Generator().manual_seed(1))
+
+    # Execute: every row on its own input (and its gradient), a prefix of two rows, one input
+    # shared by every row
+    out = stacked(x)
+    (out * weights).sum().backward()
+    prefix, shared = stacked(x[:2]), stacked(x[0])
+
+    # Assert: row i is model i alone, forward and backward
+    for i, m in enumerate(models):
+        alone = m(x[i])
+        (alone * weights[i]).sum().backward()
+        assert torch.allclose(out[i], alone, atol=1e-5)
+        assert torch.allclose(shared[i], m(x[0]), atol=1e-5)
+        for name, p in m.named_parameters():
+            assert torch.allclose(stacked.get_parameter(name).grad[i], p.grad, atol=1e-5), name
+    assert prefix.shape == (2, 4, 3) and torch.allclose(prefix, out[:2], atol=1e-6)
+
+
+@pytest.mark.parametrize("family", list(FEED_FORWARD))
+def test_a_stacked_feed_forward_model_runs_as_one_program_not_row_by_row(family):
+    # Prepare: a stack of five and one of its models alone, each on a batch of 4
+    spec, models, stacked = _stack_of(family, n=5)
+    x = torch.randn(5, 4, *spec.input_shape)
+
+    # Execute: count the operator calls of a forward and backward
+    with _Calls() as rows:
+        stacked(x).sum().backward()
+    with _Calls() as one:
+        models[0](x[0]).sum().backward()
+
+    # Assert: the stack costs about one model's calls (vmapped, it took 1.6-3x as many)
+    assert rows.count < 1.5 * one.count
 
 
 # -- through the node and the simulator -------------------------------------------------------
