@@ -121,6 +121,10 @@ _CHAIN = "_edgefl_chain"  # the template's chain of _Layers, None when vmap runs
 _CHAINS: dict[str, tuple[_Layer, ...] | None] = {}  # by architecture
 
 
+def _options(module: nn.Module, *names: str) -> tuple[tuple[str, Any], ...]:
+    return tuple((k, getattr(module, k)) for k in names)
+
+
 def _layer(node: torch.fx.Node, template: nn.Module, spatial: bool, folded: bool) -> _Layer | None:
     """One traced call as a _Layer, None when _run_chain cannot run it. `spatial`: its input
     still has image dimensions (before the flatten); `folded`: a convolution came before."""
@@ -129,17 +133,13 @@ def _layer(node: torch.fx.Node, template: nn.Module, spatial: bool, folded: bool
         if type(mod) is nn.Conv2d and mod.padding_mode == "zeros" and mod.groups == 1 and spatial:
             if isinstance(mod.padding, str):
                 return None
-            opts = (("stride", mod.stride), ("padding", mod.padding), ("dilation", mod.dilation))
-            return _Layer("conv", str(node.target), opts)
+            return _Layer("conv", str(node.target), _options(mod, "stride", "padding", "dilation"))
         if type(mod) is nn.Linear and not spatial:
             return _Layer("linear", str(node.target))
         if type(mod) is nn.ReLU:
             return _Layer("relu")
         if type(mod) is nn.MaxPool2d and folded and spatial and not mod.return_indices:
-            opts = tuple(
-                (k, getattr(mod, k))
-                for k in ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
-            )
+            opts = _options(mod, "kernel_size", "stride", "padding", "dilation", "ceil_mode")
             return _Layer("maxpool", "", opts)
         if type(mod) is nn.Flatten and (mod.start_dim, mod.end_dim) == (1, -1):
             return _Layer("flatten")
