@@ -29,6 +29,7 @@ result does not depend on the path; the log says why.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,9 +37,9 @@ from functools import partial
 from typing import Any, cast
 
 import torch
-import torch.fx
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.overrides import TorchFunctionMode
 
 from edge_sdk.algorithms.base import (
     SPEC_ATTR,
@@ -113,7 +114,8 @@ class _Stacked(nn.Module):
 @dataclass(frozen=True)
 class _Layer:
     kind: str  # "conv", "linear", "relu", "maxpool", "flatten"
-    name: str = ""  # conv, linear: the module's name (its parameters' prefix)
+    weight: str = ""  # conv, linear: the parameters' names
+    bias: str | None = None
     options: tuple[tuple[str, Any], ...] = ()  # conv, maxpool: the functional's arguments
 
 
@@ -121,72 +123,127 @@ _CHAIN = "_edgefl_chain"  # the template's chain of _Layers, None when vmap runs
 _CHAINS: dict[str, tuple[_Layer, ...] | None] = {}  # by architecture
 
 
-def _options(module: nn.Module, *names: str) -> tuple[tuple[str, Any], ...]:
-    return tuple((k, getattr(module, k)) for k in names)
-
-
-def _layer(node: torch.fx.Node, template: nn.Module, spatial: bool, folded: bool) -> _Layer | None:
-    """One traced call as a _Layer, None when _run_chain cannot run it. `spatial`: its input
-    still has image dimensions (before the flatten); `folded`: a convolution came before."""
-    if node.op == "call_module":
-        mod = template.get_submodule(str(node.target))
-        if type(mod) is nn.Conv2d and mod.padding_mode == "zeros" and mod.groups == 1 and spatial:
-            if isinstance(mod.padding, str):
-                return None
-            return _Layer("conv", str(node.target), _options(mod, "stride", "padding", "dilation"))
-        if type(mod) is nn.Linear and not spatial:
-            return _Layer("linear", str(node.target))
-        if type(mod) is nn.ReLU:
-            return _Layer("relu")
-        if type(mod) is nn.MaxPool2d and folded and spatial and not mod.return_indices:
-            opts = _options(mod, "kernel_size", "stride", "padding", "dilation", "ceil_mode")
-            return _Layer("maxpool", "", opts)
-        if type(mod) is nn.Flatten and (mod.start_dim, mod.end_dim) == (1, -1):
-            return _Layer("flatten")
-        return None
-    flatten = (node.op == "call_method" and node.target == "flatten") or (
-        node.op == "call_function" and node.target is torch.flatten
+def _signature(*required: str, **optional: Any) -> inspect.Signature:
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature(
+        [inspect.Parameter(name, kind) for name in required]
+        + [inspect.Parameter(name, kind, default=v) for name, v in optional.items()]
     )
-    if flatten and node.args[1:] == (1,) and not node.kwargs:
-        return _Layer("flatten")
-    if node.op == "call_function" and node.target in (torch.relu, nn.functional.relu):
-        return _Layer("relu") if len(node.args) == 1 and not node.kwargs else None
-    return None
+
+
+# The functions a chain's layers call, as nn.Conv2d, nn.Linear, nn.ReLU, nn.MaxPool2d and a
+# flatten (module, method or function) call them: the layer's kind, and the signature their
+# arguments bind to.
+_CONV = _signature("input", "weight", bias=None, stride=1, padding=0, dilation=1, groups=1)
+_LINEAR = _signature("input", "weight", bias=None)
+_RELU = _signature("input", inplace=False)
+_POOL = _signature(
+    "input",
+    "kernel_size",
+    stride=None,
+    padding=0,
+    dilation=1,
+    ceil_mode=False,
+    return_indices=False,
+)
+_FLATTEN = _signature("input", start_dim=0, end_dim=-1)
+_FUNCTIONS: dict[Any, tuple[str, inspect.Signature]] = {
+    torch.conv2d: ("conv", _CONV),
+    nn.functional.linear: ("linear", _LINEAR),
+    nn.functional.relu: ("relu", _RELU),
+    torch.relu: ("relu", _RELU),
+    nn.functional.max_pool2d: ("maxpool", _POOL),
+    torch.flatten: ("flatten", _FLATTEN),
+    torch.Tensor.flatten: ("flatten", _FLATTEN),
+}
+
+
+class _Recorder(TorchFunctionMode):
+    """The torch functions a forward calls: for a known one its kind, bound arguments and
+    result; None for any other. A mode is this thread's alone (torch.fx's tracer, by contrast,
+    patches nn.Module.__call__ for every thread while it traces, and a simulation trains
+    stacks on several threads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, dict[str, Any], Any] | None] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        known = _FUNCTIONS.get(func)
+        if known is None:
+            self.calls.append(None)
+        else:
+            bound = known[1].bind(*args, **(kwargs or {}))
+            bound.apply_defaults()
+            self.calls.append((known[0], dict(bound.arguments), out))
+        return out
 
 
 def _chain_of(template: nn.Module, spec: ArchSpec) -> tuple[_Layer, ...] | None:
-    """The forward of `template` (of architecture `spec`) as a chain of _Layers (each call
-    taking the one before's output alone), or None: anything else (a branch, an unknown layer)
-    runs vmapped. Traced once per architecture (its class and ArchSpec: 5 ms a trace)."""
+    """The forward of `template` (of architecture `spec`, on the meta device) as a chain of
+    _Layers, or None: anything else runs vmapped. The template runs once on a meta batch, and
+    every torch function it calls is recorded. A chain calls the known layers only, each on
+    the output of the one before (the first on the input), and returns the last one's output;
+    its convolutions take images, its linear layers (B, F), its max-pooling comes after a
+    convolution. Once per architecture (its class and ArchSpec)."""
     key = f"{type(template).__module__}.{type(template).__qualname__}:{spec.model_dump_json()}"
     if key in _CHAINS:
         return _CHAINS[key]
-    chain: tuple[_Layer, ...] | None = None
+    x = torch.empty((2, *spec.input_shape), device="meta")
+    names = {id(p): name for name, p in template.named_parameters()}
+    recorder = _Recorder()
     try:
-        graph = torch.fx.symbolic_trace(template).graph
-    except Exception:  # not traceable: vmap runs it
-        graph = None
-    if graph is not None:
-        layers: list[_Layer] = []
-        previous: torch.fx.Node | None = None
-        spatial = len(spec.input_shape) == 3
-        for node in graph.nodes:
-            if node.op == "placeholder":
-                if previous is not None:
-                    break
-            elif node.op == "output":
-                if node.args == (previous,) and any(x.kind == "linear" for x in layers):
-                    chain = tuple(layers)
-                break
-            else:
-                layer = _layer(node, template, spatial, any(x.kind == "conv" for x in layers))
-                if layer is None or node.args[:1] != (previous,) or len(node.users) != 1:
-                    break
-                spatial = spatial and layer.kind != "flatten"
-                layers.append(layer)
-            previous = node
+        with recorder:
+            out = template(x)
+    except Exception:  # a forward that meta tensors cannot run: vmap runs it
+        out = None
+    layers: list[_Layer] = []
+    previous: Any = x
+    for call in recorder.calls:
+        layer = None if call is None else _layer(call[0], call[1], previous, names, layers)
+        if layer is None or call is None:
+            break
+        layers.append(layer)
+        previous = call[2]
+    whole = len(layers) == len(recorder.calls) and out is previous
+    chain = tuple(layers) if whole and any(x.kind == "linear" for x in layers) else None
     _CHAINS[key] = chain
     return chain
+
+
+def _layer(
+    kind: str,
+    args: dict[str, Any],
+    previous: Any,
+    names: Mapping[int, str],
+    before: Sequence[_Layer],
+) -> _Layer | None:
+    """One recorded call (`args` bound to its signature) as a _Layer, or None when _run_chain
+    cannot run it. Its input must be `previous` (the output of the call before); its weights,
+    parameters of the template (`names`: their names by id)."""
+    x = args["input"]
+    if x is not previous:
+        return None
+    if kind in ("conv", "linear"):
+        weight, bias = names.get(id(args["weight"])), args["bias"]
+        bias_name = None if bias is None else names.get(id(bias))
+        if weight is None or (bias is not None and bias_name is None):
+            return None
+        if kind == "linear":
+            return _Layer("linear", weight, bias_name) if x.dim() == 2 else None
+        if x.dim() != 4 or args["groups"] != 1 or isinstance(args["padding"], str):
+            return None
+        opts = tuple((k, args[k]) for k in ("stride", "padding", "dilation"))
+        return _Layer("conv", weight, bias_name, opts)
+    if kind == "maxpool":
+        if args["return_indices"] or not any(b.kind == "conv" for b in before):
+            return None
+        names_ = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+        return _Layer("maxpool", options=tuple((k, args[k]) for k in names_))
+    if kind == "flatten":
+        return _Layer("flatten") if (args["start_dim"], args["end_dim"]) == (1, -1) else None
+    return _Layer(kind)  # relu
 
 
 def _run_chain(
@@ -201,7 +258,7 @@ def _run_chain(
     h, layout = x, "shared" if shared else "rows"
     for layer in chain:
         if layer.kind == "conv":
-            w, b = params[f"{layer.name}.weight"], params.get(f"{layer.name}.bias")
+            w, b = params[layer.weight], None if layer.bias is None else params[layer.bias]
             if layout == "rows":
                 h = h.transpose(0, 1).flatten(1, 2)
             groups = 1 if layout == "shared" else rows
@@ -209,7 +266,7 @@ def _run_chain(
             h = F.conv2d(h, w.flatten(0, 1), bias, groups=groups, **dict(layer.options))
             layout = "folded"
         elif layer.kind == "linear":
-            w, b = params[f"{layer.name}.weight"], params.get(f"{layer.name}.bias")
+            w, b = params[layer.weight], None if layer.bias is None else params[layer.bias]
             wt = w.transpose(1, 2)  # (R, in, out): the stacked layout in memory (_transposed)
             if layout == "shared":
                 h = h.expand(rows, *h.shape)

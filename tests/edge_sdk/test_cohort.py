@@ -3,6 +3,7 @@ and each gets what its own fit would have given it (to float rounding: a batched
 rounding is not a single one's), whatever the sizes of their data."""
 
 import math
+import threading
 
 import pytest
 import torch
@@ -672,6 +673,60 @@ def test_a_stacked_feed_forward_model_runs_as_one_program_not_row_by_row(family)
 
     # Assert: the stack costs about one model's calls (vmapped, it took 1.6-3x as many)
     assert rows.count < 1.5 * one.count
+
+
+class _Handshake(nn.Module):
+    """A chain whose forward, once `waiting` is set, signals `inside` and waits for `done`
+    (class attributes: shared with the copies a stack makes)."""
+
+    inside, done = threading.Event(), threading.Event()
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+        self.waiting = False
+
+    def forward(self, x):
+        if self.waiting:
+            self.inside.set()
+            assert self.done.wait(10)
+        return self.linear(torch.flatten(x, 1))
+
+
+def test_reading_a_models_chain_leaves_other_threads_models_alone():
+    # Prepare: models whose stack's chain is read while another thread runs a model of its own
+    # (a simulation trains stacks on several threads; torch.fx's tracer would patch every
+    # thread's nn.Module.__call__ while it traced)
+    spec = ArchSpec(family="mlr", num_classes=2, input_shape=(4,))
+    models = [_Handshake(), _Handshake()]
+    for m in models:
+        setattr(m, SPEC_ATTR, spec)
+        m.waiting = True
+    other, x = nn.Linear(3, 2), torch.randn(5, 3)
+    got = {}
+
+    def run_other():
+        assert models[0].inside.wait(10)  # the chain is being read
+        try:
+            got["out"] = other(x)
+        finally:
+            models[0].done.set()
+
+    # Execute: stack them (which reads the chain) while the other thread runs its model
+    thread = threading.Thread(target=run_other)
+    thread.start()
+    stacked = stack_modules(models)
+    thread.join()
+
+    # Assert: the other thread's model computed what it computes; the stack is a chain, and
+    # runs each row as its model
+    assert torch.allclose(got["out"], x @ other.weight.T + other.bias)
+    for m in models:
+        m.waiting = False
+    rows = torch.randn(2, 3, 4)
+    out = stacked(rows)
+    for i, m in enumerate(models):
+        assert torch.allclose(out[i], m(rows[i]), atol=1e-6)
 
 
 # -- through the node and the simulator -------------------------------------------------------
