@@ -181,22 +181,25 @@ class _Recorder(TorchFunctionMode):
 
 
 def _chain_of(template: nn.Module, spec: ArchSpec) -> tuple[_Layer, ...] | None:
-    """The forward of `template` (of architecture `spec`, on the meta device) as a chain of
-    _Layers, or None: anything else runs vmapped. The template runs once on a meta batch, and
-    every torch function it calls is recorded. A chain calls the known layers only, each on
-    the output of the one before (the first on the input), and returns the last one's output;
-    its convolutions take images, its linear layers (B, F), its max-pooling comes after a
-    convolution. Once per architecture (its class and ArchSpec)."""
+    """The forward of `template` (a model of architecture `spec`) as a chain of _Layers, or
+    None: anything else runs vmapped. The template runs once, without gradients, on a batch of
+    two zero inputs, and every torch function it calls is recorded. (Not on the meta device:
+    meta kernels import torch.compile's machinery, 150 MB, which a simulation never loads.) A
+    chain calls the known layers only, each on the output of the one before (the first on the
+    input), and returns the last one's output; its convolutions take images, its linear layers
+    (B, F), its max-pooling comes after a convolution. Once per architecture (its class and
+    ArchSpec)."""
     key = f"{type(template).__module__}.{type(template).__qualname__}:{spec.model_dump_json()}"
     if key in _CHAINS:
         return _CHAINS[key]
-    x = torch.empty((2, *spec.input_shape), device="meta")
+    first = next(template.parameters())
+    x = torch.zeros((2, *spec.input_shape), device=first.device, dtype=first.dtype)
     names = {id(p): name for name, p in template.named_parameters()}
     recorder = _Recorder()
     try:
-        with recorder:
+        with torch.no_grad(), recorder:
             out = template(x)
-    except Exception:  # a forward that meta tensors cannot run: vmap runs it
+    except Exception:  # a forward that cannot run on such a batch: vmap runs it
         out = None
     layers: list[_Layer] = []
     previous: Any = x
@@ -355,7 +358,7 @@ def _stacked(template: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.Modu
     meta.train(template.training)
     spec = getattr(template, SPEC_ATTR, None)
     setattr(shell, SPEC_ATTR, spec)
-    object.__setattr__(shell, _CHAIN, None if spec is None else _chain_of(meta, spec))
+    object.__setattr__(shell, _CHAIN, None if spec is None else _chain_of(template, spec))
     return shell
 
 
