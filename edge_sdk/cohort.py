@@ -204,11 +204,14 @@ def _chain_of(template: nn.Module, spec: ArchSpec) -> tuple[_Layer, ...] | None:
     layers: list[_Layer] = []
     previous: Any = x
     for call in recorder.calls:
-        layer = None if call is None else _layer(call[0], call[1], previous, names, layers)
-        if layer is None or call is None:
+        if call is None:  # a function no layer of a chain calls
+            break
+        kind, args, result = call
+        layer = _layer(kind, args, previous, names, layers)
+        if layer is None:
             break
         layers.append(layer)
-        previous = call[2]
+        previous = result
     whole = len(layers) == len(recorder.calls) and out is previous
     chain = tuple(layers) if whole and any(x.kind == "linear" for x in layers) else None
     _CHAINS[key] = chain
