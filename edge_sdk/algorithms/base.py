@@ -22,16 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, model_validator
 from torch import nn
 
-from edge_sdk.algorithms.guard import (
-    BLEND,
-    FINETUNED,
-    PERSONAL,
-    Candidate,
-    Guard,
-    GuardConfig,
-    Pick,
-    blend,
-)
+from edge_sdk.algorithms.guard import FINETUNED, PERSONAL, Candidate, Guard, GuardConfig, Pick
 from edge_sdk.codec import WireModel, cpu_copies, state_of
 from edge_sdk.peers import Peers
 from edge_sdk.trainer import ClientData, EvalResult, OptimConfig, Score, Trainer
@@ -241,7 +232,11 @@ class ClientAlgorithm(ABC):
                 final[FINETUNED] = tuned
                 assert isinstance(self.config, GuardConfig)
                 if self.config.guard_default == "mixture" and PERSONAL in final:
-                    final = {BLEND: blend(final[PERSONAL], tuned), **final}
+                    w, name, mixed = self.guard.weigh(
+                        final[PERSONAL], tuned, self.config.guard_mix_weights
+                    )
+                    final = {name: mixed, **final}  # first: the default
+                    result.details["guard_mix_weight"] = w
             result.details |= self.guard.decide(rounds, final)
             m = result.metrics
             if m.get("personal_total"):  # the algorithm's own model on the test split, for reports

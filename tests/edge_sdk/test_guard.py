@@ -326,10 +326,53 @@ def _probs(model, x):
         return F.softmax(model(x), 1)
 
 
-def test_the_default_is_the_mixture_of_the_personal_and_the_fine_tuned_global_model():
+def _val_nll(p, q, w, y):
+    """The validation loss of the mixture w·p + (1 − w)·q of two predicted distributions."""
+    rows = torch.arange(len(y))
+    return float(-torch.log(w * p[rows, y] + (1 - w) * q[rows, y]).mean())
+
+
+@pytest.mark.parametrize(
+    ("ft_epochs", "weight", "family", "choice"),
+    [
+        (1, 0.25, "mixture", "personal+finetuned (final, mixture)"),
+        (4, 0.0, "mlr", "finetuned (final, mlr)"),  # one model, not a mixture weighing it 0
+    ],
+)
+def test_the_default_mixes_the_two_with_the_weight_of_lowest_validation_loss(
+    ft_epochs, weight, family, choice
+):
     # Prepare: two rounds, then the final global model (trained by no one: the fine-tuning is
-    # what teaches it this client's data).
-    client = _client(guard_ft_epochs=4, **FT_CFG)
+    # what teaches it this client's data); 8 validation samples.
+    data = _data(n_val=8)
+    client = _client(data=data, guard_ft_epochs=ft_epochs, **FT_CFG)
+    for round_ in (1, 2):
+        client.fit(round_, 2, _glob(round_))
+    own = build(MLP)
+    own.load_state_dict(_copy(client.personal))
+
+    # Execute
+    out = client.finalize(2, 2, _glob(9))
+
+    # Assert: of the weights tried, the one whose mixture of the final personalized model and
+    # the global model fine-tuned here by hand has the lowest validation loss, computed here.
+    tuned = _hand_finetuned(_glob(9)["global"], data, epochs=ft_epochs, lr=0.1)
+    p, q = _probs(own, data.x_val), _probs(tuned, data.x_val)
+    losses = {w: _val_nll(p, q, w, data.y_val) for w in (1.0, 0.75, 0.5, 0.25, 0.0)}
+    assert min(losses, key=losses.__getitem__) == weight
+    assert out.details["guard_mix_weight"] == weight
+    assert out.details["guard_choice"] == choice
+    spec, deployed = client.personalized_model()
+    assert spec.family == family
+    x = torch.cat([data.x_val, data.x_test])
+    want = weight * _probs(own, x) + (1 - weight) * _probs(tuned, x)
+    assert torch.allclose(_probs(deployed, x), want, atol=1e-5)
+
+
+def test_guard_mix_weights_05_is_the_equal_mixture_of_the_personal_and_fine_tuned_model():
+    # Prepare: two rounds, then the final global model (trained by no one: the fine-tuning is
+    # what teaches it this client's data); only the equal weight to try.
+    client = _client(guard_ft_epochs=4, guard_mix_weights=[0.5], **FT_CFG)
     data = client.ctx.data
     for round_ in (1, 2):
         client.fit(round_, 2, _glob(round_))
@@ -381,11 +424,25 @@ def test_a_clearly_better_fine_tuned_model_replaces_the_spoiled_personal_one():
     assert out.details["guard_unguarded_acc"] == 0.25  # what the spoiled model would score
 
 
-def test_the_mixture_is_not_deployed_when_the_personal_model_is_clearly_better():
+@pytest.mark.parametrize(
+    ("weights", "why"),
+    [
+        # Weighed: the mixture's validation loss is lowest with the personalized model alone.
+        (None, "the final personal model, "),
+        # The equal mixture only: it is the default, and the paired evidence replaces it.
+        (
+            [0.5],
+            "personal (final, mlp) on validation, 31/32 (loss 0.304), right on 23 samples the "
+            "final personal+finetuned model, ",
+        ),
+    ],
+)
+def test_the_mixture_is_not_deployed_when_the_personal_model_is_clearly_better(weights, why):
     # Prepare: the final global model predicts class 0 with a bias one fine-tuning step at a
     # tiny rate cannot undo, so the mixture predicts class 0 everywhere; the personalized model
     # learns the separable data from the labels alone (the meme is spoiled every round).
-    client = _client(cls=_Spoiled, alpha=1.0, guard_ft_epochs=1, **FT_CFG)
+    cfg = {} if weights is None else {"guard_mix_weights": weights}
+    client = _client(cls=_Spoiled, alpha=1.0, guard_ft_epochs=1, **cfg, **FT_CFG)
     client.spoil, client.models = None, ("meme",)
     for round_ in (1, 2):
         client.fit(round_, 2, _glob(round_))
@@ -399,23 +456,46 @@ def test_the_mixture_is_not_deployed_when_the_personal_model_is_clearly_better()
     # Assert
     assert client.personalized_model()[1] is client.personal
     assert out.details["guard_choice"] == "personal (final, mlp)"
-    assert "personal+finetuned" in out.details["guard_reason"]
+    assert out.details["guard_reason"].startswith(why)
+    assert out.details["guard_mix_weight"] == (weights or [1.0])[0]
 
 
 def test_a_deployed_mixture_survives_a_restart(tmp_path):
-    client = _client(guard_ft_epochs=2, **FT_CFG)
-    client.fit(1, 1, _glob(1))
-    client.finalize(1, 1, _glob(9))
+    data = _data(n_val=8)
+    client = _client(data=data, guard_ft_epochs=1, **FT_CFG)
+    for round_ in (1, 2):
+        client.fit(round_, 2, _glob(round_))
+    client.finalize(2, 2, _glob(9))
     save_state(tmp_path / "s", client.state_dict())
-    restored = _client(guard_ft_epochs=2, **FT_CFG)
+    restored = _client(data=data, guard_ft_epochs=1, **FT_CFG)
     restored.load_state_dict(load_state(tmp_path / "s"))
     (spec_a, a), (spec_b, b) = client.personalized_model(), restored.personalized_model()
     assert spec_a == spec_b and spec_a.family == "mixture"
+    assert spec_a.kwargs["weights"] not in ([0.5, 0.5], [1.0, 0.0], [0.0, 1.0])  # weighed
     label = "personal+finetuned (final, mixture)"
     assert restored.guard.deployed.label == client.guard.deployed.label == label
     assert restored.personalized_model()[1] is b  # built once, then the same module
     x = client.ctx.data.x_test
     assert torch.equal(_probs(a, x), _probs(b, x))
+
+
+def test_blend_weighs_its_two_candidates_and_refuses_a_weight_of_zero_or_one():
+    a, b = build(MLR, seed=1), build(MLP, seed=2)
+    spec, mixed = blend((MLR, a), (MLP, b), 0.75)
+    assert spec.kwargs["weights"] == [0.75, 0.25]
+    x = torch.randn(5, FEATURES)
+    want = 0.75 * _probs(a, x) + 0.25 * _probs(b, x)
+    assert torch.allclose(_probs(mixed, x), want, atol=1e-6)
+    for weight in (0.0, 1.0):
+        message = f"a blend's weight is strictly between 0 and 1, got {weight}"
+        with raises_exactly(ValueError, message):
+            blend((MLR, a), (MLP, b), weight)
+
+
+@pytest.mark.parametrize("weights", [[], [1.5], [0.5, -0.25]])
+def test_guard_mix_weights_outside_zero_to_one_are_refused(weights):
+    with pytest.raises(ValueError, match="guard_mix_weights"):
+        FMLConfig(guard_mix_weights=weights)
 
 
 def test_blend_flattens_a_mixture_into_its_members_with_halved_weights():
