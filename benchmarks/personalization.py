@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from coordinator.config import load_config, parse_overrides  # noqa: E402
 from coordinator.simulator import simulate  # noqa: E402
+from edge_sdk.algorithms import algorithm_names  # noqa: E402
 from model_zoo.data import load_dataset  # noqa: E402
 from model_zoo.data.base import stratified_indices  # noqa: E402
 
@@ -238,6 +239,13 @@ def _unlabeled(split: Split, seed: int, count: int, out: Path) -> Path:
     return path
 
 
+def _own(config: dict[str, Any], algorithm: str) -> dict[str, Any]:
+    """A run's config without the sections of the algorithms it does not run (their fields,
+    a new guard setting say, change nothing in it: it is not run again for them)."""
+    others = set(algorithm_names()) - {algorithm}
+    return {k: v for k, v in config.items() if k not in others}
+
+
 def run_one(
     split: Split,
     seed: int,
@@ -279,7 +287,7 @@ def run_one(
     config = json.loads(cfg.model_dump_json())
     if path.is_file():  # kept from an earlier run: reused only if it ran this very config
         kept = Run(**json.loads(path.read_text()))
-        if kept.config == config:
+        if kept.config is not None and _own(kept.config, algorithm) == _own(config, algorithm):
             return kept
         logging.info(
             "%s %s seed %d: the kept run's config differs; running it again", tag, split.name, seed

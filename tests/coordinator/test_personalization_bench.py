@@ -110,12 +110,17 @@ def test_a_kept_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch):
     real = bench.simulate
     monkeypatch.setattr(bench, "simulate", lambda cfg, **kw: runs.append(cfg) or real(cfg, **kw))
 
-    # Execute: the same run twice, then on another subset
+    # Execute: the same run twice, once more with another algorithm's field changed (it does
+    # not run), then with its own changed, then on another subset
     first = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN)
     again = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN)
+    not_its_own = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN, {"fml.guard_z": 2})
+    assert len(runs) == 1 and again == first and not_its_own == first
+    bench.run_one(split, 0, "local", size, tmp_path, bench.OWN, {"local.lr": 0.02})
+    assert len(runs) == 2
     other = bench.Split(split.name, split.title, split.flags | {"data.max_samples": 180}, ("mlr",))
     changed = bench.run_one(other, 0, "local", size, tmp_path, bench.OWN)
 
     # Assert
-    assert len(runs) == 2 and again == first
+    assert len(runs) == 3
     assert sum(c["n_test"] for c in changed.clients) < sum(c["n_test"] for c in first.clients)
