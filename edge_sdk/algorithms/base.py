@@ -151,9 +151,9 @@ class ClientAlgorithm(ABC):
     def __init__(self, ctx: ClientContext, config: BaseAlgorithmConfig) -> None:
         self.ctx = ctx
         self.config = config
-        self.guard = Guard(
-            ctx.trainer, ctx.data, config.guard_z if isinstance(config, GuardConfig) else 1.0
-        )
+        # (an algorithm without the guard's fields never consults it: its z is the default)
+        guarded = config if isinstance(config, GuardConfig) else GuardConfig()
+        self.guard = Guard(ctx.trainer, ctx.data, guarded.guard_z)
         self._deployed: tuple[Pick, nn.Module] | None = None  # the guard's pick, built once
 
     @property

@@ -158,9 +158,14 @@ def test_members_whose_fresh_batches_take_several_draws_train_stacked_as_alone(m
 
 
 @pytest.mark.parametrize("algorithm", ["fml", "pfml"])
-def test_the_guards_fine_tune_the_final_model_stacked_as_each_would_alone(algorithm, monkeypatch):
-    # Prepare: two rounds alone and stacked (equal, as above), then a spy on the fine-tuning.
-    alone, stacked = _fits_alike(algorithm, guard_ft_epochs=3)
+@pytest.mark.parametrize("weights", [None, [0.5]])
+def test_the_guards_fine_tune_the_final_model_stacked_as_each_would_alone(
+    algorithm, weights, monkeypatch
+):
+    # Prepare: two rounds alone and stacked (equal, as above), then a spy on the fine-tuning;
+    # the default weighs each member's mixture, [0.5] deploys the fine-tuned weights in each.
+    mix = {} if weights is None else {"guard_mix_weights": weights}
+    alone, stacked = _fits_alike(algorithm, guard_ft_epochs=3, **mix)
     calls = []
     real = ClientAlgorithm.finetune
     monkeypatch.setattr(
@@ -175,19 +180,20 @@ def test_the_guards_fine_tune_the_final_model_stacked_as_each_would_alone(algori
     got = run_stacked(stacked, "finalize", 2, 2, models)
 
     # Assert: one fine-tuning for the whole stack, and every member deploys what it deploys
-    # alone: the same choice, scores, sample count and random stream, the same weights.
-    # Most members deploy the mixture with their fine-tuned model, so its weights are compared.
+    # alone: the same choice (and mixture weight), scores, sample count and random stream, the
+    # same weights. With [0.5], most members deploy the mixture with their fine-tuned model, so
+    # its weights are compared.
     assert len(calls) == len(alone) + 1 and calls[-1] not in stacked
     deployed = []
     for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
-        assert g.details == e.details
+        assert g.details == e.details and "guard_mix_weight" in e.details
         _assert_close(g.metrics, e.metrics, "metrics")
         (spec_a, model_a), (spec_s, model_s) = a.personalized_model(), s.personalized_model()
         assert spec_s == spec_a
         deployed.append(spec_a.family)
         _assert_close(model_s.state_dict(), model_a.state_dict(), "deployed")
         _assert_close(s.state_dict(), a.state_dict(), f"{a.ctx.client_id} state")
-    assert deployed.count("mixture") >= 2, deployed
+    assert weights is None or deployed.count("mixture") >= 2, deployed
 
 
 def test_fine_tuning_that_does_not_stack_runs_per_member_from_the_same_random_state(monkeypatch):
