@@ -337,7 +337,7 @@ def _wtl(ours: Sequence[float], theirs: Sequence[float]) -> str:
 
 # What a client's guard deployed (edge_sdk.algorithms.guard), by the start of its choice's label.
 DEPLOYED = {
-    "mixture": "personal+finetuned (final",  # the default: personalized ⊕ fine-tuned
+    "mixture": "personal+finetuned (final",  # the default's mixture of the two, 0 < w < 1
     "own": "personal (final",  # the algorithm's own final personalized model
     "finetuned": "finetuned (final",  # the federation's final model, fine-tuned
     "other": "",  # an earlier round's model, the meme, the global model...

@@ -283,9 +283,9 @@ class Guard:
         """After the last round: the model to deploy, and the finalize reply's details.
 
         `final` lists the models the client holds now, the default first (its personalized
-        model, or what `weigh` chose). The best of the
-        others and the kept copy replaces it only when the paired evidence is clear (see the
-        module's docstring). `deployed` is the choice, None when it is the personalized model.
+        model, or what `weigh` chose). The best of the others and the kept copy replaces it
+        only when the paired evidence is clear (see the module's docstring). `deployed` is the
+        choice, None when it is the personalized model.
         """
         self.deployed = None
         if not self.active:
