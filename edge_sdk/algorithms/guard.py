@@ -106,6 +106,11 @@ class GuardConfig(BaseModel):
         return weights
 
 
+def _log(w: float) -> float:
+    """log w, −∞ at 0 (a mixture's weight)."""
+    return math.log(w) if w > 0 else -math.inf
+
+
 def blend(a: Candidate, b: Candidate, weight: float = 0.5) -> Candidate:
     """The mixture weight·a + (1 − weight)·b of two candidates' predicted probabilities, as one
     `mixture` model built around the same modules (a mixture's members are taken as members,
@@ -264,10 +269,9 @@ class Guard:
         x, y = self.data.x_val, self.data.y_val[:, None]
         own = F.log_softmax(self.trainer.logits(personal[1], x), 1).gather(1, y)
         other = F.log_softmax(self.trainer.logits(tuned[1], x), 1).gather(1, y)
-        losses = []
-        for w in weights:
-            log_w = torch.tensor([w, 1 - w], device=own.device).log()
-            losses.append(-float(torch.logaddexp(own + log_w[0], other + log_w[1]).mean()))
+        losses = [
+            -float(torch.logaddexp(own + _log(w), other + _log(1 - w)).mean()) for w in weights
+        ]
         best = 0
         for i, loss in enumerate(losses):
             if loss < losses[best] - _LOSS_ROUNDING * max(1.0, abs(losses[best])):

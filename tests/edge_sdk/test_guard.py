@@ -369,6 +369,18 @@ def test_the_default_mixes_the_two_with_the_weight_of_lowest_validation_loss(
     assert torch.allclose(_probs(deployed, x), want, atol=1e-5)
 
 
+def test_on_equal_validation_losses_the_first_weight_wins():
+    # Two copies of one model: every mixture has the same validation loss.
+    client = _client()
+    model = build(MLP, seed=3)
+    twin = build(MLP)
+    twin.load_state_dict(model.state_dict())
+    for weights, name in (([1.0, 0.5, 0.0], "personal"), ([0.0, 0.5, 1.0], "finetuned")):
+        w, chosen, (spec, deployed) = client.guard.weigh((MLP, model), (MLP, twin), weights)
+        assert (w, chosen, spec) == (weights[0], name, MLP)
+        assert deployed is (model if name == "personal" else twin)
+
+
 def test_guard_mix_weights_05_is_the_equal_mixture_of_the_personal_and_fine_tuned_model():
     # Prepare: two rounds, then the final global model (trained by no one: the fine-tuning is
     # what teaches it this client's data); only the equal weight to try.
@@ -419,6 +431,7 @@ def test_a_clearly_better_fine_tuned_model_replaces_the_spoiled_personal_one():
     for k, v in _copy(tuned).items():
         assert torch.allclose(deployed.state_dict()[k], v, atol=1e-5), k
     assert out.details["guard_choice"] == "finetuned (final, mlr)"
+    assert "guard_mix_weight" not in out.details  # the default is its own model: no mixture
     hits = int((_probs(tuned, data.x_test).argmax(1) == data.y_test).sum())
     assert out.metrics["personal_correct"] == hits and hits > len(data.y_test) // 2
     assert out.details["guard_unguarded_acc"] == 0.25  # what the spoiled model would score
