@@ -71,6 +71,11 @@ _REASON_CHARS = 256  # a reply detail's limit
 _LOSS_ROUNDING = 1e-6  # relative: validation losses closer than this are equal
 
 
+def _lower(loss: float, than: float) -> bool:
+    """`loss` is below `than` by more than float rounding (_LOSS_ROUNDING)."""
+    return loss < than - _LOSS_ROUNDING * max(1.0, abs(than))
+
+
 class GuardConfig(BaseModel):
     """The config fields of every algorithm the guard serves."""
 
@@ -182,7 +187,7 @@ class Pick:
             return True
         if self.correct != other.correct:
             return self.correct > other.correct
-        return self.loss < other.loss - _LOSS_ROUNDING * max(1.0, abs(other.loss))
+        return _lower(self.loss, other.loss)
 
     @property
     def label(self) -> str:
@@ -274,7 +279,7 @@ class Guard:
         ]
         best = 0
         for i, loss in enumerate(losses):
-            if loss < losses[best] - _LOSS_ROUNDING * max(1.0, abs(losses[best])):
+            if _lower(loss, losses[best]):
                 best = i
         w = weights[best]
         if w == 1:
