@@ -31,6 +31,9 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -59,6 +62,7 @@ __all__ = [
     "CohortTrainer",
     "CohortUnsupported",
     "PerMember",
+    "release_kept_stacks",
     "run_stacked",
     "stack_modules",
     "unstack_module",
@@ -459,12 +463,19 @@ def _stack_optimizer(
     params = list(module.parameters())
     out: torch.optim.Optimizer = cast(Any, type(opts[0]))(params)
     out.load_state_dict({"state": state, "param_groups": copy.deepcopy(groups)})
-    for p in params:  # buffers in their parameter's memory layout (see _stacked)
+    for p in params:
         entry = out.state.get(p, {})
         for k, v in entry.items():
-            if isinstance(v, torch.Tensor) and v.shape == p.shape and v.stride() != p.stride():
-                entry[k] = torch.empty_like(p).copy_(v)
+            entry[k] = _laid_out_as(p, v)
     return out
+
+
+def _laid_out_as(p: torch.Tensor, v: Any) -> Any:
+    """An optimizer's state value `v` of stacked parameter `p`: a buffer of p's shape in p's
+    memory layout (see _stacked), anything else as it is."""
+    if isinstance(v, torch.Tensor) and v.shape == p.shape and v.stride() != p.stride():
+        return torch.empty_like(p).copy_(v)
+    return v
 
 
 def _stack_entry(values: list[Any]) -> Any:
@@ -624,6 +635,179 @@ def _split_result(result: FitResult, n: int) -> list[FitResult]:
     ]
 
 
+# -- stacks kept from round to round ----------------------------------------------------------
+# A stack built anew every round has new tensors, so its captured step (CUDA) was warmed up and
+# captured again every round. Where the trainer captures, a fit's stack is kept for the same
+# members' next fit instead, and its tensors are refilled in place from the members' state: the
+# step, kept by the stack's trainer (Trainer.run's keep), then replays from its first batch.
+# Each kept stack holds a copy of its members' state and its graphs' memory: a few per process.
+_KEPT_STACKS = 8
+
+
+@dataclass
+class _KeptStack:
+    members: list[weakref.ref[ClientAlgorithm]]
+    stacked: ClientAlgorithm
+
+
+_kept_stacks: OrderedDict[tuple[Any, ...], _KeptStack] = OrderedDict()
+_kept_lock = threading.Lock()
+
+
+def release_kept_stacks() -> None:
+    """Let go of every kept stack (and the memory of its captured steps): after a stack ran
+    out of GPU memory."""
+    with _kept_lock:
+        _kept_stacks.clear()
+
+
+def _stack_key(members: Sequence[ClientAlgorithm]) -> tuple[Any, ...]:
+    return (type(members[0]), *map(id, members))
+
+
+def _take_kept(members: Sequence[ClientAlgorithm]) -> ClientAlgorithm | None:
+    """The stack these very members (in this order) trained in last, taken out of the keep
+    while it is in use; None if there is none."""
+    with _kept_lock:
+        kept = _kept_stacks.pop(_stack_key(members), None)
+    if kept is None or any(r() is not a for r, a in zip(kept.members, members, strict=True)):
+        return None  # (an id reused by another object)
+    return kept.stacked
+
+
+def _put_kept(members: Sequence[ClientAlgorithm], stacked: ClientAlgorithm) -> None:
+    with _kept_lock:
+        key = _stack_key(members)
+        _kept_stacks[key] = _KeptStack([weakref.ref(a) for a in members], stacked)
+        _kept_stacks.move_to_end(key)
+        while len(_kept_stacks) > _KEPT_STACKS:
+            _kept_stacks.popitem(last=False)
+
+
+def _refill(
+    stacked: ClientAlgorithm, members: Sequence[ClientAlgorithm], masked: bool | None
+) -> bool:
+    """Make a kept stack the members' as they are now, in place where the shapes allow: its
+    persistent state stacked from theirs as `_stack_state` stacks it, everything else per
+    round started afresh (but for the algorithm's `restarted` attributes). False where the
+    stack no longer fits them (another config, context or trainer): a new one is built."""
+    first, ctx = members[0], cast(CohortContext, stacked.ctx)
+    trainer = cast(CohortTrainer, ctx.trainer)
+    if (
+        first.config != stacked.config
+        or trainer.masked != (trainer.graphs if masked is None else masked)
+        or any(c is not a.ctx for c, a in zip(ctx.members, members, strict=True))
+        or any(t is not a.ctx.trainer for t, a in zip(trainer.members, members, strict=True))
+    ):
+        return False
+    cls = type(first)
+    kept = {"ctx", *cls.persistent, *cls.restarted}
+    for name in [n for n in vars(stacked) if n not in kept]:
+        delattr(stacked, name)
+    ctx.task = first.ctx.task
+    ctx.data = StackedData.of([a.ctx.data for a in members])
+    ClientAlgorithm.__init__(stacked, ctx, first.config)
+    for name in cls.persistent:
+        setattr(stacked, name, _restack_state(name, members, stacked))
+    return True
+
+
+def _restack_state(name: str, members: Sequence[ClientAlgorithm], stacked: ClientAlgorithm) -> Any:
+    """`_stack_state`, written into the kept stack's own module or optimizer where it fits."""
+    old, values = getattr(stacked, name), [getattr(a, name) for a in members]
+    if isinstance(old, nn.Module) and all(isinstance(v, nn.Module) for v in values):
+        if _refill_module(old, values):
+            return old
+    elif isinstance(old, torch.optim.Optimizer) and all(
+        isinstance(v, torch.optim.Optimizer) for v in values
+    ):
+        module = getattr(stacked, _owner(values[0], members[0]))
+        if _refill_optimizer(old, values, list(module.parameters())):
+            return old
+    return _stack_state(name, members, stacked)
+
+
+def _refill_module(stacked: nn.Module, modules: Sequence[nn.Module]) -> bool:
+    """Each stacked parameter overwritten with the members' (`stack_modules`'s rows), where
+    the members are still of its architecture and its shapes."""
+    first = modules[0]
+    spec = getattr(stacked, SPEC_ATTR, None)
+    if type(stacked) is not _stacked_class(type(first)) or any(
+        getattr(m, SPEC_ATTR, None) != spec or type(m) is not type(first) for m in modules
+    ):
+        return False
+    _check_stackable(first)
+    params = dict(stacked.named_parameters())
+    rows: dict[str, list[torch.Tensor]] = {}
+    for name, p in first.named_parameters():
+        rows[name] = [m.get_parameter(name) for m in modules]
+        target = params.get(name)
+        if (
+            target is None
+            or target.requires_grad != p.requires_grad
+            or any(r.shape != target.shape[1:] or r.dtype != target.dtype for r in rows[name])
+        ):
+            return False
+    if rows.keys() != params.keys():
+        return False
+    with torch.no_grad():
+        for name, target in params.items():
+            torch.stack(rows[name], out=target)
+    stacked.train(first.training)
+    return True
+
+
+def _refill_optimizer(
+    stacked: torch.optim.Optimizer, opts: Sequence[torch.optim.Optimizer], params: list[Any]
+) -> bool:
+    """The members' optimizer state stacked into the kept optimizer's own tensors (its state
+    as `_stack_optimizer` would build it), where it steps `params` and the shapes fit."""
+    saved = [o.state_dict() for o in opts]
+    groups = saved[0]["param_groups"]
+    if (
+        type(stacked) is not type(opts[0])
+        or len(groups) != 1
+        or len(stacked.param_groups) != 1
+        or any(s["param_groups"] != groups for s in saved)
+        or len(stacked.param_groups[0]["params"]) != len(params)
+        or any(a is not b for a, b in zip(stacked.param_groups[0]["params"], params, strict=True))
+    ):
+        return False
+    state: dict[Any, dict[str, Any]] = {}
+    for index, p in enumerate(params):
+        rows = [s["state"].get(index) for s in saved]
+        if all(r is None for r in rows):
+            continue
+        if any(r is None or r.keys() != rows[0].keys() for r in rows):
+            return False
+        own = stacked.state.get(p, {})
+        state[p] = {}
+        for k in rows[0]:
+            values, have = [r[k] for r in rows], own.get(k)
+            first = values[0]
+            if isinstance(first, torch.Tensor) and first.dim():
+                shape = (len(values), *first.shape)
+                if isinstance(have, torch.Tensor) and have.shape == shape:
+                    with torch.no_grad():
+                        state[p][k] = torch.stack(values, out=have)
+                else:
+                    state[p][k] = _laid_out_as(p, torch.stack(values))
+            elif not all(bool(v == first) for v in values):
+                return False  # step counts that differ: _stack_optimizer refuses them
+            elif isinstance(first, torch.Tensor) and isinstance(have, torch.Tensor):
+                state[p][k] = have.copy_(first) if have.shape == first.shape else first.clone()
+            else:
+                state[p][k] = first.clone() if isinstance(first, torch.Tensor) else first
+    if any(len(s["state"]) != len(state) for s in saved):
+        return False
+    stacked.state.clear()
+    stacked.state.update(state)
+    stacked.param_groups[0].update(
+        {k: copy.deepcopy(v) for k, v in groups[0].items() if k != "params"}
+    )
+    return True
+
+
 def run_stacked(
     algos: Sequence[ClientAlgorithm],
     phase: str,
@@ -632,11 +816,14 @@ def run_stacked(
     models: Sequence[Mapping[str, WireModel]],
     *,
     masked: bool | None = None,
+    keep: bool | None = None,
 ) -> list[FitResult]:
     """Run the `phase` ("fit", "evaluate" or "finalize") of all `algos` (same class, config and
     architecture) once, on stacked state, then give every member its row back (results in the
     order of `algos`). Raises CohortUnsupported, or the stacked phase's error, with every member
-    as it was. `masked`: see CohortTrainer (default: on CUDA)."""
+    as it was. `masked`: see CohortTrainer (default: on CUDA). `keep`: keep a fit's stack for
+    the same members' next fit, refilled in place (default: where the trainer captures CUDA
+    graphs, whose captured step it keeps too)."""
     first = algos[0]
     cls = type(first)
     if not cls.stackable:
@@ -644,11 +831,14 @@ def run_stacked(
     # Longest epochs first: then the members still training at any step are a prefix.
     order = sorted(range(len(algos)), key=lambda i: -algos[i].ctx.data.n_train)
     members = [algos[i] for i in order]
-    ctx = _cohort_context([a.ctx for a in members], first.ctx.task, masked)
-    stacked = cls.__new__(cls)
-    ClientAlgorithm.__init__(stacked, ctx, first.config)
-    for name in cls.persistent:
-        setattr(stacked, name, _stack_state(name, members, stacked))
+    keep = phase == "fit" and (first.ctx.trainer.graphs if keep is None else keep)
+    stacked = _take_kept(members) if keep else None
+    if stacked is None or not _refill(stacked, members, masked):
+        ctx = _cohort_context([a.ctx for a in members], first.ctx.task, masked)
+        stacked = cls.__new__(cls)
+        ClientAlgorithm.__init__(stacked, ctx, first.config)
+        for name in cls.persistent:
+            setattr(stacked, name, _stack_state(name, members, stacked))
     incoming = _stack_models([models[i] for i in order])
     rngs = [(a.ctx.trainer.generator.get_state(), a.ctx.trainer.samples) for a in members]
     try:
@@ -666,6 +856,8 @@ def run_stacked(
     if phase != "evaluate":  # evaluation changes no state
         for name in cls.persistent:
             _unstack_state(name, stacked, members)
+    if keep:
+        _put_kept(members, stacked)
     rows = _split_result(result, len(members))
     tuned: list[Candidate | None] = [None] * len(members)
     if phase == "finalize" and all(a.finetunes for a in members):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edge_sdk.graphs import StepRunner
+from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.losses import StackedBatch, stacked_batch
 from edge_sdk.trainer import (
     ClientData,
@@ -207,6 +208,7 @@ class CohortTrainer(Trainer):
         self._stepping: _Stepping | None = None
         self._uneven = False  # the current loop's members take different numbers of steps
         self.stats = first.stats  # not used: each member's own stats are counted
+        self._kept: OrderedDict[Any, StepRunner] = OrderedDict()  # see Trainer.run's keep
 
     @property
     def size(self) -> int:
@@ -326,10 +328,12 @@ class CohortTrainer(Trainer):
         keep: Sequence[object] = (),
     ) -> list[Any]:
         """`Trainer.run` for the stack: the step runs once per stacked batch for the members
-        taking it; each value's mean is per member, over the steps it took. Nothing is kept
-        (`keep` is not used): a stack's tensors are new every round."""
+        taking it; each value's mean is per member, over the steps it took. A captured step
+        is kept as `Trainer.run` keeps it, for a stack kept from round to round
+        (`edge_sdk.cohort.run_stacked`), whose tensors stay where they are."""
         n = self.size
-        runner = StepRunner(self._stepper(step), capture=self.graphs)
+        runner, key = self._runner(self._stepper(step), keep)
+        graphs = runner.graphs
         sums = torch.zeros(values, n, device=self.device)
         taken, replayed = [0] * n, [0] * n
         for batch in batches:
@@ -350,7 +354,9 @@ class CohortTrainer(Trainer):
             t.stats.steps += k
             t.stats.stacked += k
             t.stats.replayed += r
-        self.members[0].stats.graphs += runner.graphs  # the stack's graphs, counted once
+        self.members[0].stats.graphs += runner.graphs - graphs  # the stack's, counted once
+        if key is not None and runner.graphs:
+            self._keep(footprint(*keep), runner)
         means = (sums / torch.tensor(taken, device=self.device).clamp(min=1)).tolist()
         for row in means:
             _check_finite([v for v, k in zip(row, taken, strict=True) if k])

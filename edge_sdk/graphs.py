@@ -29,6 +29,7 @@ again (about 20 ms a round for one cnn2 client's FML step, benchmarks/gpu_round.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,8 @@ from typing import Any
 import torch
 
 __all__ = ["StepRunner", "footprint"]
+
+log = logging.getLogger(__name__)
 
 Step = Callable[..., Sequence[torch.Tensor]]
 
@@ -49,12 +52,14 @@ class _Unkept(Exception):
 
 
 def footprint(*things: object) -> tuple[Any, ...] | None:
-    """What a captured step bakes in of `things`, the modules, optimizers and plain values
-    (numbers, strings, None) it reads: equal footprints, equal replays.
+    """What a captured step bakes in of `things`, the modules, optimizers, tensors and plain
+    values (numbers, strings, None) it reads: equal footprints, equal replays.
 
     A module counts with its class, its modules' modes (train or eval) and the address, shape,
     layout and `requires_grad` of every parameter and buffer; an optimizer with its class, its
-    settings (learning rate, momentum, ...) and the address of each parameter and state tensor.
+    settings (learning rate, momentum, ...) and the address of each parameter and state tensor;
+    a tensor (a stack's per-member loss weights) with its address, shape and layout, as a
+    replay reads whatever it holds then.
     A parameter given new memory, an optimizer given new state or another learning rate, a
     value changed: another footprint. None where something cannot be told apart by value (a
     tensor among the settings, another kind of object): such a step is not kept.
@@ -84,6 +89,8 @@ def _footprint(thing: object) -> Any:
             for k, v in sorted(entry.items())
         )
         return (type(thing), groups, state)
+    if isinstance(thing, torch.Tensor):
+        return _where(thing)
     return _value(thing)
 
 
@@ -121,6 +128,7 @@ class StepRunner:
         self.eager = 0  # steps run eagerly
         self.replayed = 0  # steps replayed from a graph
         self.last_replayed = False
+        self.failed: str | None = None  # why a capture failed (the runner then runs eagerly)
 
     @property
     def graphs(self) -> int:
@@ -138,7 +146,10 @@ class StepRunner:
             self._seen[key] = seen + 1
             if seen < self.warmup:
                 return self._side_stream(inputs)
-            captured = self._graphs[key] = self._capture(inputs)
+            try:
+                captured = self._graphs[key] = self._capture(inputs)
+            except RuntimeError as exc:  # torch.AcceleratorError among them
+                return self._uncaptured(inputs, exc)
         for static, t in zip(captured.inputs, inputs, strict=True):
             if static is not None and t is not None:
                 static.copy_(t)
@@ -156,6 +167,24 @@ class StepRunner:
             out = tuple(self.step(*inputs))
         torch.cuda.current_stream().wait_stream(side)
         return out
+
+    def _uncaptured(
+        self, inputs: Sequence[torch.Tensor | None], exc: BaseException
+    ) -> tuple[torch.Tensor, ...]:
+        """After a failed capture: this step and every later one eagerly, said once in the log.
+        A capture runs nothing (its kernels are recorded, not launched), so the batch it was
+        given has not been trained on: it runs now. Measured on an H100 (torch 2.11, CUDA 13):
+        cuBLASLt failed a linear layer's kernel inside one capture of many
+        (CUBLAS_STATUS_EXECUTION_FAILED), which would otherwise have ended the client's task."""
+        self.capture = False
+        self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        log.warning(
+            "a training step could not be captured in a CUDA graph (%s); it runs eagerly",
+            self.failed,
+        )
+        torch.cuda.synchronize()
+        self.eager += 1
+        return tuple(self.step(*inputs))
 
     def _capture(self, inputs: Sequence[torch.Tensor | None]) -> _Captured:
         """Record the step on static copies of `inputs` (recording runs nothing: the caller

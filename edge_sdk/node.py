@@ -38,7 +38,7 @@ from edge_sdk.algorithms import (
     algorithm_names,
 )
 from edge_sdk.codec import WireModel
-from edge_sdk.cohort import CohortUnsupported, run_stacked
+from edge_sdk.cohort import CohortUnsupported, release_kept_stacks, run_stacked
 from edge_sdk.device import precision
 from edge_sdk.peers import Peers
 from edge_sdk.protocol import Capabilities, Phase
@@ -402,6 +402,7 @@ def _stacked(
             half = len(chunk) // 2
             _STACK_LIMIT[key] = half
             log.info("a stack of %d clients ran out of memory; stacks of %d", len(chunk), half)
+            release_kept_stacks()
             if first.ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
             pending[:0] = [chunk[:half], chunk[half:]]

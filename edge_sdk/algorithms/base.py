@@ -147,6 +147,11 @@ class ClientAlgorithm(ABC):
     # trainer.sample_batch, takes gradients with trainer.value_and_grad, averages with
     # trainer.average and updates elementwise.
     stackable: ClassVar[bool] = False
+    # Per-round attributes (not persistent) that `train_round` restarts in place rather than
+    # builds anew (Trainer.fresh_optimizer's optimizers): a stack of clients kept from round to
+    # round (edge_sdk.cohort) carries them into its next round, so that their tensors, and the
+    # captured step that reads them, stay. Every other per-round attribute starts afresh.
+    restarted: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: ClientContext, config: BaseAlgorithmConfig) -> None:
         self.ctx = ctx

@@ -35,6 +35,7 @@ class FedAvg(ClientAlgorithm):
     config: FedAvgConfig
     persistent: ClassVar[tuple[str, ...]] = ("model",)
     stackable = True
+    restarted = ("opt",)
     opt: torch.optim.Optimizer | None = None  # per round, not persistent
 
     def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:

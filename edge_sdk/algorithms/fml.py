@@ -72,7 +72,9 @@ class FML(ClientAlgorithm):
     stackable = True
     config_cls = FMLConfig
     config: FMLConfig
+    restarted = ("opt_meme", "alpha_rows")
     opt_meme: torch.optim.Optimizer | None = None  # per round, not persistent
+    alpha_rows: torch.Tensor | None = None  # a stack's per-member α, rewritten in place
 
     def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
         super().__init__(ctx, config)
@@ -142,9 +144,14 @@ class FML(ClientAlgorithm):
         if self.config.alpha_gate == "off":
             return alpha
         gate = self._teaches(meme, self.personal)
-        if isinstance(gate, torch.Tensor):
-            return torch.where(gate > 0, alpha, 1.0)
-        return alpha if gate else 1.0
+        if not isinstance(gate, torch.Tensor):
+            return alpha if gate else 1.0
+        rows = torch.where(gate > 0, alpha, 1.0)
+        kept = self.alpha_rows  # the same tensor from round to round: a captured step reads it
+        if kept is not None and kept.shape == rows.shape and kept.device == rows.device:
+            return kept.copy_(rows)
+        self.alpha_rows = rows
+        return rows
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
         out = self._scores("personal", self.personal)

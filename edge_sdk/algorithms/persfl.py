@@ -154,6 +154,7 @@ class PersFL(ClientAlgorithm):
     name = "persfl"
     config_cls = PersFLConfig
     config: PersFLConfig
+    restarted = ("opt",)
     opt: torch.optim.Optimizer | None = None  # stage 1's, per round, not persistent
     persistent = (
         "model",

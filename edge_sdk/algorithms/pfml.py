@@ -123,13 +123,46 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def _layout(t: torch.Tensor) -> tuple[object, ...]:
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def _copied(kept: list[torch.Tensor] | None, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Detached copies of `params`: written into `kept` when it holds tensors laid out as they
+    are, else new ones."""
+    with torch.no_grad():
+        values = [p.detach() for p in params]
+        if kept is not None and [_layout(k) for k in kept] == [_layout(v) for v in values]:
+            torch._foreach_copy_(kept, values)
+            return kept
+        return [v.clone() for v in values]
+
+
+def _shaped_as(kept: nn.Module | None, model: nn.Module) -> nn.Module:
+    """A model of `model`'s kind and parameter layout: `kept` when it is one, else a copy."""
+    if (
+        kept is not None
+        and type(kept) is type(model)
+        and [_layout(p) for p in kept.parameters()] == [_layout(p) for p in model.parameters()]
+    ):
+        return kept.train(model.training)
+    return copy.deepcopy(model)
+
+
 @register_algorithm
 class PFML(ClientAlgorithm):
     name = "pfml"
     persistent = ("local", "aux")
     stackable = True
+    # The round's anchors and work models, rewritten in place from round to round: a device's
+    # (or a kept stack's) captured step reads them.
+    restarted = ("anchor_local", "anchor_aux", "work_local", "work_aux")
     config_cls = PFMLConfig
     config: PFMLConfig
+    anchor_local: list[torch.Tensor] | None = None
+    anchor_aux: list[torch.Tensor] | None = None
+    work_local: nn.Module | None = None
+    work_aux: nn.Module | None = None
 
     def __init__(self, ctx: ClientContext, config: BaseAlgorithmConfig) -> None:
         super().__init__(ctx, config)
@@ -201,9 +234,11 @@ class PFML(ClientAlgorithm):
         local, aux = self.local, self.aux
         local.train()
         aux.train()
-        w_global = [p.detach().clone() for p in _params(local)]
-        m_prev = [p.detach().clone() for p in _params(aux)]
-        theta_net, w_hat_net = copy.deepcopy(aux), copy.deepcopy(local)
+        w_global = self.anchor_local = _copied(self.anchor_local, _params(local))
+        m_prev = self.anchor_aux = _copied(self.anchor_aux, _params(aux))
+        # (what the work models hold does not matter: each inner loop starts from a copy)
+        theta_net = self.work_aux = _shaped_as(self.work_aux, aux)
+        w_hat_net = self.work_local = _shaped_as(self.work_local, local)
         params = _params(aux) + _params(local)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor]:
@@ -221,7 +256,8 @@ class PFML(ClientAlgorithm):
         batches = trainer.fresh_batches(
             data.x_train, data.y_train, cfg.batch_size, self.iterations()
         )
-        (loss,) = trainer.run(step, batches)
+        keep = (aux, local, theta_net, w_hat_net, *w_global, *m_prev, eta, lam, cfg.k_steps)
+        (loss,) = trainer.run(step, batches, keep=keep)
         return FitResult(
             models={"local": WireModel.of(glob.spec, local)},
             metrics={"train_loss": loss},

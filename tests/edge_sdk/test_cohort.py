@@ -4,6 +4,7 @@ rounding is not a single one's), whatever the sizes of their data."""
 
 import math
 import threading
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from tests_helpers import tiny_config
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import edge_sdk.cohort as cohort
 import edge_sdk.cohort_trainer as cohort_trainer
 import edge_sdk.node as node_mod
 from coordinator.federation import prepare_federation
@@ -126,16 +128,21 @@ def _fits_alike(algorithm, *, masked=False, rounds=2, **kw):
         models = _models(algorithm, spec, len(alone))
         expected = [a.fit(round_, rounds, m) for a, m in zip(alone, models, strict=True)]
         got = run_stacked(stacked, "fit", round_, rounds, models, masked=masked)
-        for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
-            assert g.n_samples == e.n_samples
-            _assert_close(g.metrics, e.metrics, "metrics")
-            _assert_close(
-                {k: w.weights for k, w in g.models.items()},
-                {k: w.weights for k, w in e.models.items()},
-                "models",
-            )
-            _assert_close(s.state_dict(), a.state_dict(), f"{a.ctx.client_id} state")
+        _assert_alike(expected, got, alone, stacked)
     return alone, stacked
+
+
+def _assert_alike(expected, got, alone, stacked):
+    """Each stacked client's replies, state and random stream equal its own alone."""
+    for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
+        assert g.n_samples == e.n_samples
+        _assert_close(g.metrics, e.metrics, "metrics")
+        _assert_close(
+            {k: w.weights for k, w in g.models.items()},
+            {k: w.weights for k, w in e.models.items()},
+            "models",
+        )
+        _assert_close(s.state_dict(), a.state_dict(), f"{a.ctx.client_id} state")
 
 
 # -- every stackable algorithm: stacked = client by client -------------------------------------
@@ -146,6 +153,65 @@ def test_a_stacked_fit_gives_each_client_what_its_own_fit_gives(algorithm, maske
     # take 4, 6 and 1 steps an epoch, each with a short last batch; two rounds, so what
     # persists (momentum, the auxiliary model) carries over stacked as it does alone
     _fits_alike(algorithm, masked=masked)
+
+
+def _kept_tensors():
+    """The kept stacks, each with the addresses of its models' parameters and its optimizers'
+    state tensors."""
+    out = []
+    for kept in cohort._kept_stacks.values():
+        s, ptrs = kept.stacked, []
+        for name in type(s).persistent:
+            value = getattr(s, name)
+            if isinstance(value, nn.Module):
+                ptrs += [p.data_ptr() for p in value.parameters()]
+            elif isinstance(value, torch.optim.Optimizer):
+                ptrs += [
+                    t.data_ptr() for st in value.state.values() for t in st.values() if t.dim()
+                ]
+        out.append((s, ptrs))
+    return out
+
+
+def _halve(value):
+    """A model's parameters or an optimizer's state tensors, halved in place."""
+    with torch.no_grad():
+        if isinstance(value, nn.Module):
+            torch._foreach_mul_(list(value.parameters()), 0.5)
+        elif isinstance(value, torch.optim.Optimizer):
+            for state in value.state.values():
+                for t in state.values():
+                    if t.dim():
+                        t.mul_(0.5)
+
+
+@pytest.mark.parametrize("algorithm", sorted(SETTINGS))
+def test_a_stack_kept_from_round_to_round_trains_each_client_as_alone(algorithm, monkeypatch):
+    # Prepare: the same clients alone and stacked, the stack masked and kept (as on CUDA)
+    monkeypatch.setattr(cohort, "_kept_stacks", OrderedDict())
+    spec, alone = _clients(algorithm)
+    _, stacked = _clients(algorithm)
+    kept = []
+
+    # Execute: three rounds; before the third, one member's models and optimizer state are
+    # changed (as a rollback or a restore replaces its state), in both twins
+    for round_ in (1, 2, 3):
+        if round_ == 3:
+            for clients in (alone, stacked):
+                for name in type(clients[0]).persistent:
+                    _halve(getattr(clients[0], name))
+        models = _models(algorithm, spec, len(alone))
+        expected = [a.fit(round_, 3, m) for a, m in zip(alone, models, strict=True)]
+        got = run_stacked(stacked, "fit", round_, 3, models, masked=True, keep=True)
+        kept.append(_kept_tensors())
+
+        # Assert: every round as client by client
+        _assert_alike(expected, got, alone, stacked)
+
+    # Assert: one stack, its tensors where they were in every later round
+    assert [len(k) for k in kept] == [1, 1, 1]
+    (s1, p1), (s2, p2), (s3, p3) = (k[0] for k in kept)
+    assert s1 is s2 is s3 and p1 == p2 == p3 and p1
 
 
 def test_members_whose_fresh_batches_take_several_draws_train_stacked_as_alone(monkeypatch):
@@ -625,7 +691,7 @@ FEED_FORWARD = {  # family: (input shape, options): every layer kind a chain run
 }
 
 
-def _stack_of(family, n=3):
+def _stack_of(family, n=3, device="cpu"):
     if family == "residual":
         spec = ArchSpec(family="mlr", num_classes=3, input_shape=(6,))
         models = [_Residual() for _ in range(n)]
@@ -638,15 +704,25 @@ def _stack_of(family, n=3):
         models = [build(spec, seed=i) for i in range(n)]
     for m in models:
         setattr(m, SPEC_ATTR, spec)
+        m.to(device)
     return spec, models, stack_modules(models)
 
 
+CUDA = pytest.param(
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("family", [*FEED_FORWARD, "residual"])
-def test_every_row_of_a_stacked_model_computes_what_its_model_computes(family):
-    # Prepare: three models of one architecture, their stack, a batch of 4 per row
-    spec, models, stacked = _stack_of(family)
-    x = torch.randn(3, 4, *spec.input_shape, generator=torch.Generator().manual_seed(0))
-    weights = torch.randn(3, 4, 3, generator=torch.Generator().manual_seed(1))
+def test_every_row_of_a_stacked_model_computes_what_its_model_computes(family, device, monkeypatch):
+    # Prepare: three models of one architecture, their stack, a batch of 4 per row (on CUDA in
+    # full fp32: cuDNN's TF32 would round a grouped and a single convolution differently)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    spec, models, stacked = _stack_of(family, device=device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, *spec.input_shape, generator=g).to(device)
+    weights = torch.randn(3, 4, 3, generator=g).to(device)
 
     # Execute: every row on its own input (and its gradient), a prefix of two rows, one input
     # shared by every row
@@ -811,11 +887,13 @@ def test_a_member_whose_task_lacks_the_global_model_gets_its_own_error():
 
 
 def test_a_stack_that_runs_out_of_memory_trains_in_halves(stacked_fits, monkeypatch):
-    # Prepare: a stack of four fails as a GPU out of memory would; two fit
+    # Prepare: a stack of four fails as a GPU out of memory would; two fit. A stack kept
+    # from an earlier round holds memory
     spec, alone = _clients("fml", sizes=(20, 18, 16, 14))
     _, stacked = _clients("fml", sizes=(20, 18, 16, 14))
     models = _models("fml", spec, 4)
     real = node_mod.run_stacked
+    monkeypatch.setattr(cohort, "_kept_stacks", OrderedDict(earlier=object()))
 
     def small_memory(algos, *args, **kw):
         if len(algos) > 2:
@@ -828,10 +906,12 @@ def test_a_stack_that_runs_out_of_memory_trains_in_halves(stacked_fits, monkeypa
     expected = [a.fit(1, 2, m) for a, m in zip(alone, models, strict=True)]
     got = _together(stacked, models)
 
-    # Assert: every client trained, stacked two by two, with its own result
+    # Assert: every client trained, stacked two by two, with its own result; the kept
+    # stack let go
     for e, g in zip(expected, got, strict=True):
         _assert_close(g.metrics, e.metrics)
         _assert_close(g.models["meme"].weights, e.models["meme"].weights)
+    assert not cohort._kept_stacks
 
 
 def test_simulated_pfml_trains_stacked_with_the_results_of_one_client_at_a_time(stacked_fits):

@@ -5,16 +5,19 @@ The capture itself needs a GPU; what it relies on is checked on the CPU: a step 
 value on the host (`.item()`, `float(t)`, `if t:`) could not be captured and would wait for the
 device every step."""
 
+from collections import OrderedDict
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import edge_sdk.cohort as cohort
 import edge_sdk.graphs as graphs_mod
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.algorithms.base import ClientContext
 from edge_sdk.codec import WireModel
 from edge_sdk.cohort import run_stacked
-from edge_sdk.graphs import footprint
+from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.optim import SGD, restart
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec, build
@@ -44,8 +47,20 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _clients(algorithm, device, sizes=(30, 21, 5), epochs=None, amp=True, graphs=None, **overrides):
-    spec = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=(FEATURES,))
+SHAPES = {"mlp": (FEATURES,), "lenet5": (1, 12, 12)}  # a stack of lenet5 runs grouped convolutions
+
+
+def _clients(
+    algorithm,
+    device,
+    sizes=(30, 21, 5),
+    epochs=None,
+    amp=True,
+    graphs=None,
+    family="mlp",
+    **overrides,
+):
+    spec = ArchSpec(family=family, num_classes=CLASSES, input_shape=SHAPES[family])
     cls = algorithm_class(algorithm)
     settings = SETTINGS[algorithm] | ({"local_epochs": epochs} if epochs else {}) | overrides
     if "guard" in cls.config_cls.model_fields:
@@ -56,7 +71,7 @@ def _clients(algorithm, device, sizes=(30, 21, 5), epochs=None, amp=True, graphs
     out = []
     for i, n in enumerate(sizes):
         g = torch.Generator().manual_seed(10 + i)
-        x = torch.randn(n + 12, FEATURES, generator=g)
+        x = torch.randn(n + 12, *spec.input_shape, generator=g)
         y = torch.randint(0, CLASSES, (n + 12,), generator=g)
         data = ClientData(x[:n], y[:n], x[n:], y[n:], x[n:], y[n:], num_classes=CLASSES)
         data = data.to(device)
@@ -169,19 +184,23 @@ def test_a_footprint_changes_with_what_a_captured_step_reads(change):
 
 
 def test_a_footprint_stays_through_in_place_updates_and_names_what_it_cannot_tell_apart():
-    # Prepare
+    # Prepare: a model, its optimizer, plain values and a tensor of loss weights
     model, opt = _net()
-    before = footprint(model, opt, 0.5, "kl")
+    weights = torch.tensor([0.5, 1.0])
+    before = footprint(model, opt, 0.5, "kl", weights)
 
-    # Execute: what a round does in place (new weights loaded, the optimizer restarted)
+    # Execute: what a round does in place (new weights loaded, the optimizer restarted, the
+    # loss weights rewritten)
     model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()})
     restart(opt)
     opt.param_groups[0]["lr"] = 0.1
+    weights.copy_(torch.tensor([1.0, 0.5]))
 
-    # Assert
-    assert footprint(model, opt, 0.5, "kl") == before
-    assert footprint(model, opt, 0.25, "kl") != before  # a plain value the step bakes in
-    assert footprint(model, torch.tensor(0.5)) is None  # a tensor: its value is not seen
+    # Assert: a tensor counts by where it is (a replay reads what it holds then), a plain
+    # value by its value
+    assert footprint(model, opt, 0.5, "kl", weights) == before
+    assert footprint(model, opt, 0.25, "kl", weights) != before
+    assert footprint(model, opt, 0.5, "kl", weights.clone()) != before
     assert footprint(object()) is None
     opt.param_groups[0]["lr"] = torch.tensor(0.1)
     assert footprint(model, opt) is None
@@ -223,14 +242,18 @@ def test_a_captured_fit_trains_as_an_eager_one(algorithm):
 
 
 @cuda
+@pytest.mark.parametrize("family", list(SHAPES))
 @pytest.mark.parametrize("algorithm", ["fml", "pfml", "local"])
-def test_a_captured_stack_on_cuda_trains_each_client_as_it_trains_alone(algorithm):
-    # Prepare: unequal clients, alone and stacked (masked, captured), fp32 (PFML's members take
-    # its fixed iterations: epochs of unequal clients would not stack)
+def test_a_captured_stack_on_cuda_trains_each_client_as_it_trains_alone(
+    algorithm, family, monkeypatch
+):
+    # Prepare: unequal clients, alone and stacked (masked, captured), fp32 without cuDNN's TF32
+    # (PFML's members take its fixed iterations: epochs of unequal clients would not stack)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     dev = torch.device("cuda")
     epochs = None if algorithm == "pfml" else 2
-    spec, alone = _clients(algorithm, dev, amp=False, epochs=epochs)
-    _, stacked = _clients(algorithm, dev, amp=False, epochs=epochs)
+    spec, alone = _clients(algorithm, dev, amp=False, epochs=epochs, family=family)
+    _, stacked = _clients(algorithm, dev, amp=False, epochs=epochs, family=family)
     models = _models(algorithm, spec)
 
     # Execute
@@ -248,7 +271,7 @@ def test_a_captured_stack_on_cuda_trains_each_client_as_it_trains_alone(algorith
 
 
 @cuda
-@pytest.mark.parametrize("algorithm", ["fml", "fedavg", "local"])
+@pytest.mark.parametrize("algorithm", ["fml", "pfml", "fedavg", "local"])
 def test_a_devices_step_is_captured_once_and_replayed_in_its_later_rounds(algorithm):
     # Prepare: one client captured and its eager twin, fp32; FML's α fixed (the gate would
     # switch between two steps, each kept); a new global model every round
@@ -304,3 +327,74 @@ def test_a_kept_step_is_not_replayed_onto_tensors_a_stacked_round_replaced():
         for name, weights in _weights(e).items():
             for k, v in weights.items():
                 assert torch.allclose(_weights(c)[name][k], v, atol=1e-5), (name, k)
+
+
+@cuda
+def test_a_step_that_cannot_be_captured_runs_eagerly_and_says_why(caplog):
+    # Prepare: a step that reads the host while it is being captured (the capture fails, as a
+    # cuBLAS kernel's failure inside a capture would), and the same steps worked out by hand
+    dev = torch.device("cuda")
+    w = torch.zeros(3, device=dev, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+
+    def step(x):
+        loss = ((w - x) ** 2).sum()
+        if torch.cuda.is_current_stream_capturing():
+            loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return (loss.detach(),)
+
+    xs = [torch.full((3,), float(i + 1)) for i in range(5)]
+    expected, v = [], torch.zeros(3)
+    for x in xs:
+        expected.append(float(((v - x) ** 2).sum()))
+        v = v - 0.1 * 2 * (v - x)
+    runner = StepRunner(step, capture=True)
+
+    # Execute: two warm-up steps, the failed capture's, two more
+    with caplog.at_level("WARNING", logger="edge_sdk.graphs"):
+        got = [runner(x.to(dev))[0].item() for x in xs]
+
+    # Assert: every step taken once, eagerly; the reason in the log; the device still works
+    assert got == pytest.approx(expected, rel=1e-6)
+    assert torch.allclose(w.detach().cpu(), v, atol=1e-6)
+    assert (runner.graphs, runner.eager, runner.replayed) == (0, 5, 0)
+    assert runner.failed and "could not be captured" in caplog.text
+
+
+@cuda
+@pytest.mark.parametrize("algorithm", ["fml", "pfml", "fedavg", "local"])
+def test_a_kept_stacks_step_is_captured_once_and_replayed_in_its_later_rounds(
+    algorithm, monkeypatch
+):
+    # Prepare: unequal clients stacked (masked, captured, the stack kept from round to round)
+    # and their eager twins alone, fp32; FML's α gate on (α per member, rewritten in place)
+    monkeypatch.setattr(cohort, "_kept_stacks", OrderedDict())
+    dev = torch.device("cuda")
+    epochs = None if algorithm == "pfml" else 2  # (PFML's members take its fixed iterations)
+    spec, alone = _clients(algorithm, dev, amp=False, graphs=False, epochs=epochs)
+    _, stacked = _clients(algorithm, dev, amp=False, epochs=epochs)
+    counts = []
+
+    # Execute: three rounds, a new global model every round
+    for r in (1, 2, 3):
+        glob = WireModel(spec, dict(build(spec, seed=7 + r).state_dict()))
+        models = {} if algorithm == "local" else {"global": glob}
+        expected = [a.fit(r, 3, models) for a in alone]
+        got = run_stacked(stacked, "fit", r, 3, [models] * len(stacked))
+        stats = [s.ctx.trainer.stats for s in stacked]
+        counts.append((sum(s.graphs for s in stats), [(s.replayed, s.steps) for s in stats]))
+        for e, g in zip(expected, got, strict=True):
+            assert g.metrics == pytest.approx(e.metrics, rel=1e-4)
+
+    # Assert: one graph, captured in round 1; every later step of every member replayed;
+    # trained as alone
+    assert [c[0] for c in counts] == [1, 1, 1]
+    for (r1, s1), (r3, s3) in zip(counts[0][1], counts[2][1], strict=True):
+        assert r3 - r1 == s3 - s1 > 0
+    for a, s in zip(alone, stacked, strict=True):
+        for name, weights in _weights(a).items():
+            for k, v in weights.items():
+                assert torch.allclose(_weights(s)[name][k], v, atol=1e-5), (name, k)
