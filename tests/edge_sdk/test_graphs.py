@@ -16,7 +16,7 @@ import edge_sdk.graphs as graphs_mod
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.algorithms.base import ClientContext
 from edge_sdk.codec import WireModel
-from edge_sdk.cohort import run_stacked
+from edge_sdk.cohort import CohortTrainer, run_stacked
 from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.optim import SGD, restart
 from edge_sdk.trainer import ClientData, Trainer
@@ -398,3 +398,54 @@ def test_a_kept_stacks_step_is_captured_once_and_replayed_in_its_later_rounds(
         for name, weights in _weights(a).items():
             for k, v in weights.items():
                 assert torch.allclose(_weights(s)[name][k], v, atol=1e-5), (name, k)
+
+
+# -- what a step reads stays where it is from round to round -----------------------------------
+@pytest.fixture
+def loops_kept(monkeypatch):
+    """The footprint of every training loop's `keep` (None: nothing to keep), in order."""
+    prints = []
+    for cls in (Trainer, CohortTrainer):
+
+        def run(self, step, batches, values=1, *, keep=(), real=cls.run):
+            prints.append(footprint(*keep) if keep else None)
+            return real(self, step, batches, values, keep=keep)
+
+        monkeypatch.setattr(cls, "run", run)
+    return prints
+
+
+@pytest.mark.parametrize("algorithm", ["fml", "pfml", "fedavg", "local"])
+def test_a_devices_step_reads_the_same_tensors_in_every_round(algorithm, loops_kept):
+    # Prepare: one client on the CPU (what a captured step would read is device-independent);
+    # FML's α fixed (the gate would switch between two kept steps)
+    kw = {"sizes": (32,), "epochs": 1} | ({"alpha_gate": "off"} if algorithm == "fml" else {})
+    spec, (client,) = _clients(algorithm, torch.device("cpu"), **kw)
+
+    # Execute: three rounds, a new global model every round
+    for r in (1, 2, 3):
+        glob = WireModel(spec, dict(build(spec, seed=7 + r).state_dict()))
+        client.fit(r, 3, {} if algorithm == "local" else {"global": glob})
+
+    # Assert: the step of rounds 2 and 3 would replay round 1's capture (its optimizer state
+    # exists from round 1's first step on)
+    assert len(loops_kept) == 3 and loops_kept[1] is not None
+    assert loops_kept[1] == loops_kept[2]
+
+
+@pytest.mark.parametrize("algorithm", ["fml", "pfml", "fedavg", "local"])
+def test_a_kept_stacks_step_reads_the_same_tensors_in_every_round(algorithm, loops_kept):
+    # Prepare: unequal clients stacked on the CPU, masked and kept (as on CUDA); FML's α gate
+    # on: α per member, one tensor
+    epochs = None if algorithm == "pfml" else 1
+    spec, stacked = _clients(algorithm, torch.device("cpu"), epochs=epochs)
+
+    # Execute
+    for r in (1, 2, 3):
+        glob = WireModel(spec, dict(build(spec, seed=7 + r).state_dict()))
+        models = {} if algorithm == "local" else {"global": glob}
+        run_stacked(stacked, "fit", r, 3, [models] * len(stacked), masked=True, keep=True)
+
+    # Assert
+    assert len(loops_kept) == 3 and loops_kept[1] is not None
+    assert loops_kept[1] == loops_kept[2]
