@@ -894,6 +894,7 @@ def test_a_stack_that_runs_out_of_memory_trains_in_halves(stacked_fits, monkeypa
     models = _models("fml", spec, 4)
     real = node_mod.run_stacked
     monkeypatch.setattr(cohort, "_kept_stacks", OrderedDict(earlier=object()))
+    monkeypatch.setattr(node_mod, "_STACK_LIMIT", {})  # no limit learnt by an earlier test
 
     def small_memory(algos, *args, **kw):
         if len(algos) > 2:
