@@ -173,6 +173,26 @@ def _kept_tensors():
     return out
 
 
+@pytest.mark.parametrize("algorithm", ["fml", "pfml", "fedavg"])
+def test_members_given_one_global_model_share_it_in_the_stack(algorithm):
+    # Prepare: every member's task carries the same global model, as a simulation's do
+    spec, alone = _clients(algorithm)
+    _, stacked = _clients(algorithm)
+    models = {"global": _global(spec)}
+
+    # Execute
+    expected = [a.fit(1, 2, models) for a in alone]
+    got = run_stacked(stacked, "fit", 1, 2, [models] * len(stacked))
+    rows = cohort._stack_models([models] * 3, CPU)["global"].weights
+
+    # Assert: trained as alone; the stack's rows of the global model are views of its one
+    # copy, not a copy per member
+    _assert_alike(expected, got, alone, stacked)
+    for k, t in models["global"].weights.items():
+        assert rows[k].shape == (3, *t.shape) and rows[k].stride(0) == 0
+        assert rows[k].data_ptr() == t.data_ptr()
+
+
 def _halve(value):
     """A model's parameters or an optimizer's state tensors, halved in place."""
     with torch.no_grad():
