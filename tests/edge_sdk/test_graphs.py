@@ -15,6 +15,7 @@ import edge_sdk.cohort as cohort
 import edge_sdk.graphs as graphs_mod
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.algorithms.base import ClientContext
+from edge_sdk.algorithms.pfml import _shaped_as
 from edge_sdk.codec import WireModel
 from edge_sdk.cohort import CohortTrainer, run_stacked
 from edge_sdk.graphs import StepRunner, footprint
@@ -449,3 +450,21 @@ def test_a_kept_stacks_step_reads_the_same_tensors_in_every_round(algorithm, loo
     # Assert
     assert len(loops_kept) == 3 and loops_kept[1] is not None
     assert loops_kept[1] == loops_kept[2]
+
+
+def test_pfmls_work_model_is_kept_only_for_a_model_of_its_own_kind_and_layout():
+    # Prepare: PFML's work model from last round, and this round's model to work on
+    class Other(torch.nn.Sequential):
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    same = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    other_kind = Other(torch.nn.Linear(3, 2))  # another forward, the same parameters
+    other_shape = torch.nn.Sequential(torch.nn.Linear(3, 4))
+
+    # Execute / Assert: kept where it is one of the model's kind and layout, else a copy
+    assert _shaped_as(same, model) is same
+    for kept in (None, other_kind, other_shape):
+        work = _shaped_as(kept, model)
+        assert work is not kept and type(work) is torch.nn.Sequential
+        assert work[0].weight.shape == (2, 3)
