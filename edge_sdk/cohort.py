@@ -312,23 +312,53 @@ def _check_stackable(model: nn.Module) -> None:
         raise CohortUnsupported(f"{type(model).__name__} uses dropout")
 
 
-def stack_modules(modules: Sequence[nn.Module]) -> nn.Module:
+def stack_modules(modules: Sequence[nn.Module], into: nn.Module | None = None) -> nn.Module:
     """One module whose every parameter is the members' parameters stacked (row i = member i),
     with the same parameter names, so that `state_dict()` / `load_state_dict()` take stacked
-    tensors under the usual keys. Its forward takes inputs with the same leading dimension."""
+    tensors under the usual keys. Its forward takes inputs with the same leading dimension.
+
+    `into`: a stack built before (one kept from an earlier round). Where it holds the members'
+    architecture and shapes, the rows are written into its parameters, which stay the tensors
+    they were, and it is returned; otherwise a new stack is built."""
     first = modules[0]
     spec = getattr(first, SPEC_ATTR, None)
     if any(getattr(m, SPEC_ATTR, None) != spec or type(m) is not type(first) for m in modules):
         raise CohortUnsupported("the members' models differ in architecture")
+    _check_stackable(first)
+    if into is not None and not _holds(into, first, len(modules)):
+        into = None
     rows = {}
     with torch.no_grad():  # one stacking call per parameter, whatever the number of members
         for name, p in first.named_parameters():
             members: list[torch.Tensor] = [m.get_parameter(name) for m in modules]
-            out = None
-            if _transposed(first, name):  # stacked straight into the layout _stacked keeps
+            out: torch.Tensor | None = None
+            if into is not None:
+                out = into.get_parameter(name)
+            elif _transposed(first, name):  # stacked straight into the layout _stacked keeps
                 out = p.new_empty((len(modules), *reversed(p.shape))).transpose(1, 2)
             rows[name] = torch.stack(members, out=out)
-    return _stacked(first, rows)
+    if into is None:
+        return _stacked(first, rows)
+    into.train(first.training)
+    return into
+
+
+def _holds(stack: nn.Module, template: nn.Module, n: int) -> bool:
+    """Whether `stack` is a stack of `n` rows of `template`'s architecture, each parameter of
+    the shape, dtype and requires_grad of template's."""
+    params = dict(stack.named_parameters())
+    own = dict(template.named_parameters())
+    return (
+        type(stack) is _stacked_class(type(template))
+        and getattr(stack, SPEC_ATTR, None) == getattr(template, SPEC_ATTR, None)
+        and params.keys() == own.keys()
+        and all(
+            params[k].shape == (n, *p.shape)
+            and params[k].dtype == p.dtype
+            and params[k].requires_grad == p.requires_grad
+            for k, p in own.items()
+        )
+    )
 
 
 def _transposed(template: nn.Module, name: str) -> bool:
@@ -412,17 +442,22 @@ def _cohort_context(
 
 
 # -- stacking and unstacking algorithm state ---------------------------------------------------
-def _stack_state(name: str, members: Sequence[ClientAlgorithm], stacked: ClientAlgorithm) -> Any:
+def _stack_state(
+    name: str, members: Sequence[ClientAlgorithm], stacked: ClientAlgorithm, into: Any = None
+) -> Any:
     """The members' persistent attribute `name` as one value of the stacked algorithm: modules
-    and optimizers stacked, a plain value kept when every member holds an equal one."""
+    and optimizers stacked (written into `into`, a kept stack's own, where it fits), a plain
+    value kept when every member holds an equal one."""
     values = [getattr(a, name) for a in members]
     first = values[0]
     if all(v is None for v in values):
         return None
     if all(isinstance(v, nn.Module) for v in values):
-        return stack_modules(values)
+        return stack_modules(values, into if isinstance(into, nn.Module) else None)
     if all(isinstance(v, torch.optim.Optimizer) for v in values):
-        return _stack_optimizer(values, _owner(first, members[0]), stacked)
+        module = getattr(stacked, _owner(first, members[0]))
+        kept = into if isinstance(into, torch.optim.Optimizer) else None
+        return _stack_optimizer(values, list(module.parameters()), kept)
     if not isinstance(first, nn.Module | torch.optim.Optimizer | torch.Tensor):
         try:
             if all(bool(v == first) for v in values):
@@ -443,48 +478,65 @@ def _owner(opt: torch.optim.Optimizer, algo: ClientAlgorithm) -> str:
 
 
 def _stack_optimizer(
-    opts: Sequence[torch.optim.Optimizer], owner: str, stacked: ClientAlgorithm
+    opts: Sequence[torch.optim.Optimizer],
+    params: list[nn.Parameter],
+    into: torch.optim.Optimizer | None = None,
 ) -> torch.optim.Optimizer:
-    """One optimizer of the same kind over the stacked `owner` model, its state the members'
-    stacked (a momentum buffer row per member; step counts must agree)."""
+    """One optimizer of the members' kind and settings over `params` (the stacked model's), its
+    state the members' stacked: a momentum buffer row per member; step counts must agree.
+    `into`: an optimizer built before (kept) over these very `params`, whose state tensors are
+    overwritten where their shapes fit; otherwise a new optimizer is built."""
     saved = [o.state_dict() for o in opts]
     groups = saved[0]["param_groups"]
     if len(groups) != 1 or any(s["param_groups"] != groups for s in saved):
         raise CohortUnsupported("the members' optimizers differ in settings")
-    state: dict[int, dict[str, Any]] = {}
+    if (
+        into is None
+        or type(into) is not type(opts[0])
+        or len(into.param_groups) != 1
+        or len(into.param_groups[0]["params"]) != len(params)
+        or any(a is not b for a, b in zip(into.param_groups[0]["params"], params, strict=True))
+    ):
+        into = cast(Any, type(opts[0]))(params)
+    state: dict[Any, dict[str, Any]] = {}
     for index in saved[0]["state"]:
         rows = [s["state"].get(index) for s in saved]
         if any(r is None or r.keys() != rows[0].keys() for r in rows):
             raise CohortUnsupported("the members' optimizers have taken different steps")
-        state[index] = {k: _stack_entry([r[k] for r in rows]) for k in rows[0]}
+        p = params[index]
+        have = into.state.get(p, {})
+        state[p] = {k: _stack_entry([r[k] for r in rows], p, have.get(k)) for k in rows[0]}
     if any(len(s["state"]) != len(state) for s in saved):
         raise CohortUnsupported("the members' optimizers have taken different steps")
-    module = getattr(stacked, owner)
-    params = list(module.parameters())
-    out: torch.optim.Optimizer = cast(Any, type(opts[0]))(params)
-    out.load_state_dict({"state": state, "param_groups": copy.deepcopy(groups)})
-    for p in params:
-        entry = out.state.get(p, {})
-        for k, v in entry.items():
-            entry[k] = _laid_out_as(p, v)
-    return out
+    into.state.clear()
+    into.state.update(state)
+    into.param_groups[0].update(
+        {k: copy.deepcopy(v) for k, v in groups[0].items() if k != "params"}
+    )
+    return into
 
 
-def _laid_out_as(p: torch.Tensor, v: Any) -> Any:
-    """An optimizer's state value `v` of stacked parameter `p`: a buffer of p's shape in p's
-    memory layout (see _stacked), anything else as it is."""
-    if isinstance(v, torch.Tensor) and v.shape == p.shape and v.stride() != p.stride():
-        return torch.empty_like(p).copy_(v)
-    return v
-
-
-def _stack_entry(values: list[Any]) -> Any:
+def _stack_entry(values: list[Any], p: torch.Tensor, have: Any) -> Any:
+    """One entry of stacked parameter `p`'s optimizer state from the members' `values`:
+    buffers stacked (into `have`, the kept entry, where it has their shape; else in p's memory
+    layout, see _stacked, where they are rows of p), a step count kept where all agree."""
     first = values[0]
-    if isinstance(first, torch.Tensor) and first.dim():
-        return torch.stack(values)
-    if all(bool(v == first) for v in values):  # a step count: the same for all, or no stack
-        return first.clone() if isinstance(first, torch.Tensor) else first
-    raise CohortUnsupported("the members' optimizers count different steps")
+    with torch.no_grad():
+        if isinstance(first, torch.Tensor) and first.dim():
+            shape = (len(values), *first.shape)
+            out = None
+            if isinstance(have, torch.Tensor) and have.shape == shape:
+                out = have
+            elif p.shape == shape:
+                out = torch.empty_like(p)
+            return torch.stack(values, out=out)
+        if not all(bool(v == first) for v in values):
+            raise CohortUnsupported("the members' optimizers count different steps")
+        if not isinstance(first, torch.Tensor):
+            return first
+        if isinstance(have, torch.Tensor) and have.shape == first.shape:
+            return have.copy_(first)
+        return first.clone()
 
 
 def _unstack_state(name: str, stacked: ClientAlgorithm, members: Sequence[ClientAlgorithm]) -> None:
@@ -697,10 +749,10 @@ def _put_kept(members: Sequence[ClientAlgorithm], stacked: ClientAlgorithm) -> N
 def _refill(
     stacked: ClientAlgorithm, members: Sequence[ClientAlgorithm], masked: bool | None
 ) -> bool:
-    """Make a kept stack the members' as they are now, in place where the shapes allow: its
-    persistent state stacked from theirs as `_stack_state` stacks it, everything else per
-    round started afresh (but for the algorithm's `restarted` attributes). False where the
-    stack no longer fits them (another config, context or trainer): a new one is built."""
+    """Ready a kept stack for the members' next fit: everything per round started afresh but
+    for the algorithm's `restarted` attributes, and its persistent state kept for
+    `_stack_state` to write theirs into. False where the stack no longer fits them (another
+    config, context or trainer): a new one is built."""
     first, ctx = members[0], cast(CohortContext, stacked.ctx)
     trainer = cast(CohortTrainer, ctx.trainer)
     if (
@@ -717,104 +769,6 @@ def _refill(
     ctx.task = first.ctx.task
     ctx.data = StackedData.of([a.ctx.data for a in members])
     ClientAlgorithm.__init__(stacked, ctx, first.config)
-    for name in cls.persistent:
-        setattr(stacked, name, _restack_state(name, members, stacked))
-    return True
-
-
-def _restack_state(name: str, members: Sequence[ClientAlgorithm], stacked: ClientAlgorithm) -> Any:
-    """`_stack_state`, written into the kept stack's own module or optimizer where it fits."""
-    old, values = getattr(stacked, name), [getattr(a, name) for a in members]
-    if isinstance(old, nn.Module) and all(isinstance(v, nn.Module) for v in values):
-        if _refill_module(old, values):
-            return old
-    elif isinstance(old, torch.optim.Optimizer) and all(
-        isinstance(v, torch.optim.Optimizer) for v in values
-    ):
-        module = getattr(stacked, _owner(values[0], members[0]))
-        if _refill_optimizer(old, values, list(module.parameters())):
-            return old
-    return _stack_state(name, members, stacked)
-
-
-def _refill_module(stacked: nn.Module, modules: Sequence[nn.Module]) -> bool:
-    """Each stacked parameter overwritten with the members' (`stack_modules`'s rows), where
-    the members are still of its architecture and its shapes."""
-    first = modules[0]
-    spec = getattr(stacked, SPEC_ATTR, None)
-    if type(stacked) is not _stacked_class(type(first)) or any(
-        getattr(m, SPEC_ATTR, None) != spec or type(m) is not type(first) for m in modules
-    ):
-        return False
-    _check_stackable(first)
-    params = dict(stacked.named_parameters())
-    rows: dict[str, list[torch.Tensor]] = {}
-    for name, p in first.named_parameters():
-        rows[name] = [m.get_parameter(name) for m in modules]
-        target = params.get(name)
-        if (
-            target is None
-            or target.requires_grad != p.requires_grad
-            or any(r.shape != target.shape[1:] or r.dtype != target.dtype for r in rows[name])
-        ):
-            return False
-    if rows.keys() != params.keys():
-        return False
-    with torch.no_grad():
-        for name, target in params.items():
-            torch.stack(rows[name], out=target)
-    stacked.train(first.training)
-    return True
-
-
-def _refill_optimizer(
-    stacked: torch.optim.Optimizer, opts: Sequence[torch.optim.Optimizer], params: list[Any]
-) -> bool:
-    """The members' optimizer state stacked into the kept optimizer's own tensors (its state
-    as `_stack_optimizer` would build it), where it steps `params` and the shapes fit."""
-    saved = [o.state_dict() for o in opts]
-    groups = saved[0]["param_groups"]
-    if (
-        type(stacked) is not type(opts[0])
-        or len(groups) != 1
-        or len(stacked.param_groups) != 1
-        or any(s["param_groups"] != groups for s in saved)
-        or len(stacked.param_groups[0]["params"]) != len(params)
-        or any(a is not b for a, b in zip(stacked.param_groups[0]["params"], params, strict=True))
-    ):
-        return False
-    state: dict[Any, dict[str, Any]] = {}
-    for index, p in enumerate(params):
-        rows = [s["state"].get(index) for s in saved]
-        if all(r is None for r in rows):
-            continue
-        if any(r is None or r.keys() != rows[0].keys() for r in rows):
-            return False
-        own = stacked.state.get(p, {})
-        state[p] = {}
-        for k in rows[0]:
-            values, have = [r[k] for r in rows], own.get(k)
-            first = values[0]
-            if isinstance(first, torch.Tensor) and first.dim():
-                shape = (len(values), *first.shape)
-                if isinstance(have, torch.Tensor) and have.shape == shape:
-                    with torch.no_grad():
-                        state[p][k] = torch.stack(values, out=have)
-                else:
-                    state[p][k] = _laid_out_as(p, torch.stack(values))
-            elif not all(bool(v == first) for v in values):
-                return False  # step counts that differ: _stack_optimizer refuses them
-            elif isinstance(first, torch.Tensor) and isinstance(have, torch.Tensor):
-                state[p][k] = have.copy_(first) if have.shape == first.shape else first.clone()
-            else:
-                state[p][k] = first.clone() if isinstance(first, torch.Tensor) else first
-    if any(len(s["state"]) != len(state) for s in saved):
-        return False
-    stacked.state.clear()
-    stacked.state.update(state)
-    stacked.param_groups[0].update(
-        {k: copy.deepcopy(v) for k, v in groups[0].items() if k != "params"}
-    )
     return True
 
 
@@ -847,8 +801,8 @@ def run_stacked(
         ctx = _cohort_context([a.ctx for a in members], first.ctx.task, masked)
         stacked = cls.__new__(cls)
         ClientAlgorithm.__init__(stacked, ctx, first.config)
-        for name in cls.persistent:
-            setattr(stacked, name, _stack_state(name, members, stacked))
+    for name in cls.persistent:  # into a kept stack's own tensors, where they fit
+        setattr(stacked, name, _stack_state(name, members, stacked, vars(stacked).get(name)))
     incoming = _stack_models([models[i] for i in order], first.ctx.device)
     rngs = [(a.ctx.trainer.generator.get_state(), a.ctx.trainer.samples) for a in members]
     try:

@@ -2,6 +2,7 @@
 and each gets what its own fit would have given it (to float rounding: a batched matmul's
 rounding is not a single one's), whatever the sizes of their data."""
 
+import copy
 import math
 import threading
 from collections import OrderedDict
@@ -232,6 +233,60 @@ def test_a_stack_kept_from_round_to_round_trains_each_client_as_alone(algorithm,
     assert [len(k) for k in kept] == [1, 1, 1]
     (s1, p1), (s2, p2), (s3, p3) = (k[0] for k in kept)
     assert s1 is s2 is s3 and p1 == p2 == p3 and p1
+
+
+def test_a_kept_stack_of_adam_clients_counts_steps_from_a_restored_state(monkeypatch):
+    # Prepare: Adam clients taking equal steps (4 a round), alone and in a kept stack
+    monkeypatch.setattr(cohort, "_kept_stacks", OrderedDict())
+    kw = {"sizes": (16, 16, 15), "optimizer": "adam", "weight_decay": 0.0, "momentum": 0.8}
+    spec, alone = _clients("local", **kw)
+    _, stacked = _clients("local", **kw)
+    saved = {}
+
+    # Execute: three rounds; before the third, every client's optimizer is restored to its
+    # state after round 1 (step count 4, where the kept stack's counts 8)
+    for round_ in (1, 2, 3):
+        if round_ == 3:
+            for c in (*alone, *stacked):
+                c.optimizer.load_state_dict(saved[id(c)])
+        models = _models("local", spec, len(alone))
+        expected = [a.fit(round_, 3, m) for a, m in zip(alone, models, strict=True)]
+        got = run_stacked(stacked, "fit", round_, 3, models, masked=True, keep=True)
+        if round_ == 1:
+            saved = {id(c): copy.deepcopy(c.optimizer.state_dict()) for c in (*alone, *stacked)}
+
+        # Assert: as client by client, Adam's bias correction included
+        _assert_alike(expected, got, alone, stacked)
+
+    # Assert: the stack was kept, and counts from the restored state
+    assert len(cohort._kept_stacks) == 1
+    assert stacked[0].optimizer.state_dict()["state"][0]["step"] == 8
+
+
+def test_a_new_stacks_optimizer_state_is_laid_out_as_its_parameters(monkeypatch):
+    # Prepare: FML clients with momentum after a stacked round; the next round's stack is
+    # built anew from their state (nothing was kept) and kept to be looked at
+    monkeypatch.setattr(cohort, "_kept_stacks", OrderedDict())
+    spec, clients = _clients("fml")
+    run_stacked(clients, "fit", 1, 2, _models("fml", spec, 3), keep=False)
+
+    # Execute
+    run_stacked(clients, "fit", 2, 2, _models("fml", spec, 3), keep=True)
+
+    # Assert: every momentum buffer in its parameter's memory layout (a linear layer's weight
+    # is held transposed: see _transposed), not a contiguous stack
+    (kept,) = cohort._kept_stacks.values()
+    buffers = [
+        (p, t)
+        for name in type(kept.stacked).persistent
+        if isinstance(opt := getattr(kept.stacked, name), torch.optim.Optimizer)
+        for p, st in opt.state.items()
+        for t in st.values()
+        if t.dim()
+    ]
+    assert any(not p.is_contiguous() for p, _ in buffers)
+    for p, t in buffers:
+        assert t.shape == p.shape and t.stride() == p.stride()
 
 
 def test_members_whose_fresh_batches_take_several_draws_train_stacked_as_alone(monkeypatch):
