@@ -199,6 +199,7 @@ _KEEP = (
     "guard_arch",
     "guard_reason",
     "guard_unguarded_acc",
+    "guard_mix_weight",
     "distill_lambda",
     "distill_T",
     "student_init",
@@ -348,6 +349,18 @@ def _deployed(choice: str | None) -> str:
     return next(k for k, start in DEPLOYED.items() if (choice or DEPLOYED["own"]).startswith(start))
 
 
+def _mix_weight(runs: Sequence[Run]) -> float | None:
+    """The mean weight w of the personalized model in the mixtures the guard deployed
+    (w = 1: the algorithm's own model, 0: the fine-tuned one); None where none was."""
+    weights = [
+        c["guard_mix_weight"]
+        for r in runs
+        for c in r.clients
+        if c.get("guard_mix_weight") is not None and _deployed(c.get("guard_choice")) == "mixture"
+    ]
+    return statistics.mean(weights) if weights else None
+
+
 def _passes(runs: Sequence[Run]) -> float:
     """Training samples processed per client, in passes over its training data (mean)."""
     return statistics.mean(
@@ -402,6 +415,7 @@ def summarize(
         if name in ALGORITHMS:
             deployed = Counter(_deployed(c.get("guard_choice")) for r in runs for c in r.clients)
             row["deployed"] = {k: deployed[k] for k in DEPLOYED if deployed[k]}
+            row["mix_weight"] = _mix_weight(runs)
             unguarded = [
                 100
                 * statistics.mean(
@@ -432,6 +446,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         guard = ""
         if "deployed" in r:
             guard = ", ".join(f"{k} {v}" for k, v in r["deployed"].items())
+            if r.get("mix_weight") is not None:
+                guard += f" (mean w {r['mix_weight']:.2f})"
             guard += f"; unguarded {r['mean_unguarded']:.1f}"
         if "pays" in r:
             guard += f"; pays: {'yes' if r['pays'] else 'no'}"

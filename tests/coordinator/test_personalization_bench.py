@@ -71,6 +71,16 @@ def test_ci95_is_the_t_interval_of_the_mean():
     assert math.isnan(bench._ci95([80.0]))
 
 
+def test_the_mean_mixture_weight_counts_only_the_mixtures_deployed():
+    run = _run([0.5, 0.6, 0.7, 0.8])
+    mixture, own = "personal+finetuned (final, mixture)", "personal (final, mlp)"
+    choices = zip([mixture, mixture, own, None], [0.25, 0.5, 1.0, None], strict=True)
+    for c, (choice, w) in zip(run.clients, choices, strict=True):
+        c.update(guard_choice=choice, guard_mix_weight=w)
+    assert bench._mix_weight([run]) == pytest.approx(0.375)
+    assert bench._mix_weight([_run([0.5])]) is None  # an algorithm without the guard
+
+
 def test_passes_are_samples_processed_over_training_samples():
     assert bench._passes([_run([0.5, 0.5], samples=[30, 50])]) == pytest.approx(4.0)
 
