@@ -24,7 +24,8 @@ calls** of a round (a TorchDispatchMode over every aten call, the coordinator's 
 two-round run's calls minus a one-round run's, i.e. a round before the last (training,
 evaluation, the guard, aggregation; the finalize after the last round left out), with steps run
 eagerly so that the count does not depend on the device (a CUDA graph replays its kernels
-without calling operators), next to its floor: the ratio of the longest client's local steps to
+without calling operators; only a stacked convolution's input, made channels-last on the CPU,
+takes a call more there), next to its floor: the ratio of the longest client's local steps to
 all clients' (`ops_floor`), below which no stacking can go.
 Accuracies are the final mean
 personalized accuracies: batched and client by client should agree.
