@@ -336,9 +336,10 @@ def stack_modules(modules: Sequence[nn.Module], into: nn.Module | None = None) -
     spec = getattr(first, SPEC_ATTR, None)
     if any(getattr(m, SPEC_ATTR, None) != spec or type(m) is not type(first) for m in modules):
         raise CohortUnsupported("the members' models differ in architecture")
-    _check_stackable(first)
-    if into is not None and not _holds(into, first, len(modules)):
-        into = None
+    if into is not None:  # (a new stack is checked where it is built, in _stacked)
+        _check_stackable(first)
+        if not _holds(into, first, len(modules)):
+            into = None
     rows = {}
     with torch.no_grad():  # one stacking call per parameter, whatever the number of members
         for name, p in first.named_parameters():
