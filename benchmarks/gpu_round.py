@@ -11,6 +11,11 @@ Parts (`--parts`):
   epoch, for each of `--families` (default mlr, mlp, lenet5).
 - **fml20**: the same with 20 clients: 20 clients of one architecture with equal data, the
   setting of the operator-call goal (batched ≤ 1/10 of client by client; the floor is 1/20).
+- **fedme100**: FedMe rounds in fml100's setting (100 clients, 100 samples each, batch 10, one
+  epoch, lr 0.005): each client trains its personal and exchanged models by deep mutual
+  learning, and the coordinator clusters the models on 1,000 unlabeled samples. KMeans turns
+  float rounding into other clusters and exchanges, so the two modes' accuracies agree to a
+  few tenths of a point, not to rounding (as client by client on 1 thread and 2 do).
 - **step**: one cnn2 (width 32) client's FML rounds at batch 10 on its own, as a device takes
   them: milliseconds per step of a round after the first, captured in a CUDA graph (kept from
   round to round) and eager (on CUDA); what one more step costs, and what a round costs besides.
@@ -75,7 +80,7 @@ from model_zoo import ArchSpec, build
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_ROOTS = (Path("/usr/share/datasets/fashion-mnist"), ROOT / ".device/data/fashion-mnist")
-PARTS = ("fml", "pfml", "fml100", "fml20", "step")
+PARTS = ("fml", "pfml", "fml100", "fml20", "fedme100", "step")
 MODES = {"batched": True, "client_by_client": False}  # name: cohort
 GOALS = {  # the issue's, per part and device type: seconds per round, or ms per step
     ("fml", "cuda"): "<= 1.0 s a round (H100)",
@@ -134,9 +139,11 @@ def pfml_overrides(device: str) -> dict[str, Any]:
     }
 
 
-def fml100_overrides(device: str, family: str, clients: int = 100) -> dict[str, Any]:
+def fml100_overrides(
+    device: str, family: str, clients: int = 100, algorithm: str = "fml"
+) -> dict[str, Any]:
     return {
-        "algorithm": "fml",
+        "algorithm": algorithm,
         "clients": clients,
         "models": [family],
         "device": device,
@@ -144,9 +151,9 @@ def fml100_overrides(device: str, family: str, clients: int = 100) -> dict[str, 
         "data.root": _data_root(),
         "data.max_samples": clients * 100,
         "data.partition": "iid",
-        "fml.local_epochs": 1,
-        "fml.batch_size": 10,
-        "fml.lr": 0.005,
+        f"{algorithm}.local_epochs": 1,
+        f"{algorithm}.batch_size": 10,
+        f"{algorithm}.lr": 0.005,
     }
 
 
@@ -353,7 +360,7 @@ def table(out: dict[str, Any]) -> str:
     for part in ("fml", "pfml"):
         if part in out:
             rows.append((part, out[part], GOALS.get((part, dev.split(":")[0]), "")))
-    for part in ("fml100", "fml20"):
+    for part in ("fml100", "fml20", "fedme100"):
         for family, r in out.get(part, {}).items():
             rows.append((f"{part} {family}", r, GOALS.get((part, dev.split(":")[0]), "")))
     for name, r, goal in rows:
@@ -380,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     ap.add_argument("--rounds", type=int, default=3, help="rounds per federation (>= 2)")
-    ap.add_argument("--families", nargs="+", default=["mlr", "mlp", "lenet5"], help="fml100/20")
+    ap.add_argument(
+        "--families", nargs="+", default=["mlr", "mlp", "lenet5"], help="fml100/20, fedme100"
+    )
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--parallel", type=int, default=1, help="groups training at once")
     ap.add_argument("--steps", type=int, default=200, help="step: steps timed")
@@ -410,6 +419,14 @@ def _run_parts(a: argparse.Namespace, device: str, out: dict[str, Any]) -> None:
         out["fml100"] = {f: compare(fml100_overrides(device, f), a) for f in a.families}
     if "fml20" in a.parts:
         out["fml20"] = {f: compare(fml100_overrides(device, f, 20), a) for f in a.families}
+    if "fedme100" in a.parts:
+        # The coordinator's KMeans loads scikit-learn on its first clustering (1.4 s here):
+        # once a process, so before either mode's rounds rather than inside the first's.
+        import sklearn.cluster  # noqa: F401
+
+        out["fedme100"] = {
+            f: compare(fml100_overrides(device, f, algorithm="fedme"), a) for f in a.families
+        }
     if "step" in a.parts and not a.ops_only:
         out["step"] = step_part(device, a.steps)
 

@@ -19,8 +19,10 @@ evaluation, persistence, rollback and ONNX export stay per client.
 
 An algorithm opts in with `stackable = True`: its `fit` uses only what a CohortContext provides
 (`ctx.build_model` / `ctx.materialize`, the trainer's batches, `run`, `step`,
-`value_and_grad`, `evaluate`, elementwise updates, `data.n_train`) and takes no decision per
-client on a value that differs between them (`PerMember` refuses it). Whatever cannot stack
+`value_and_grad`, `evaluate`, elementwise updates, `data.n_train`) and takes no branch per
+client on a value that differs between them (`PerMember` refuses it): a decision per client is
+applied row by row (FML's and FedMe's gates weigh each member's loss, FedMe's members adopt
+their exchanged model's rows). Whatever cannot stack
 (models with buffers such as batch norm, dropout, members whose state differs in kind, Adam with
 unequal step counts) runs client by client, from the same state and random generators, so the
 result does not depend on the path; the log says why.
@@ -830,9 +832,9 @@ def run_stacked(
             a.ctx.trainer.generator.set_state(rng)
             a.ctx.trainer.samples = samples
         raise
-    if phase != "evaluate":  # evaluation changes no state
-        for name in cls.persistent:
-            _unstack_state(name, stacked, members)
+    # Evaluation changes no state but what the algorithm says it keeps.
+    for name in cls.evaluation_keeps if phase == "evaluate" else cls.persistent:
+        _unstack_state(name, stacked, members)
     if keep:
         _put_kept(members, stacked)
     rows = _split_result(result, len(members))

@@ -145,6 +145,10 @@ class StackedData(ClientData):
     def n_train(self) -> Any:
         return PerMember(cast(_Packed, self.y_train).sizes)
 
+    @property
+    def n_val(self) -> Any:
+        return PerMember(cast(_Packed, self.y_val).sizes)
+
 
 @dataclass(frozen=True)
 class StackedEval:
@@ -412,7 +416,12 @@ class CohortTrainer(Trainer):
             grads = [p.grad for p in params if p.grad is not None]
             if not grads:
                 continue
-            norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads])  # (params, N)
+            # Each row's norm over the row's own dimensions: `flatten(1)` would copy the
+            # gradients held transposed (a linear layer's, see edge_sdk.cohort._transposed),
+            # 6x the time of the norms for a stack of 100 mlps.
+            norms = torch.stack(
+                [torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim()))) for g in grads]
+            )  # (params, N)
             coef = (max_norm / (norms.norm(dim=0) + 1e-6)).clamp(max=1.0)
             for g in grads:
                 g.mul_(coef.view(-1, *[1] * (g.dim() - 1)))

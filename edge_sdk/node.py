@@ -384,8 +384,15 @@ def _stacked(
     first, task = algos[0], tasks[0]
     key = (first.name, first.ctx.spec.to_json(), str(first.ctx.device))
     limit = _STACK_LIMIT.get(key, len(algos))
-    everyone = list(range(len(algos)))
-    pending = [everyone[i : i + limit] for i in range(0, len(algos), limit)]
+    # Members whose tasks carry models of other architectures (FedMe's exchanged models) stack
+    # apart: a stack's incoming models are one architecture each.
+    kinds: dict[tuple[tuple[str, str], ...], list[int]] = {}
+    for i, t in enumerate(tasks):
+        kind = tuple(sorted((name, m.spec.to_json()) for name, m in t.models.items()))
+        kinds.setdefault(kind, []).append(i)
+    pending = [
+        group[i : i + limit] for group in kinds.values() for i in range(0, len(group), limit)
+    ]
     while pending:
         chunk = pending.pop(0)
         if len(chunk) < 2:

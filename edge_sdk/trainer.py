@@ -143,6 +143,10 @@ class ClientData:
     def n_train(self) -> int:
         return len(self.y_train)
 
+    @property
+    def n_val(self) -> int:
+        return len(self.y_val)
+
 
 def _stack(ds: TorchDataset) -> tuple[torch.Tensor, torch.Tensor]:
     n = len(ds)  # type: ignore[arg-type]

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.func import functional_call
 
 from coordinator.server_data import load_unlabeled
 from coordinator.strategies.base import (
@@ -45,12 +46,25 @@ __all__ = ["FedMeStrategy", "cluster_models", "exchange_partners", "per_model_av
 
 
 def model_logits(models: Sequence[WireModel], inputs: torch.Tensor) -> np.ndarray:
-    """Each model's raw logits on `inputs`, flattened: shape (len(models), N·classes)."""
+    """Each model's raw logits on `inputs`, flattened: shape (len(models), N·classes).
+
+    Each architecture is built once and runs every model's weights as they are
+    (`functional_call`; the replies were checked to hold its tensors): building and loading a
+    network per model was half of this for 100 mlps on 1,000 inputs."""
     rows = []
+    nets: dict[str, torch.nn.Module] = {}
     with torch.inference_mode():
         for m in models:
-            net = m.build().eval()
-            z = torch.cat([net(inputs[i : i + 1024]) for i in range(0, len(inputs), 1024)])
+            key = m.spec.to_json()
+            if key not in nets:
+                nets[key] = build(m.spec, seed=0).eval()
+            net = nets[key]
+            z = torch.cat(
+                [
+                    functional_call(net, m.weights, inputs[i : i + 1024])
+                    for i in range(0, len(inputs), 1024)
+                ]
+            )
             rows.append(z.float().reshape(-1).numpy())
     return np.stack(rows)
 

@@ -152,6 +152,9 @@ class ClientAlgorithm(ABC):
     # round (edge_sdk.cohort) carries them into its next round, so that their tensors, and the
     # captured step that reads them, stay. Every other per-round attribute starts afresh.
     restarted: ClassVar[tuple[str, ...]] = ()
+    # The persistent attributes `evaluate` changes (FedMe keeps the model its task carries): a
+    # stacked evaluation gives them back to its members. Evaluation changes no other state.
+    evaluation_keeps: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: ClientContext, config: BaseAlgorithmConfig) -> None:
         self.ctx = ctx

@@ -15,13 +15,17 @@ of models with similar outputs. The client then:
    and returns to each client the aggregate of the model it chose (the next task's "personal").
 
 Privacy: FedMe ships personalized models through the coordinator to other clients by design.
+
+In a simulation, the clients whose personal and exchanged models are of one architecture train
+as one stack (edge_sdk.cohort): the gate and the model tuning are decided per member, and a
+member that adopts its exchanged model takes its rows.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import Field, model_validator
@@ -37,7 +41,7 @@ from edge_sdk.algorithms.base import (
 )
 from edge_sdk.algorithms.guard import Candidate, GuardConfig
 from edge_sdk.codec import WireModel
-from edge_sdk.losses import cross_entropy, kl_distill
+from edge_sdk.losses import cross_entropy, kl_distill, rows_of
 from model_zoo import ArchSpec
 
 __all__ = ["FedMe", "FedMeConfig"]
@@ -94,6 +98,8 @@ class FedMeConfig(AlgorithmConfig, GuardConfig):
 class FedMe(ClientAlgorithm):
     name = "fedme"
     persistent = ("personal", "personal_spec")
+    stackable = True
+    evaluation_keeps = persistent  # the model the coordinator returned
     config_cls = FedMeConfig
     config: FedMeConfig
 
@@ -121,7 +127,8 @@ class FedMe(ClientAlgorithm):
 
     def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         cfg, trainer, d = self.config, self.ctx.trainer, self.ctx.data
-        if len(d.y_val) == 0:
+        stacked = isinstance(d.n_train, list)  # a stack of clients (edge_sdk.cohort)
+        if 0 in (cast(list[int], d.n_val) if stacked else [d.n_val]):
             raise AlgorithmError(
                 "fedme tunes its model on the validation split and this client has none; give "
                 "it validation data (e.g. data.split = [0.6, 0.2, 0.2])"
@@ -130,20 +137,27 @@ class FedMe(ClientAlgorithm):
         assert self.personal_spec is not None
         personal_spec, ex_wire = self.personal_spec, self._require(models, "exchanged")
         self._check(ex_wire, "exchanged")
+        if stacked and ex_wire.spec != personal_spec:
+            from edge_sdk.cohort import CohortUnsupported  # (the cohort imports this package)
+
+            raise CohortUnsupported("fedme: a member adopting another architecture leaves it")
         exchanged = self._materialize(ex_wire)
         lr = cfg.lr_at(round_, rounds)
         opts = [trainer.optimizer(m.parameters(), cfg, lr=lr) for m in (personal, exchanged)]
         clip = [(list(m.parameters()), cfg.clip_norm) for m in (personal, exchanged)]
         personal.train()
         exchanged.train()
-        learn = 1.0 if cfg.kl_gate == "off" else float(self._teaches(exchanged, personal))
+        # One gate per member on a stack: its rows weigh the members' KL terms.
+        learn = 1.0 if cfg.kl_gate == "off" else self._teaches(exchanged, personal)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor]:
             with trainer.autocast():
                 z_p, z_ex = personal(x), exchanged(x)
             # Each loss reaches only its own model (the other side is detached).
             loss_p = cross_entropy(z_p, y)
-            if learn:  # the gate: distil from the exchanged model only while it knows more
+            if stacked:
+                loss_p = loss_p + rows_of(learn) * kl_distill(z_p, z_ex)
+            elif learn:  # the gate: distil from the exchanged model only while it knows more
                 loss_p = loss_p + kl_distill(z_p, z_ex)
             loss_ex = cross_entropy(z_ex, y) + kl_distill(z_ex, z_p)
             return (trainer.step(loss_p + loss_ex, opts, clip=clip),)
@@ -153,20 +167,28 @@ class FedMe(ClientAlgorithm):
         # Model tuning: adopt the exchanged model exactly when its validation CE is lower.
         val_p = trainer.evaluate(personal, d.x_val, d.y_val).loss
         val_ex = trainer.evaluate(exchanged, d.x_val, d.y_val).loss
-        adopted = val_ex < val_p
-        if adopted:
-            self.personal, self.personal_spec = exchanged, ex_wire.spec
+        replies = {
+            "personal": WireModel.of(personal_spec, personal),
+            "exchanged": WireModel.of(ex_wire.spec, exchanged),
+        }
+        adopted: Any
+        if stacked:  # member by member: an adopting member's rows of its personal model
+            pairs = zip(cast(list[float], val_ex), cast(list[float], val_p), strict=True)
+            adopted = [float(e < p) for e, p in pairs]
+            _take_rows(personal, exchanged, adopted)
+        else:
+            adopted = float(val_ex < val_p)
+            if adopted:
+                self.personal, self.personal_spec = exchanged, ex_wire.spec
         return FitResult(
-            models={
-                "personal": WireModel.of(personal_spec, personal),
-                "exchanged": WireModel.of(ex_wire.spec, exchanged),
-            },
+            models=replies,
+            # one value per member on a stack of clients (the cohort splits lists per member)
             metrics={
                 "train_loss": train_loss,
                 "val_loss_personal": val_p,
                 "val_loss_exchanged": val_ex,
-                "adopted": float(adopted),
-                "distilled": learn,
+                "adopted": adopted,
+                "distilled": cast(float, learn if isinstance(learn, float) else learn.tolist()),
             },
             n_samples=d.n_train,
             details={"arch": self.personal_spec.family},
@@ -197,3 +219,15 @@ class FedMe(ClientAlgorithm):
         # aggregate of every trained copy of its model, which the finalize task returned.
         spec, model = self.trained_model()
         return spec, self._materialize(WireModel.of(spec, model))
+
+
+def _take_rows(into: nn.Module, source: nn.Module, which: list[float]) -> None:
+    """Stacked modules of one architecture: `into`'s rows become `source`'s for the members
+    `which` marks (1.0), in place."""
+    rows = [i for i, w in enumerate(which) if w]
+    if not rows:
+        return
+    with torch.no_grad():
+        index = torch.tensor(rows, device=next(into.parameters()).device)
+        for p, q in zip(into.parameters(), source.parameters(), strict=True):
+            p[index] = q[index]

@@ -175,6 +175,24 @@ def test_model_logits_are_every_models_raw_outputs_on_every_input_flattened():
         np.testing.assert_allclose(row, z.reshape(-1).numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_model_logits_run_each_model_of_mixed_architectures_with_its_own_weights():
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(3))
+    models = [
+        WireModel.of(MLP, build(MLP, seed=1)),
+        WireModel.of(MLR, build(MLR, seed=2)),
+        WireModel.of(MLP, build(MLP, seed=3)),
+    ]
+    got = model_logits(models, x)
+    for row, m in zip(got, models, strict=True):
+        w = m.weights
+        if m.spec == MLP:  # Linear, ReLU, Linear
+            h = (x @ w["layers.0.weight"].T + w["layers.0.bias"]).clamp(min=0)
+            z = h @ w["layers.2.weight"].T + w["layers.2.bias"]
+        else:
+            z = x @ w["linear.weight"].T + w["linear.bias"]
+        np.testing.assert_allclose(row, z.reshape(-1).numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_fedme_exchange_plan_is_reproducible_from_the_seed():
     # Sixteen unrelated models, four clusters: KMeans finds different partitions from different
     # starts, so its seed must come from the run's seed.

@@ -19,7 +19,13 @@ import edge_sdk.node as node_mod
 from coordinator.federation import prepare_federation
 from coordinator.simulator import run_federation
 from edge_sdk.algorithms import algorithm_class
-from edge_sdk.algorithms.base import SPEC_ATTR, AlgorithmError, ClientAlgorithm, ClientContext
+from edge_sdk.algorithms.base import (
+    SPEC_ATTR,
+    AlgorithmError,
+    ClientAlgorithm,
+    ClientContext,
+    FitResult,
+)
 from edge_sdk.algorithms.pfml import PFML, PFMLConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.cohort import (
@@ -47,6 +53,7 @@ SETTINGS = {
     "fedavg_ft": {"local_epochs": 1, "batch_size": 8, "lr": 0.1, "weight_decay": 0.01},
     "fml": {"local_epochs": 2, "batch_size": 8, "lr": 0.1, "alpha": 0.3, "beta": 0.7},
     "pfml": {"local_iterations": 4, "batch_size": 8, "lr": 0.05, "k_steps": 2, "lam": 1.0},
+    "fedme": {"local_epochs": 2, "batch_size": 8, "lr": 0.1, "clip_norm": 0.5},
 }
 CFG = PFMLConfig(**SETTINGS["pfml"])
 
@@ -88,14 +95,23 @@ def _model(family, seed, features=FEATURES, classes=CLASSES):
     return model
 
 
-def _global(spec):
+def _global(spec, seed=7):
     return WireModel(
-        spec, {k: v.detach().clone() for k, v in build(spec, seed=7).state_dict().items()}
+        spec, {k: v.detach().clone() for k, v in build(spec, seed=seed).state_dict().items()}
     )
 
 
-def _models(algorithm, spec, n):
-    return [{} if algorithm == "local" else {"global": _global(spec)} for _ in range(n)]
+def _models(algorithm, spec, n, round_=1):
+    """Each member's task models: none (local), FedMe's personal and exchanged models (each
+    member's own, new every round), or one global model."""
+    if algorithm == "local":
+        return [{} for _ in range(n)]
+    if algorithm == "fedme":
+        return [
+            {"personal": _global(spec, 10 * round_ + i), "exchanged": _global(spec, 50 + i)}
+            for i in range(n)
+        ]
+    return [{"global": _global(spec)} for _ in range(n)]
 
 
 def _assert_close(a, b, where=""):
@@ -126,7 +142,7 @@ def _fits_alike(algorithm, *, masked=False, rounds=2, **kw):
     spec, alone = _clients(algorithm, **kw)
     _, stacked = _clients(algorithm, **kw)
     for round_ in range(1, rounds + 1):
-        models = _models(algorithm, spec, len(alone))
+        models = _models(algorithm, spec, len(alone), round_)
         expected = [a.fit(round_, rounds, m) for a, m in zip(alone, models, strict=True)]
         got = run_stacked(stacked, "fit", round_, rounds, models, masked=masked)
         _assert_alike(expected, got, alone, stacked)
@@ -154,6 +170,89 @@ def test_a_stacked_fit_gives_each_client_what_its_own_fit_gives(algorithm, maske
     # take 4, 6 and 1 steps an epoch, each with a short last batch; two rounds, so what
     # persists (momentum, the auxiliary model) carries over stacked as it does alone
     _fits_alike(algorithm, masked=masked)
+
+
+@pytest.mark.parametrize("gate", ["validation", "off"])
+def test_stacked_fedme_members_gate_and_adopt_each_on_its_own_validation(gate):
+    # Prepare: three FedMe clients, each given its own personal and exchanged models
+    spec, alone = _clients("fedme", kl_gate=gate)
+    _, stacked = _clients("fedme", kl_gate=gate)
+    decisions = []
+
+    for round_ in (1, 2):
+        models = _models("fedme", spec, 3, round_)
+
+        # Execute
+        expected = [a.fit(round_, 2, m) for a, m in zip(alone, models, strict=True)]
+        got = run_stacked(stacked, "fit", round_, 2, models)
+
+        # Assert: replies and state as alone (the trained personal model is replied, the
+        # adopted one kept)
+        _assert_alike(expected, got, alone, stacked)
+        decisions += [(g.metrics["adopted"], g.metrics["distilled"]) for g in got]
+
+        # Execute, Assert: an evaluation keeps the personal model its task carries, as alone
+        models = _models("fedme", spec, 3, round_ + 5)
+        expected = [FitResult(metrics=a.evaluate(m)) for a, m in zip(alone, models, strict=True)]
+        _assert_alike(expected, run_stacked(stacked, "evaluate", 2, 2, models), alone, stacked)
+
+    # Assert: the members decided differently, so each decision was its own
+    assert {a for a, _ in decisions} == {0.0, 1.0}
+    assert {d for _, d in decisions} == ({0.0, 1.0} if gate == "validation" else {1.0})
+
+
+def test_stacked_fedme_members_keep_their_model_when_the_exchanged_one_is_only_as_good():
+    # Prepare: no training, and each member's exchanged model is its personal one
+    spec, stacked = _clients("fedme", local_epochs=0)
+    models = [
+        {"personal": m["personal"], "exchanged": m["personal"]} for m in _models("fedme", spec, 3)
+    ]
+
+    # Execute
+    got = run_stacked(stacked, "fit", 1, 2, models)
+
+    # Assert: equal validation losses adopt nothing
+    assert [g.metrics["adopted"] for g in got] == [0.0, 0.0, 0.0]
+
+
+def test_a_fedme_member_without_validation_data_gets_its_own_error():
+    # Prepare: c1 has no validation split
+    spec, stacked = _clients("fedme")
+    d = stacked[1].ctx.data
+    stacked[1].ctx.data = ClientData(
+        d.x_train, d.y_train, d.x_val[:0], d.y_val[:0], d.x_test, d.y_test, num_classes=CLASSES
+    )
+
+    # Execute
+    results = _together(stacked, _models("fedme", spec, 3))
+
+    # Assert: c1 fails with the algorithm's own error; the others train
+    assert isinstance(results[1], AlgorithmError) and "validation" in str(results[1])
+    assert results[0].models and results[2].models
+
+
+def test_fedme_members_exchanging_other_architectures_stack_apart(stacked_fits):
+    # Prepare: four mlp clients; two are sent exchanged mlps, two exchanged mlrs
+    spec, alone = _clients("fedme", sizes=(20, 18, 16, 14))
+    _, stacked = _clients("fedme", sizes=(20, 18, 16, 14))
+    mlr = ArchSpec(family="mlr", num_classes=CLASSES, input_shape=(FEATURES,))
+    models = _models("fedme", spec, 4)
+    for i in (1, 3):
+        models[i]["exchanged"] = _global(mlr, 60 + i)
+
+    # Execute
+    expected = [a.fit(1, 2, m) for a, m in zip(alone, models, strict=True)]
+    got = _together(stacked, models)
+
+    # Assert: two stacks of two (mlp's exchanged mlps, then the pair whose exchanged model
+    # is another architecture, refused as a stack: a member adopting it would leave it);
+    # every reply as alone
+    assert stacked_fits[0] == 2 and isinstance(stacked_fits[1], CohortUnsupported)
+    assert str(stacked_fits[1]) == "fedme: a member adopting another architecture leaves it"
+    for e, g in zip(expected, got, strict=True):
+        _assert_close(g.metrics, e.metrics)
+        _assert_close(g.models["personal"].weights, e.models["personal"].weights)
+        _assert_close(g.models["exchanged"].weights, e.models["exchanged"].weights)
 
 
 def _kept_tensors():
@@ -221,7 +320,7 @@ def test_a_stack_kept_from_round_to_round_trains_each_client_as_alone(algorithm,
             for clients in (alone, stacked):
                 for name in type(clients[0]).persistent:
                     _halve(getattr(clients[0], name))
-        models = _models(algorithm, spec, len(alone))
+        models = _models(algorithm, spec, len(alone), round_)
         expected = [a.fit(round_, 3, m) for a, m in zip(alone, models, strict=True)]
         got = run_stacked(stacked, "fit", round_, 3, models, masked=True, keep=True)
         kept.append(_kept_tensors())
