@@ -13,9 +13,9 @@ Parts (`--parts`):
   setting of the operator-call goal (batched ≤ 1/10 of client by client; the floor is 1/20).
 - **fedme100**: FedMe rounds in fml100's setting (100 clients, 100 samples each, batch 10, one
   epoch, lr 0.005): each client trains its personal and exchanged models by deep mutual
-  learning, and the coordinator clusters the models on 1,000 unlabeled samples. KMeans turns
-  float rounding into other clusters and exchanges, so the two modes' accuracies agree to a
-  few tenths of a point, not to rounding (as client by client on 1 thread and 2 do).
+  learning, and the coordinator clusters the models on 1,000 unlabeled samples. KMeans can
+  turn float rounding into other clusters and exchanges, so the two modes' accuracies need not
+  agree to rounding (nor do client by client's on 1 thread and on 2).
 - **step**: one cnn2 (width 32) client's FML rounds at batch 10 on its own, as a device takes
   them: milliseconds per step of a round after the first, captured in a CUDA graph (kept from
   round to round) and eager (on CUDA); what one more step costs, and what a round costs besides.

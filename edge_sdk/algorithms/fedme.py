@@ -128,7 +128,8 @@ class FedMe(ClientAlgorithm):
     def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         cfg, trainer, d = self.config, self.ctx.trainer, self.ctx.data
         stacked = isinstance(d.n_train, list)  # a stack of clients (edge_sdk.cohort)
-        if 0 in (cast(list[int], d.n_val) if stacked else [d.n_val]):
+        n_val = d.n_val  # one count per member on a stack
+        if 0 in (n_val if isinstance(n_val, list) else [n_val]):
             raise AlgorithmError(
                 "fedme tunes its model on the validation split and this client has none; give "
                 "it validation data (e.g. data.split = [0.6, 0.2, 0.2])"
@@ -171,13 +172,14 @@ class FedMe(ClientAlgorithm):
             "personal": WireModel.of(personal_spec, personal),
             "exchanged": WireModel.of(ex_wire.spec, exchanged),
         }
-        adopted: Any
-        if stacked:  # member by member: an adopting member's rows of its personal model
-            pairs = zip(cast(list[float], val_ex), cast(list[float], val_p), strict=True)
-            adopted = [float(e < p) for e, p in pairs]
+        # One decision per member on a stack: an adopting member takes the exchanged rows.
+        exs = val_ex if isinstance(val_ex, list) else [val_ex]
+        ps = val_p if isinstance(val_p, list) else [val_p]
+        adopted: Any = [float(e < p) for e, p in zip(exs, ps, strict=True)]
+        if stacked:
             _take_rows(personal, exchanged, adopted)
         else:
-            adopted = float(val_ex < val_p)
+            (adopted,) = adopted
             if adopted:
                 self.personal, self.personal_spec = exchanged, ex_wire.spec
         return FitResult(
@@ -228,6 +230,5 @@ def _take_rows(into: nn.Module, source: nn.Module, which: list[float]) -> None:
     if not rows:
         return
     with torch.no_grad():
-        index = torch.tensor(rows, device=next(into.parameters()).device)
         for p, q in zip(into.parameters(), source.parameters(), strict=True):
-            p[index] = q[index]
+            p[rows] = q[rows]

@@ -193,6 +193,15 @@ def test_model_logits_run_each_model_of_mixed_architectures_with_its_own_weights
         np.testing.assert_allclose(row, z.reshape(-1).numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_model_logits_draw_nothing_from_torchs_global_generator():
+    # Building the network the models' weights run through draws no random numbers, so how
+    # often the coordinator clusters changes no other draw of the process
+    models = [WireModel.of(MLP, build(MLP, seed=1)), WireModel.of(MLR, build(MLR, seed=2))]
+    before = torch.random.get_rng_state()
+    model_logits(models, torch.zeros(2, 3))
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
 def test_fedme_exchange_plan_is_reproducible_from_the_seed():
     # Sixteen unrelated models, four clusters: KMeans finds different partitions from different
     # starts, so its seed must come from the run's seed.

@@ -244,7 +244,7 @@ def test_a_captured_fit_trains_as_an_eager_one(algorithm):
 
 @cuda
 @pytest.mark.parametrize("family", list(SHAPES))
-@pytest.mark.parametrize("algorithm", ["fml", "pfml", "local"])
+@pytest.mark.parametrize("algorithm", ["fml", "pfml", "local", "fedme"])
 def test_a_captured_stack_on_cuda_trains_each_client_as_it_trains_alone(
     algorithm, family, monkeypatch
 ):
