@@ -343,12 +343,16 @@ def stack_modules(modules: Sequence[nn.Module], into: nn.Module | None = None) -
         if not _holds(into, first, len(modules)):
             into = None
     rows = {}
+    # Each member's parameters by name, read once (`get_parameter` per member and name walked
+    # the module tree each time: 15 ms of a batched round of 100 mlps).
+    named = [dict(m.named_parameters()) for m in modules]
+    kept = dict(into.named_parameters()) if into is not None else {}
     with torch.no_grad():  # one stacking call per parameter, whatever the number of members
         for name, p in first.named_parameters():
-            members: list[torch.Tensor] = [m.get_parameter(name) for m in modules]
+            members: list[torch.Tensor] = [params[name] for params in named]
             out: torch.Tensor | None = None
             if into is not None:
-                out = into.get_parameter(name)
+                out = kept[name]
             elif _transposed(first, name):  # stacked straight into the layout _stacked keeps
                 out = p.new_empty((len(modules), *reversed(p.shape))).transpose(1, 2)
             rows[name] = torch.stack(members, out=out)
@@ -563,6 +567,7 @@ def _unstack_state(name: str, stacked: ClientAlgorithm, members: Sequence[Client
     so a node's state before the round (`ClientNode.begin`) needs no copy of its own."""
     value, n = getattr(stacked, name), len(members)
     copies = _Copies()
+    stacked_params: dict[str, nn.Parameter] | None = None  # a stacked module's, read once
     for i, a in enumerate(members):
         own = getattr(a, name)
         if value is None:
@@ -570,9 +575,11 @@ def _unstack_state(name: str, stacked: ClientAlgorithm, members: Sequence[Client
         elif isinstance(value, nn.Module):
             spec = getattr(value, SPEC_ATTR)
             if isinstance(own, nn.Module) and getattr(own, SPEC_ATTR, None) == spec:
+                if stacked_params is None:
+                    stacked_params = dict(value.named_parameters())
                 for k, p in own.named_parameters():
                     # the same Parameter (its optimizer's), new memory
-                    copies.add(p, copies.row(value.get_parameter(k), i), partial(_rebind, p))
+                    copies.add(p, copies.row(stacked_params[k], i), partial(_rebind, p))
             else:
                 saved = {"__module__": spec.to_json(), "weights": unstack_module(value, i)}
                 setattr(a, name, a._decode(own, saved))
