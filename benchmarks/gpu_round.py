@@ -16,6 +16,11 @@ Parts (`--parts`):
   learning, and the coordinator clusters the models on 1,000 unlabeled samples. KMeans can
   turn float rounding into other clusters and exchanges, so the two modes' accuracies need not
   agree to rounding (nor do client by client's on 1 thread and on 2).
+- **persfl100**: PersFL in fml100's setting: stage 1 (FedAvg, each client weighing the received
+  global model as its teacher) every round, then after the last round stage 2, the distillation
+  grid (5 students, each trained rounds × local_epochs epochs) and the guard. Its rounds are
+  timed as the others'; `finalize_s` is the time from the last round's end to the run's, stage 2
+  included (every part records it; `finalize_speedup` compares the two modes').
 - **step**: one cnn2 (width 32) client's FML rounds at batch 10 on its own, as a device takes
   them: milliseconds per step of a round after the first, captured in a CUDA graph (kept from
   round to round) and eager (on CUDA); what one more step costs, and what a round costs besides.
@@ -80,7 +85,7 @@ from model_zoo import ArchSpec, build
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_ROOTS = (Path("/usr/share/datasets/fashion-mnist"), ROOT / ".device/data/fashion-mnist")
-PARTS = ("fml", "pfml", "fml100", "fml20", "fedme100", "step")
+PARTS = ("fml", "pfml", "fml100", "fml20", "fedme100", "persfl100", "step")
 MODES = {"batched": True, "client_by_client": False}  # name: cohort
 GOALS = {  # the issue's, per part and device type: seconds per round, or ms per step
     ("fml", "cuda"): "<= 1.0 s a round (H100)",
@@ -206,13 +211,17 @@ def run_mode(overrides: dict[str, Any], cohort: bool, rounds: int, parallel: int
     device = overrides["device"]
     cpu = [_cpu_s()]
     walls: list[float] = []
+    last = [0.0]  # when the last round ended
 
     def on_round(rec: RoundRecord) -> None:
         _sync(device)
         cpu.append(_cpu_s())
         walls.append(rec.seconds)
+        last[0] = time.perf_counter()
 
     run = run_federation(cfg, fed, cfg.algorithm, on_round=on_round)
+    _sync(device)
+    finalize_s = time.perf_counter() - last[0]
     accs = [c.personal_acc for c in run.clients if c.personal_acc is not None]
     cpus = [b - a for a, b in itertools.pairwise(cpu)]
     later = walls[1:] or walls
@@ -222,6 +231,7 @@ def run_mode(overrides: dict[str, Any], cohort: bool, rounds: int, parallel: int
         "cpu_s": [round(s, 3) for s in cpus],
         "median_cpu_s": round(statistics.median(cpus[1:] or cpus), 3),
         "mean_personal_acc": round(sum(accs) / len(accs), 4) if accs else None,
+        "finalize_s": round(finalize_s, 3),
     }
 
 
@@ -272,6 +282,9 @@ def compare(overrides: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         )
         out["cpu_speedup"] = round(
             out["client_by_client"]["median_cpu_s"] / out["batched"]["median_cpu_s"], 2
+        )
+        out["finalize_speedup"] = round(
+            out["client_by_client"]["finalize_s"] / out["batched"]["finalize_s"], 2
         )
     if not a.no_ops:
         ops = {name: round_ops(overrides, cohort) for name, cohort in MODES.items()}
@@ -360,7 +373,7 @@ def table(out: dict[str, Any]) -> str:
     for part in ("fml", "pfml"):
         if part in out:
             rows.append((part, out[part], GOALS.get((part, dev.split(":")[0]), "")))
-    for part in ("fml100", "fml20", "fedme100"):
+    for part in ("fml100", "fml20", "fedme100", "persfl100"):
         for family, r in out.get(part, {}).items():
             rows.append((f"{part} {family}", r, GOALS.get((part, dev.split(":")[0]), "")))
     for name, r, goal in rows:
@@ -373,6 +386,12 @@ def table(out: dict[str, Any]) -> str:
             f"{r.get('ops_ratio', ''):>9} {r.get('ops_floor', ''):>6}  "
             f"{b.get('mean_personal_acc')} / "
             f"{c.get('mean_personal_acc')}  {goal}"
+        )
+    for family, r in out.get("persfl100", {}).items():
+        b, c = r.get("batched", {}), r.get("client_by_client", {})
+        lines.append(
+            f"persfl100 {family} finalize (stage 2, the guard): {b.get('finalize_s')} s batched, "
+            f"{c.get('finalize_s')} s client by client ({r.get('finalize_speedup')}x)"
         )
     for name, r in out.get("step", {}).items():
         lines.append(
@@ -388,7 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     ap.add_argument("--rounds", type=int, default=3, help="rounds per federation (>= 2)")
     ap.add_argument(
-        "--families", nargs="+", default=["mlr", "mlp", "lenet5"], help="fml100/20, fedme100"
+        "--families",
+        nargs="+",
+        default=["mlr", "mlp", "lenet5"],
+        help="fml100/20, fedme100, persfl100",
     )
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--parallel", type=int, default=1, help="groups training at once")
@@ -426,6 +448,10 @@ def _run_parts(a: argparse.Namespace, device: str, out: dict[str, Any]) -> None:
 
         out["fedme100"] = {
             f: compare(fml100_overrides(device, f, algorithm="fedme"), a) for f in a.families
+        }
+    if "persfl100" in a.parts:
+        out["persfl100"] = {
+            f: compare(fml100_overrides(device, f, algorithm="persfl"), a) for f in a.families
         }
     if "step" in a.parts and not a.ops_only:
         out["step"] = step_part(device, a.steps)

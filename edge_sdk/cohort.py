@@ -22,7 +22,9 @@ An algorithm opts in with `stackable = True`: its `fit` uses only what a CohortC
 `value_and_grad`, `evaluate`, elementwise updates, `data.n_train`) and takes no branch per
 client on a value that differs between them (`PerMember` refuses it): a decision per client is
 applied row by row (FML's and FedMe's gates weigh each member's loss, FedMe's members adopt
-their exchanged model's rows). Whatever cannot stack
+their exchanged model's rows, PersFL's members keep the rows of the teacher each chose), and a
+persistent plain value that differs between members (PersFL's teacher's round) is named in the
+algorithm's `per_member` and held as a PerMember list. Whatever cannot stack
 (models with buffers such as batch norm, dropout, members whose state differs in kind, Adam with
 unequal step counts) runs client by client, from the same state and random generators, so the
 result does not depend on the path; the log says why.
@@ -469,6 +471,8 @@ def _stack_state(
     value kept when every member holds an equal one."""
     values = [getattr(a, name) for a in members]
     first = values[0]
+    if name in type(stacked).per_member:
+        return PerMember(copy.deepcopy(values))
     if all(v is None for v in values):
         return None
     if all(isinstance(v, nn.Module) for v in values):

@@ -49,7 +49,14 @@ from edge_sdk.trainer import (
     _row_range,
 )
 
-__all__ = ["CohortTrainer", "CohortUnsupported", "PerMember", "StackedData", "StackedEval"]
+__all__ = [
+    "CohortTrainer",
+    "CohortUnsupported",
+    "PerMember",
+    "StackedData",
+    "StackedEval",
+    "take_rows",
+]
 
 
 class CohortUnsupported(ValueError):
@@ -65,6 +72,17 @@ class PerMember(list[Any]):
         raise CohortUnsupported("the algorithm takes a decision per client on a stacked value")
 
     __lt__ = __le__ = __gt__ = __ge__ = __bool__ = _decide
+
+
+def take_rows(into: nn.Module, source: nn.Module, which: Sequence[bool | float]) -> None:
+    """Stacked modules of one architecture: `into`'s rows become `source`'s for the members
+    `which` marks, in place (a decision per member applied row by row)."""
+    rows = [i for i, w in enumerate(which) if w]
+    if not rows:
+        return
+    with torch.no_grad():
+        for p, q in zip(into.parameters(), source.parameters(), strict=True):
+            p[rows] = q[rows]
 
 
 # -- the members' data side by side -----------------------------------------------------------
@@ -89,6 +107,12 @@ class _Packed:
         # A member without samples reads (and never counts) a row that exists.
         safe = [min(o, max(0, len(base) - 1)) for o in offsets]
         self.starts = torch.tensor(safe, dtype=torch.int64, device=base.device)
+
+    @classmethod
+    def of_rows(cls, base: torch.Tensor, sizes: Sequence[int]) -> _Packed:
+        """Members' tensors made here, end to end in `base` (member i's rows after those of
+        members before it)."""
+        return cls([base[a : a + n] for a, n in zip(_cumulative(sizes), sizes, strict=True)])
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -171,8 +195,8 @@ class StackedEval:
 
 # -- one stacked step ---------------------------------------------------------------------------
 class _Batch(tuple[torch.Tensor | None, ...]):
-    """A stacked batch for `CohortTrainer.run`: (inputs, labels, weights, active) and, on the
-    host, which members take this step (`taking`)."""
+    """A stacked batch for `CohortTrainer.run`: (inputs, labels, *more, weights, active) and,
+    on the host, which members take this step (`taking`)."""
 
     taking: list[bool]
 
@@ -219,10 +243,14 @@ class CohortTrainer(Trainer):
         return len(self.members)
 
     # -- batches ---------------------------------------------------------------------------
-    def batches(self, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> Iterator[Any]:
+    def batches(
+        self, x: torch.Tensor, y: torch.Tensor, batch_size: int, *more: torch.Tensor
+    ) -> Iterator[Any]:
         """One epoch of each member, stacked: member i's own permutation of its own samples,
-        `batch_size` at a time; a member whose epoch has ended sits the step out."""
+        `batch_size` at a time; a member whose epoch has ended sits the step out. `more`:
+        packed as `x` (`logits`), gathered with it."""
         xs, ys = _packed(x), _packed(y)
+        extra = [_packed(t) for t in more]
         n = self.size
         perms = [
             torch.randperm(size, generator=t.generator, device=t.device)
@@ -267,7 +295,8 @@ class CohortTrainer(Trainer):
             local = table[s, :rows]
             w = weights[s, :rows] if weights is not None and padded[s] else None
             active = actives[s] if actives is not None else None
-            yield _batch((xs.gather(local, rows), ys.gather(local, rows), w, active), taking)
+            tensors = [p.gather(local, rows) for p in (xs, ys, *extra)]
+            yield _batch((*tensors, w, active), taking)
 
     def fresh_batches(
         self, x: torch.Tensor, y: torch.Tensor, batch_size: int, count: int
@@ -319,8 +348,30 @@ class CohortTrainer(Trainer):
     def epoch(self, n: int, batch_size: int) -> Any:
         raise CohortUnsupported("index batches are per client")
 
+    def rng_state(self) -> Any:
+        """Every member's random stream's state, in the stack's order."""
+        return [t.generator.get_state() for t in self.members]
+
+    def set_rng_state(self, state: Any) -> None:
+        """Restore `rng_state()`'s output: each member draws the same batches again."""
+        for t, s in zip(self.members, state, strict=True):
+            t.generator.set_state(s)
+
+    @torch.no_grad()
     def logits(self, model: nn.Module, x: torch.Tensor, batch_size: int | None = None) -> Any:
-        raise CohortUnsupported("logits over a split are per client")
+        """Each member's stacked model over its own samples of `x` (packed), packed as `x`:
+        rows that `batches` gathers with it (a fixed teacher's logits for every step)."""
+        sizes = _packed(x).sizes
+        offsets = torch.tensor(_cumulative(sizes), device=self.device)
+        out: torch.Tensor | None = None
+        for rows, start, _, counted, z in self._forwards(model, x):
+            if out is None:
+                out = torch.empty(sum(sizes), z.shape[-1], device=self.device)
+            at = offsets[:rows, None] + torch.arange(start, start + z.shape[1], device=self.device)
+            out[at[counted]] = z[counted]
+        if out is None:  # no member has samples
+            out = torch.empty(0, 0, device=self.device)
+        return _Packed.of_rows(out, sizes)
 
     # -- the loop --------------------------------------------------------------------------
     def run(
@@ -345,7 +396,7 @@ class CohortTrainer(Trainer):
             if taking is None:
                 raise CohortUnsupported("a stacked loop runs on the cohort trainer's batches")
             out = torch.stack([v.float() for v in runner(*batch)])  # (values, rows)
-            active = batch[3]
+            active = batch[-1]
             if active is not None:
                 sums.add_(out * active)
             else:
@@ -370,17 +421,13 @@ class CohortTrainer(Trainer):
         ]
 
     def _stepper(self, step: Step) -> Callable[..., Sequence[torch.Tensor]]:
-        def stepped(
-            x: torch.Tensor,
-            y: torch.Tensor,
-            weights: torch.Tensor | None,
-            active: torch.Tensor | None,
-        ) -> Sequence[torch.Tensor]:
-            rows = x.shape[0]
+        def stepped(*batch: torch.Tensor | None) -> Sequence[torch.Tensor]:
+            *tensors, weights, active = batch  # (inputs, labels, *more, weights, active)
+            rows = cast(torch.Tensor, tensors[0]).shape[0]
             self._stepping = _Stepping(rows, active)
             try:
                 with stacked_batch(StackedBatch(rows, weights)):
-                    return step(x, y)
+                    return step(*tensors)
             finally:
                 self._stepping = None
 
@@ -468,15 +515,28 @@ class CohortTrainer(Trainer):
     def _chunks(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor
     ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """The stacked model over each member's own samples, chunk by chunk: (rows, the chunk's
-        first position, and (rows, c): which samples count, which it gets right, their
-        cross-entropy).
+        """`_forwards` scored: (rows, the chunk's first position, and (rows, c): which samples
+        count, which it gets right, their cross-entropy)."""
+        ys = _packed(y)
+        for rows, start, local, counted, z in self._forwards(model, x):
+            labels = ys.gather(local, rows)
+            nll = nn.functional.cross_entropy(
+                z.flatten(0, 1), labels.flatten(), reduction="none"
+            ).view(labels.shape)
+            yield rows, start, counted, z.argmax(-1) == labels, nll
+
+    def _forwards(
+        self, model: nn.Module, x: torch.Tensor
+    ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The stacked model over each member's own samples of `x`, chunk by chunk: (rows, the
+        chunk's first position, and of its (rows, c) samples: their indices in each member's
+        own, which count, their logits (rows, c, C) in fp32).
 
         The members that still have samples run (the first `rows` of the stack, as in
         training: the longest come first), a member's last chunk padded and its padding not
         counted, so no member costs more than its own samples."""
-        xs, ys = _packed(x), _packed(y)
-        sizes = ys.sizes
+        xs = _packed(x)
+        sizes = xs.sizes
         # Samples a forward, all members together at most a budget (activations are held for
         # the whole stack at once). On the CPU the stack's forwards cost calls more than
         # arithmetic (a PFML evaluation of 100 MLR clients made 100 calls of 64 samples each
@@ -499,16 +559,12 @@ class CohortTrainer(Trainer):
                 local = torch.minimum(position[None, :], last[:rows, None])  # (rows, c)
                 with self.autocast():
                     z = model(xs.gather(local, rows)).float()  # (rows, c, C)
-                labels = ys.gather(local, rows)
-                nll = nn.functional.cross_entropy(
-                    z.flatten(0, 1), labels.flatten(), reduction="none"
-                ).view(labels.shape)
                 counted = position[None, :] <= last[:rows, None]
                 if any(k <= start for k in sizes[:rows]):  # a member without samples here
                     counted &= torch.tensor([k > start for k in sizes[:rows]], device=self.device)[
                         :, None
                     ]
-                yield rows, start, counted, z.argmax(-1) == labels, nll
+                yield rows, start, local, counted, z
                 start += chunk
         finally:
             model.train(was_training)

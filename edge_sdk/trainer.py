@@ -345,18 +345,31 @@ class Trainer:
             yield keys.topk(b, dim=1).indices
 
     def batches(
-        self, x: torch.Tensor, y: torch.Tensor, batch_size: int
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(inputs, labels) batches over one random permutation, gathered on the device."""
+        self, x: torch.Tensor, y: torch.Tensor, batch_size: int, *more: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
+        """(inputs, labels) batches over one random permutation, gathered on the device; with
+        `more` tensors of one row per sample (a fixed teacher's logits), their rows of the
+        batch too: (inputs, labels, *more)."""
         for idx in self.epoch(len(y), batch_size):
             # index_select is ~4× cheaper per call than advanced indexing (x[idx]) on CPU.
-            yield x.index_select(0, idx), y.index_select(0, idx)
+            yield tuple(t.index_select(0, idx) for t in (x, y, *more))
 
     def epochs(
-        self, x: torch.Tensor, y: torch.Tensor, batch_size: int, epochs: int
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self, x: torch.Tensor, y: torch.Tensor, batch_size: int, epochs: int, *more: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
         """`batches` for `epochs` epochs in a row (each drawing its permutation when it starts)."""
-        return itertools.chain.from_iterable(self.batches(x, y, batch_size) for _ in range(epochs))
+        return itertools.chain.from_iterable(
+            self.batches(x, y, batch_size, *more) for _ in range(epochs)
+        )
+
+    def rng_state(self) -> Any:
+        """The state of the random stream batches are drawn from (`set_rng_state` restores
+        it: the same batches again)."""
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: Any) -> None:
+        """Restore `rng_state()`'s output."""
+        self.generator.set_state(state)
 
     def sample_batch(
         self, x: torch.Tensor, y: torch.Tensor, batch_size: int

@@ -193,3 +193,16 @@ def eventually(check: Callable[[], object], timeout: float = 10.0, step: float =
 def raises_exactly(exc: type[BaseException], message: str) -> Any:
     """`pytest.raises` that holds the error to this whole message, not a part of it."""
     return pytest.raises(exc, match=f"^{re.escape(message)}$")
+
+
+def to_rounding(value: Any, rel: float = 1e-5) -> Any:
+    """`value` (nested dicts, lists, tuples) with every float as `pytest.approx`: results that
+    must agree up to float rounding, such as a stacked simulation's (its sums run in another
+    order) against a client-by-client run's, compare equal with `==`."""
+    if isinstance(value, float):
+        return pytest.approx(value, rel=rel, abs=1e-9)
+    if isinstance(value, dict):
+        return {k: to_rounding(v, rel) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_rounding(v, rel) for v in value)
+    return value

@@ -155,6 +155,10 @@ class ClientAlgorithm(ABC):
     # The persistent attributes `evaluate` changes (FedMe keeps the model its task carries): a
     # stacked evaluation gives them back to its members. Evaluation changes no other state.
     evaluation_keeps: ClassVar[tuple[str, ...]] = ()
+    # Persistent plain values that may differ between the members of a stack (PersFL's
+    # teacher's round and loss): a stacked phase holds each as a PerMember list, one value per
+    # member, and every member gets its own back. Any other plain value must be equal.
+    per_member: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: ClientContext, config: BaseAlgorithmConfig) -> None:
         self.ctx = ctx

@@ -41,6 +41,7 @@ from edge_sdk.algorithms.base import (
 )
 from edge_sdk.algorithms.guard import Candidate, GuardConfig
 from edge_sdk.codec import WireModel
+from edge_sdk.cohort_trainer import CohortUnsupported, take_rows
 from edge_sdk.losses import cross_entropy, kl_distill, rows_of
 from model_zoo import ArchSpec
 
@@ -139,8 +140,6 @@ class FedMe(ClientAlgorithm):
         personal_spec, ex_wire = self.personal_spec, self._require(models, "exchanged")
         self._check(ex_wire, "exchanged")
         if stacked and ex_wire.spec != personal_spec:
-            from edge_sdk.cohort import CohortUnsupported  # (the cohort imports this package)
-
             raise CohortUnsupported("fedme: a member adopting another architecture leaves it")
         exchanged = self._materialize(ex_wire)
         lr = cfg.lr_at(round_, rounds)
@@ -177,7 +176,7 @@ class FedMe(ClientAlgorithm):
         ps = val_p if isinstance(val_p, list) else [val_p]
         adopted: Any = [float(e < p) for e, p in zip(exs, ps, strict=True)]
         if stacked:
-            _take_rows(personal, exchanged, adopted)
+            take_rows(personal, exchanged, adopted)
         else:
             (adopted,) = adopted
             if adopted:
@@ -221,14 +220,3 @@ class FedMe(ClientAlgorithm):
         # aggregate of every trained copy of its model, which the finalize task returned.
         spec, model = self.trained_model()
         return spec, self._materialize(WireModel.of(spec, model))
-
-
-def _take_rows(into: nn.Module, source: nn.Module, which: list[float]) -> None:
-    """Stacked modules of one architecture: `into`'s rows become `source`'s for the members
-    `which` marks (1.0), in place."""
-    rows = [i for i, w in enumerate(which) if w]
-    if not rows:
-        return
-    with torch.no_grad():
-        for p, q in zip(into.parameters(), source.parameters(), strict=True):
-            p[rows] = q[rows]

@@ -21,12 +21,17 @@ fresh optimizer and the same batch order, so only λ and T differ between them.
 New participants (thesis, section 7.1): a client that joins after training receives the global
 models the coordinator archived, named `archive_name(round)`, in its finalize task, and runs
 stage 2 against them (`personalize`).
+
+In a simulation, clients of one architecture run both stages as one stack (edge_sdk.cohort):
+each member keeps its own teacher (the rows of the global model it chose, with their round and
+loss), distils from that teacher's logits over its own training split, and keeps its own best
+grid point. A member whose distillation diverges at a grid point sends the whole stack back to
+client-by-client training, where that point is skipped for it alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -48,6 +53,7 @@ from edge_sdk.algorithms.base import (
 from edge_sdk.algorithms.fedavg import FedAvgConfig
 from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel, state_of
+from edge_sdk.cohort_trainer import CohortUnsupported, PerMember, take_rows
 from edge_sdk.losses import cross_entropy, kl_distill, soft_cross_entropy
 from model_zoo import ArchSpec
 
@@ -166,7 +172,11 @@ class PersFL(ClientAlgorithm):
         "student",
         "student_init",
         "diverged",
+        "grid",
+        "choice",
     )
+    stackable = True
+    per_member = ("teacher_round", "teacher_loss", "diverged", "grid", "choice")
 
     def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
         super().__init__(ctx, config)
@@ -195,17 +205,19 @@ class PersFL(ClientAlgorithm):
         self.choice = GridPoint(**state["choice"]) if state["choice"] is not None else None
 
     # -- stage 1 ---------------------------------------------------------------------------
-    def _val_loss(self, model: nn.Module) -> float:
+    def _val_loss(self, model: nn.Module) -> Any:
+        """`model`'s validation cross-entropy (one per member on a stack)."""
         d = self.ctx.data
-        if len(d.y_val) == 0:
+        if 0 in self._each(d.n_val):
             raise AlgorithmError(
                 "persfl picks its teacher (and λ, T) on the validation split and this client has "
                 "none; give it validation data (e.g. data.split = [0.6, 0.2, 0.2])"
             )
         return self.ctx.trainer.evaluate(model, d.x_val, d.y_val).loss
 
-    def consider_teacher(self, round_: int, candidate: WireModel) -> bool:
-        """Keep `candidate` as the teacher when its validation CE is the lowest so far."""
+    def consider_teacher(self, round_: int, candidate: WireModel) -> Any:
+        """Keep `candidate` as the teacher when its validation CE is the lowest so far; whether
+        it was kept (one answer per member on a stack, whose members keep its rows)."""
         d = self.ctx.data
         if candidate.spec.num_classes != d.num_classes:
             raise AlgorithmError(
@@ -213,12 +225,40 @@ class PersFL(ClientAlgorithm):
                 f"client has {d.num_classes}"
             )
         model = self._materialize(candidate)
-        loss = self._val_loss(model)
-        if not loss < self.teacher_loss:
-            return False
-        self.teacher, self.teacher_spec = model, candidate.spec
-        self.teacher_round, self.teacher_loss = round_, loss
-        return True
+        losses, better = self._below_teacher(model)
+        if not any(better):
+            return self._like(better)
+        if all(better):
+            self.teacher, self.teacher_spec = model, candidate.spec
+        elif self.teacher is None or candidate.spec != self.teacher_spec:  # on a stack only
+            raise CohortUnsupported("persfl: the members' teachers would differ in architecture")
+        else:
+            take_rows(self.teacher, model, better)
+        rounds = zip(better, self._each(self.teacher_round), strict=True)
+        self.teacher_round = self._like([round_ if b else r for b, r in rounds])
+        kept = zip(better, losses, self._each(self.teacher_loss), strict=True)
+        self.teacher_loss = self._like([loss if b else k for b, loss, k in kept])
+        return self._like(better)
+
+    def _below_teacher(self, model: nn.Module) -> tuple[list[float], list[bool]]:
+        """`model`'s validation CE for each member, and whether it is below its teacher's."""
+        losses = self._each(self._val_loss(model))
+        kept = self._each(self.teacher_loss)
+        return losses, [loss < k for loss, k in zip(losses, kept, strict=True)]
+
+    @property
+    def _stacked(self) -> bool:
+        """Whether this runs for a stack of clients (edge_sdk.cohort)."""
+        return isinstance(self.ctx.data.n_train, list)
+
+    def _each(self, value: Any) -> list[Any]:
+        """One value per member: a stack's PerMember as a list, a client's value in a list."""
+        return list(value) if self._stacked else [value]
+
+    def _like(self, values: list[Any]) -> Any:
+        """One value per member as this algorithm holds it: a PerMember on a stack of
+        clients, the value itself for one client."""
+        return PerMember(values) if self._stacked else values[0]
 
     def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         glob = self._require(models, "global")
@@ -268,17 +308,18 @@ class PersFL(ClientAlgorithm):
                 "persfl: no teacher to distil from; the finalize task carried no global model"
             )
         self.student, self.choice = self._distill_grid(self.teacher, self.teacher_spec)
-        assert self.choice is not None
+        choices = self._each(self.choice)
         return FitResult(
             metrics=self._scores("personal", self.student),
             n_samples=self.ctx.data.n_train,
+            # one value per member on a stack of clients (the cohort splits lists per member)
             details={
                 "teacher_round": self.teacher_round,
                 "teacher_val_loss": self.teacher_loss,
-                "distill_lambda": self.choice.lam,
-                "distill_T": self.choice.temperature,
+                "distill_lambda": self._like([c.lam for c in choices]),
+                "distill_T": self._like([c.temperature for c in choices]),
                 "student_init": self.student_init,
-                "diverged_points": len(self.diverged),
+                "diverged_points": self._like([len(x) for x in self._each(self.diverged)]),
             },
         )
 
@@ -292,9 +333,9 @@ class PersFL(ClientAlgorithm):
                     points.append((lam, t))
         return points
 
-    def _distill_grid(
-        self, teacher: nn.Module, teacher_spec: ArchSpec
-    ) -> tuple[nn.Module, GridPoint]:
+    def _distill_grid(self, teacher: nn.Module, teacher_spec: ArchSpec) -> tuple[nn.Module, Any]:
+        """The student of the best grid point and that point (one per member on a stack,
+        each member's best on its own validation split, its rows of the student)."""
         trainer, d = self.ctx.trainer, self.ctx.data
         z_teacher = trainer.logits(teacher, d.x_train)  # the teacher is fixed: its logits once
         student = self._build(self.ctx.spec, salt=2)
@@ -304,33 +345,47 @@ class PersFL(ClientAlgorithm):
         else:
             self.student_init = "scratch"
         init = state_of(student)
-        batch_order = trainer.generator.get_state()
-        best: GridPoint | None = None
+        batch_order = trainer.rng_state()
+        members = len(self._each(d.n_train))
+        best: list[GridPoint | None] = [None] * members
         best_state: dict[str, torch.Tensor] = init
-        self.grid, self.diverged = [], []
+        grids: list[list[GridPoint]] = [[] for _ in range(members)]
+        diverged: list[tuple[float, float]] = []
         for lam, t in self._grid():
             student.load_state_dict(init)
-            trainer.generator.set_state(batch_order)
+            trainer.set_rng_state(batch_order)
             try:
                 self.distill(student, z_teacher, lam, t)
             except FloatingPointError as exc:  # a bad (λ, T) for this lr: not a candidate
+                if self._stacked:
+                    raise CohortUnsupported(
+                        f"persfl: a member's distillation diverged at λ={lam:g}, T={t:g}"
+                    ) from exc
                 log.warning(
                     "%s: distillation at λ=%g, T=%g diverged (%s)", self.ctx.client_id, lam, t, exc
                 )
-                self.diverged.append((lam, t))
+                diverged.append((lam, t))
                 continue
             r = trainer.evaluate(student, d.x_val, d.y_val)
-            point = GridPoint(lam, t, r.correct, r.total, r.loss)
-            self.grid.append(point)
-            if point.beats(best):
-                best, best_state = point, state_of(student)
-        if best is None:
+            scores = (self._each(v) for v in (r.correct, r.total, r.loss))
+            points = [GridPoint(lam, t, *v) for v in zip(*scores, strict=True)]
+            wins = [p.beats(b) for p, b in zip(points, best, strict=True)]
+            for grid, p in zip(grids, points, strict=True):
+                grid.append(p)
+            best = [p if w else b for p, b, w in zip(points, best, wins, strict=True)]
+            if all(wins):
+                best_state = state_of(student)
+            elif any(wins):  # on a stack: the winners' rows
+                best_state = _rows_taken(best_state, state_of(student), wins)
+        self.grid = self._like(grids)
+        self.diverged = self._like([list(diverged) for _ in range(members)])
+        if best[0] is None:  # (on a stack every member has a point: none diverged)
             raise AlgorithmError(
-                f"persfl: distillation diverged at every (λ, T) of the grid {self.diverged}; "
+                f"persfl: distillation diverged at every (λ, T) of the grid {diverged}; "
                 "lower the learning rate"
             )
         student.load_state_dict(best_state)
-        return student, best
+        return student, self._like(best)
 
     def epochs(self) -> int:
         """Each grid point's epochs: `distill_epochs`, or rounds × local_epochs."""
@@ -339,27 +394,26 @@ class PersFL(ClientAlgorithm):
 
     def distill(
         self, student: nn.Module, z_teacher: torch.Tensor, lam: float, temperature: float
-    ) -> float:
-        """`epochs()` of the distillation loss on the training split; mean batch loss.
+    ) -> Any:
+        """`epochs()` of the distillation loss on the training split; mean batch loss (one per
+        member on a stack).
 
-        `z_teacher` holds the teacher's logits for every training sample, in order.
+        `z_teacher` holds the teacher's logits for every training sample, in order (on a
+        stack, each member's over its own samples: `CohortTrainer.logits`).
         """
         cfg, trainer, d = self.config, self.ctx.trainer, self.ctx.data
         opt = trainer.optimizer(student.parameters(), cfg)
         student.train()
 
-        def step(idx: torch.Tensor) -> tuple[torch.Tensor]:
-            x, y = d.x_train.index_select(0, idx), d.y_train.index_select(0, idx)
+        def step(x: torch.Tensor, y: torch.Tensor, z_t: torch.Tensor) -> tuple[torch.Tensor]:
             with trainer.autocast():
                 z_s = student(x)
-            loss = distillation_loss(
-                cfg.distill_loss, z_s, z_teacher.index_select(0, idx), y, lam, temperature
-            )
+            loss = distillation_loss(cfg.distill_loss, z_s, z_t, y, lam, temperature)
             return (trainer.step(loss, [opt]),)
 
-        epochs = (trainer.epoch(d.n_train, cfg.batch_size) for _ in range(self.epochs()))
-        (loss,) = trainer.run(step, ((idx,) for idx in itertools.chain.from_iterable(epochs)))
-        return float(loss)
+        batches = trainer.epochs(d.x_train, d.y_train, cfg.batch_size, self.epochs(), z_teacher)
+        (loss,) = trainer.run(step, batches)
+        return loss
 
     # -- evaluation ------------------------------------------------------------------------
     def trained_model(self) -> tuple[ArchSpec, nn.Module]:
@@ -392,10 +446,17 @@ class PersFL(ClientAlgorithm):
         g_model = self._materialize(glob) if glob is not None else None
         if self.student is not None:
             model = self.student
-        elif g_model is not None and (
-            self.teacher is None or self._val_loss(g_model) < self.teacher_loss
-        ):
+        elif g_model is not None and self.teacher is None:
             model = g_model
+        elif g_model is not None:
+            assert self.teacher is not None
+            _, newer = self._below_teacher(g_model)
+            if not self._stacked:
+                model = g_model if newer[0] else self.teacher
+            else:  # each member's: the teacher's rows where the global model is not newer
+                assert glob is not None
+                model = self._materialize(glob)  # (g_model is scored as the global model)
+                take_rows(model, self.teacher, [not b for b in newer])
         elif self.teacher is not None:
             model = self.teacher
         else:
@@ -408,3 +469,14 @@ class PersFL(ClientAlgorithm):
         ):
             out |= self._scores("global", g_model)
         return out
+
+
+def _rows_taken(
+    into: Mapping[str, torch.Tensor], source: Mapping[str, torch.Tensor], which: list[bool]
+) -> dict[str, torch.Tensor]:
+    """States of stacked modules: `into`'s, with `source`'s rows for the members `which` marks."""
+    rows = [i for i, w in enumerate(which) if w]
+    out = {k: v.clone() for k, v in into.items()}
+    for k, v in out.items():
+        v[rows] = source[k][rows]
+    return out

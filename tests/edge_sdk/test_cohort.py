@@ -54,6 +54,7 @@ SETTINGS = {
     "fml": {"local_epochs": 2, "batch_size": 8, "lr": 0.1, "alpha": 0.3, "beta": 0.7},
     "pfml": {"local_iterations": 4, "batch_size": 8, "lr": 0.05, "k_steps": 2, "lam": 1.0},
     "fedme": {"local_epochs": 2, "batch_size": 8, "lr": 0.1, "clip_norm": 0.5},
+    "persfl": {"local_epochs": 2, "batch_size": 8, "lr": 0.1, "distill_temperatures": [1, 3]},
 }
 CFG = PFMLConfig(**SETTINGS["pfml"])
 
@@ -255,6 +256,88 @@ def test_fedme_members_exchanging_other_architectures_stack_apart(stacked_fits):
         _assert_close(g.models["exchanged"].weights, e.models["exchanged"].weights)
 
 
+@pytest.mark.parametrize("family", ["mlp", "mlr"], ids=["from-the-teacher", "from-scratch"])
+def test_stacked_persfl_members_keep_their_own_teacher_and_distil_their_own_student(family):
+    # Prepare: PersFL clients of `family`, alone and stacked; the global model an mlp, another
+    # one every round and in every evaluation, so that each member's validation loss picks its
+    # own teacher
+    mlp = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=(FEATURES,))
+    _, alone = _clients("persfl", family=family)
+    _, stacked = _clients("persfl", family=family)
+    rounds = 4
+    for round_ in range(1, rounds + 1):
+        models = [{"global": _global(mlp, seed=11 * round_)}] * 3
+
+        # Execute, Assert: stage 1's fit, then an evaluation, each as alone
+        expected = [a.fit(round_, rounds, m) for a, m in zip(alone, models, strict=True)]
+        _assert_alike(expected, run_stacked(stacked, "fit", round_, rounds, models), alone, stacked)
+        models = [{"global": _global(mlp, seed=11 * round_ + 5)}] * 3
+        expected = [FitResult(metrics=a.evaluate(m)) for a, m in zip(alone, models, strict=True)]
+        got = run_stacked(stacked, "evaluate", round_, rounds, models)
+        _assert_alike(expected, got, alone, stacked)
+
+    # Execute: stage 2 (the grid) and the guard
+    final = [{"global": _global(mlp, seed=99)}] * 3
+    expected = [a.finalize(rounds, rounds, m) for a, m in zip(alone, final, strict=True)]
+    got = run_stacked(stacked, "finalize", rounds, rounds, final)
+
+    # Assert: every member's teacher, grid, student and guard's choice as alone
+    for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
+        _assert_close(g.details, e.details, "details")
+        _assert_close(g.metrics, e.metrics, "metrics")
+        _assert_close(s.state_dict(), a.state_dict(), f"{a.ctx.client_id} state")
+        _assert_close(
+            s.personalized_model()[1].state_dict(), a.personalized_model()[1].state_dict()
+        )
+    # ... and the members chose differently, so each choice was its own
+    assert len({a.teacher_round for a in alone}) > 1
+    assert len({(a.choice.lam, a.choice.temperature) for a in alone}) > 1
+    assert {e.details["student_init"] for e in expected} == {
+        "teacher" if family == "mlp" else "scratch"
+    }
+
+
+def _with_data(algo, **splits):
+    """`algo`'s data with the given splits replaced."""
+    d = algo.ctx.data
+    fields = {
+        k: getattr(d, k) for k in ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test")
+    }
+    algo.ctx.data = ClientData(**(fields | splits), num_classes=CLASSES)
+
+
+def test_a_persfl_member_whose_distillation_diverges_sends_the_stack_back_as_it_was():
+    # Prepare: c1's training inputs blow every model's logits up
+    spec, stacked = _clients("persfl")
+    _with_data(stacked[1], x_train=stacked[1].ctx.data.x_train * 1e30)
+    before = [s.state_dict() for s in stacked]
+    final = [{"global": _global(spec)}] * 3
+
+    # Execute
+    with pytest.raises(CohortUnsupported, match="diverged at λ=0, T=1"):
+        run_stacked(stacked, "finalize", 1, 1, final)
+
+    # Assert: every member as it was, random stream included, to run its grid alone: c1's every
+    # point diverges there, and it gets its own error
+    for s, b in zip(stacked, before, strict=True):
+        _assert_close(s.state_dict(), b)
+    with pytest.raises(AlgorithmError, match="diverged at every"):
+        stacked[1].finalize(1, 1, final[1])
+    assert stacked[0].finalize(1, 1, final[0]).details["distill_lambda"] in (0.0, 0.5, 0.75)
+
+
+def test_a_stacked_persfl_member_without_validation_data_stops_the_stack_with_its_error():
+    # Prepare: after a first round, c1 loses its validation split
+    spec, stacked = _clients("persfl")
+    models = [{"global": _global(spec)}] * 3
+    run_stacked(stacked, "fit", 1, 2, models)
+    _with_data(stacked[1], x_val=torch.zeros(0, FEATURES), y_val=torch.zeros(0, dtype=torch.long))
+
+    # Execute, Assert: the second round's teacher is chosen on validation data
+    with pytest.raises(AlgorithmError, match="validation split"):
+        run_stacked(stacked, "fit", 2, 2, models)
+
+
 def _kept_tensors():
     """The kept stacks, each with the addresses of its models' parameters and its optimizers'
     state tensors."""
@@ -328,10 +411,11 @@ def test_a_stack_kept_from_round_to_round_trains_each_client_as_alone(algorithm,
         # Assert: every round as client by client
         _assert_alike(expected, got, alone, stacked)
 
-    # Assert: one stack, its tensors where they were in every later round
+    # Assert: one stack, its tensors where they were in every later round (PersFL's teacher
+    # arrives with round 2's global model: more tensors from then on)
     assert [len(k) for k in kept] == [1, 1, 1]
     (s1, p1), (s2, p2), (s3, p3) = (k[0] for k in kept)
-    assert s1 is s2 is s3 and p1 == p2 == p3 and p1
+    assert s1 is s2 is s3 and p1 == p2[: len(p1)] and p2 == p3 and p1
 
 
 def test_a_kept_stack_of_adam_clients_counts_steps_from_a_restored_state(monkeypatch):
@@ -691,9 +775,10 @@ def test_each_member_is_clipped_to_its_own_gradient_norm():
 
 
 @pytest.mark.parametrize("test_sizes", [(6, 6, 70), (70, 6, 0)])
-def test_a_stacked_evaluation_scores_each_member_on_its_own_samples(test_sizes):
-    # Prepare: members with test splits of different sizes (70: several chunks; 0: none), the
-    # longest last or first
+def test_a_stacked_evaluation_scores_each_member_on_its_own_samples(test_sizes, monkeypatch):
+    # Prepare: members with test splits of different sizes (70: several chunks of forwards of
+    # at most 16 samples; 0: none), the longest last or first
+    _small_chunks(monkeypatch)
     g = torch.Generator().manual_seed(5)
     datas = []
     for k in test_sizes:
@@ -714,6 +799,43 @@ def test_a_stacked_evaluation_scores_each_member_on_its_own_samples(test_sizes):
         assert got.total[i] == len(d.y_test)
         expected = nn.functional.cross_entropy(z, d.y_test, reduction="sum").item()
         assert got.loss_sum[i] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def _small_chunks(monkeypatch):
+    """Stacked forwards of at most 16 samples, all members together."""
+    monkeypatch.setattr(cohort_trainer, "_CPU_CHUNK_VALUES", 16 * FEATURES)
+    monkeypatch.setattr(cohort_trainer, "_CPU_CHUNK_MIN", 16)
+
+
+@pytest.mark.parametrize("train_sizes", [(6, 6, 70), (70, 6, 1)])
+def test_stacked_logits_are_each_members_model_on_its_own_samples_in_its_batches(
+    train_sizes, monkeypatch
+):
+    # Prepare: members with training splits of different sizes, forwards in several chunks
+    _small_chunks(monkeypatch)
+    g = torch.Generator().manual_seed(6)
+    datas = []
+    for k in train_sizes:
+        x = torch.randn(k + 2, FEATURES, generator=g)
+        y = torch.randint(0, CLASSES, (k + 2,), generator=g)
+        datas.append(ClientData(x[:k], y[:k], x[k:], y[k:], x[k:], y[k:], num_classes=CLASSES))
+    models = [_model("mlp", s) for s in range(3)]
+    packed = StackedData.of(datas)
+    trainer = CohortTrainer([Trainer(CPU, seed=s) for s in range(3)])
+
+    # Execute: every member's logits over its training split, then an epoch's batches of the
+    # split with them
+    z = trainer.logits(stack_modules(models), packed.x_train)
+    batches = list(trainer.batches(packed.x_train, packed.y_train, 4, z))
+
+    # Assert: the logits are each member's model on its own samples, computed here, and each
+    # batch carries the logits of its own samples
+    for i, (m, d) in enumerate(zip(models, datas, strict=True)):
+        assert torch.allclose(z.base[z.offsets[i] :][: len(d.y_train)], m(d.x_train), atol=1e-6)
+    for x, _, zb, *_ in batches:
+        for i in range(len(x)):
+            assert torch.allclose(zb[i], models[i](x[i]), atol=1e-6)
+    assert sum(b.taking.count(True) for b in batches) == sum(-(-k // 4) for k in train_sizes)
 
 
 @pytest.mark.parametrize("val_sizes", [(6, 6, 70), (70, 6, 0)])

@@ -32,6 +32,7 @@ SETTINGS = {
     "fml": {"local_epochs": 1, "batch_size": 8, "lr": 0.1},
     "pfml": {"local_iterations": 3, "batch_size": 8, "lr": 0.05, "k_steps": 2, "lam": 1.0},
     "fedme": {"local_epochs": 1, "batch_size": 8, "lr": 0.1},
+    "persfl": {"local_epochs": 1, "batch_size": 8, "lr": 0.1, "distill_temperatures": [1, 3]},
 }
 
 
@@ -468,3 +469,32 @@ def test_pfmls_work_model_is_kept_only_for_a_model_of_its_own_kind_and_layout():
         work = _shaped_as(kept, model)
         assert work is not kept and type(work) is torch.nn.Sequential
         assert work[0].weight.shape == (2, 3)
+
+
+@cuda
+@pytest.mark.parametrize("family", list(SHAPES))
+def test_persfls_stage_two_stacked_on_cuda_distils_each_member_as_alone(family, monkeypatch):
+    # Prepare: unequal PersFL clients alone and stacked (masked, captured), fp32 without cuDNN's
+    # TF32, each given a teacher by a round of stage 1
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    dev = torch.device("cuda")
+    spec, alone = _clients("persfl", dev, amp=False, epochs=1, family=family)
+    _, stacked = _clients("persfl", dev, amp=False, epochs=1, family=family)
+    models = _models("persfl", spec)
+    for a in alone:
+        a.fit(1, 2, models)
+        a.fit(2, 2, models)
+    run_stacked(stacked, "fit", 1, 2, [models] * len(stacked))
+    run_stacked(stacked, "fit", 2, 2, [models] * len(stacked))
+
+    # Execute: stage 2, the distillation grid
+    expected = [a.finalize(2, 2, models) for a in alone]
+    got = run_stacked(stacked, "finalize", 2, 2, [models] * len(stacked))
+
+    # Assert: each member's grid point, scores and student as alone
+    assert stacked[0].ctx.trainer.stats.graphs >= 1
+    for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
+        assert g.details["distill_lambda"] == e.details["distill_lambda"]
+        assert g.metrics == pytest.approx(e.metrics, rel=1e-4)
+        for k, v in a.student.state_dict().items():
+            assert torch.allclose(s.student.state_dict()[k], v, atol=1e-5), k
