@@ -234,17 +234,18 @@ class PersFL(ClientAlgorithm):
             raise CohortUnsupported("persfl: the members' teachers would differ in architecture")
         else:
             take_rows(self.teacher, model, better)
-        rounds = zip(better, self._each(self.teacher_round), strict=True)
-        self.teacher_round = self._like([round_ if b else r for b, r in rounds])
-        kept = zip(better, losses, self._each(self.teacher_loss), strict=True)
-        self.teacher_loss = self._like([loss if b else k for b, loss, k in kept])
+        rounds, kept = self._each(self.teacher_round), self._each(self.teacher_loss)
+        for i, b in enumerate(better):
+            if b:
+                rounds[i], kept[i] = round_, losses[i]
+        self.teacher_round, self.teacher_loss = self._like(rounds), self._like(kept)
         return self._like(better)
 
     def _below_teacher(self, model: nn.Module) -> tuple[list[float], list[bool]]:
         """`model`'s validation CE for each member, and whether it is below its teacher's."""
         losses = self._each(self._val_loss(model))
         kept = self._each(self.teacher_loss)
-        return losses, [loss < k for loss, k in zip(losses, kept, strict=True)]
+        return losses, [losses[i] < kept[i] for i in range(len(losses))]
 
     @property
     def _stacked(self) -> bool:
@@ -367,12 +368,13 @@ class PersFL(ClientAlgorithm):
                 diverged.append((lam, t))
                 continue
             r = trainer.evaluate(student, d.x_val, d.y_val)
-            scores = (self._each(v) for v in (r.correct, r.total, r.loss))
-            points = [GridPoint(lam, t, *v) for v in zip(*scores, strict=True)]
-            wins = [p.beats(b) for p, b in zip(points, best, strict=True)]
-            for grid, p in zip(grids, points, strict=True):
-                grid.append(p)
-            best = [p if w else b for p, b, w in zip(points, best, wins, strict=True)]
+            correct, total, loss = (self._each(v) for v in (r.correct, r.total, r.loss))
+            wins = [False] * members
+            for i in range(members):  # each member's point, and whether it is its best
+                point = GridPoint(lam, t, correct[i], total[i], loss[i])
+                grids[i].append(point)
+                if point.beats(best[i]):
+                    best[i], wins[i] = point, True
             if all(wins):
                 best_state = state_of(student)
             elif any(wins):  # on a stack: the winners' rows

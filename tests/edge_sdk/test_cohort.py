@@ -26,6 +26,7 @@ from edge_sdk.algorithms.base import (
     ClientContext,
     FitResult,
 )
+from edge_sdk.algorithms.persfl import PersFL
 from edge_sdk.algorithms.pfml import PFML, PFMLConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.cohort import (
@@ -324,6 +325,33 @@ def test_a_persfl_member_whose_distillation_diverges_sends_the_stack_back_as_it_
     with pytest.raises(AlgorithmError, match="diverged at every"):
         stacked[1].finalize(1, 1, final[1])
     assert stacked[0].finalize(1, 1, final[0]).details["distill_lambda"] in (0.0, 0.5, 0.75)
+
+
+@pytest.mark.parametrize("kept", ["none", "mlp"])
+def test_stacked_persfl_members_whose_teachers_would_differ_in_architecture_are_refused(kept):
+    # Prepare: a stack of PersFL members (as run_stacked makes one) holding no teacher or an
+    # mlp one; c1's kept loss is below any, so that only the others take the mlr candidate
+    mlp = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=(FEATURES,))
+    mlr = ArchSpec(family="mlr", num_classes=CLASSES, input_shape=(FEATURES,))
+    _, members = _clients("persfl")
+    first = members[0]
+    algo = PersFL.__new__(PersFL)
+    ctx = cohort._cohort_context([m.ctx for m in members], first.ctx.task, None)
+    ClientAlgorithm.__init__(algo, ctx, first.config)
+    algo.teacher = None if kept == "none" else algo._materialize(_rows(_global(mlp), 3))
+    algo.teacher_spec = None if kept == "none" else mlp
+    algo.teacher_round = PerMember([1, 1, 1])
+    algo.teacher_loss = PerMember([math.inf, -1.0, math.inf])
+
+    # Execute, Assert
+    message = "^persfl: the members' teachers would differ in architecture$"
+    with pytest.raises(CohortUnsupported, match=message):
+        algo.consider_teacher(2, _rows(_global(mlr), 3))
+
+
+def _rows(wire, n):
+    """`wire` as a stack's incoming model: each tensor as n equal rows."""
+    return WireModel(wire.spec, {k: v.expand(n, *v.shape) for k, v in wire.weights.items()})
 
 
 def test_a_stacked_persfl_member_without_validation_data_stops_the_stack_with_its_error():
