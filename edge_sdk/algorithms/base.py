@@ -24,6 +24,7 @@ from torch import nn
 
 from edge_sdk.algorithms.guard import FINETUNED, PERSONAL, Candidate, Guard, GuardConfig, Pick
 from edge_sdk.codec import WireModel, cpu_copies, state_of
+from edge_sdk.cohort_trainer import PerMember
 from edge_sdk.peers import Peers
 from edge_sdk.trainer import ClientData, EvalResult, OptimConfig, Score, Trainer
 from model_zoo import ArchSpec, build
@@ -433,6 +434,20 @@ class ClientAlgorithm(ABC):
 
     def _materialize(self, model: WireModel) -> nn.Module:
         return self.ctx.materialize(model)
+
+    @property
+    def _stacked(self) -> bool:
+        """Whether this runs for a stack of clients (edge_sdk.cohort)."""
+        return isinstance(self.ctx.data.n_train, list)
+
+    def _each(self, value: Any) -> list[Any]:
+        """One value per member: a stack's PerMember as a list, a client's value in a list."""
+        return list(value) if self._stacked else [value]
+
+    def _like(self, values: list[Any]) -> Any:
+        """One value per member as this algorithm holds it: a PerMember on a stack of
+        clients, the value itself for one client."""
+        return PerMember(values) if self._stacked else values[0]
 
     def _teaches(self, teacher: nn.Module, student: nn.Module) -> float | torch.Tensor:
         """1.0 when `teacher` has the lower cross-entropy on this client's validation split, else

@@ -128,9 +128,8 @@ class FedMe(ClientAlgorithm):
 
     def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         cfg, trainer, d = self.config, self.ctx.trainer, self.ctx.data
-        stacked = isinstance(d.n_train, list)  # a stack of clients (edge_sdk.cohort)
-        n_val = d.n_val  # one count per member on a stack
-        if 0 in (n_val if isinstance(n_val, list) else [n_val]):
+        stacked = self._stacked  # a stack of clients (edge_sdk.cohort)
+        if 0 in self._each(d.n_val):  # one count per member on a stack
             raise AlgorithmError(
                 "fedme tunes its model on the validation split and this client has none; give "
                 "it validation data (e.g. data.split = [0.6, 0.2, 0.2])"
@@ -172,9 +171,8 @@ class FedMe(ClientAlgorithm):
             "exchanged": WireModel.of(ex_wire.spec, exchanged),
         }
         # One decision per member on a stack: an adopting member takes the exchanged rows.
-        exs = val_ex if isinstance(val_ex, list) else [val_ex]
-        ps = val_p if isinstance(val_p, list) else [val_p]
-        adopted: Any = [float(e < p) for e, p in zip(exs, ps, strict=True)]
+        pairs = zip(self._each(val_ex), self._each(val_p), strict=True)
+        adopted: Any = [float(e < p) for e, p in pairs]
         if stacked:
             take_rows(personal, exchanged, adopted)
         else:

@@ -53,7 +53,7 @@ from edge_sdk.algorithms.base import (
 from edge_sdk.algorithms.fedavg import FedAvgConfig
 from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel, state_of
-from edge_sdk.cohort_trainer import CohortUnsupported, PerMember, take_rows
+from edge_sdk.cohort_trainer import CohortUnsupported, take_rows
 from edge_sdk.losses import cross_entropy, kl_distill, soft_cross_entropy
 from model_zoo import ArchSpec
 
@@ -246,20 +246,6 @@ class PersFL(ClientAlgorithm):
         losses = self._each(self._val_loss(model))
         kept = self._each(self.teacher_loss)
         return losses, [losses[i] < kept[i] for i in range(len(losses))]
-
-    @property
-    def _stacked(self) -> bool:
-        """Whether this runs for a stack of clients (edge_sdk.cohort)."""
-        return isinstance(self.ctx.data.n_train, list)
-
-    def _each(self, value: Any) -> list[Any]:
-        """One value per member: a stack's PerMember as a list, a client's value in a list."""
-        return list(value) if self._stacked else [value]
-
-    def _like(self, values: list[Any]) -> Any:
-        """One value per member as this algorithm holds it: a PerMember on a stack of
-        clients, the value itself for one client."""
-        return PerMember(values) if self._stacked else values[0]
 
     def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         glob = self._require(models, "global")
