@@ -388,7 +388,9 @@ def table(out: dict[str, Any]) -> str:
             f"{c.get('mean_personal_acc')}  {goal}"
         )
     for family, r in out.get("persfl100", {}).items():
-        b, c = r.get("batched", {}), r.get("client_by_client", {})
+        if "finalize_speedup" not in r:  # (operator counts alone: nothing timed)
+            continue
+        b, c = r["batched"], r["client_by_client"]
         lines.append(
             f"persfl100 {family} finalize (stage 2, the guard): {b.get('finalize_s')} s batched, "
             f"{c.get('finalize_s')} s client by client ({r.get('finalize_speedup')}x)"
