@@ -3,6 +3,9 @@
 For every split and seed this runs, on one data split and one local-training budget:
 - `local` (each client alone) and `fedavg_ft` (FedAvg, then fine-tuning) once per architecture
   of the split, all clients on that architecture; the best of those is "FedAvg+FT";
+- `local_reseeded`: local training again on the same split, its initialisation and batches from
+  another seed, the noise floor: how far from `local` a method equal to it ends by chance (its
+  worst client is what the guard's goal can expect of a method no better than training alone);
 - each personalized algorithm (fml, pfml, persfl, fedme, federico), clients on the split's mixed
   architectures, the guard on (edge_sdk.algorithms.guard).
 
@@ -61,6 +64,9 @@ TIE = 1.0  # points: a client within ±TIE of the other method ties
 GUARD_POINTS = 2.0  # the guard's goal: no client more than this below local training
 PAYS_POINTS = 5.0  # where data is scarce: at least local + this, and at least FedAvg+FT
 OWN = "own"  # local training: every client its own architecture
+# The noise floor: local training again on each seed's own split, its initialisation and batches
+# drawn from another seed (seed + RESEED).
+RESEED = 1000
 
 
 @dataclass(frozen=True)
@@ -368,6 +374,15 @@ def _passes(runs: Sequence[Run]) -> float:
     )
 
 
+RESEEDED = "local_reseeded"
+
+
+def reseed(seed: int) -> dict[str, Any]:
+    """The overrides of `seed`'s noise-floor run: its split, training's randomness from another
+    seed."""
+    return {"seed": seed + RESEED, "data.seed": seed}
+
+
 def summarize(
     split: Split,
     seeds: Sequence[int],
@@ -378,12 +393,13 @@ def summarize(
     variant: str = "",
 ) -> list[dict[str, Any]]:
     local = [run_one(split, s, "local", size, out, OWN) for s in seeds]
+    reseeded = [run_one(split, s, "local", size, out, OWN, reseed(s), "reseeded") for s in seeds]
     fts = {f: [run_one(split, s, "fedavg_ft", size, out, f) for s in seeds] for f in split.models}
     best = max(fts, key=lambda f: statistics.mean(_mean_acc(r) for r in fts[f]))
-    baselines = {"local": local, "fedavg_ft": fts[best]}
+    baselines = {"local": local, RESEEDED: reseeded, "fedavg_ft": fts[best]}
     local_pc, ft_pc = _per_client(local), _per_client(fts[best])
     rows = []
-    for name in ["local", "fedavg_ft", *algorithms]:
+    for name in ["local", RESEEDED, "fedavg_ft", *algorithms]:
         runs = baselines.get(name) or [
             run_one(split, s, name, size, out, best, overrides, variant) for s in seeds
         ]
@@ -395,7 +411,7 @@ def summarize(
             "split": split.name,
             "algorithm": name,
             # FedAvg+FT's one architecture; the personalized algorithms' global one
-            "architecture": best if name != "local" else ",".join(split.models),
+            "architecture": ",".join(split.models) if name in ("local", RESEEDED) else best,
             "mean": statistics.mean(means),
             "ci95": _ci95(means),
             "seeds": list(seeds),

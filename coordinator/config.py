@@ -75,6 +75,9 @@ class DataConfig(BaseModel):
     partition: str = "dirichlet"
     partition_params: dict[str, Any] = {}  # e.g. {"alpha": 0.5}
     split: tuple[float, float, float] = (0.6, 0.2, 0.2)  # per-client train/val/test [PersFL]
+    # The data side's seed (the subset, the split, a held-out set); None: the run's `seed`. Fixed
+    # while `seed` varies, the clients keep their data and only training's randomness changes.
+    seed: int | None = None
 
 
 class DeviceConfig(BaseModel):

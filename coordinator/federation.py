@@ -72,17 +72,23 @@ class Federation:
     server_data: ServerData = field(default_factory=ServerData)
 
 
+def data_seed(cfg: RunConfig) -> int:
+    """The seed of the data side of `cfg`'s run: `data.seed`, else the run's `seed`."""
+    return cfg.seed if cfg.data.seed is None else cfg.data.seed
+
+
 def prepare_federation(cfg: RunConfig) -> Federation:
     d = cfg.data
-    # The run's seed picks the subset; a generator's own seed (Synthetic's) stays in `options`.
-    subset = {"max_samples": d.max_samples, "seed": cfg.seed} if d.max_samples else {}
+    seed = data_seed(cfg)
+    # The data seed picks the subset; a generator's own seed (Synthetic's) stays in `options`.
+    subset = {"max_samples": d.max_samples, "seed": seed} if d.max_samples else {}
     dataset = load_dataset(d.dataset, root=d.root, **subset, **d.options)
     dataset, server_data = _hold_out(cfg, dataset)
     part = partition(
         dataset.y.numpy(),
         d.partition,
         cfg.clients,
-        seed=cfg.seed,
+        seed=seed,
         split=d.split,
         groups=dataset.groups,
         **d.partition_params,
@@ -175,7 +181,7 @@ def _hold_out(cfg: RunConfig, dataset: Dataset) -> tuple[Dataset, ServerData]:
             f"{cfg.algorithm} holds out {n} unlabeled samples for the coordinator but the dataset "
             f"has only {len(dataset)}; lower {cfg.algorithm}.unlabeled_size"
         )
-    held = stratified_indices(dataset.y.numpy(), n, cfg.seed + 1)
+    held = stratified_indices(dataset.y.numpy(), n, data_seed(cfg) + 1)
     rest = np.setdiff1d(np.arange(len(dataset)), held)
     return dataset.subset(rest), ServerData(unlabeled=dataset.x[torch.from_numpy(held)])
 

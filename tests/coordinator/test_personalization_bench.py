@@ -134,3 +134,27 @@ def test_a_kept_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch):
     # Assert
     assert len(runs) == 3
     assert sum(c["n_test"] for c in changed.clients) < sum(c["n_test"] for c in first.clients)
+
+
+def test_the_noise_floor_is_local_training_on_the_same_split_with_another_seed(tmp_path):
+    # Prepare: a tiny label-skewed split and budget
+    split = bench.Split(
+        "tiny",
+        "digits, 3 clients",
+        {"data.dataset": "digits", "data.max_samples": 300, "clients": 3},
+        ("mlr",),
+    )
+    size = bench.Size(1, 1, 16, 0.05, clients=3, samples=300, group_samples=300, unlabeled=50)
+
+    # Execute
+    rows = bench.summarize(split, [4], size, tmp_path, [])
+    local = bench.run_one(split, 4, "local", size, tmp_path, bench.OWN)
+    again = bench.run_one(split, 4, "local", size, tmp_path, bench.OWN, bench.reseed(4), "reseeded")
+
+    # Assert: a row of its own; the same clients and samples, training from seed 1004
+    assert [r["algorithm"] for r in rows] == ["local", "local_reseeded", "fedavg_ft"]
+    assert again.config["seed"] == 1004 and again.config["data"]["seed"] == 4
+    assert [c["n_train"] for c in again.clients] == [c["n_train"] for c in local.clients]
+    assert [c["n_test"] for c in again.clients] == [c["n_test"] for c in local.clients]
+    assert [c["personal_acc"] for c in again.clients] != [c["personal_acc"] for c in local.clients]
+    assert rows[1]["per_client"] == [100 * c["personal_acc"] for c in again.clients]

@@ -5,6 +5,7 @@ import torch
 from tests_helpers import tiny_config
 
 from coordinator.federation import _client_major, prepare_federation
+from coordinator.simulator import simulate
 from model_zoo.data import ClientSplit, Partition, load_dataset, partition
 
 
@@ -50,3 +51,44 @@ def test_client_major_gathers_copies_when_clients_share_samples():
     assert torch.equal(moved.x, x0[[3, 1, 5, 1, 7, 2, 0]])
     assert [list(c.train) for c in ranges.clients] == [[0, 1], [3, 4]]
     assert torch.equal(ds.x, x0)
+
+
+def test_data_seed_keeps_the_split_while_the_run_seed_changes_training():
+    # Prepare: the data side of seed 7, made independently of the simulator.
+    plain = load_dataset("digits", size=8, max_samples=800, seed=7)
+    part = partition(plain.y.numpy(), "dirichlet", 5, seed=7, split=(0.6, 0.2, 0.2))
+    flags = {"clients": 5, "data.partition": "dirichlet", "rounds": 2}
+
+    # Execute: the run's seed 3 with the data's seed 7, and seed 3 alone
+    fed = prepare_federation(tiny_config(seed=3, **flags, **{"data.seed": 7}))
+    other = prepare_federation(tiny_config(seed=3, **flags))
+
+    # Assert: seed 7's samples for every client; seed 3 alone splits otherwise
+    for data, cs in zip(fed.client_data, part.clients, strict=True):
+        for name, ix in (("train", cs.train), ("val", cs.val), ("test", cs.test)):
+            assert torch.equal(getattr(data, f"y_{name}"), plain.y[torch.from_numpy(ix)])
+            assert torch.equal(getattr(data, f"x_{name}"), plain.x[torch.from_numpy(ix)])
+    assert [len(d.y_train) for d in other.client_data] != [len(cs.train) for cs in part.clients]
+
+
+def test_data_seed_holds_out_the_same_unlabeled_set():
+    flags = {"algorithm": "fedme", "overrides": {"fedme.unlabeled_size": 50}}
+    fixed = prepare_federation(tiny_config(seed=3, **flags, **{"data.seed": 7}))
+    same = prepare_federation(tiny_config(seed=7, **flags))
+    assert torch.equal(fixed.server_data.unlabeled, same.server_data.unlabeled)
+    assert not torch.equal(
+        fixed.server_data.unlabeled,
+        prepare_federation(tiny_config(seed=3, **flags)).server_data.unlabeled,
+    )
+
+
+def test_runs_on_one_data_seed_differ_only_in_training():
+    def run(seed):
+        flags = {"data.seed": 0, "data.partition": "dirichlet"}
+        res = simulate(tiny_config(algorithm="local", seed=seed, rounds=1, **flags), progress=False)
+        return [c.model_dump() for c in res.split.clients], [c.personal_acc for c in res.clients]
+
+    split0, accs0 = run(0)
+    split1, accs1 = run(1)
+    assert split0 == split1
+    assert accs0 != accs1
