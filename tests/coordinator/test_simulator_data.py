@@ -53,11 +53,11 @@ def test_client_major_gathers_copies_when_clients_share_samples():
     assert torch.equal(ds.x, x0)
 
 
-def test_data_seed_keeps_the_split_while_the_run_seed_changes_training():
+def test_data_seed_picks_the_subset_and_split_whatever_the_run_seed():
     # Prepare: the data side of seed 7, made independently of the simulator.
     plain = load_dataset("digits", size=8, max_samples=800, seed=7)
     part = partition(plain.y.numpy(), "dirichlet", 5, seed=7, split=(0.6, 0.2, 0.2))
-    flags = {"clients": 5, "data.partition": "dirichlet", "rounds": 2}
+    flags = {"clients": 5, "data.partition": "dirichlet"}
 
     # Execute: the run's seed 3 with the data's seed 7, and seed 3 alone
     fed = prepare_federation(tiny_config(seed=3, **flags, **{"data.seed": 7}))
