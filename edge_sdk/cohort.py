@@ -830,7 +830,7 @@ def run_stacked(
     for name in cls.persistent:  # into a kept stack's own tensors, where they fit
         setattr(stacked, name, _stack_state(name, members, stacked, vars(stacked).get(name)))
     incoming = _stack_models([models[i] for i in order], first.ctx.device)
-    rngs = [(a.ctx.trainer.generator.get_state(), a.ctx.trainer.samples) for a in members]
+    positions = _positions(members)
     try:
         if phase == "fit":
             result = stacked.train_round(round_, rounds, incoming)
@@ -839,9 +839,7 @@ def run_stacked(
         else:
             result = stacked.finish(round_, rounds, incoming)
     except BaseException:
-        for a, (rng, samples) in zip(members, rngs, strict=True):  # as if nothing had run
-            a.ctx.trainer.generator.set_state(rng)
-            a.ctx.trainer.samples = samples
+        _rewind(members, positions)  # as if nothing had run
         raise
     # Evaluation changes no state but what the algorithm says it keeps.
     for name in cls.evaluation_keeps if phase == "evaluate" else cls.persistent:
@@ -866,6 +864,18 @@ def run_stacked(
     return out
 
 
+def _positions(members: Sequence[ClientAlgorithm]) -> list[tuple[Any, int]]:
+    """Each member's random stream and count of samples trained: what `_rewind` restores."""
+    return [(a.ctx.trainer.rng_state(), a.ctx.trainer.samples) for a in members]
+
+
+def _rewind(members: Sequence[ClientAlgorithm], positions: list[tuple[Any, int]]) -> None:
+    """Every member's trainer back where `_positions` found it: as if nothing had run."""
+    for a, (rng, samples) in zip(members, positions, strict=True):
+        a.ctx.trainer.set_rng_state(rng)
+        a.ctx.trainer.samples = samples
+
+
 def _guard_scores(stacked: ClientAlgorithm) -> list[dict[str, Score] | None]:
     """What every member's guard scores after a fit, each candidate once for the whole stack:
     per member and candidate, the validation samples it gets right and its mean loss."""
@@ -888,13 +898,11 @@ def _finetuned_rows(
     member's batches from its own generator, as alone), one model per member; None for every
     member when it does not stack (each then trains its own, from the same random state)."""
     none: list[Candidate | None] = [None] * len(members)
-    rngs = [(a.ctx.trainer.generator.get_state(), a.ctx.trainer.samples) for a in members]
+    positions = _positions(members)
     try:
         tuned = stacked.finetune(rounds, models)
     except (CohortUnsupported, FloatingPointError) as exc:
-        for a, (rng, samples) in zip(members, rngs, strict=True):
-            a.ctx.trainer.generator.set_state(rng)
-            a.ctx.trainer.samples = samples
+        _rewind(members, positions)
         log.info("the guards' fine-tuning runs client by client: %s", exc)
         return none
     if tuned is None:
