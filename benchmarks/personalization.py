@@ -67,6 +67,7 @@ OWN = "own"  # local training: every client its own architecture
 # The noise floor: local training again on each seed's own split, its initialisation and batches
 # drawn from another seed (seed + RESEED).
 RESEED = 1000
+RESEEDED = "local_reseeded"  # its row
 
 
 @dataclass(frozen=True)
@@ -372,9 +373,6 @@ def _passes(runs: Sequence[Run]) -> float:
     return statistics.mean(
         (c["samples_processed"] or 0) / c["n_train"] for r in runs for c in r.clients
     )
-
-
-RESEEDED = "local_reseeded"
 
 
 def reseed(seed: int) -> dict[str, Any]:
