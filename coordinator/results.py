@@ -98,6 +98,26 @@ class RunResult:
         return asdict(self)
 
 
+def _metrics_missing(
+    cfg: RunConfig,
+    personal: list[float | None],
+    global_: list[float | None],
+    local: list[float | None],
+) -> str:
+    """What the personalization metrics lacked, and the baseline that gives it."""
+    if any(v is None for v in local):
+        return "no local accuracy for some client (add local to the baselines)"
+    if any(v is None for v in global_):
+        if "fedavg" in cfg.baselines:
+            return "the fedavg baseline has no global accuracy for some client"
+        return (
+            f"no global accuracy for some client ({cfg.algorithm}'s own global model is "
+            "what they compare with, if it has one: add fedavg to the baselines)"
+        )
+    missing = sum(v is None for v in personal)
+    return f"{missing} client(s) reported no personalized accuracy"
+
+
 def build_results(
     cfg: RunConfig, runs: dict[str, RunResult], *, device: DeviceRecord | None = None
 ) -> Results:
@@ -143,7 +163,7 @@ def build_results(
         )
         summary.metrics_global_from = "fedavg" if fedavg else cfg.algorithm
     elif cfg.baselines:
-        log.warning("metrics skipped: some client lacks a personal, global or local accuracy")
+        log.warning("metrics skipped: %s", _metrics_missing(cfg, personal, g, loc))
     extra = {k: v for k, v in main.extra.items() if k not in Results.model_fields or k in _EXTRA}
     return Results.model_validate(
         {

@@ -222,3 +222,17 @@ def test_auto_without_cuda_says_it_fell_back_to_the_cpu():
     results = simulate(tiny_config(algorithm="local", rounds=1, clients=2, device="auto"))
     assert results.device is not None
     assert (results.device.used, results.device.reason) == ("cpu", "auto: CUDA is not available")
+
+
+def test_metrics_skipped_says_which_baseline_would_give_them(tmp_path, caplog):
+    # federico has no global model: the metrics need FedAvg's, and the warning says so.
+    cfg = tiny_config(
+        algorithm="federico", rounds=1, clients=2, baselines=["local"], out=str(tmp_path)
+    )
+
+    with caplog.at_level("WARNING", logger="coordinator.results"):
+        results = simulate(cfg, progress=False)
+
+    assert results.summary.metrics is None
+    skipped = [r.getMessage() for r in caplog.records if "metrics skipped" in r.getMessage()]
+    assert len(skipped) == 1 and "add fedavg to the baselines" in skipped[0], skipped
