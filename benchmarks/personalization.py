@@ -28,9 +28,11 @@ OUT/summary.md).
 
 Budgets: every algorithm and baseline trains `local_epochs` epochs of `batch_size` per round for
 `rounds` rounds (PFML: the same epochs, `pfml.local_epochs`). FedeRiCo takes one gradient step
-per round by design, so it gets as many rounds as the others take steps:
-rounds · local_epochs · ⌈mean n_train / batch_size⌉. FedMe clusters its models on unlabeled
-inputs drawn from samples no client holds, so every algorithm runs on the same split.
+of one batch per round by design, for every client alike, so it gets as many rounds as local
+training takes steps on the largest client: ⌈rounds · local_epochs · max n_train / batch_size⌉
+(no client makes fewer passes over its data than alone; the smaller ones make more, counted).
+FedMe clusters its models on unlabeled inputs drawn from samples no client holds, so every
+algorithm runs on the same split.
 """
 
 from __future__ import annotations
@@ -225,6 +227,13 @@ def _budget(size: Size, algorithm: str) -> dict[str, Any]:
     return {f"{algorithm}.{k}": v for k, v in budget.items()}
 
 
+def federico_rounds(size: Size, n_train: Sequence[int], batch_size: int) -> int:
+    """FedeRiCo's rounds: one step of `batch_size` each, for every client alike, as many as
+    local training's steps on the largest client, so that no client makes fewer passes over its
+    training data than alone (the smaller ones make more; `passes` counts them)."""
+    return math.ceil(size.rounds * size.local_epochs * max(n_train) / batch_size)
+
+
 def _unlabeled(split: Split, seed: int, count: int, out: Path) -> Path:
     """FedMe's unlabeled inputs: `count` samples that no client of this split holds."""
     path = out / "unlabeled" / f"{split.name}-{seed}.npy"
@@ -285,12 +294,12 @@ def run_one(
     }
     if algorithm == "fedme":
         flags["fedme.unlabeled_path"] = str(_unlabeled(split, seed, size.unlabeled, out))
-    if algorithm == "federico":  # as many passes over the data as local_epochs each round
+    if algorithm == "federico":
         local = run_one(split, seed, "local", size, out, OWN)
-        n = statistics.mean(c["n_train"] for c in local.clients)
         own = load_config(None, {"algorithm": "federico"}, overrides, environ=False)
-        batch = own.federico.batch_size
-        flags["rounds"] = math.ceil(size.rounds * size.local_epochs * n / batch)
+        flags["rounds"] = federico_rounds(
+            size, [c["n_train"] for c in local.clients], own.federico.batch_size
+        )
     cfg = load_config(None, flags, overrides, environ=False)
     config = json.loads(cfg.model_dump_json())
     if path.is_file():  # kept from an earlier run: reused only if it ran this very config

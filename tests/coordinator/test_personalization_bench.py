@@ -158,3 +158,13 @@ def test_the_noise_floor_is_local_training_on_the_same_split_with_another_seed(t
     assert [c["n_test"] for c in again.clients] == [c["n_test"] for c in local.clients]
     assert [c["personal_acc"] for c in again.clients] != [c["personal_acc"] for c in local.clients]
     assert rows[1]["per_client"] == [100 * c["personal_acc"] for c in again.clients]
+
+
+def test_federico_gets_the_rounds_that_give_its_largest_client_local_trainings_passes():
+    size = bench.SIZES["quick"]
+    n_train, batch = [6, 291, 37, 12], 16
+    rounds = bench.federico_rounds(size, n_train, batch)
+    local_samples = size.rounds * size.local_epochs * 291  # local training's, largest client
+    assert rounds * batch >= local_samples > (rounds - 1) * batch  # enough, and no more
+    for n in n_train:  # so every client makes at least local training's passes
+        assert rounds * batch / n >= size.rounds * size.local_epochs
