@@ -42,6 +42,7 @@ from coordinator.results import (
 from coordinator.results_model import Results
 from coordinator.strategies import strategy_class
 from edge_sdk import topics
+from edge_sdk.algorithms.federico import FedeRiCoConfig
 from edge_sdk.auth import Keyring
 from edge_sdk.client import EdgeClient
 from edge_sdk.device import choose_device, cpu_threads
@@ -193,6 +194,35 @@ def _over_network(
         torch.set_num_threads(saved)
 
 
+def _federico_budget(cfg: RunConfig, fed: Federation) -> None:
+    """FedeRiCo takes one step of one batch per round, whatever the epochs: say what the run's
+    rounds give its largest client against local training's epochs, and the rounds that would
+    give it as many passes in a run of its own (in one run, the baselines share its rounds).
+    A warning when they make less than one pass over that client's data."""
+    if cfg.algorithm != "federico" or not fed.client_data:
+        return
+    own = cfg.algorithm_config()
+    assert isinstance(own, FedeRiCoConfig)
+    batch, n = own.batch_size, max(d.n_train for d in fed.client_data)
+    if n == 0:
+        return
+    passes = cfg.rounds * min(batch, n) / n
+    alone = cfg.rounds * getattr(cfg.algorithm_config("local"), "local_epochs", 1)
+    log.log(
+        logging.WARNING if passes < 1 else logging.INFO,
+        "federico takes one step of %d samples a round: %d rounds are %.2g passes over the "
+        "largest client's %d training samples (local training: %d). For as many passes as "
+        "local training's %d, run federico on its own with --rounds %d",
+        batch,
+        cfg.rounds,
+        passes,
+        n,
+        alone,
+        alone,
+        math.ceil(alone * n / min(batch, n)),
+    )
+
+
 def simulate(
     cfg: RunConfig,
     *,
@@ -211,6 +241,7 @@ def simulate(
         len(fed.client_ids),
         cfg.models,
     )
+    _federico_budget(cfg, fed)
     runs: dict[str, RunResult] = {}
     for name in [cfg.algorithm, *[b for b in cfg.baselines if b != cfg.algorithm]]:
         bar = tqdm(total=cfg.rounds, desc=name, unit="round", disable=not progress, leave=True)

@@ -92,3 +92,34 @@ def test_runs_on_one_data_seed_differ_only_in_training():
     split1, accs1 = run(1)
     assert split0 == split1
     assert accs0 != accs1
+
+
+def test_federico_is_told_the_rounds_that_give_its_largest_client_local_trainings_passes(caplog):
+    # Prepare: local training at 3 epochs a round; FedeRiCo one batch a round.
+    from coordinator.simulator import _federico_budget
+
+    cfg = tiny_config(
+        algorithm="federico",
+        rounds=2,
+        baselines=["local"],
+        overrides={"local.local_epochs": 3},
+        **{"data.partition": "dirichlet"},
+    )
+    fed = prepare_federation(cfg)
+    sizes = [len(d.y_train) for d in fed.client_data]
+    n = max(sizes)
+    assert min(sizes) < n  # clients of different sizes: the largest is the one that counts
+    batch = cfg.federico.batch_size
+    rounds = -(-2 * 3 * n // batch)  # local training's 6 passes of the largest client
+
+    # Execute: the run's 2 rounds, then as many as local training's passes take
+    with caplog.at_level("INFO", logger="coordinator.simulator"):
+        _federico_budget(cfg, fed)
+        _federico_budget(cfg.model_copy(update={"rounds": rounds}), fed)
+
+    # Assert: a warning below one pass over the largest client's data, information above it;
+    # the first names the rounds of a run of federico's own with local training's 6 passes.
+    said = [r.getMessage() for r in caplog.records if "federico takes" in r.getMessage()]
+    levels = [r.levelname for r in caplog.records if "federico takes" in r.getMessage()]
+    assert levels == ["WARNING", "INFO"]
+    assert f"run federico on its own with --rounds {rounds}" in said[0], said[0]
