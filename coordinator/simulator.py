@@ -223,6 +223,39 @@ def _federico_budget(cfg: RunConfig, fed: Federation) -> None:
     )
 
 
+def _batch_budget(cfg: RunConfig, fed: Federation) -> None:
+    """Warn when the run's batches hold as many samples as most clients have: an epoch is then
+    one step (the papers' batch of 128 on a few hundred samples a client is), and training
+    barely starts in a short run. Names the batch size that gives the median client several."""
+    sizes = sorted(d.n_train for d in fed.client_data)
+    if not sizes:
+        return
+    median = sizes[len(sizes) // 2]
+    by_batch: dict[int, list[str]] = {}
+    for name in [cfg.algorithm, *[b for b in cfg.baselines if b != cfg.algorithm]]:
+        own = cfg.algorithm_config(name)
+        batch, epochs = getattr(own, "batch_size", None), getattr(own, "local_epochs", None)
+        if isinstance(batch, int) and epochs and batch >= median:
+            by_batch.setdefault(batch, []).append(name)
+    for batch, names in by_batch.items():
+        one_step = sum(n <= batch for n in sizes)
+        suggest = max(1, 2 ** math.floor(math.log2(max(1, median // 5))))
+        log.warning(
+            "%s: batches of %d samples on clients of %d-%d training samples (median %d) make "
+            "an epoch one step for %d of %d clients; --batch-size %d gives the median client %d "
+            "steps an epoch",
+            ", ".join(names),
+            batch,
+            sizes[0],
+            sizes[-1],
+            median,
+            one_step,
+            len(sizes),
+            suggest,
+            math.ceil(median / suggest),
+        )
+
+
 def simulate(
     cfg: RunConfig,
     *,
@@ -242,6 +275,7 @@ def simulate(
         cfg.models,
     )
     _federico_budget(cfg, fed)
+    _batch_budget(cfg, fed)
     runs: dict[str, RunResult] = {}
     for name in [cfg.algorithm, *[b for b in cfg.baselines if b != cfg.algorithm]]:
         bar = tqdm(total=cfg.rounds, desc=name, unit="round", disable=not progress, leave=True)

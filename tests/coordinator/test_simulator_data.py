@@ -123,3 +123,28 @@ def test_federico_is_told_the_rounds_that_give_its_largest_client_local_training
     levels = [r.levelname for r in caplog.records if "federico takes" in r.getMessage()]
     assert levels == ["WARNING", "INFO"]
     assert f"run federico on its own with --rounds {rounds}" in said[0], said[0]
+
+
+def test_batches_as_large_as_most_clients_data_are_named_with_a_batch_size_that_trains(caplog):
+    # Prepare: batches of 256 on clients of about 120 training samples (fml and its baseline),
+    # and the same split at 16 a batch.
+    from coordinator.simulator import _batch_budget
+
+    big = tiny_config(algorithm="fml", batch_size=256, baselines=["local"])
+    small = tiny_config(algorithm="fml", batch_size=16, baselines=["local"])
+    fed = prepare_federation(big)
+    sizes = sorted(len(d.y_train) for d in fed.client_data)
+    median = sizes[len(sizes) // 2]
+
+    # Execute
+    with caplog.at_level("WARNING", logger="coordinator.simulator"):
+        _batch_budget(big, fed)
+        _batch_budget(small, fed)
+
+    # Assert: one warning, for the big batches, naming both runs, every client's one step and a
+    # batch size that gives the median client at least 5 steps an epoch
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("fml, local: batches of 256 samples"), said
+    assert f"one step for {len(sizes)} of {len(sizes)} clients" in said[0]
+    suggested = int(said[0].split("--batch-size ")[1].split()[0])
+    assert median / suggested >= 5 and suggested >= 1
