@@ -225,8 +225,9 @@ def _federico_budget(cfg: RunConfig, fed: Federation) -> None:
 
 def _batch_budget(cfg: RunConfig, fed: Federation) -> None:
     """Warn when the run's batches hold as many samples as most clients have: an epoch is then
-    one step (the papers' batch of 128 on a few hundred samples a client is), and training
-    barely starts in a short run. Names the batch size that gives the median client several."""
+    one step (as FML's paper batch of 128 makes it on the default split's 76-155 samples a
+    client), and a short run barely trains. Names a batch size that gives the median client
+    several steps an epoch."""
     sizes = sorted(d.n_train for d in fed.client_data)
     if not sizes:
         return
