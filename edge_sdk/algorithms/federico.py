@@ -39,13 +39,13 @@ from edge_sdk.algorithms.base import (
     register_algorithm,
 )
 from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
-from edge_sdk.codec import WireModel, state_of
+from edge_sdk.codec import WireModel
 from edge_sdk.losses import cross_entropy
 from edge_sdk.optim import SGD, Adam
 from edge_sdk.peers import Peers
 from edge_sdk.trainer import OptimConfig
-from model_zoo import ArchSpec, build
-from model_zoo.models.mixture import mixture_spec
+from model_zoo import ArchSpec
+from model_zoo.models.mixture import Mixture, mixture_spec
 
 __all__ = ["FedeRiCo", "FedeRiCoConfig", "posterior_weights"]
 
@@ -94,6 +94,9 @@ class FedeRiCo(ClientAlgorithm):
         self.losses: dict[str, float] = {}  # ℓ_ij over the models seen (self included)
         self.peer_models: dict[str, WireModel] = {}  # the latest θ_j fetched, for the mixture
         self.published = 0  # the version of θ_i on its peer topic
+        # The networks of this round's neighbours, built once in the exchange step and taken
+        # again by the round's mixture (not persistent: a restart builds them from peer_models).
+        self._nets: dict[str, tuple[WireModel, nn.Module]] = {}
 
     # -- pieces ------------------------------------------------------------------------------
     @property
@@ -166,6 +169,7 @@ class FedeRiCo(ClientAlgorithm):
         me = self.ctx.client_id
         self._observe(me, self._nll(self.model))
         fetched: dict[str, nn.Module] = {}
+        self._nets = {}
         for j in self._sample(members):
             wire = self.peers.fetch(
                 j, MODEL, min_version=round_, timeout=self.config.peer_timeout_s
@@ -176,6 +180,7 @@ class FedeRiCo(ClientAlgorithm):
                 raise AlgorithmError(f"federico: {j}'s model predicts other classes than ours")
             self.peer_models[j] = wire
             fetched[j] = self._materialize(wire)
+            self._nets[j] = (wire, fetched[j])
             self._observe(j, self._nll(fetched[j]))
         w = self.weights  # the E-step, with the losses just observed
         for j, model in fetched.items():  # the M-step's share this client owes each model
@@ -218,22 +223,21 @@ class FedeRiCo(ClientAlgorithm):
         top = sorted(held, key=lambda c: -w[c])[: self.config.mixture_top]
         if me not in held:
             top = [me]
-        members = [
-            (self.ctx.spec, state_of(self.model)) if c == me else
-            (self.peer_models[c].spec, self.peer_models[c].weights)
-            for c in top
-        ]  # fmt: skip
+        # Around the networks themselves, not copies: its own model and the neighbours' of this
+        # round (what holds it, the guard or an export, copies what it keeps).
+        members = [(self.ctx.spec, self.model) if c == me else self._net(c) for c in top]
         weights = [max(w.get(c, 1.0), 1e-12) for c in top]
         spec = mixture_spec([s for s, _ in members], weights)
-        mixture = self.ctx.trainer.prepare(build(spec))
-        mixture.load_state_dict(
-            {
-                f"members.{i}.{k}": v
-                for i, (_, state) in enumerate(members)
-                for k, v in state.items()
-            }
-        )
-        return spec, mixture
+        return spec, Mixture([m for _, m in members], weights).to(self.ctx.device)
+
+    def _net(self, peer: str) -> tuple[ArchSpec, nn.Module]:
+        """Peer's latest model as a network: this round's neighbour's as the exchange built it,
+        else built from what was fetched."""
+        wire = self.peer_models[peer]
+        held = self._nets.get(peer)
+        if held is not None and held[0] is wire:
+            return wire.spec, held[1]
+        return wire.spec, self._materialize(wire)
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
         _, mixture = self._mixture()

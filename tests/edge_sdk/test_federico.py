@@ -220,6 +220,36 @@ def test_federico_mixture_export_equals_the_weighted_mixture_of_its_collaborator
     np.testing.assert_allclose(mixture(x).detach().exp().numpy(), probs.detach().numpy(), atol=1e-5)
 
 
+def test_federico_mixture_takes_this_rounds_neighbours_as_the_exchange_built_them(monkeypatch):
+    # Prepare: a round in which a fetched both others; what it builds from here on, counted.
+    algos = _federation(GROUPS, neighbours=2, lr=0.05, guard=False)
+    _round(algos, 1)
+    a = algos["a"]
+    built: list[str] = []
+    materialize = a.ctx.materialize
+
+    def counted(wire):
+        built.append(wire.spec.family)
+        return materialize(wire)
+
+    monkeypatch.setattr(a.ctx, "materialize", counted)
+    x = a.ctx.data.x_test
+    top = sorted(a.weights, key=lambda c: -a.weights[c])[: a.config.mixture_top]
+    assert set(top) == {"a", "b", "c"}  # both neighbours are in its predictor
+
+    # Execute: the round's predictor; then as after a restart, without the round's networks
+    _, mixture = a.trained_model()
+    reused = mixture(x).detach()
+    a._nets = {}
+    _, rebuilt = a.trained_model()
+
+    # Assert: no network built for this round's neighbours (two after a restart), the same
+    # predictions either way, and those of the mixture computed by hand
+    assert built == ["mlr", "mlr"]
+    assert torch.equal(rebuilt(x).detach(), reused)
+    assert torch.allclose(reused.exp(), _hand_mixture(a, top, x), atol=1e-6)
+
+
 def test_federico_state_survives_a_restart(tmp_path):
     # Prepare: two rounds trained, the state of a written to disk.
     algos = _federation(GROUPS, neighbours=2, lr=0.05)
