@@ -174,6 +174,11 @@ class RunConfig(BaseModel):
         return section if section is not None else algorithm_class(name).config_cls()
 
     @property
+    def runs(self) -> list[str]:
+        """What a simulation runs, in order: the algorithm, then each baseline that is not it."""
+        return [self.algorithm, *[b for b in self.baselines if b != self.algorithm]]
+
+    @property
     def global_family(self) -> str:
         return self.global_model or self.models[0]
 

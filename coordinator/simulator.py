@@ -206,7 +206,8 @@ def _federico_budget(cfg: RunConfig, fed: Federation) -> None:
     batch, n = own.batch_size, max(d.n_train for d in fed.client_data)
     if n == 0:
         return
-    passes = cfg.rounds * min(batch, n) / n
+    step = min(batch, n)  # a batch holds at most the client's samples
+    passes = cfg.rounds * step / n
     alone = cfg.rounds * getattr(cfg.algorithm_config("local"), "local_epochs", 1)
     log.log(
         logging.WARNING if passes < 1 else logging.INFO,
@@ -219,7 +220,7 @@ def _federico_budget(cfg: RunConfig, fed: Federation) -> None:
         n,
         alone,
         alone,
-        math.ceil(alone * n / min(batch, n)),
+        math.ceil(alone * n / step),
     )
 
 
@@ -233,7 +234,7 @@ def _batch_budget(cfg: RunConfig, fed: Federation) -> None:
         return
     median = sizes[len(sizes) // 2]
     by_batch: dict[int, list[str]] = {}
-    for name in [cfg.algorithm, *[b for b in cfg.baselines if b != cfg.algorithm]]:
+    for name in cfg.runs:
         own = cfg.algorithm_config(name)
         batch, epochs = getattr(own, "batch_size", None), getattr(own, "local_epochs", None)
         if isinstance(batch, int) and epochs and batch >= median:
@@ -278,7 +279,7 @@ def simulate(
     _federico_budget(cfg, fed)
     _batch_budget(cfg, fed)
     runs: dict[str, RunResult] = {}
-    for name in [cfg.algorithm, *[b for b in cfg.baselines if b != cfg.algorithm]]:
+    for name in cfg.runs:
         bar = tqdm(total=cfg.rounds, desc=name, unit="round", disable=not progress, leave=True)
 
         def tick(rec: RoundRecord, bar: Any = bar) -> None:
