@@ -168,7 +168,6 @@ class FedeRiCo(ClientAlgorithm):
     def _exchange(self, round_: int, members: list[str]) -> FitResult:
         me = self.ctx.client_id
         self._observe(me, self._nll(self.model))
-        fetched: dict[str, nn.Module] = {}
         self._nets = {}
         for j in self._sample(members):
             wire = self.peers.fetch(
@@ -179,17 +178,18 @@ class FedeRiCo(ClientAlgorithm):
             if wire.spec.num_classes != self.ctx.data.num_classes:
                 raise AlgorithmError(f"federico: {j}'s model predicts other classes than ours")
             self.peer_models[j] = wire
-            fetched[j] = self._materialize(wire)
-            self._nets[j] = (wire, fetched[j])
-            self._observe(j, self._nll(fetched[j]))
+            net = self._materialize(wire)
+            self._nets[j] = (wire, net)
+            self._observe(j, self._nll(net))
         w = self.weights  # the E-step, with the losses just observed
-        for j, model in fetched.items():  # the M-step's share this client owes each model
+        # The M-step's share this client owes each model it fetched
+        for j, (_, model) in self._nets.items():
             grads = self._gradient(model, w[j])
             self.peers.send(j, GRAD, round_, WireModel(self.peer_models[j].spec, grads))
         return FitResult(
-            metrics={"loss_self": self.losses[me], "neighbours": float(len(fetched))},
+            metrics={"loss_self": self.losses[me], "neighbours": float(len(self._nets))},
             n_samples=self.ctx.data.n_train,
-            details={"sent_to": ",".join(sorted(fetched))},
+            details={"sent_to": ",".join(sorted(self._nets))},
         )
 
     def _update(self, round_: int, senders: list[str]) -> FitResult:

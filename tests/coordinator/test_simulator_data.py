@@ -119,10 +119,10 @@ def test_federico_is_told_the_rounds_that_give_its_largest_client_local_training
 
     # Assert: a warning below one pass over the largest client's data, information above it;
     # the first names the rounds of a run of federico's own with local training's 6 passes.
-    said = [r.getMessage() for r in caplog.records if "federico takes" in r.getMessage()]
-    levels = [r.levelname for r in caplog.records if "federico takes" in r.getMessage()]
-    assert levels == ["WARNING", "INFO"]
-    assert f"run federico on its own with --rounds {rounds}" in said[0], said[0]
+    said = [r for r in caplog.records if "federico takes" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING", "INFO"]
+    first = said[0].getMessage()
+    assert f"run federico on its own with --rounds {rounds}" in first, first
 
 
 def test_batches_as_large_as_most_clients_data_are_named_with_a_batch_size_that_trains(caplog):
