@@ -216,6 +216,11 @@ def _dynamo_graph(model: nn.Module, dummy: torch.Tensor, opset: int) -> onnx.Mod
     for node in folded.graph.node:
         del node.metadata_props[:]
         node.doc_string = ""
+    # Drop the intermediate shape annotations too: onnxruntime and its quantizer infer their
+    # own. With torch 2.11's exporter (onnxscript 0.7.2 as here) one was left naming a linear
+    # layer's weight with its dimensions swapped after folding, and the quantizer's strict
+    # shape inference refused the file ("Inferred shape and existing shape differ").
+    del folded.graph.value_info[:]
     return folded
 
 

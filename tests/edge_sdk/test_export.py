@@ -121,6 +121,35 @@ def test_auto_exporter_falls_back_to_legacy_and_records_why(tmp_path: Path, capl
         export_onnx(model, spec, tmp_path / "x.onnx", exporter="torchscript")  # type: ignore[arg-type]
 
 
+def test_a_stale_shape_annotation_from_the_optimizer_does_not_reach_the_file(tmp_path, monkeypatch):
+    # Prepare: an optimizer that leaves an annotation naming the linear layer's weight with its
+    # dimensions swapped, as exports with torch 2.11 did
+    import onnxscript.optimizer
+
+    from edge_sdk.quantization import quantize_dynamic_int8
+
+    optimize = onnxscript.optimizer.optimize
+
+    def stale(proto, **kwargs):
+        folded = optimize(proto, **kwargs)
+        weight = next(t for t in folded.graph.initializer if len(t.dims) == 2)
+        folded.graph.value_info.append(
+            onnx.helper.make_tensor_value_info(weight.name, weight.data_type, weight.dims[::-1])
+        )
+        return folded
+
+    monkeypatch.setattr(onnxscript.optimizer, "optimize", stale)
+    spec = ArchSpec(family="mlr", num_classes=10, input_shape=IMAGE)
+
+    # Execute
+    path = export_onnx(_model(spec), spec, tmp_path / "m.onnx", exporter="dynamo")
+    quantize_dynamic_int8(path, tmp_path / "m.int8.onnx")
+
+    # Assert: the file passes strict shape inference, as onnxruntime's quantizer demands
+    onnx.shape_inference.infer_shapes(onnx.load(str(path)), strict_mode=True)
+    assert (tmp_path / "m.int8.onnx").is_file()
+
+
 def test_export_leaves_callers_model_alone(tmp_path: Path):
     spec = ArchSpec(family="vgg11", num_classes=10, input_shape=IMAGE, kwargs={"width": 0.125})
     model = _model(spec).train()
