@@ -1,5 +1,5 @@
-"""Device selection: chosen once (`auto` = CUDA when available, else CPU) and passed down; and
-how many CPU threads this process should use.
+"""Device selection: chosen once (`auto` = CUDA when available, else CPU) and passed down; how
+many CPU threads this process should use; and a GPU held by one training task at a time.
 
 `choose_device` also says why (what was asked, and what `auto` found) and what precision the
 SDK's trainer computes in there, so that a run can report the device it actually used.
@@ -8,7 +8,9 @@ SDK's trainer computes in there, so that a run can report the device it actually
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,6 +22,7 @@ __all__ = [
     "autocast_dtype",
     "choose_device",
     "cpu_threads",
+    "exclusive",
     "precision",
     "resolve_device",
 ]
@@ -96,3 +99,33 @@ def cpu_threads(environ: Mapping[str, str] | None = None) -> int:
     if first.isdigit() and int(first) > 0:
         return max(1, min(int(first), cores))
     return max(1, cores)
+
+
+# One lock per GPU: tasks of clients in one process (the simulator's threads, EdgeClients on
+# threads) take turns on a GPU. A CUDA graph capture fails when another thread uses the device
+# meanwhile (an allocation, a synchronization: "operation not permitted when stream is
+# capturing"), and the failed capture can leave the device unusable for every client after it.
+# Seen on an H100: a simulated FedeRiCo run lost every client's finalize this way, and then
+# every round of its baselines. One GPU runs one stream of kernels anyway; the turns cost little.
+_LOCKS: dict[str, threading.RLock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _takes_turns(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+@contextmanager
+def exclusive(device: torch.device) -> Iterator[None]:
+    """Hold `device` for this thread while the block runs, if it is a GPU (other threads wait;
+    the same thread may enter again); on the CPU, nothing: its tasks run side by side."""
+    if not _takes_turns(device):
+        yield
+        return
+    key = str(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" is the current one, "cuda:N"
+        key = f"cuda:{torch.cuda.current_device()}"
+    with _LOCKS_GUARD:
+        lock = _LOCKS.setdefault(key, threading.RLock())
+    with lock:
+        yield

@@ -39,7 +39,7 @@ from edge_sdk.algorithms import (
 )
 from edge_sdk.codec import WireModel
 from edge_sdk.cohort import CohortUnsupported, release_kept_stacks, run_stacked
-from edge_sdk.device import precision
+from edge_sdk.device import exclusive, precision
 from edge_sdk.peers import Peers
 from edge_sdk.protocol import Capabilities, Phase
 from edge_sdk.state import StateError, load_state, save_state
@@ -150,9 +150,10 @@ class ClientNode:
 
     # -- one task ----------------------------------------------------------------------------
     def run(self, task: NodeTask) -> FitResult:
-        """Run one task from start to end."""
-        self.begin(task)
-        return self.end(task, self.execute(task))
+        """Run one task from start to end (holding a GPU it runs on: `device.exclusive`)."""
+        with exclusive(self.device):
+            self.begin(task)
+            return self.end(task, self.execute(task))
 
     def begin(self, task: NodeTask) -> ClientAlgorithm:
         """Before the phase: the task's algorithm (created on the first task), its step and
@@ -353,7 +354,14 @@ def execute_together(
     finalize) run once on models with a leading client dimension (`edge_sdk.cohort`), in stacks
     small enough for the device's memory; whatever cannot stack runs node by node, from the
     same state and random generators. Each node gets its own result, or the exception its task
-    raised."""
+    raised. A GPU they run on is held meanwhile (`device.exclusive`)."""
+    with exclusive(nodes[0].device):
+        return _execute_together(nodes, tasks)
+
+
+def _execute_together(
+    nodes: Sequence[ClientNode], tasks: Sequence[NodeTask]
+) -> list[FitResult | Exception]:
     out: list[FitResult | Exception | None] = [None] * len(nodes)
     same_params = all(t.params == tasks[0].params for t in tasks)
     if len(nodes) > 1 and same_params:
