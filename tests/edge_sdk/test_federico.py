@@ -220,7 +220,7 @@ def test_federico_mixture_export_equals_the_weighted_mixture_of_its_collaborator
     np.testing.assert_allclose(mixture(x).detach().exp().numpy(), probs.detach().numpy(), atol=1e-5)
 
 
-def test_federico_mixture_takes_this_rounds_neighbours_as_the_exchange_built_them(monkeypatch):
+def test_federico_builds_a_network_per_peer_once_and_reloads_it_with_newer_models(monkeypatch):
     # Prepare: a round in which a fetched both others; what it builds from here on, counted.
     algos = _federation(GROUPS, neighbours=2, lr=0.05, guard=False)
     _round(algos, 1)
@@ -237,17 +237,30 @@ def test_federico_mixture_takes_this_rounds_neighbours_as_the_exchange_built_the
     top = sorted(a.weights, key=lambda c: -a.weights[c])[: a.config.mixture_top]
     assert set(top) == {"a", "b", "c"}  # both neighbours are in its predictor
 
-    # Execute: the round's predictor; then as after a restart, without the round's networks
+    # Execute: the round's predictor; as after a restart, without the networks; then a second
+    # round, whose neighbours sent newer models
     _, mixture = a.trained_model()
     reused = mixture(x).detach()
     a._nets = {}
     _, rebuilt = a.trained_model()
+    again, hand, after_restart = rebuilt(x).detach(), _hand_mixture(a, top, x), list(built)
+    round_1 = {c: dict(a.peer_models[c].weights) for c in ("b", "c")}
+    _round(algos, 2)
+    _, second = a.trained_model()
 
-    # Assert: no network built for this round's neighbours (two after a restart), the same
-    # predictions either way, and those of the mixture computed by hand
-    assert built == ["mlr", "mlr"]
-    assert torch.equal(rebuilt(x).detach(), reused)
-    assert torch.allclose(reused.exp(), _hand_mixture(a, top, x), atol=1e-6)
+    # Assert: no network built for the round's neighbours (two after a restart, none in the
+    # next round), the same predictions either way, and those of the mixture computed by hand
+    # from the models last fetched; in round 2 each network holds its peer's newer model
+    assert after_restart == ["mlr", "mlr"] and built == after_restart
+    assert torch.equal(again, reused)
+    assert torch.allclose(reused.exp(), hand, atol=1e-6)
+    top = sorted(a.weights, key=lambda c: -a.weights[c])[: a.config.mixture_top]
+    for c in ("b", "c"):
+        net = dict(second.named_modules())[f"members.{top.index(c)}"]
+        fetched = a.peer_models[c].weights
+        assert not torch.equal(fetched["linear.weight"], round_1[c]["linear.weight"])
+        for k, v in net.state_dict().items():
+            assert torch.equal(v, fetched[k]), (c, k)
 
 
 def test_federico_state_survives_a_restart(tmp_path):
