@@ -234,11 +234,10 @@ class FedeRiCo(ClientAlgorithm):
     def _top(self) -> list[str]:
         """The mixture's members: the `mixture_top` highest-weight models held (self alone
         until it holds any weights)."""
-        me = self.ctx.client_id
-        w = self.weights or {me: 1.0}
-        held = [c for c in w if c == me or c in self.peer_models]
-        if me not in held:
+        me, w = self.ctx.client_id, self.weights
+        if me not in w:
             return [me]
+        held = [c for c in w if c == me or c in self.peer_models]
         return sorted(held, key=lambda c: -w[c])[: self.config.mixture_top]
 
     def _net(self, peer: str) -> tuple[ArchSpec, nn.Module]:

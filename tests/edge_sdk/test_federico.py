@@ -263,6 +263,27 @@ def test_federico_builds_a_network_per_peer_once_and_reloads_it_with_newer_model
             assert torch.equal(v, fetched[k]), (c, k)
 
 
+def test_federico_keeps_the_network_of_a_mixture_member_it_did_not_fetch_this_round(monkeypatch):
+    # Prepare: a round in which a fetched both others, then one in which its strategy offers it
+    # b only (c stays in its predictor, as last fetched); what a builds from then on, counted
+    algos = _federation(GROUPS, neighbours=2, lr=0.05, guard=False)
+    _round(algos, 1)
+    a = algos["a"]
+    built: list[str] = []
+    materialize = a.ctx.materialize
+    monkeypatch.setattr(a.ctx, "materialize", lambda wire: built.append("x") or materialize(wire))
+    members = {c: {"members": IDS} for c in IDS} | {"a": {"members": ["a", "b"]}}
+
+    # Execute
+    ex = _step(algos, 2, "exchange", members)
+    _step(algos, 2, "update", {c: {"from": s} for c, s in _senders(ex).items()})
+    _, mixture = a.trained_model()
+
+    # Assert: c, not fetched, is still a member; no network was built for it or for b
+    assert ex["a"].details["sent_to"] == "b"
+    assert len(mixture.members) == 3 and built == []
+
+
 def test_federico_state_survives_a_restart(tmp_path):
     # Prepare: two rounds trained, the state of a written to disk.
     algos = _federation(GROUPS, neighbours=2, lr=0.05)
