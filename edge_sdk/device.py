@@ -106,7 +106,8 @@ def cpu_threads(environ: Mapping[str, str] | None = None) -> int:
 # meanwhile (an allocation, a synchronization: "operation not permitted when stream is
 # capturing"), and the failed capture can leave the device unusable for every client after it.
 # Seen on an H100: a simulated FedeRiCo run lost every client's finalize this way, and then
-# every round of its baselines. One GPU runs one stream of kernels anyway; the turns cost little.
+# every round of its baselines. What the turns cost is the overlap of the threads' kernel
+# launches: that run's 60 FedeRiCo rounds (6 clients of tiny steps) took 34 s against 15 s.
 _LOCKS: dict[str, threading.RLock] = {}
 _LOCKS_GUARD = threading.Lock()
 
