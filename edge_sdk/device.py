@@ -25,6 +25,7 @@ __all__ = [
     "exclusive",
     "precision",
     "resolve_device",
+    "stepping_aside",
 ]
 
 DeviceName = Literal["auto", "cpu", "cuda"]
@@ -101,15 +102,47 @@ def cpu_threads(environ: Mapping[str, str] | None = None) -> int:
     return max(1, cores)
 
 
-# One lock per GPU: tasks of clients in one process (the simulator's threads, EdgeClients on
+# One turn per GPU: tasks of clients in one process (the simulator's threads, EdgeClients on
 # threads) take turns on a GPU. A CUDA graph capture fails when another thread uses the device
 # meanwhile (an allocation, a synchronization: "operation not permitted when stream is
 # capturing"), and the failed capture can leave the device unusable for every client after it.
 # Seen on an H100: a simulated FedeRiCo run lost every client's finalize this way, and then
 # every round of its baselines. What the turns cost is the overlap of the threads' kernel
 # launches: that run's 60 FedeRiCo rounds (6 clients of tiny steps) took 34 s against 15 s.
-_LOCKS: dict[str, threading.RLock] = {}
-_LOCKS_GUARD = threading.Lock()
+class _Turn:
+    """A GPU's turn: held by one thread at a time, which may take it again (nested); it steps
+    aside while it waits for another client's work (`stepping_aside`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._depth = 0
+
+    def held(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    def take(self, depth: int = 1) -> None:
+        if self.held():
+            self._depth += depth
+            return
+        self._lock.acquire()
+        self._owner, self._depth = threading.get_ident(), depth
+
+    def give_back(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+            self._lock.release()
+
+    def step_aside(self) -> int:
+        """Give the turn up whatever the depth; the depth it was held at."""
+        depth, self._owner, self._depth = self._depth, None, 0
+        self._lock.release()
+        return depth
+
+
+_TURNS: dict[str, _Turn] = {}
+_TURNS_GUARD = threading.Lock()
 
 
 def _takes_turns(device: torch.device) -> bool:
@@ -126,7 +159,26 @@ def exclusive(device: torch.device) -> Iterator[None]:
     key = str(device)
     if device.type == "cuda" and device.index is None:  # "cuda" is the current one, "cuda:N"
         key = f"cuda:{torch.cuda.current_device()}"
-    with _LOCKS_GUARD:
-        lock = _LOCKS.setdefault(key, threading.RLock())
-    with lock:
+    with _TURNS_GUARD:
+        turn = _TURNS.setdefault(key, _Turn())
+    turn.take()
+    try:
         yield
+    finally:
+        turn.give_back()
+
+
+@contextmanager
+def stepping_aside() -> Iterator[None]:
+    """While this thread waits for what another client's task makes (a peer's model, its
+    gradients), the GPUs it holds are free for that task; it takes them back after, as deep as
+    it held them. A client holding its turn while it waited would wait for a peer that waits
+    for the turn."""
+    with _TURNS_GUARD:
+        held = [t for t in _TURNS.values() if t.held()]
+    depths = [turn.step_aside() for turn in held]
+    try:
+        yield
+    finally:
+        for turn, depth in zip(held, depths, strict=True):
+            turn.take(depth)

@@ -30,6 +30,7 @@ from typing import Protocol
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel, check_weights
+from edge_sdk.device import stepping_aside
 from edge_sdk.protocol import Message, PeerMessage, ProtocolError, Published
 from edge_sdk.transport.base import Transport
 from edge_sdk.wire import (
@@ -120,14 +121,15 @@ class PeerChannel:
                 return False
             return msg.version >= min_version  # an older one, still retained: wait for the new
 
-        got = read_retained(
-            self.transport,
-            topics.peer_publication(self.run_id, owner, name),
-            accept,
-            timeout=timeout,
-            max_blob_bytes=self.max_blob_bytes,
-            keyring=self.keyring,
-        )
+        with stepping_aside():  # the owner may need this thread's GPU to publish it
+            got = read_retained(
+                self.transport,
+                topics.peer_publication(self.run_id, owner, name),
+                accept,
+                timeout=timeout,
+                max_blob_bytes=self.max_blob_bytes,
+                keyring=self.keyring,
+            )
         if got is None or name not in got[1]:
             log.warning("%s: no %s of version >= %d from %s", self.me, name, min_version, owner)
             return None
@@ -143,7 +145,25 @@ class PeerChannel:
         self, name: str, round_: int, senders: list[str], timeout: float = 60.0
     ) -> dict[str, WireModel]:
         """The `name` messages of round `round_` from `senders` (what arrived by `timeout`)."""
+        with stepping_aside():  # the senders may need this thread's GPU to send them
+            self._await(name, round_, set(senders), timeout)
         want = set(senders)
+        got = {
+            s: self._stash.pop((name, round_, s))
+            for s in sorted(want)
+            if (name, round_, s) in self._stash
+        }
+        for key in [k for k in self._stash if k[1] < round_]:  # older rounds: too late now
+            del self._stash[key]
+        if len(got) < len(want):
+            log.warning(
+                "%s: no %s of round %d from %s", self.me, name, round_, sorted(want - set(got))
+            )
+        return got
+
+    def _await(self, name: str, round_: int, want: set[str], timeout: float) -> None:
+        """Stash the peer messages that arrive until `want`'s `name` of `round_` are all in,
+        or `timeout`."""
         deadline = time.monotonic() + timeout
         while want - {s for (n, r, s) in self._stash if (n, r) == (name, round_)}:
             left = deadline - time.monotonic()
@@ -164,18 +184,6 @@ class PeerChannel:
                 self._stash[(msg.name, msg.round, sender)] = models[msg.name]
             except (ValueError, KeyError) as exc:
                 log.warning("%s: dropped a peer message: %s", self.me, exc)
-        got = {
-            s: self._stash.pop((name, round_, s))
-            for s in sorted(want)
-            if (name, round_, s) in self._stash
-        }
-        for key in [k for k in self._stash if k[1] < round_]:  # older rounds: too late now
-            del self._stash[key]
-        if len(got) < len(want):
-            log.warning(
-                "%s: no %s of round %d from %s", self.me, name, round_, sorted(want - set(got))
-            )
-        return got
 
 
 class PeerBoard:

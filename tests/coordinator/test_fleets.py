@@ -295,3 +295,32 @@ def test_clients_training_at_once_on_cuda_all_finish(algorithm):
     # Assert: no round failed, every client finished with a personalized model
     assert not any(r.failed for r in result.rounds)
     assert all(c.personal_acc is not None and c.error is None for c in result.clients)
+
+
+def test_a_client_waiting_for_its_peers_lets_them_take_their_turn_on_the_gpu(monkeypatch):
+    # Prepare: FedeRiCo's clients as EdgeClients on threads, taking turns as on a GPU (the CPU
+    # taken for one); each waits for its neighbours' models inside its turn, which their owners
+    # publish inside theirs; a wait that held the turn would time out
+    import edge_sdk.device
+
+    monkeypatch.setattr(edge_sdk.device, "_takes_turns", lambda device: True)
+    overrides = SETTINGS["federico"] | {"federico.peer_timeout_s": 5.0}
+    cfg = tiny_config(
+        algorithm="federico",
+        clients=3,
+        rounds=2,
+        models=["mlr"],
+        fleet="network",
+        parallel=3,
+        overrides=overrides,
+    )
+
+    # Execute
+    result = run_federation(cfg, prepare_federation(cfg), "federico")
+
+    # Assert: in every round, every client weighed both neighbours' models and received both
+    # their gradients (none timed out)
+    for rec in result.rounds:
+        assert rec.train_metrics["gradients_received"] == 2.0, rec
+        assert all(len(d) == 3 for d in rec.client_details.values()), rec.client_details
+    assert all(c.personal_acc is not None for c in result.clients)
