@@ -145,9 +145,9 @@ class PeerChannel:
         self, name: str, round_: int, senders: list[str], timeout: float = 60.0
     ) -> dict[str, WireModel]:
         """The `name` messages of round `round_` from `senders` (what arrived by `timeout`)."""
-        with stepping_aside():  # the senders may need this thread's GPU to send them
-            self._await(name, round_, set(senders), timeout)
         want = set(senders)
+        with stepping_aside():  # the senders may need this thread's GPU to send them
+            self._await(name, round_, want, timeout)
         got = {
             s: self._stash.pop((name, round_, s))
             for s in sorted(want)
