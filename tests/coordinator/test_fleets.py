@@ -304,7 +304,7 @@ def test_a_client_waiting_for_its_peers_lets_them_take_their_turn_on_the_gpu(mon
     import edge_sdk.device
 
     monkeypatch.setattr(edge_sdk.device, "_takes_turns", lambda device: True)
-    overrides = SETTINGS["federico"] | {"federico.peer_timeout_s": 5.0}
+    overrides = SETTINGS["federico"] | {"federico.peer_timeout_s": 10.0}
     cfg = tiny_config(
         algorithm="federico",
         clients=3,
