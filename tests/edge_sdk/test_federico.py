@@ -220,19 +220,23 @@ def test_federico_mixture_export_equals_the_weighted_mixture_of_its_collaborator
     np.testing.assert_allclose(mixture(x).detach().exp().numpy(), probs.detach().numpy(), atol=1e-5)
 
 
-def test_federico_builds_a_network_per_peer_once_and_reloads_it_with_newer_models(monkeypatch):
-    # Prepare: a round in which a fetched both others; what it builds from here on, counted.
+def _after_one_round(monkeypatch):
+    """A federation after a round in which a fetched both others, a, and the families of the
+    networks a builds from here on."""
     algos = _federation(GROUPS, neighbours=2, lr=0.05, guard=False)
     _round(algos, 1)
     a = algos["a"]
     built: list[str] = []
     materialize = a.ctx.materialize
+    monkeypatch.setattr(
+        a.ctx, "materialize", lambda wire: built.append(wire.spec.family) or materialize(wire)
+    )
+    return algos, a, built
 
-    def counted(wire):
-        built.append(wire.spec.family)
-        return materialize(wire)
 
-    monkeypatch.setattr(a.ctx, "materialize", counted)
+def test_federico_builds_a_network_per_peer_once_and_reloads_it_with_newer_models(monkeypatch):
+    # Prepare: a round in which a fetched both others; what it builds from here on, counted.
+    algos, a, built = _after_one_round(monkeypatch)
     x = a.ctx.data.x_test
     top = sorted(a.weights, key=lambda c: -a.weights[c])[: a.config.mixture_top]
     assert set(top) == {"a", "b", "c"}  # both neighbours are in its predictor
@@ -266,12 +270,7 @@ def test_federico_builds_a_network_per_peer_once_and_reloads_it_with_newer_model
 def test_federico_keeps_the_network_of_a_mixture_member_it_did_not_fetch_this_round(monkeypatch):
     # Prepare: a round in which a fetched both others, then one in which its strategy offers it
     # b only (c stays in its predictor, as last fetched); what a builds from then on, counted
-    algos = _federation(GROUPS, neighbours=2, lr=0.05, guard=False)
-    _round(algos, 1)
-    a = algos["a"]
-    built: list[str] = []
-    materialize = a.ctx.materialize
-    monkeypatch.setattr(a.ctx, "materialize", lambda wire: built.append("x") or materialize(wire))
+    algos, a, built = _after_one_round(monkeypatch)
     members = {c: {"members": IDS} for c in IDS} | {"a": {"members": ["a", "b"]}}
 
     # Execute
