@@ -188,7 +188,7 @@ class FedeRiCo(ClientAlgorithm):
             grads = self._gradient(model, w[j])
             self.peers.send(j, GRAD, round_, WireModel(self.peer_models[j].spec, grads))
         # Networks kept: for the peers the mixture may take, and the next round's neighbours
-        in_use = set(fetched) | set(self._top())
+        in_use = set(fetched) | set(self._top(w))
         self._nets = {c: held for c, held in self._nets.items() if c in in_use}
         return FitResult(
             metrics={"loss_self": self.losses[me], "neighbours": float(len(fetched))},
@@ -221,9 +221,8 @@ class FedeRiCo(ClientAlgorithm):
     # -- prediction --------------------------------------------------------------------------
     def _mixture(self) -> tuple[ArchSpec, nn.Module]:
         """p_i(y|x) = Σ_j w_ij·p(y|x; θ_j) over the `mixture_top` highest-weight models held."""
-        me = self.ctx.client_id
-        w = self.weights or {me: 1.0}
-        top = self._top()
+        me, w = self.ctx.client_id, self.weights
+        top = self._top(w)
         # Around the networks themselves, not copies: its own model and the peers' (what holds
         # it, the guard or an export, copies what it keeps).
         members = [(self.ctx.spec, self.model) if c == me else self._net(c) for c in top]
@@ -231,10 +230,10 @@ class FedeRiCo(ClientAlgorithm):
         spec = mixture_spec([s for s, _ in members], weights)
         return spec, Mixture([m for _, m in members], weights).to(self.ctx.device)
 
-    def _top(self) -> list[str]:
-        """The mixture's members: the `mixture_top` highest-weight models held (self alone
-        until it holds any weights)."""
-        me, w = self.ctx.client_id, self.weights
+    def _top(self, w: Mapping[str, float]) -> list[str]:
+        """The mixture's members under weights `w`: the `mixture_top` highest-weight models
+        held (self alone until it holds any weights)."""
+        me = self.ctx.client_id
         if me not in w:
             return [me]
         held = [c for c in w if c == me or c in self.peer_models]
