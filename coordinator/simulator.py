@@ -233,6 +233,7 @@ def _batch_budget(cfg: RunConfig, fed: Federation) -> None:
     if not sizes:
         return
     median = sizes[len(sizes) // 2]
+    suggest = max(1, 2 ** math.floor(math.log2(max(1, median // 5))))
     by_batch: dict[int, list[str]] = {}
     for name in cfg.runs:
         own = cfg.algorithm_config(name)
@@ -241,7 +242,6 @@ def _batch_budget(cfg: RunConfig, fed: Federation) -> None:
             by_batch.setdefault(batch, []).append(name)
     for batch, names in by_batch.items():
         one_step = sum(n <= batch for n in sizes)
-        suggest = max(1, 2 ** math.floor(math.log2(max(1, median // 5))))
         log.warning(
             "%s: batches of %d samples on clients of %d-%d training samples (median %d) make "
             "an epoch one step for %d of %d clients; --batch-size %d gives the median client %d "
