@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -26,10 +27,22 @@ def _train(cls, steps=4, **kwargs):
     return [p.detach().clone() for p in model.parameters()], opt
 
 
+def _fused_sgd(params, **kwargs):
+    return torch.optim.SGD(params, fused=True, **kwargs)
+
+
 @pytest.mark.parametrize(
     ("lean", "torchs", "kwargs"),
     [
-        (SGD, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4}),
+        (SGD, _fused_sgd, {"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4}),
+        (SGD, _fused_sgd, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+        (SGD, _fused_sgd, {"lr": 0.1, "momentum": 0.5, "dampening": 0.3}),
+        (SGD, _fused_sgd, {"lr": 0.1, "weight_decay": 1e-2}),
+        (
+            partial(SGD, foreach=False),
+            partial(torch.optim.SGD, foreach=False),
+            {"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4},
+        ),
         (Adam, torch.optim.Adam, {"lr": 0.01, "betas": (0.9, 0.999), "weight_decay": 5e-4}),
     ],
 )
@@ -48,6 +61,85 @@ def test_optim_steps_exactly_as_torchs_own_optimizer(lean, torchs, kwargs):
     assert isinstance(ours_opt, torch.optim.Optimizer)
     their_opt.load_state_dict(a)  # each loads the other's state
     ours_opt.load_state_dict(b)
+
+
+def test_sgd_on_the_cpu_runs_torchs_fused_kernel_unless_told_otherwise():
+    params = [torch.nn.Parameter(torch.randn(3, 2))]
+
+    assert SGD(params, lr=0.1).param_groups[0]["fused"] is True
+    assert SGD([{"params": params}], lr=0.1).param_groups[0]["fused"] is True
+    assert not SGD(params, lr=0.1, foreach=True).param_groups[0]["fused"]
+    assert not SGD(params, lr=0.1, fused=False).param_groups[0]["fused"]
+    assert not SGD(params, lr=0.1, differentiable=True).param_groups[0]["fused"]
+    meta = [torch.nn.Parameter(torch.randn(3, 2, device="meta"))]
+    assert not SGD(meta, lr=0.1).param_groups[0]["fused"]
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_fused_sgd_steps_transposed_parameters_as_torchs_fused_kernel_steps_contiguous_ones(
+    momentum,
+):
+    # Prepare: stacked weights held transposed (edge_sdk.cohort), a contiguous bias and a
+    # parameter with gaps in its memory under ours; their values, contiguous, under torch's
+    # fused SGD.
+    torch.manual_seed(0)
+    values = [
+        torch.randn(4, 6, 5).transpose(1, 2),
+        torch.randn(4, 5),
+        torch.randn(3, 7).t(),
+        torch.randn(4, 10)[:, ::2],
+    ]
+
+    def laid_out_as(t):
+        return torch.empty_strided(t.shape, t.stride())
+
+    ours = [torch.nn.Parameter(laid_out_as(v).copy_(v)) for v in values]
+    theirs = [torch.nn.Parameter(v.contiguous()) for v in values]
+    kwargs = {"lr": 0.1, "momentum": momentum, "weight_decay": 1e-2, "nesterov": momentum > 0}
+    a, b = SGD(ours, **kwargs), torch.optim.SGD(theirs, fused=True, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+
+    # Execute: the same gradients for both (each laid out as its parameter), three steps
+    for _ in range(3):
+        for p, q in zip(ours, theirs, strict=True):
+            q.grad = torch.randn(q.shape, generator=gen)
+            p.grad = laid_out_as(p).copy_(q.grad)
+        a.step()
+        b.step()
+
+    # Assert: the same parameters and momentum (to float rounding: the kernel's vector code
+    # and its scalar tail can round apart, and the layouts put elements in other places);
+    # the parameters still laid out as they were, a transposed one's buffer as it is
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+        if momentum:
+            m, n = a.state[p]["momentum_buffer"], b.state[q]["momentum_buffer"]
+            assert torch.allclose(m, n, rtol=1e-6, atol=1e-7)
+    assert ours[0].stride() == (30, 1, 5) and ours[3].stride() == (10, 2)
+    if momentum:
+        assert a.state[ours[0]]["momentum_buffer"].stride() == (30, 1, 5)
+
+
+def test_fused_sgd_steps_a_gradient_laid_out_unlike_its_parameter_correctly():
+    # Prepare: a transposed parameter whose gradient is contiguous (torch's fused kernel
+    # steps such a pair wrongly on the CPU), under ours and under torch's single-tensor SGD.
+    torch.manual_seed(0)
+    value, grad = torch.randn(3, 7).t(), torch.randn(7, 3)
+    ours, theirs = (
+        torch.nn.Parameter(value.clone(memory_format=torch.preserve_format)) for _ in "ab"
+    )
+    a = SGD([ours], lr=0.1, momentum=0.9, weight_decay=1e-2)
+    b = torch.optim.SGD([theirs], lr=0.1, momentum=0.9, weight_decay=1e-2, foreach=False)
+
+    # Execute
+    for _ in range(2):
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        a.step()
+        b.step()
+
+    # Assert: the values the loop computes
+    assert torch.equal(ours, theirs)
+    assert torch.equal(a.state[ours]["momentum_buffer"], b.state[theirs]["momentum_buffer"])
 
 
 _CHILD = """
