@@ -94,7 +94,8 @@ class SGD(_SGD):
             return self._fused_step(closure)
         decays = [g["weight_decay"] for g in self.param_groups]
         for group, wd in zip(self.param_groups, decays, strict=True):
-            if wd and not group["maximize"] and not group["differentiable"]:
+            # (a fused group's kernel adds it, after unscaling a gradient scaler's gradients)
+            if wd and not group["maximize"] and not group["differentiable"] and not group["fused"]:
                 pairs = [(p.grad, p) for p in group["params"] if p.grad is not None]
                 if pairs:
                     torch._foreach_add_([g for g, _ in pairs], [p for _, p in pairs], alpha=wd)
