@@ -148,12 +148,11 @@ class SGD(_SGD):
                 for i, b in zip([i for i, _ in flat] if fused else rest, out, strict=True):
                     made[i] = b
             if group["momentum"] != 0:  # the buffers a first step made, in their params' shape
-                for p, b, had in zip(params, made, bufs, strict=True):
+                for p, b, had, r in zip(params, made, bufs, runs, strict=True):
                     assert b is not None
-                    if had is None:  # (a flat run's, 1-D, seen as its parameter is laid out)
-                        flat = b.shape != p.shape
+                    if had is None:  # (a flat run's is 1-D: seen as its parameter is laid out)
                         self.state[p]["momentum_buffer"] = (
-                            b.as_strided(p.shape, p.stride(), 0) if flat else b
+                            b if r is None else b.as_strided(p.shape, p.stride(), 0)
                         )
         return loss
 
