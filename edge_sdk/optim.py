@@ -38,6 +38,7 @@ __all__ = ["SGD", "Adam", "restart"]
 # The wrapper `torch._disable_dynamo` puts around a method; what it wraps is `__wrapped__`.
 _DISABLE_WRAPPER = torch._compile._disable_dynamo(lambda: None).__code__
 _O = TypeVar("_O", bound=type[torch.optim.Optimizer])
+_Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # a parameter, grad, momentum
 
 
 def _unwrapped(fn: Any) -> Any:
@@ -119,23 +120,22 @@ class SGD(_SGD):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            bufs = [self.state[p].get("momentum_buffer") for p in params]
-            runs = [_flat(p, p.grad, b) for p, b in zip(params, bufs, strict=True)]
-            flat = [(i, r) for i, r in enumerate(runs) if r is not None]
-            rest = [i for i, r in enumerate(runs) if r is None]
-            made: list[torch.Tensor | None] = list(bufs)
-            for fused, todo in (
-                (True, [r for _, r in flat]),
-                (False, [(params[i], params[i].grad, bufs[i]) for i in rest]),
-            ):
-                if not todo:
+            # Each parameter with what steps it: its flat runs (the fused kernel), or the
+            # tensors themselves (the loop).
+            todo: dict[bool, list[tuple[torch.Tensor, _Triple]]] = {True: [], False: []}
+            for p in group["params"]:
+                if p.grad is not None:
+                    buf = self.state[p].get("momentum_buffer")
+                    run = _flat(p, p.grad, buf)
+                    todo[run is not None].append((p, run or (p, p.grad, buf)))
+            for fused, items in todo.items():
+                if not items:
                     continue
-                out = [b for _, _, b in todo]
+                bufs = [b for _, (_, _, b) in items]  # a first step fills in its new buffers
                 _sgd(
-                    [p for p, _, _ in todo],
-                    [g for _, g, _ in todo],
-                    out,
+                    [t for _, (t, _, _) in items],
+                    [g for _, (_, g, _) in items],
+                    bufs,
                     weight_decay=group["weight_decay"],
                     momentum=group["momentum"],
                     lr=group["lr"],
@@ -145,21 +145,18 @@ class SGD(_SGD):
                     foreach=False,
                     fused=fused,
                 )
-                for i, b in zip([i for i, _ in flat] if fused else rest, out, strict=True):
-                    made[i] = b
-            if group["momentum"] != 0:  # the buffers a first step made, in their params' shape
-                for p, b, had, r in zip(params, made, bufs, runs, strict=True):
-                    assert b is not None
-                    if had is None:  # (a flat run's is 1-D: seen as its parameter is laid out)
+                if group["momentum"] == 0:
+                    continue
+                for (p, (_, _, had)), b in zip(items, bufs, strict=True):
+                    if had is None:  # new: a flat run's is 1-D, seen as its parameter's layout
+                        assert b is not None
                         self.state[p]["momentum_buffer"] = (
-                            b if r is None else b.as_strided(p.shape, p.stride(), 0)
+                            b.as_strided(p.shape, p.stride(), 0) if fused else b
                         )
         return loss
 
 
-def _flat(
-    p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+def _flat(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None) -> _Triple | None:
     """`p`, `grad` and `buf` as 1-D aliases of their memory, element k of each the same
     element of the parameter, where the three share one layout that fills its memory without
     gaps (in any order of dimensions); None otherwise."""
