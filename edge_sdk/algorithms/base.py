@@ -406,7 +406,7 @@ class ClientAlgorithm(ABC):
                         }
                         for k, entry in saved["state"].items()
                     },
-                    "param_groups": saved["param_groups"],
+                    "param_groups": _with_execution_of(current, saved["param_groups"]),
                 }
             )
             return current
@@ -483,6 +483,26 @@ class ClientAlgorithm(ABC):
 # What the base class saves besides `persistent`: the random generator, the count of training
 # samples processed, and what the guard keeps.
 _BASE_STATE = ("__rng__", "__samples__", "__guard__")
+
+# How an optimizer runs its step, not what the step computes: chosen for the tensors and the
+# device it steps now (edge_sdk.optim.SGD's fused kernel on the CPU), never taken from a saved
+# state, which may come from another device or from a version that chose otherwise.
+_EXECUTION = ("fused", "foreach", "capturable")
+
+
+def _with_execution_of(
+    current: torch.optim.Optimizer, groups: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The saved param `groups`, each with `current`'s group's `_EXECUTION` settings, and none it
+    lacks (where the group counts differ, torch's load_state_dict refuses them as they are)."""
+    if len(groups) != len(current.param_groups):
+        return groups
+    return [
+        {k: v for k, v in g.items() if k not in _EXECUTION}
+        | {k: now[k] for k in _EXECUTION if k in now}
+        for g, now in zip(groups, current.param_groups, strict=True)
+    ]
+
 
 SPEC_ATTR = "_edgefl_spec"  # the ArchSpec a module was built from (set by _build/_materialize)
 

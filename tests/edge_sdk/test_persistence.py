@@ -5,6 +5,7 @@ import torch
 
 from edge_sdk.algorithms import AlgorithmError, ClientContext, algorithm_class
 from edge_sdk.codec import WireModel
+from edge_sdk.cohort import run_stacked
 from edge_sdk.state import StateError, load_state, save_state
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec, build
@@ -251,3 +252,41 @@ def test_state_errors_name_what_is_wrong():
     algo.table = {"deep": torch.nn.Linear(2, 2)}
     with pytest.raises(AlgorithmError, match=r"local\.table\.deep: a module not built"):
         algo.state_dict()
+
+
+def _optimizers(algo):
+    return [
+        o for n in type(algo).persistent if isinstance(o := getattr(algo, n), torch.optim.Optimizer)
+    ]
+
+
+def test_how_an_optimizer_steps_is_chosen_here_not_taken_from_the_saved_state():
+    # Prepare: an FML client's state whose optimizers say they stepped otherwise: the loop of a
+    # version before SGD's fused CPU kernel (fused None), a GPU's capturable step.
+    original = _algorithm("fml", seed=0)
+    original.fit(1, 3, _models("fml", 1))
+    state = original.state_dict()
+    for value in state.values():
+        if isinstance(value, dict) and "__optimizer__" in value:
+            for group in value["__optimizer__"]["param_groups"]:
+                group.update(fused=None, foreach=True, capturable=True)
+    restored, fresh = _algorithm("fml", seed=0), _algorithm("fml", seed=1)
+    fresh.fit(1, 3, _models("fml", 1))
+
+    # Execute
+    restored.load_state_dict(state)
+
+    # Assert: its optimizers step as a fresh client's on this CPU (the fused kernel), so it
+    # stacks with fresh clients, and trains on as the original does
+    assert _optimizers(restored)
+    for mine, new in zip(_optimizers(restored), _optimizers(fresh), strict=True):
+        (group,), (new_group,) = mine.param_groups, new.param_groups
+        assert group["fused"] is True
+        assert {k: v for k, v in group.items() if k != "params"} == {
+            k: v for k, v in new_group.items() if k != "params"
+        }
+    got, _ = run_stacked([restored, fresh], "fit", 2, 3, [_models("fml", 2)] * 2)
+    expected = _weights(original.fit(2, 3, _models("fml", 2)))
+    stacked = _weights(got)
+    assert stacked.keys() == expected.keys()
+    assert all(torch.allclose(stacked[k], v, rtol=1e-5, atol=1e-6) for k, v in expected.items())
