@@ -290,3 +290,24 @@ def test_how_an_optimizer_steps_is_chosen_here_not_taken_from_the_saved_state():
     stacked = _weights(got)
     assert stacked.keys() == expected.keys()
     assert all(torch.allclose(stacked[k], v, rtol=1e-5, atol=1e-6) for k, v in expected.items())
+
+
+def test_an_adam_state_saved_by_a_gpu_that_captured_its_steps_resumes_on_the_cpu():
+    # Prepare: Adam's state as a capturing GPU saves it (capturable, its step count a tensor)
+    device = torch.device("cpu")
+    cls = algorithm_class("local")
+    cfg = cls.config_cls(local_epochs=1, optimizer="adam")
+    original = cls(ClientContext("c0", GLOBAL, _data(), device, 0, Trainer(device, seed=0)), cfg)
+    original.fit(1, 3, {})
+    state = original.state_dict()
+    for group in state["optimizer"]["__optimizer__"]["param_groups"]:
+        group["capturable"] = True
+    restored = cls(ClientContext("c0", GLOBAL, _data(), device, 0, Trainer(device, seed=0)), cfg)
+
+    # Execute: loaded and trained on (torch refuses a capturable step on the CPU)
+    restored.load_state_dict(state)
+    a, b = original.fit(2, 3, {}), restored.fit(2, 3, {})
+
+    # Assert: it trains on as the original does
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
