@@ -12,9 +12,11 @@ For every split and seed this runs, on one data split and one local-training bud
 It reports, per algorithm and split: the mean personalized accuracy over seeds ± a 95% t-interval
 over the seeds' means; per client (its index, averaged over the seeds), win / tie / loss against
 local training and against FedAvg+FT (a tie: within ±1 point); the worst client's gap to local
-training (the guard's goal: no client more than 2 points below); and the training samples each
-client processed, as passes over its training data (PersFL's stage 2, FedMe's exchanged model,
-FedeRiCo's gradients for its neighbours and FedAvg+FT's fine-tuning are extra passes).
+training, and whether the guard's goal holds there ("goal": "yes", no client more than 2 points
+below; "floor", deeper but no deeper than local_reseeded's worst client, the split's noise floor;
+"no"); and the training samples each client processed, as passes over its training data (PersFL's
+stage 2, FedMe's exchanged model, FedeRiCo's gradients for its neighbours and FedAvg+FT's
+fine-tuning are extra passes).
 
     python benchmarks/personalization.py --quick                  # about 30 min on 2 cores
     python benchmarks/personalization.py                          # the full size
@@ -384,6 +386,16 @@ def _passes(runs: Sequence[Run]) -> float:
     )
 
 
+def goal(worst: float, floor: float) -> str:
+    """The guard's goal for a row whose worst client ends `worst` points from local training,
+    on a split whose noise floor (local_reseeded's worst client) is `floor`: "yes" within
+    GUARD_POINTS; "floor" deeper, but no deeper than local training ends against itself on
+    that split (what chance does to a method equal to it); "no" deeper than both."""
+    if worst >= -GUARD_POINTS:
+        return "yes"
+    return "floor" if worst >= floor else "no"
+
+
 def reseed(seed: int) -> dict[str, Any]:
     """The overrides of `seed`'s noise-floor run: its split, training's randomness from another
     seed."""
@@ -405,6 +417,7 @@ def summarize(
     best = max(fts, key=lambda f: statistics.mean(_mean_acc(r) for r in fts[f]))
     baselines = {"local": local, RESEEDED: reseeded, "fedavg_ft": fts[best]}
     local_pc, ft_pc = _per_client(local), _per_client(fts[best])
+    floor = min(a - b for a, b in zip(_per_client(reseeded), local_pc, strict=True))
     rows = []
     for name in ["local", RESEEDED, "fedavg_ft", *algorithms]:
         runs = baselines.get(name) or [
@@ -432,6 +445,8 @@ def summarize(
             "worst_client": worst,
             "worst_client_test": statistics.mean(r.clients[worst].get("n_test") or 0 for r in runs),
             "guard_holds": min(gaps) >= -GUARD_POINTS,
+            "noise_floor": floor,
+            "goal": goal(min(gaps), floor),
             "passes": _passes(runs),
             "wall_seconds": sum(r.wall_seconds for r in runs),
         }
@@ -474,6 +489,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             guard += f"; unguarded {r['mean_unguarded']:.1f}"
         if "pays" in r:
             guard += f"; pays: {'yes' if r['pays'] else 'no'}"
+        if "deployed" in r:
+            guard += f"; goal: {r['goal']}"
         lines.append(
             f"| {r['split']} | {name} | {r['mean']:.1f} ± {r['ci95']:.1f} | {r['vs_local']} | "
             f"{r['vs_fedavg_ft']} | {r['worst_vs_local']:+.1f} (c{r['worst_client']}, "

@@ -158,6 +158,12 @@ def test_the_noise_floor_is_local_training_on_the_same_split_with_another_seed(t
     assert [c["n_test"] for c in again.clients] == [c["n_test"] for c in local.clients]
     assert [c["personal_acc"] for c in again.clients] != [c["personal_acc"] for c in local.clients]
     assert rows[1]["per_client"] == [100 * c["personal_acc"] for c in again.clients]
+    # every row of the split is judged against that floor: its worst client against local
+    gaps = [
+        100 * (b["personal_acc"] - a["personal_acc"])
+        for a, b in zip(local.clients, again.clients, strict=True)
+    ]
+    assert all(r["noise_floor"] == pytest.approx(min(gaps)) for r in rows)
 
 
 def test_federico_gets_the_rounds_that_give_its_largest_client_local_trainings_passes():
@@ -168,3 +174,20 @@ def test_federico_gets_the_rounds_that_give_its_largest_client_local_trainings_p
     assert rounds * batch >= local_samples > (rounds - 1) * batch  # enough, and no more
     for n in n_train:  # so every client makes at least local training's passes
         assert rounds * batch / n >= size.rounds * size.local_epochs
+
+
+@pytest.mark.parametrize(
+    ("worst", "floor", "verdict"),
+    [
+        (-1.9, -0.2, "yes"),  # within 2 points, whatever the floor
+        (-2.0, -9.0, "yes"),
+        (-3.5, -4.9, "floor"),  # deeper than 2, not deeper than local training against itself
+        (-4.9, -4.9, "floor"),
+        (-2.5, -0.2, "no"),  # deeper than both: a stable split, a real miss
+        (-8.6, -4.9, "no"),
+    ],
+)
+def test_the_guards_goal_holds_within_two_points_or_within_the_splits_noise_floor(
+    worst, floor, verdict
+):
+    assert bench.goal(worst, floor) == verdict
