@@ -154,6 +154,9 @@ for _p in (6, 4, 2):
                     "round.eval_every": 5,
                     # Every algorithm: SGD lr 0.01, momentum 0.9, wd 5e-4, batch 128, E = 5.
                     **{f"{a}.local_epochs": 5 for a in ("fml", "local", "fedavg", "fedprox")},
+                    # The meme learns from the personal model too, as the paper's (our default,
+                    # 1, trains it on the labels alone: docs/algorithms.md)
+                    "fml.beta": 0.5,
                 },
                 global_vs=("fedavg", "fedprox"),
                 claim=(

@@ -5,7 +5,7 @@ from coordinator.config import ConfigError, load_config, parse_overrides
 
 def test_every_algorithm_has_a_section_with_the_documented_defaults():
     cfg = load_config()
-    assert cfg.fml.alpha == 0.5 and cfg.fml.beta == 0.5 and cfg.fml.lr == 0.01
+    assert cfg.fml.alpha == 0.5 and cfg.fml.beta == 1.0 and cfg.fml.lr == 0.01
     assert cfg.fml.momentum == 0.9 and cfg.fml.weight_decay == 5e-4 and cfg.fml.batch_size == 128
     assert cfg.fml.local_epochs == 5 and cfg.fml.lr_schedule == "none"  # see FMLConfig
     assert cfg.fml.alpha_gate == "validation" and cfg.fml.guard and cfg.fml.guard_z == 2.0

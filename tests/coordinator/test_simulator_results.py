@@ -46,7 +46,8 @@ FLAGS = {
         "models": ["mlr", "mlp"],
         "global_model": "mlr",
         "local_epochs": 1,
-        "overrides": {"fml.guard": False, "fml.alpha_gate": "off"},
+        # the settings of the recording (β was 0.5 by default then)
+        "overrides": {"fml.guard": False, "fml.alpha_gate": "off", "fml.beta": 0.5},
     },
     "fedavg": {"local_epochs": 1},
 }
