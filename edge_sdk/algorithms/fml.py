@@ -43,8 +43,8 @@ class FMLConfig(AlgorithmConfig, GuardConfig):
     alpha: float = Field(0.5, ge=0, le=1)  # personalized model: weight of CE vs KL [code]
     # [ours] meme model: weight of CE vs KL. The authors' code has 0.5, the meme learning from
     # the personalized model too. At 1 it learns from the labels alone, as FedAvg's model does,
-    # and the personalized model still learns from it: the guard's fine-tuned global model then
-    # starts from what FedAvg's does, and FML ends level with FedAvg+FT or above it on the
+    # and the personalized model still learns from it: the guard then fine-tunes a global model
+    # trained as FedAvg's is, and FML ends level with FedAvg+FT or above it on the
     # personalization suite, where at 0.5 it ended below it on 5 of 9 splits (docs/algorithms.md).
     beta: float = Field(1.0, ge=0, le=1)
     # [code] decays lr ×0.1 every ⌊R/3⌋ rounds ("step"). Our default is a constant lr, like the
