@@ -75,7 +75,8 @@ class SGD(_SGD):
     `foreach` or `fused` is given (see `_fused_step`), elsewhere weight decay added in place."""
 
     def __init__(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        params = list(params)
+        if not isinstance(params, torch.Tensor):  # (torch refuses one tensor, with its reason)
+            params = [_listed(p) for p in params]  # read once: a group's may be a generator
         if (
             kwargs.get("fused") is None
             and kwargs.get("foreach") is None
@@ -172,11 +173,20 @@ def _flat(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None) -> _Tri
     return run(p), run(grad), None if buf is None else run(buf)
 
 
+def _listed(p: Any) -> Any:
+    """A parameter, or a param group with its parameters in a list (as torch lists them)."""
+    if not isinstance(p, dict):
+        return p
+    ps = p["params"]
+    return p | {"params": [ps] if isinstance(ps, torch.Tensor) else list(ps)}
+
+
 def _all_on_cpu(params: list[Any]) -> bool:
-    """Whether `params` (tensors, or param groups) are all floating-point tensors on the CPU."""
+    """Whether `params` (tensors, or param groups with their parameters listed) are all
+    floating-point tensors on the CPU."""
     tensors: list[Any] = []
     for p in params:
-        tensors += list(p["params"]) if isinstance(p, dict) else [p]
+        tensors += p["params"] if isinstance(p, dict) else [p]
     return bool(tensors) and all(
         isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_floating_point()
         for t in tensors

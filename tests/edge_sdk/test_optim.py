@@ -75,6 +75,28 @@ def test_sgd_on_the_cpu_runs_torchs_fused_kernel_unless_told_otherwise():
     assert not SGD(meta, lr=0.1).param_groups[0]["fused"]
 
 
+def test_param_groups_given_as_generators_keep_their_parameters_and_settings():
+    # Prepare: groups as torch takes them, their parameters a module's generator (read once)
+    torch.manual_seed(0)
+    body, head = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+
+    # Execute
+    groups = [{"params": body.parameters()}, {"params": head.weight, "lr": 0.5}]
+    opt = SGD(groups, lr=0.1, momentum=0.9)
+
+    # Assert: every parameter in its group, with its group's settings, as torch's SGD has them
+    theirs = torch.optim.SGD(
+        [{"params": body.parameters()}, {"params": head.weight, "lr": 0.5}],
+        lr=0.1,
+        momentum=0.9,
+        fused=True,
+    )
+    assert [g["params"] for g in opt.param_groups] == [g["params"] for g in theirs.param_groups]
+    assert [g["params"] for g in opt.param_groups] == [list(body.parameters()), [head.weight]]
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.5]
+    assert all(g["fused"] is True for g in opt.param_groups)
+
+
 @pytest.mark.parametrize("momentum", [0.9, 0.0])
 def test_fused_sgd_steps_transposed_parameters_as_torchs_fused_kernel_steps_contiguous_ones(
     momentum,
