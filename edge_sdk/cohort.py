@@ -630,8 +630,11 @@ class _Copies:
         `like` is, otherwise laid out as `src` (`torch.preserve_format`: a stack's row is
         dense, contiguous or a linear weight's transposed layout)."""
         layout = torch.preserve_format
-        channels_last = like.dim() == 4 and not like.is_contiguous()
-        if channels_last and like.is_contiguous(memory_format=torch.channels_last):
+        if (  # (a 4-D tensor both ways, 1×1 images or one channel, is taken as contiguous)
+            like.dim() == 4
+            and not like.is_contiguous()
+            and like.is_contiguous(memory_format=torch.channels_last)
+        ):
             layout = torch.channels_last
         self._todo.setdefault(layout, []).append((src, put))
 
