@@ -444,7 +444,6 @@ def summarize(
             # on a few dozen, one image is several points
             "worst_client": worst,
             "worst_client_test": statistics.mean(r.clients[worst].get("n_test") or 0 for r in runs),
-            "guard_holds": min(gaps) >= -GUARD_POINTS,
             "noise_floor": floor,
             "goal": goal(min(gaps), floor),
             "passes": _passes(runs),
