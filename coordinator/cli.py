@@ -73,6 +73,14 @@ _ONNX_INT8_HELP = (
 )
 
 
+_DEPLOY_HELP = with_default(
+    "what each device may deploy: own (its own architecture), any, or families and 'mixture', "
+    "comma-separated (own,lenet5,mixture)",
+    "deploy.allow",
+    none="own",
+)
+
+
 def _training_help(what: str, key: str) -> str:
     from coordinator.cli_common import setting_default
 
@@ -221,6 +229,17 @@ def simulate(
     onnx_int8: Annotated[
         str | None, typer.Option(help=_ONNX_INT8_HELP + " (implies --export-onnx)", callback=_int8)
     ] = None,
+    deploy: Annotated[str | None, typer.Option(help=_DEPLOY_HELP)] = None,
+    deploy_max_params: Annotated[
+        int | None,
+        typer.Option(
+            help=with_default(
+                "the most parameters a deployed model other than the device's own may hold",
+                "deploy.max_params",
+                none="no bound",
+            )
+        ),
+    ] = None,
     set_: SetOpt = None,
 ) -> None:
     """Simulate a federation in one process.
@@ -252,6 +271,8 @@ def simulate(
         "broker.url": broker,
         "out": str(out) if out else None,
         "export_onnx": True if (export_onnx or onnx_int8) else None,
+        "deploy.allow": deploy,
+        "deploy.max_params": deploy_max_params,
     }
     training = {"local_epochs": local_epochs, "batch_size": batch_size, "lr": lr}
     cfg = load(config, flags, training, set_ or [])
@@ -555,6 +576,17 @@ def client(
         typer.Option("--late", help="join a finished run: personalize from its archive (PersFL)"),
     ] = False,
     onnx_int8: Annotated[str | None, typer.Option(help=_ONNX_INT8_HELP, callback=_int8)] = None,
+    deploy: Annotated[str | None, typer.Option(help=_DEPLOY_HELP)] = None,
+    deploy_max_params: Annotated[
+        int | None,
+        typer.Option(
+            help=with_default(
+                "the most parameters a deployed model other than the device's own may hold",
+                "deploy.max_params",
+                none="no bound",
+            )
+        ),
+    ] = None,
     set_: SetOpt = None,
 ) -> None:
     """Run one edge device of a federation over MQTT.
@@ -583,6 +615,8 @@ def client(
         "seed": seed,
         "device": device,
         "threads": threads,
+        "deploy.allow": deploy,
+        "deploy.max_params": deploy_max_params,
     }
     cfg = load(config, flags, {}, set_ or [])
     _apply_threads(cfg)
@@ -638,12 +672,24 @@ def _print_summary(results: Results, out: str | None) -> None:
     # A column per accuracy some client has (a baseline that did not run gets none).
     shown = [(h, k) for h, k in columns if any(getattr(c, k) is not None for c in clients)]
     mixed = len({c.device for c in clients}) > 1
-    header = f"{'client':<8}{'arch':<10}" + "".join(f"{h:>{max(10, len(h) + 2)}}" for h, _ in shown)
+    from coordinator.report.comparison import deployed as deployed_cell
+
+    deployed = {c.id: deployed_cell(c) for c in clients}
+    wide = max(10, *(len(d) + 2 for d in deployed.values()))
+    header = f"{'client':<8}{'arch':<10}{'deployed':<{wide}}"
+    header += "".join(f"{h:>{max(10, len(h) + 2)}}" for h, _ in shown)
     typer.echo(f"\n{results.algorithm}: per-client accuracy on each client's own test split (%)")
     typer.echo(header + ("  device" if mixed else ""))
     for c in clients:
         cells = "".join(f"{pct(getattr(c, k)):>{max(10, len(h) + 2)}}" for h, k in shown)
-        typer.echo(f"{c.id:<8}{c.arch or '—':<10}{cells}" + (f"  {c.device}" if mixed else ""))
+        row = f"{c.id:<8}{c.arch or '—':<10}{deployed[c.id]:<{wide}}{cells}"
+        typer.echo(row + (f"  {c.device}" if mixed else ""))
+    told = results.deployed()
+    if told["devices"]:
+        typer.echo(
+            f"deployed: {told['own_architecture']} of {told['devices']} devices a model of their "
+            "own architecture (the report's client details say why each deployed what it did)"
+        )
     means = ", ".join(
         f"{name} {pct(value)}%"
         for name, value in (

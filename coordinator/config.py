@@ -35,6 +35,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDic
 from coordinator.server import RoundConfig
 from edge_sdk.algorithms import BaseAlgorithmConfig, algorithm_class, algorithm_names
 from edge_sdk.auth import AuthSettings
+from edge_sdk.budget import DeployBudget
 from edge_sdk.transport.mqtt import BrokerSettings
 from model_zoo import families
 from model_zoo.data import dataset_names, partition_schemes
@@ -44,6 +45,7 @@ __all__ = [
     "ENV_PREFIX",
     "ConfigError",
     "DataConfig",
+    "DeployConfig",
     "DeviceConfig",
     "RunConfig",
     "load_config",
@@ -95,6 +97,22 @@ class DeviceConfig(BaseModel):
     late: bool = False
 
 
+class DeployConfig(DeployBudget):
+    """What the devices may deploy (edge_sdk.budget): `allow` and `max_params` for every
+    device, and `clients` for devices with budgets of their own, by id. Default: every device
+    deploys a model of its own architecture only."""
+
+    # Budgets of their own, by client id (e.g. {"c3": {"allow": ["any"]}}).
+    clients: dict[str, DeployBudget] = Field(default_factory=dict)
+
+    def for_client(self, client_id: str) -> DeployBudget:
+        """`client_id`'s budget: its own where `clients` names it, else the common one."""
+        own = self.clients.get(client_id)
+        if own is not None:
+            return own
+        return DeployBudget(allow=self.allow, max_params=self.max_params)
+
+
 class RunConfig(BaseModel):
     """Everything a run needs. `load_config` returns it with a validated section per algorithm."""
 
@@ -124,6 +142,8 @@ class RunConfig(BaseModel):
     allow: list[str] | None = None  # coordinator: the client ids admitted (default: any, up to N)
     metrics_port: int | None = Field(None, ge=0, le=65535)  # coordinator: Prometheus /metrics
     client: DeviceConfig = DeviceConfig()
+    # What each device may deploy: its own architecture unless this allows more (edge_sdk.budget).
+    deploy: DeployConfig = DeployConfig()
     parallel: int | None = Field(None, ge=1)  # simulated clients training at once; None = cores
     # Where simulated clients run: "local", in this process (no serialisation); "network", each
     # an EdgeClient over the in-memory transport (a broker URL implies the network, over MQTT).

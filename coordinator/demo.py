@@ -50,9 +50,9 @@ from coordinator.results_model import OnnxRow, Results
 from coordinator.simulator import run_federation
 from coordinator.strategies import strategy_class
 from edge_sdk.auth import AuthSettings, issue_keys
+from edge_sdk.budget import arch_name
 from edge_sdk.onnx_bench import BenchSettings, benchmark_onnx
 from edge_sdk.onnx_format import read_metadata
-from model_zoo import ArchSpec
 from model_zoo.data import DatasetNotFound
 from model_zoo.files import atomic_open, write_atomic
 
@@ -214,14 +214,6 @@ def _baselines(cfg: RunConfig, fed: Federation) -> dict[str, RunResult]:
     return runs
 
 
-def _deployed_arch(spec: ArchSpec) -> str:
-    """What a device deploys, as the report names it: a mixture by its members (the guard's
-    default is the device's own model with the fine-tuned global one)."""
-    if spec.family != "mixture":
-        return spec.family
-    return "+".join(str(m["family"]) for m in spec.kwargs["members"])
-
-
 def _onnx_rows(fed: Federation, results: Results, out: Path) -> list[OnnxRow]:
     """Each device's exported model (its architecture read from the file), measured with
     onnxruntime on its own test split."""
@@ -236,7 +228,7 @@ def _onnx_rows(fed: Federation, results: Results, out: Path) -> list[OnnxRow]:
         rows.append(
             OnnxRow(
                 client=cid,
-                arch=_deployed_arch(read_metadata(path).spec),
+                arch=arch_name(read_metadata(path).spec),
                 file=str(path.relative_to(out)),
                 size_bytes=row.size_bytes,
                 latency_p50_ms=row.latency_p50_ms_b1,

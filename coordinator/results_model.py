@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar, Protocol, Self
 
 from pydantic import (
     BaseModel,
@@ -47,6 +48,7 @@ __all__ = [
     "Split",
     "SplitClient",
     "Summary",
+    "deployment_summary",
 ]
 
 Accuracy = Annotated[float, Field(ge=0.0, le=1.0)] | None
@@ -321,6 +323,38 @@ class Results(_Doc):
         values = [getattr(c, field) for c in self.clients]
         present = [v for v in values if v is not None]
         return sum(present) / len(present) if present else None
+
+    def deployed(self) -> dict[str, Any]:
+        """What the devices deployed (`deployment_summary`)."""
+        return deployment_summary(self.clients)
+
+
+class _Deployer(Protocol):
+    arch: str | None
+
+    @property
+    def details(self) -> Mapping[str, Detail]: ...
+
+
+def deployment_summary(clients: Sequence[_Deployer]) -> dict[str, Any]:
+    """What the devices deployed, beside what they were asked to run: how many reported it, how
+    many deployed a model of their own architecture, how many of each architecture (`mixture of
+    mlr+mlp` for several models), and the deployed models' mean size against their own
+    architectures' (in parameters)."""
+    told = [c for c in clients if "deployed_arch" in c.details]
+    ratios = [
+        p / o
+        for c in told
+        if isinstance(p := c.details.get("deployed_params"), int | float)
+        and isinstance(o := c.details.get("own_params"), int | float)
+        and o > 0
+    ]
+    return {
+        "devices": len(told),
+        "own_architecture": sum(c.details["deployed_arch"] == c.arch for c in told),
+        "architectures": dict(Counter(str(c.details["deployed_arch"]) for c in told)),
+        "size_vs_own": sum(ratios) / len(ratios) if ratios else None,
+    }
 
 
 def _first_error(exc: ValidationError) -> str:

@@ -45,6 +45,7 @@ from pydantic import ValidationError
 from edge_sdk import topics
 from edge_sdk.algorithms import ClientAlgorithm, FitResult
 from edge_sdk.auth import Keyring
+from edge_sdk.budget import DeployBudget, Deployment
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, Buffer, WireModel
 from edge_sdk.node import ClientNode, NodeTask
 from edge_sdk.peers import PeerChannel
@@ -76,7 +77,7 @@ from edge_sdk.wire import (
 )
 from model_zoo import ArchSpec
 
-__all__ = ["EdgeClient", "RegistrationRefused", "TaskOutcome"]
+__all__ = ["EdgeClient", "Finished", "RegistrationRefused", "TaskOutcome"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,15 @@ class TaskOutcome:
     ok: bool
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    # After the finalize task: what the device deployed, and why (edge_sdk.budget.Deployment).
+    deployed: Deployment | None = None
+
+
+class Finished(dict[str, float]):
+    """`EdgeClient.run`'s return value: the final metrics (a dict, as before), and `deployed`,
+    what the device deployed (its architecture, parameters, size) and why."""
+
+    deployed: Deployment | None = None
 
 
 class EdgeClient:
@@ -121,6 +131,8 @@ class EdgeClient:
     `state_dir`: where the node persists its state after every task (a restarted device resumes).
     `dataset`: the name of the data set it trains on, told to the coordinator when it registers
     (with its device and precision), so that the run's results say what the federation ran.
+    `budget`: what the device may deploy (edge_sdk.budget.DeployBudget; default: a model of its
+    own architecture only). After the run, `deployed` says what it deployed and why.
     """
 
     def __init__(
@@ -143,6 +155,7 @@ class EdgeClient:
         state_dir: str | Path | None = None,
         dataset: str | None = None,
         keyring: Keyring | None = None,
+        budget: DeployBudget | None = None,
     ) -> None:
         node = ClientNode(
             client_id,
@@ -156,6 +169,7 @@ class EdgeClient:
             normalization=normalization,
             state_dir=state_dir,
             dataset=dataset,
+            budget=budget,
         )
         self._attach(
             node,
@@ -246,6 +260,7 @@ class EdgeClient:
         self.tasks_done = 0
         self.errors: list[str] = []
         self.last_metrics: dict[str, float] = {}
+        self.deployed: Deployment | None = None  # after the finalize task: what and why
 
     # What the node holds, for apps and tests that read it from the client.
     @property
@@ -296,6 +311,7 @@ class EdgeClient:
         state_dir: str | Path | None = None,
         dataset: str | None = None,
         keyring: Keyring | None = None,
+        budget: DeployBudget | None = None,
     ) -> EdgeClient:
         """An EdgeClient over its own `MqttTransport` to `broker` (a URL or `BrokerSettings`);
         the other arguments are the constructor's.
@@ -324,6 +340,7 @@ class EdgeClient:
             state_dir=state_dir,
             dataset=dataset,
             keyring=keyring,
+            budget=budget,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -345,9 +362,10 @@ class EdgeClient:
         self._thread.start()
         return self
 
-    def run(self, timeout: float | None = None) -> dict[str, float]:
-        """Start (if needed) and block until the federation ends; the final metrics. Raises
-        `RegistrationRefused` when the coordinator refused this process."""
+    def run(self, timeout: float | None = None) -> Finished:
+        """Start (if needed) and block until the federation ends; the final metrics, and
+        (`.deployed`) what the device deployed and why. Raises `RegistrationRefused` when the
+        coordinator refused this process."""
         if self._thread is None:
             self.start()
         try:
@@ -357,7 +375,9 @@ class EdgeClient:
             self.stop()
         if self.refused is not None:
             raise RegistrationRefused(f"{self.client_id}: registration refused: {self.refused}")
-        return dict(self.last_metrics)
+        out = Finished(self.last_metrics)
+        out.deployed = self.deployed
+        return out
 
     def join_late(self, timeout: float = 60.0) -> FitResult:
         """Personalize from a finished run's archive, without taking part in it: what the
@@ -382,6 +402,7 @@ class EdgeClient:
         assert isinstance(archive, Archive)
         result = self.node.join_late(archive.algorithm, archive.config, archive.rounds, models)
         self.finished, self.last_metrics = True, dict(result.metrics)
+        self.deployed = Deployment.from_details(result.details)
         return result
 
     def register(self) -> None:
@@ -567,11 +588,20 @@ class EdgeClient:
         except TransportError as exc:
             log.error("%s: could not send the reply to %s: %s", self.client_id, task.task_id, exc)
         self.tasks_done += 1
+        deployed = None
         if reply.ok:
             self.last_metrics = dict(reply.metrics)
+            if task.phase == "finalize":
+                deployed = self.deployed = Deployment.from_details(reply.details)
         if self.on_task is not None:
             outcome = TaskOutcome(
-                task.round, task.rounds, task.phase, reply.ok, dict(reply.metrics), reply.error
+                task.round,
+                task.rounds,
+                task.phase,
+                reply.ok,
+                dict(reply.metrics),
+                reply.error,
+                deployed,
             )
             try:
                 self.on_task(outcome)

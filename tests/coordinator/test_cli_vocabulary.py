@@ -63,7 +63,8 @@ def _option_line(text: str, flag: str) -> str:
                 if re.match(r"\s+-", more) or not more.startswith("     "):
                     break
                 out.append(more.strip())
-            return re.sub(r"\s+", " ", " ".join(out))
+            # (a word the wrap broke after its hyphen, "edgefl-" + "state", is one word)
+            return re.sub(r"\s+", " ", re.sub(r"-\n", "-", "\n".join(out)).replace("\n", " "))
     raise AssertionError(f"{flag} is not in the help:\n{text}")
 
 

@@ -79,10 +79,9 @@ def test_demo_runs_devices_as_processes_and_writes_the_report(tmp_path: Path) ->
     for row, client in zip(results.onnx, results.clients, strict=True):
         assert (tmp_path / str(row.file)).is_file() and (row.size_bytes or 0) > 0
         assert row.accuracy == pytest.approx(client.personal_acc, abs=1e-6)
-        # The table names the model the device deploys: by default its own architecture mixed
-        # with the fine-tuned global one (lenet5), else what its guard chose instead.
-        deployed = client.details["guard_arch"]
-        assert row.arch == (f"{client.arch}+lenet5" if deployed == "mixture" else deployed)
+        # The table names the model the device deploys, as its finalize reply said: by
+        # default a model of its own architecture.
+        assert row.arch == client.details["deployed_arch"]
     # The split is stated, and each device holds a few classes.
     assert results.split is not None
     counts = [c.counts for c in results.split.clients]
