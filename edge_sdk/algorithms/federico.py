@@ -24,7 +24,7 @@ is what it evaluates and exports to ONNX (the zoo's `mixture` family, one graph)
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -53,6 +53,10 @@ MODEL, GRAD = "model", "grad"
 
 
 class FedeRiCoConfig(BaseAlgorithmConfig, GuardConfig):
+    # preset = "paper": Adam at 1e-3 on batches of 50 [paper]; M = 3 is the paper's too. ε, m,
+    # τ and the mixture's size are lost from the paper's text: ours stay.
+    paper: ClassVar[dict[str, Any]] = {"lr": 1e-3, "batch_size": 50}
+
     neighbours: int = Field(3, ge=1)  # M, neighbours sampled per round [ours, algorithms.md]
     epsilon: float = Field(0.3, ge=0, le=1)  # ε-greedy exploration [ours]
     loss_momentum: float = Field(0.6, gt=0, le=1)  # m of the moving-average loss table [ours]
