@@ -74,12 +74,10 @@ _ONNX_INT8_HELP = (
 
 
 def _training_help(what: str, key: str) -> str:
-    from coordinator.cli_common import setting_default
-
+    # The algorithms' defaults would load torch into every --help: `edgefl settings` shows them.
     return (
         f"{what}, for the algorithm and every baseline that has it "
-        f"[<algorithm>.{key}; default: the algorithm's own, "
-        f"e.g. fml {setting_default('fml.' + key)}]"
+        f"[<algorithm>.{key}; default: the algorithm's own: `edgefl settings fml.{key}`]"
     )
 
 

@@ -67,10 +67,17 @@ def fail(msg: str) -> typer.Exit:
 
 # -- settings' defaults, shown in --help -------------------------------------------------------
 def setting_default(key: str) -> Any:
-    """The default of the dotted setting `key` (`rounds`, `round.deadline_s`, `fml.lr`)."""
-    from coordinator.config import run_config_model
+    """The default of the dotted setting `key` (`rounds`, `round.deadline_s`, `fml.lr`).
 
-    node: Any = run_config_model()()
+    Settings outside the algorithms' sections come from `RunConfig` alone, which loads neither
+    torch nor paho: the help of every command shows them, and `--help` stays fast. An
+    algorithm's section (`fml.lr`) needs its algorithm, and so torch."""
+    from coordinator.config import RunConfig, run_config_model
+
+    top = key.split(".")[0]
+    node: Any = (
+        RunConfig.model_construct() if top in RunConfig.model_fields else run_config_model()()
+    )
     for part in key.split("."):
         node = getattr(node, part)
     return node

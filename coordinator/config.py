@@ -27,24 +27,23 @@ import types
 import typing
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
-from coordinator.server import RoundConfig
-from edge_sdk.algorithms import BaseAlgorithmConfig, algorithm_class, algorithm_names
 from edge_sdk.auth import AuthSettings
-from edge_sdk.transport.mqtt import BrokerSettings
-from model_zoo import families
-from model_zoo.data import dataset_names, partition_schemes
-from model_zoo.files import write_atomic
+from edge_sdk.transport.settings import BrokerSettings
+
+if TYPE_CHECKING:
+    from edge_sdk.algorithms import BaseAlgorithmConfig
 
 __all__ = [
     "ENV_PREFIX",
     "ConfigError",
     "DataConfig",
     "DeviceConfig",
+    "RoundConfig",
     "RunConfig",
     "load_config",
     "parse_overrides",
@@ -63,6 +62,33 @@ log = logging.getLogger(__name__)
 
 class ConfigError(ValueError):
     """A config file or override that does not validate; the message names the field."""
+
+
+class RoundConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Defaults for a small fleet of devices: a phase waits up to two minutes for a device that
+    # is online but slow (one whose connection drops, `reconnect_grace_s`), and a round
+    # counts with half of its replies, so one dead device never stalls or fails a round.
+    deadline_s: float = Field(120.0, gt=0)  # per phase of a round
+    # The finalize phase (fine-tuning, distillation, ONNX export and its verification) may take
+    # longer than a round's phases; None: the same as deadline_s.
+    finalize_deadline_s: float | None = Field(None, gt=0)
+    quorum: float = Field(0.5, gt=0, le=1)  # fraction of a round's tasks that must reply validly
+    # A client whose connection dropped is still given tasks and waited for this long: a flaky
+    # network or a broker restart costs no reply; a dead device costs one such wait.
+    reconnect_grace_s: float = Field(10.0, ge=0)
+    # How long the coordinator waits for its clients to register. Devices started by hand, or
+    # slow to import torch, take minutes: a daemon waits 10 by default.
+    register_timeout_s: float = Field(600.0, gt=0)
+    eval_every: int = Field(1, ge=1)  # evaluate on all clients every N rounds (and the last)
+    # Start once this many clients registered when `register_timeout_s` passes without all of
+    # the expected ones (None: all expected clients are needed).
+    min_clients: int | None = Field(None, ge=1)
+    # A round that misses quorum runs again (new sampling, the clients start from where they
+    # were before it) up to this many times; then it is recorded as failed, state unchanged on
+    # both sides (clients that trained in it go back to the state before it).
+    retries: int = Field(1, ge=0)
 
 
 class DataConfig(BaseModel):
@@ -139,6 +165,10 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_names(self) -> RunConfig:
+        from edge_sdk.algorithms import algorithm_names
+        from model_zoo import families
+        from model_zoo.data import dataset_names, partition_schemes
+
         known = algorithm_names()
         for name in [self.algorithm, *self.baselines]:
             if name not in known:
@@ -169,6 +199,8 @@ class RunConfig(BaseModel):
 
     def algorithm_config(self, name: str | None = None) -> BaseAlgorithmConfig:
         """The config section of `name` (default: this run's algorithm)."""
+        from edge_sdk.algorithms import algorithm_class
+
         name = name or self.algorithm
         section = getattr(self, name, None)
         return section if section is not None else algorithm_class(name).config_cls()
@@ -189,6 +221,8 @@ _MODELS: dict[tuple[str, ...], type[RunConfig]] = {}
 def run_config_model() -> type[RunConfig]:
     """The model load_config validates with: RunConfig plus one section per algorithm
     registered now (built again when a plugin has registered another since)."""
+    from edge_sdk.algorithms import algorithm_class, algorithm_names
+
     names = tuple(algorithm_names())
     if names not in _MODELS:
         sections: dict[str, Any] = {}
@@ -329,6 +363,8 @@ def _as_dict(value: Any, dotted: str) -> dict[str, Any]:
 
 def _apply_training(tree: dict[str, Any], algorithms: list[str], key: str, value: Any) -> None:
     """Set one common training flag on every algorithm of the run whose config has it."""
+    from edge_sdk.algorithms import algorithm_class, algorithm_names
+
     known = set(algorithm_names())
     takers = [
         n for n in algorithms if n in known and key in algorithm_class(n).config_cls.model_fields
@@ -460,6 +496,8 @@ def write_config(cfg: RunConfig, path: str | Path, header: str = "") -> Path:
     """`cfg` as TOML that `load_config` reads back to the same config (never the password);
     `header` lines go first, as comments."""
     import tomli_w
+
+    from model_zoo.files import write_atomic
 
     tree = _without_nulls(cfg.model_dump(mode="json", exclude={"broker": {"password"}}))
     comments = "".join(f"# {line}\n" for line in header.splitlines())

@@ -99,7 +99,7 @@ def test_command_summaries_are_whole_sentences():
         (["simulate"], "--rounds", "[rounds; default: 5]"),
         (["simulate"], "--clients", "[clients; default: 10]"),
         (["simulate"], "--dataset", "[data.dataset; default: digits]"),
-        (["simulate"], "--lr", "default: the algorithm's own, e.g. fml 0.01]"),
+        (["simulate"], "--lr", "default: the algorithm's own: `edgefl settings fml.lr`]"),
         (["simulate"], "--threads", "[threads; default: the cores this process may use]"),
         (["simulate"], "--out", "default: runs/<algorithm>-<date>-<time>]"),
         (["coordinator"], "--register-timeout", "[round.register_timeout_s; default: 600]"),
