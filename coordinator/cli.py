@@ -73,6 +73,14 @@ _ONNX_INT8_HELP = (
 )
 
 
+# The commands that run a federation end with this in their help (docs/reference/failures.md).
+EXIT_STATUS = (
+    "Exit status: 0 when every round got its quorum; 4 when some rounds did not and 3 when none "
+    "did (the last line and results.json's summary.outcome say so); 2 for a bad setting or "
+    "input; 130 when interrupted."
+)
+
+
 def _training_help(what: str, key: str) -> str:
     # The algorithms' defaults would load torch into every --help: `edgefl settings` shows them.
     return (
@@ -94,7 +102,7 @@ def _apply_threads(cfg: Any) -> None:
         torch.set_num_threads(cfg.threads)
 
 
-@app.command()
+@app.command(epilog=EXIT_STATUS)
 @common()
 def simulate(
     config: ConfigOpt = None,
@@ -261,6 +269,16 @@ def simulate(
     _print_summary(results, cfg.out)
     if onnx_int8:
         _export_after_run(Path(cfg.out) / "state", cfg, onnx_int8, out=Path(cfg.out) / "onnx")
+    _close(results)
+
+
+def _close(results: Results) -> None:
+    """A run that lost rounds to a missed quorum ends with a line that says so, and a non-zero
+    exit status (`EXIT_STATUS`)."""
+    line = results.closing_line()
+    if line is not None:
+        typer.secho(line, fg=typer.colors.RED, bold=True)
+        raise typer.Exit(code=results.exit_code)
 
 
 def _export_after_run(states: Path, cfg: Any, kind: str, *, out: Path | None = None) -> None:
@@ -276,7 +294,7 @@ def _export_after_run(states: Path, cfg: Any, kind: str, *, out: Path | None = N
     )
 
 
-@app.command()
+@app.command(epilog=EXIT_STATUS)
 @common()
 def demo(
     algorithm: Annotated[str, typer.Option(help="any registered algorithm (`edgefl zoo`)")] = "fml",
@@ -324,15 +342,16 @@ def demo(
         child_args=tuple(current().child_args()),
     )
     try:
-        guard(lambda: run_demo(opts, echo=typer.echo))
+        results = guard(lambda: run_demo(opts, echo=typer.echo))
     except DemoError as exc:
         raise fail(str(exc)) from exc
     except KeyboardInterrupt:
         typer.echo("\ninterrupted: every process the demo started has been stopped", err=True)
         raise typer.Exit(code=130) from None
+    _close(results)
 
 
-@app.command()
+@app.command(epilog=EXIT_STATUS)
 @common()
 def coordinator(
     broker: Annotated[
@@ -476,6 +495,7 @@ def coordinator(
     if fresh:
         typer.echo("(started over: --fresh)")
     _print_summary(results, cfg.out or f"runs/{cfg.run_id}")
+    _close(results)
 
 
 @app.command()
