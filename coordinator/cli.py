@@ -24,6 +24,7 @@ from coordinator.cli_common import (
     current,
     fail,
     guard,
+    key_values,
     load,
     tune_malloc,
     with_default,
@@ -63,6 +64,7 @@ SetOpt = Annotated[
     typer.Option(
         "--set",
         help="any setting, dotted: fml.alpha=0.3 (repeatable; `edgefl settings` lists them all)",
+        callback=key_values,
     ),
 ]
 _BROKER_HELP = "MQTT broker URL, mqtt[s]://[user@]host[:port] (password: EDGEFL_BROKER__PASSWORD)"

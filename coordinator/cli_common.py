@@ -34,6 +34,7 @@ __all__ = [
     "current",
     "fail",
     "guard",
+    "key_values",
     "load",
     "setting_default",
     "tune_malloc",
@@ -58,6 +59,20 @@ def csv_list(value: str | None) -> list[str] | None:
     if value is None:
         return None
     return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def key_values(pairs: list[str] | None) -> list[str] | None:
+    """`--set`'s callback: every value is key=value. `--set fml.alpha 0.3` would otherwise end
+    in "unexpected extra argument (0.3)", which does not say what --set takes."""
+    for pair in pairs or []:
+        key, sep, _ = pair.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(
+                f"{pair!r} is not key=value: write --set {pair.strip() or 'KEY'}=VALUE, with no "
+                "space around '=' (e.g. --set fml.alpha=0.3; `edgefl settings` lists the keys)",
+                param_hint="'--set'",
+            )
+    return pairs
 
 
 def fail(msg: str) -> typer.Exit:

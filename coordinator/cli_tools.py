@@ -17,6 +17,7 @@ from coordinator.cli_common import (
     csv_list,
     fail,
     guard,
+    key_values,
     load,
     with_default,
 )
@@ -81,7 +82,10 @@ def export(
         int, typer.Option(min=1, help="training inputs static int8 is calibrated on")
     ] = 256,
     set_: Annotated[
-        list[str] | None, typer.Option("--set", help="override a setting of the run's config")
+        list[str] | None,
+        typer.Option(
+            "--set", help="override a setting of the run's config: key=value", callback=key_values
+        ),
     ] = None,
 ) -> None:
     """Export a trained client's model to ONNX, fp32 to int8.
@@ -143,7 +147,8 @@ def split(
     seed: Annotated[int | None, typer.Option(help=with_default("partition seed", "seed"))] = None,
     plot: Annotated[Path | None, typer.Option(help="write the label distribution PNG here")] = None,
     set_: Annotated[
-        list[str] | None, typer.Option("--set", help="any setting, dotted: key=value")
+        list[str] | None,
+        typer.Option("--set", help="any setting, dotted: key=value", callback=key_values),
     ] = None,
 ) -> None:
     """Show how a dataset would be split, without training."""

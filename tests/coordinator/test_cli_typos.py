@@ -72,3 +72,12 @@ def test_errors_carry_no_pydantic_noise():
     assert res.exit_code == 2
     assert "<root>" not in res.output and "Value error," not in res.output
     assert "error: invalid config: unknown architecture family 'resnet'; known: " in res.output
+
+
+def test_set_without_equals_says_set_takes_key_value():
+    # A user's `--set fml.alpha 0.3`: before, "Got unexpected extra argument(s) (0.3)".
+    res = runner.invoke(app, [*SPLIT, "--set", "fml.alpha", "0.3"])
+    assert res.exit_code == 2
+    assert "'fml.alpha' is not key=value: write --set fml.alpha=VALUE" in res.output
+    assert "unexpected extra argument" not in res.output
+
