@@ -452,6 +452,7 @@ def load_config(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: invalid TOML: {exc}") from exc
         _refuse_secrets(tree, f"the config file {p}")
+    file_tree = copy.deepcopy(tree)
     if environ:
         for warning in unknown_env_settings():
             log.warning(warning)
@@ -479,8 +480,23 @@ def load_config(
     try:
         return run_config_model().model_validate(tree)
     except ValidationError as exc:
-        msgs = "; ".join(_error_text(e) for e in exc.errors())
+        # A bad value that came from the file (nothing later set that key) names the file.
+        later = set(_dotted(_env_tree() if environ else {})) | set(_dotted(given))
+        from_file = set(_dotted(file_tree)) - later
+        msgs = "; ".join(
+            f"{path}: {text}" if ".".join(map(str, e["loc"])) in from_file else text
+            for e in exc.errors()
+            for text in [_error_text(e)]
+        )
         raise ConfigError(f"invalid config: {msgs}") from exc
+
+
+def _dotted(tree: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
+    """Every key of a nested dict, dotted (`data.partition`), sections included."""
+    for key, value in tree.items():
+        yield prefix + key
+        if isinstance(value, Mapping):
+            yield from _dotted(value, f"{prefix}{key}.")
 
 
 def _without_nulls(value: Any) -> Any:

@@ -81,3 +81,13 @@ def test_set_without_equals_says_set_takes_key_value():
     assert "'fml.alpha' is not key=value: write --set fml.alpha=VALUE" in res.output
     assert "unexpected extra argument" not in res.output
 
+
+def test_a_wrong_type_in_a_toml_file_names_the_file_and_the_field(tmp_path: Path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('rounds = "five"\n[data]\nmax_samples = 300\n')
+    res = runner.invoke(app, ["split", "--config", str(cfg)])
+    assert res.exit_code == 2
+    assert f"{cfg}: rounds: Input should be a valid integer" in res.output.replace("\n", "")
+    # The same bad value from a flag is the flag's, not the file's.
+    res = runner.invoke(app, ["split", "--set", "rounds=five"])
+    assert res.exit_code == 2 and "invalid config: rounds: Input should be" in res.output
