@@ -276,10 +276,12 @@ def keys(
     ids)."""
     from edge_sdk.auth import issue_keys
 
-    paths = guard(lambda: issue_keys(out, csv_list(clients) or []))
+    ids = csv_list(clients) or []
+    paths = guard(lambda: issue_keys(out, ids))
     typer.echo(f"wrote {len(paths) - 1} keys and {paths['roster']}")
-    typer.echo("give each participant its own key and the roster, e.g. for c0:")
-    typer.echo(f"  --set auth.key_file={out}/c0.key --set auth.roster={paths['roster']}")
+    first = ids[0] if ids else "coordinator"  # the example names a key this command wrote
+    typer.echo(f"give each participant its own key and the roster, e.g. for {first}:")
+    typer.echo(f"  --set auth.key_file={paths[first]} --set auth.roster={paths['roster']}")
 
 
 bench_app = typer.Typer(

@@ -113,3 +113,16 @@ def test_edgefl_keys_issues_private_keys_and_a_roster_and_daemons_refuse_to_star
         res = runner.invoke(app, [*command, "--broker", "mqtt://127.0.0.1:1", "--run-id", "r"])
         assert res.exit_code == 2
         assert "edgefl keys --clients" in res.output and "auth.open=true" in res.output
+
+
+def test_edgefl_keys_example_names_a_key_it_wrote(tmp_path):
+    # Before, ids dev0,dev1 got an example with c0.key, a file it had not written.
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    res = CliRunner().invoke(app, ["keys", "--clients", "dev0,dev1", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    example = res.output.split("auth.key_file=")[1].split()[0]
+    assert example == str(tmp_path / "dev0.key") and (tmp_path / "dev0.key").is_file()
+    assert "c0" not in res.output
