@@ -469,6 +469,11 @@ def coordinator(
     }
     training = {"local_epochs": local_epochs, "batch_size": batch_size, "lr": lr}
     cfg = load(config, flags, training, set_ or [])
+    from edge_sdk import topics
+    from edge_sdk.auth import Keyring
+
+    # Keys first: a coordinator without them says how to issue them before anything else.
+    guard(lambda: Keyring.load(cfg.auth, topics.COORDINATOR))
 
     def show(rec: Any) -> None:
         acc = "—" if rec.mean_personal_acc is None else f"{100 * rec.mean_personal_acc:.2f}%"

@@ -113,6 +113,9 @@ def test_edgefl_keys_issues_private_keys_and_a_roster_and_daemons_refuse_to_star
         res = runner.invoke(app, [*command, "--broker", "mqtt://127.0.0.1:1", "--run-id", "r"])
         assert res.exit_code == 2
         assert "edgefl keys --clients" in res.output and "auth.open=true" in res.output
+        # ... and says it first: before, the coordinator printed "checked against None".
+        assert "None" not in res.output
+        assert res.output.lstrip().startswith("error: no keys"), res.output
 
 
 def test_edgefl_keys_example_names_a_key_it_wrote(tmp_path):
