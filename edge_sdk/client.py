@@ -96,6 +96,15 @@ _SEEN_TASKS = 256  # task ids remembered to ignore QoS 1 redeliveries
 INITIAL_PENDING_BYTES = 4 * DEFAULT_CHUNK_BYTES
 
 
+# Why a client without a keyring stops when its coordinator signs (RegistrationRefused).
+_UNSIGNED = (
+    "this client has no keyring, but the run's coordinator signs its messages and so drops "
+    "unsigned ones: its registration would never be answered. Give it its key: "
+    "keyring=Keyring.load(AuthSettings(key_file='{id}.key', roster='roster.json'), '{id}') "
+    "(files from `edgefl keys`), or run every participant unsigned (auth.open=true)"
+)
+
+
 class RegistrationRefused(RuntimeError):
     """The coordinator refused this client's registration (the reason is the message)."""
 
@@ -305,6 +314,12 @@ class EdgeClient:
         """
         from edge_sdk.transport.mqtt import MqttTransport
 
+        if keyring is None:
+            log.warning(
+                "%s: no keyring: its messages go unsigned (open mode), and a coordinator that "
+                "checks signatures drops them; pass keyring=Keyring.load(...) (edge_sdk.auth)",
+                client_id,
+            )
         transport = MqttTransport(broker, f"edgefl-{run_id}-{client_id}")
         return cls(
             client_id,
@@ -528,6 +543,12 @@ class EdgeClient:
             log.info("%s: ignoring the status of an earlier coordinator", self.client_id)
             return
         self.status = status
+        if self.keyring is None and topics.COORDINATOR in self.endpoint.signed_writers:
+            # A coordinator that signs drops unsigned registrations: waiting would never end.
+            self.accepted, self.refused = False, _UNSIGNED.format(id=self.client_id)
+            log.error("%s: %s", self.client_id, self.refused)
+            self._stop.set()
+            return
         if status.model_bytes:  # room for a task's models (and a chunk) per topic, no more
             bound = max(INITIAL_PENDING_BYTES, 2 * status.model_bytes + DEFAULT_CHUNK_BYTES)
             if bound > self.endpoint.max_pending_bytes:
