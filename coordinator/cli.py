@@ -83,6 +83,18 @@ EXIT_STATUS = (
 )
 
 
+ConnectTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        help=with_default(
+            "seconds to keep trying to reach the broker, with backoff: a device may boot before "
+            "its broker (inf: no limit)",
+            "broker.connect_timeout_s",
+        )
+    ),
+]
+
+
 def _training_help(what: str, key: str) -> str:
     # The algorithms' defaults would load torch into every --help: `edgefl settings` shows them.
     return (
@@ -363,6 +375,7 @@ def coordinator(
         str | None,
         typer.Option(help=with_default("the run's id (topics are named after it)", "run_id")),
     ] = None,
+    connect_timeout: ConnectTimeoutOpt = None,
     config: ConfigOpt = None,
     algorithm: Annotated[
         str | None, typer.Option(help=with_default("fml, pfml, fedavg, ...", "algorithm"))
@@ -453,6 +466,7 @@ def coordinator(
 
     flags: dict[str, Any] = {
         "broker.url": broker,
+        "broker.connect_timeout_s": connect_timeout,
         "run_id": run_id,
         "algorithm": algorithm,
         "clients": clients,
@@ -512,6 +526,7 @@ def client(
         str | None, typer.Option(help=with_default(_BROKER_HELP, "broker.url"))
     ] = None,
     run_id: Annotated[str | None, typer.Option(help=with_default("the run's id", "run_id"))] = None,
+    connect_timeout: ConnectTimeoutOpt = None,
     index: Annotated[
         int | None,
         typer.Option(
@@ -594,6 +609,7 @@ def client(
 
     flags: dict[str, Any] = {
         "broker.url": broker,
+        "broker.connect_timeout_s": connect_timeout,
         "run_id": run_id,
         "client.id": id_,
         "client.model": model,

@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 _UNSUPPORTED_PROTOCOL = 132  # CONNACK reason: the broker does not speak MQTT 5
 _AUTH_FAILURES = {134, 135}  # bad user name or password, not authorized (v5 and mapped v3 codes)
 _NOT_AUTHORIZED = 135
+_CONNACK_GRACE_S = 5.0  # how long a broker that took the connection has to answer it
 _PROTOCOLS: dict[tuple[str, int], str] = {}  # what each broker address answered to MQTT 5
 
 
@@ -198,12 +199,14 @@ class MqttTransport(Transport):
             self._refused = None
             self._fallback.clear()
             self._open_until(deadline, delay)
+            # A broker reached just before the deadline still gets its time to answer.
+            answer_by = max(deadline, time.monotonic() + _CONNACK_GRACE_S)
             self._client.loop_start()
             self._running = True
             while not self._connected.wait(0.02):
                 if self._refused is not None or self._fallback.is_set():
                     break
-                if time.monotonic() > deadline:
+                if time.monotonic() > answer_by:
                     self._halt()
                     raise ConnectError(
                         f"{self.client_id}: no CONNACK from {self.url_for_logs} within {limit} s"
@@ -233,7 +236,7 @@ class MqttTransport(Transport):
         probe.on_connect = lambda c, u, f, reason, p: answer.append(_code(reason))
         self._open_until(deadline, delay, client=probe)
         try:
-            end = min(deadline, time.monotonic() + 5.0)
+            end = time.monotonic() + _CONNACK_GRACE_S  # a broker reached has this to answer
             while not answer and time.monotonic() < end and probe.loop(0.05) == 0:
                 pass
             if answer and answer[0] == 0:
@@ -258,13 +261,36 @@ class MqttTransport(Transport):
             except ssl.SSLError as exc:  # certificate problems do not heal by retrying
                 raise ConnectError(f"TLS with {self.url_for_logs} failed: {exc}") from exc
             except (OSError, ValueError) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise ConnectError(
-                        f"{self.client_id}: cannot reach the broker at {self.url_for_logs}: {exc}"
-                    ) from exc
-                log.info("%s: broker unreachable (%s); retry in %.1f s", self.client_id, exc, delay)
-                time.sleep(delay * random.uniform(0.5, 1.5))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ConnectError(self._unreachable(exc)) from exc
+                # A device may boot before its broker: say so, and keep trying until the limit.
+                wait = min(delay * random.uniform(0.5, 1.5), left)
+                log.warning(
+                    "%s: the broker at %s is not reachable yet (%s); retrying in %.1f s, for "
+                    "%.0f s more (broker.connect_timeout_s)",
+                    self.client_id,
+                    self.url_for_logs,
+                    exc,
+                    wait,
+                    left,
+                )
+                time.sleep(wait)
                 delay = min(delay * 2, self.settings.reconnect_max_s)
+
+    def _unreachable(self, exc: BaseException) -> str:
+        """Why no connection was made, and how to get a broker there."""
+        a = self.address
+        start = (
+            f"start one there, e.g. `mosquitto -p {a.port}` (Debian: apt-get install mosquitto)"
+            if a.host in ("127.0.0.1", "localhost", "::1")
+            else "start it, or check the host name and port"
+        )
+        return (
+            f"{self.client_id}: cannot reach the broker at {self.url_for_logs}: {exc} (it kept "
+            "trying for broker.connect_timeout_s). Is an MQTT broker running there? "
+            f"{start}; `edgefl demo --keep-broker` runs one to try the SDK against"
+        )
 
     @property
     def url_for_logs(self) -> str:

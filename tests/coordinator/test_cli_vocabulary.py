@@ -62,7 +62,10 @@ def _option_line(text: str, flag: str) -> str:
             for more in lines[i + 1 :]:
                 if re.match(r"\s+-", more) or not more.startswith("     "):
                     break
-                out.append(more.strip())
+                if out[-1].endswith("-"):  # click wraps after a hyphen: edgefl-|state
+                    out[-1] += more.strip()
+                else:
+                    out.append(more.strip())
             return re.sub(r"\s+", " ", " ".join(out))
     raise AssertionError(f"{flag} is not in the help:\n{text}")
 
@@ -108,6 +111,8 @@ def test_command_summaries_are_whole_sentences():
         (["client"], "--state-dir", "[client.state_dir; default: edgefl-state]"),
         (["client"], "--threads", "[threads; default: one per core]"),
         (["client"], "--device", "[device; default: auto]"),
+        (["client"], "--connect-timeout", "[broker.connect_timeout_s; default: 30]"),
+        (["coordinator"], "--connect-timeout", "(inf: no limit)"),
         (["demo"], "--device", "[default: cpu]"),
     ],
 )

@@ -141,7 +141,7 @@ def test_a_client_without_keyring_stops_at_once_when_its_coordinator_signs():
     _, clients = small_federation(keys=keys)
     c0 = clients[0]
     assert c0.keyring is None
-    with pytest.raises(RegistrationRefused, match="no keyring.*keyring=Keyring.load"):
+    with pytest.raises(RegistrationRefused, match=r"no keyring.*keyring=Keyring\.load"):
         c0.run(timeout=15)
     assert c0.accepted is False
 
