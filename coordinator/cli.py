@@ -71,7 +71,8 @@ _BROKER_HELP = "MQTT broker URL, mqtt[s]://[user@]host[:port] (password: EDGEFL_
 _ONNX_INT8_HELP = (
     "after the run, also write each personalized model as int8 ONNX: dynamic (any model) or "
     "static (calibrated on the client's own training data; not for LSTMs), checked against "
-    "PyTorch"
+    "PyTorch. Smaller, but at batch 1 not always faster than fp32 (dynamic int8 convolutions and "
+    "the guard's mixtures were slower): `edgefl bench onnx FILES` measures yours"
 )
 
 

@@ -60,7 +60,10 @@ def export(
     formats: Annotated[
         str,
         typer.Option(
-            "--format", help=f"{CSV}: fp32, fp16, int8-dynamic, int8-static (fp32 always)"
+            "--format",
+            help=f"{CSV}: fp32, fp16, int8-dynamic, int8-static (fp32 always). int8 is smaller "
+            "but at batch 1 not always faster than fp32 (dynamic int8 convolutions and the "
+            "guard's mixtures were slower): `edgefl bench onnx FILES` measures the files",
         ),
     ] = "fp32,fp16,int8-dynamic,int8-static",
     client_ids: Annotated[
@@ -293,6 +296,23 @@ app.add_typer(bench_app, name="bench")
 @bench_app.command("onnx")
 @common(plugins=False)
 def bench_onnx(
+    files: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            metavar="[FILES]...",
+            help="measure these ONNX files of one model instead (edgefl export's fp32, fp16 and "
+            "int8 files of a client), on --data or --dataset",
+            show_default=False,
+        ),
+    ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(help="FILES' test data: an .npz with inputs x (preprocessed) and labels y"),
+    ] = None,
+    dataset: Annotated[
+        str | None, typer.Option(help="FILES' test data: a seeded subset of this dataset")
+    ] = None,
+    samples: Annotated[int, typer.Option(min=1, help="test samples for FILES")] = 1000,
     families: Annotated[
         str | None,
         typer.Option(help=f"{CSV} families [default: every zoo family and lstm-char]"),
@@ -305,7 +325,8 @@ def bench_onnx(
     ] = 1,
     device: Annotated[str, typer.Option(help="auto (CUDA if there is one), cpu, cuda")] = "auto",
     data_root: Annotated[
-        str | None, typer.Option(help="directory holding the Fashion-MNIST IDX files")
+        str | None,
+        typer.Option(help="directory of the dataset files (the zoo's: Fashion-MNIST IDX files)"),
     ] = None,
     seed: Annotated[int, typer.Option(help="seed for initialisation and training")] = 0,
     workdir: Annotated[
@@ -313,21 +334,38 @@ def bench_onnx(
     ] = None,
     json_out: Annotated[Path | None, typer.Option(help="also write the JSON report here")] = None,
 ) -> None:
-    """Compare PyTorch with onnxruntime fp32 and int8.
+    """Compare PyTorch with onnxruntime fp32 and int8, or measure your own ONNX files.
 
     For every zoo family: latency, throughput, size and accuracy of briefly trained models on real
-    data, measured side by side. Prints JSON, then tables.
+    data, measured side by side. With FILES: those files (fp32, fp16, int8), side by side on
+    --data or --dataset. Prints JSON, then tables. At batch 1, int8 is not always faster than
+    fp32 (dynamic int8 convolutions and the guard's mixtures were slower): measure before
+    deploying it.
     """
     from coordinator.bench import (
         OnnxBenchConfig,
         bench_family_names,
+        bench_files,
         format_goals,
         run_onnx_benchmark,
     )
     from edge_sdk.device import resolve_device
-    from edge_sdk.onnx_bench import format_rows
+    from edge_sdk.onnx_bench import BenchSettings, format_rows
 
     def run() -> Any:
+        if files:
+            if families:
+                raise ValueError("give FILES or --families, not both")
+            base = BenchSettings.quick() if quick else BenchSettings()
+            return bench_files(
+                files,
+                data=data,
+                dataset=dataset,
+                data_root=data_root,
+                samples=samples,
+                seed=seed,
+                settings=base.with_(threads=threads, device=resolve_device(device).type),
+            )
         cfg = OnnxBenchConfig(
             families=tuple(csv_list(families) or bench_family_names()),
             quick=quick,
@@ -355,6 +393,7 @@ def bench_onnx(
     for kind, desc in report["data"].items():
         typer.echo(f"{kind}: {desc}")
     typer.echo(format_rows(report["rows"]))
-    typer.echo("\ngoals:\n" + format_goals(report["goals"]))
-    for fam, why in report["skipped"].items():
+    if "goals" in report:  # the zoo's run (not your files)
+        typer.echo("\ngoals:\n" + format_goals(report["goals"]))
+    for fam, why in report.get("skipped", {}).items():
         typer.echo(f"skipped {fam}: {why}")
