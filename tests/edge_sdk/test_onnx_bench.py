@@ -165,8 +165,10 @@ def test_edgefl_bench_onnx_measures_the_files_a_user_exported_fp16_included(expo
 
     res = CliRunner().invoke(
         app,
-        ["bench", "onnx", str(files[0]), str(fp16), str(files[1])]
-        + ["--data", str(tmp_path / "test.npz"), "--quick", "--device", "cpu"],
+        [
+            *("bench", "onnx", str(files[0]), str(fp16), str(files[1])),
+            *("--data", str(tmp_path / "test.npz"), "--quick", "--device", "cpu"),
+        ],
     )
 
     assert res.exit_code == 0, res.output
