@@ -660,7 +660,11 @@ def client(
             f"{dev.client_id}: stopped; its state is in {dev.state_path}; run again to resume"
         )
         return
-    typer.echo(f"{dev.client_id}: done; personalized model: {dev.exported}")
+    deployed = dev.deployed
+    typer.echo(
+        f"{dev.client_id}: done; deployed: "
+        + (deployed.describe() if deployed is not None else str(dev.exported))
+    )
     if onnx_int8 and dev.state_path is not None:
         _export_after_run(dev.state_path, cfg, onnx_int8)
 

@@ -76,7 +76,7 @@ from edge_sdk.wire import (
 )
 from model_zoo import ArchSpec
 
-__all__ = ["EdgeClient", "RegistrationRefused", "TaskOutcome"]
+__all__ = ["Deployed", "EdgeClient", "FinalMetrics", "RegistrationRefused", "TaskOutcome"]
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +121,39 @@ class TaskOutcome:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class Deployed:
+    """What a client deploys after the run: the model its guard chose (or, for an algorithm
+    without a guard, its own final model), that model's architecture and its ONNX file."""
+
+    choice: str  # e.g. "mixture (final, w 0.5)", "meme (round 4, mlp)", "the algorithm's model"
+    arch: str  # the architecture family, or a mixture's (`mixture`)
+    onnx_path: Path | None = None  # None when the client exports no ONNX file
+    reason: str | None = None  # the validation scores the guard compared
+    val_acc: float | None = None  # its accuracy on the client's validation split
+
+    def describe(self) -> str:
+        where = f", {self.onnx_path}" if self.onnx_path else ""
+        return f"{self.choice} ({self.arch}{where})"
+
+
+class FinalMetrics(dict[str, float]):
+    """What `EdgeClient.run()` returns: the final metrics, a dict as before, and `deployed`,
+    what the client deploys (None when the run did not reach its end)."""
+
+    deployed: Deployed | None = None
+
+
 class EdgeClient:
     """One device: a `ClientNode` (its id, architecture, private data, and the algorithm state it
     accumulates) served over a transport.
 
     `onnx_path`: where to export the personalized model (verified) after the last round.
+    `class_names`, `normalization`: written into the ONNX file's metadata for the app that runs
+    it. `normalization` is what the app's data was normalised with: {"mean": [...], "std":
+    [...]}, one value per input channel (or one for all); `OnnxPredictor.predict(raw,
+    normalize=True)` then applies it to raw inputs on the device. A mapping with other keys is
+    refused here, when the client is built.
     `on_task`: called on the worker thread after every task (a per-round progress hook).
     `state_dir`: where the node persists its state after every task (a restarted device resumes).
     `dataset`: the name of the data set it trains on, told to the coordinator when it registers
@@ -255,6 +283,7 @@ class EdgeClient:
         self.tasks_done = 0
         self.errors: list[str] = []
         self.last_metrics: dict[str, float] = {}
+        self.last_details: dict[str, Any] = {}  # of the last task's reply (finalize: the guard's)
 
     # What the node holds, for apps and tests that read it from the client.
     @property
@@ -276,6 +305,25 @@ class EdgeClient:
     @property
     def exported(self) -> Path | None:
         return self.node.exported
+
+    @property
+    def deployed(self) -> Deployed | None:
+        """What this client deploys, once the run has ended (None before)."""
+        if not self.finished:
+            return None
+        d = self.last_details
+        choice, arch = d.get("guard_choice"), d.get("guard_arch")
+        if choice is None and self.node.algorithm is not None:  # no guard: the model it trained
+            choice = "the algorithm's model"
+            arch = self.node.algorithm.personalized_model()[0].family
+        val = d.get("guard_val_acc")
+        return Deployed(
+            choice=str(choice or "unknown"),
+            arch=str(arch or self.spec.family),
+            onnx_path=self.exported,
+            reason=d.get("guard_reason"),
+            val_acc=float(val) if isinstance(val, int | float) else None,
+        )
 
     @property
     def state_path(self) -> Path | None:
@@ -360,9 +408,10 @@ class EdgeClient:
         self._thread.start()
         return self
 
-    def run(self, timeout: float | None = None) -> dict[str, float]:
-        """Start (if needed) and block until the federation ends; the final metrics. Raises
-        `RegistrationRefused` when the coordinator refused this process."""
+    def run(self, timeout: float | None = None) -> FinalMetrics:
+        """Start (if needed) and block until the federation ends. Returns the final metrics (a
+        dict) whose `deployed` says which model the client deploys, its architecture and its
+        ONNX file. Raises `RegistrationRefused` when the coordinator refused this process."""
         if self._thread is None:
             self.start()
         try:
@@ -372,7 +421,9 @@ class EdgeClient:
             self.stop()
         if self.refused is not None:
             raise RegistrationRefused(f"{self.client_id}: registration refused: {self.refused}")
-        return dict(self.last_metrics)
+        final = FinalMetrics(self.last_metrics)
+        final.deployed = self.deployed
+        return final
 
     def join_late(self, timeout: float = 60.0) -> FitResult:
         """Personalize from a finished run's archive, without taking part in it: what the
@@ -397,6 +448,7 @@ class EdgeClient:
         assert isinstance(archive, Archive)
         result = self.node.join_late(archive.algorithm, archive.config, archive.rounds, models)
         self.finished, self.last_metrics = True, dict(result.metrics)
+        self.last_details = dict(result.details)
         return result
 
     def register(self) -> None:
@@ -573,6 +625,7 @@ class EdgeClient:
                 result.models, fp16=self.fp16_upload, max_bytes=self.max_blob_bytes
             )
             reply = _reply_for(task, self.client_id, result, refs, session=self.session)
+            self.last_details = dict(result.details)
         except Exception as exc:  # the client reports and keeps serving
             log.exception("%s: task %s (%s) failed", self.client_id, task.task_id, task.phase)
             error = f"{type(exc).__name__}: {exc}"[:2000]

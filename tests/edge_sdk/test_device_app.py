@@ -3,10 +3,12 @@ client, and `run()` says what the client deployed."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from tests_helpers import small_federation
 
-from edge_sdk.client import EdgeClient
+from edge_sdk.client import EdgeClient, FinalMetrics
 
 
 def test_normalization_with_other_keys_is_refused_when_the_client_is_built():
@@ -20,3 +22,34 @@ def test_normalization_with_other_keys_is_refused_when_the_client_is_built():
     )
     assert ok.node.normalization == {"mean": [0.5], "std": [2.0]}
 
+
+def test_run_returns_the_metrics_and_what_the_client_deployed():
+    # Prepare: FML (whose guard chooses the deployed model) and FedAvg (no guard).
+    for algorithm, guarded in (("fml", True), ("fedavg", False)):
+        coordinator, clients = small_federation(algorithm=algorithm, rounds=1)
+        returned: dict[str, FinalMetrics] = {}
+        threads = [
+            threading.Thread(
+                target=lambda c=c, out=returned: out.__setitem__(c.client_id, c.run(60))
+            )
+            for c in clients
+        ]
+
+        # Execute
+        for t in threads:
+            t.start()
+        coordinator.run()
+        for t in threads:
+            t.join(60)
+
+        # Assert: still the metrics dict, now with what was deployed.
+        for c in clients:
+            final = returned[c.client_id]
+            assert isinstance(final, dict) and final == c.last_metrics
+            deployed = final.deployed
+            assert deployed is not None and deployed.arch
+            if guarded:
+                assert deployed.choice == c.last_details["guard_choice"]
+                assert deployed.reason and deployed.val_acc is not None
+            else:
+                assert deployed.choice == "the algorithm's model" and deployed.arch == "mlr"
