@@ -116,7 +116,7 @@ class DeviceConfig(BaseModel):
     # without it would both be client 0 (`edgefl client` refuses to start without it).
     index: int | None = Field(None, ge=0)
     model: str | None = None  # its architecture family (default: models[index % len(models)])
-    state_dir: str = "edgefl-state"  # where the exported ONNX model (and later, state) goes
+    state_dir: str = "edgefl-state"  # its state, its run config and its exported ONNX model
     # Join a finished run: personalize from what it archived (PersFL), without training in it.
     late: bool = False
 
