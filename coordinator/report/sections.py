@@ -262,7 +262,7 @@ def summary_section(summary: Summary, algorithm: str) -> list[str]:
         ],
         ["Rounds that failed quorum", "failed_rounds", str(s.failed_rounds)],
         [
-            "Wall time, this run and its baselines",
+            "Wall time: the run and its baselines (the demo: every step before this report)",
             "wall_seconds",
             MISSING if s.wall_seconds is None else f"{s.wall_seconds:.2f} s",
         ],
