@@ -54,7 +54,7 @@ def export(
         Path,
         typer.Argument(
             metavar="SOURCE",
-            help="a client state (<id>.state), a device's --state-dir, or a run's output folder",
+            help="a client state (<id>.state), a client's --state-dir, or a run's output folder",
         ),
     ],
     formats: Annotated[
@@ -262,7 +262,7 @@ def broker_acl(
     typer.echo(f"  each user's broker password: {paths['credentials']}/<user> (mode 600)")
     typer.echo(f"  each participant's signing key: {paths['keys']}/<id>.key (mode 600),")
     typer.echo(f"  the run's public keys: {paths['keys']}/roster.json")
-    typer.echo("give every device its own password and key and the roster:")
+    typer.echo("give every client its own password and key and the roster:")
     typer.echo("  broker.username = its id, broker.password_file, auth.key_file, auth.roster")
 
 
@@ -334,7 +334,7 @@ def bench_onnx(
     ] = None,
     json_out: Annotated[Path | None, typer.Option(help="also write the JSON report here")] = None,
 ) -> None:
-    """Compare PyTorch with onnxruntime fp32 and int8, or measure your own ONNX files.
+    """Measure PyTorch against onnxruntime fp32 and int8, or your files.
 
     For every zoo family: latency, throughput, size and accuracy of briefly trained models on real
     data, measured side by side. With FILES: those files (fp32, fp16, int8), side by side on
