@@ -88,7 +88,7 @@ ConnectTimeoutOpt = Annotated[
     float | None,
     typer.Option(
         help=with_default(
-            "seconds to keep trying to reach the broker, with backoff: a device may boot before "
+            "seconds to keep trying to reach the broker, with backoff: a client may start before "
             "its broker (inf: no limit)",
             "broker.connect_timeout_s",
         )
@@ -314,7 +314,7 @@ def _export_after_run(states: Path, cfg: Any, kind: str, *, out: Path | None = N
 def demo(
     algorithm: Annotated[str, typer.Option(help="any registered algorithm (`edgefl zoo`)")] = "fml",
     rounds: Annotated[int, typer.Option(min=1, help="communication rounds")] = 10,
-    clients: Annotated[int, typer.Option(min=1, help="devices, one process each")] = 6,
+    clients: Annotated[int, typer.Option(min=1, help="clients, one process each")] = 6,
     dataset: Annotated[
         str | None,
         typer.Option(help="dataset name [default: fashion_mnist when installed, else digits]"),
@@ -336,10 +336,10 @@ def demo(
     """Run a real federation on this machine, with a report.
 
     Takes 2-3 minutes on 2 cores. Starts an MQTT broker (mosquitto when installed, else the embedded
-    one), a coordinator and one process per device, each device with its own architecture (mlr, mlp,
-    lenet5, cnn1, a small vgg11, the row-LSTM), on a split where each device sees a few classes and
+    one), a coordinator and one process per client, each client with its own architecture (mlr, mlp,
+    lenet5, cnn1, a small vgg11, the row-LSTM), on a split where each client sees a few classes and
     about 100 training images. Then the local, FedAvg and FedAvg+FT baselines, an ONNX benchmark
-    of every device's personalized model, and OUT/report.html. Every process logs to
+    of every client's personalized model, and OUT/report.html. Every process logs to
     OUT/logs/<name>.log. Ctrl-C stops everything it started.
     """
     from coordinator.demo import DemoError, DemoOptions, run_demo
@@ -530,20 +530,18 @@ def client(
     connect_timeout: ConnectTimeoutOpt = None,
     index: Annotated[
         int | None,
-        typer.Option(
-            help="which client of the split this device is: its data (required) [client.index]"
-        ),
+        typer.Option(help="which client of the split this is: its data (required) [client.index]"),
     ] = None,
     id_: Annotated[
         str | None,
-        typer.Option("--id", help="this device's id [client.id; default: the split's, c<INDEX>]"),
+        typer.Option("--id", help="this client's id [client.id; default: the split's, c<INDEX>]"),
     ] = None,
     config: ConfigOpt = None,
     model: Annotated[
         str | None,
         typer.Option(
             help=with_default(
-                "this device's architecture family", "client.model", none="models[INDEX]"
+                "this client's architecture family", "client.model", none="models[INDEX]"
             )
         ),
     ] = None,
@@ -598,14 +596,14 @@ def client(
     onnx_int8: Annotated[str | None, typer.Option(help=_ONNX_INT8_HELP, callback=_int8)] = None,
     set_: SetOpt = None,
 ) -> None:
-    """Run one edge device of a federation over MQTT.
+    """Run one client of a federation over MQTT (on its edge device).
 
     It trains when the coordinator asks. Its data is what the simulator would give client INDEX of
     the configured split. It persists its state in STATE_DIR after every task, resumes from it when
     restarted, and exports its personalized model to STATE_DIR/<id>.onnx after the run.
     """
     from coordinator.config import write_config
-    from coordinator.deploy import run_device
+    from coordinator.deploy import run_client
     from coordinator.export import RUN_CONFIG_SUFFIX
 
     flags: dict[str, Any] = {
@@ -636,7 +634,7 @@ def client(
         typer.echo(f"round {t.round}/{t.rounds} {t.phase}: {status}{score}")
 
     def started(dev: Any) -> None:
-        # What `edgefl export` needs to rebuild this device's data from its state.
+        # What `edgefl export` needs to rebuild this client's data from its state.
         own = cfg.model_copy(update={"client": cfg.client.model_copy(update={"id": dev.client_id})})
         write_config(own, Path(cfg.client.state_dir) / f"{dev.client_id}{RUN_CONFIG_SUFFIX}")
         typer.echo(f"{dev.client_id}: logs: {current().where()}")
@@ -652,7 +650,7 @@ def client(
     from edge_sdk.client import RegistrationRefused
 
     try:
-        dev = guard(lambda: run_device(cfg, on_task=show, on_start=started))
+        dev = guard(lambda: run_client(cfg, on_task=show, on_start=started))
     except RegistrationRefused as exc:
         raise fail(str(exc)) from exc
     if not dev.finished:

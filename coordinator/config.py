@@ -25,6 +25,7 @@ import os
 import tomllib
 import types
 import typing
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -40,9 +41,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENV_PREFIX",
+    "ClientConfig",
     "ConfigError",
     "DataConfig",
-    "DeviceConfig",
     "RoundConfig",
     "RunConfig",
     "load_config",
@@ -106,13 +107,13 @@ class DataConfig(BaseModel):
     seed: int | None = None
 
 
-class DeviceConfig(BaseModel):
-    """`edgefl client`: which simulated device of the split this process is."""
+class ClientConfig(BaseModel):
+    """`edgefl client`: which client of the split this process is (its data, id, model)."""
 
     model_config = ConfigDict(extra="forbid")
 
     id: str | None = None  # client id (default: the simulator's, c<index>)
-    # Which client of the partition's split this device holds. No default: two devices started
+    # Which client of the partition's split this process is. No default: two clients started
     # without it would both be client 0 (`edgefl client` refuses to start without it).
     index: int | None = Field(None, ge=0)
     model: str | None = None  # its architecture family (default: models[index % len(models)])
@@ -149,7 +150,7 @@ class RunConfig(BaseModel):
     fp16_upload: bool = False  # clients send their models in fp16: half the upload bytes
     allow: list[str] | None = None  # coordinator: the client ids admitted (default: any, up to N)
     metrics_port: int | None = Field(None, ge=0, le=65535)  # coordinator: Prometheus /metrics
-    client: DeviceConfig = DeviceConfig()
+    client: ClientConfig = ClientConfig()
     parallel: int | None = Field(None, ge=1)  # simulated clients training at once; None = cores
     # Where simulated clients run: "local", in this process (no serialisation); "network", each
     # an EdgeClient over the in-memory transport (a broker URL implies the network, over MQTT).
@@ -518,3 +519,16 @@ def write_config(cfg: RunConfig, path: str | Path, header: str = "") -> Path:
     tree = _without_nulls(cfg.model_dump(mode="json", exclude={"broker": {"password"}}))
     comments = "".join(f"# {line}\n" for line in header.splitlines())
     return write_atomic(path, comments + tomli_w.dumps(tree))
+
+
+def __getattr__(name: str) -> Any:
+    # Names kept for code written before the vocabulary was settled (client: the participant;
+    # device: where tensors compute).
+    if name == "DeviceConfig":
+        warnings.warn(
+            "coordinator.config.DeviceConfig is deprecated: it is ClientConfig",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return ClientConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

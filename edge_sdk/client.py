@@ -1,4 +1,4 @@
-"""EdgeClient: the runtime a device app embeds — a transport, a serve loop and registration
+"""EdgeClient: the runtime a client app embeds — a transport, a serve loop and registration
 around one `ClientNode` (edge_sdk.node), which owns the algorithm, its persistence and export.
 
 It connects through a Transport, registers its ArchSpec and capabilities, then serves tasks on
@@ -19,7 +19,7 @@ same id took over) ends `run()` with `RegistrationRefused`. A task delivered aga
 coordinator re-sends outstanding tasks after a reconnection) gets its reply again.
 
 With a `state_dir` it persists its whole algorithm state (atomically) after every task that
-changed it, and a restarted device (same id, same run) continues from there. A fit task for a
+changed it, and a restarted client (same id, same run) continues from there. A fit task for a
 round it already trained (the coordinator restarted, or retried the round) starts from the state
 it had before that round, so a repeated round trains exactly what the first attempt trained.
 
@@ -111,7 +111,7 @@ class RegistrationRefused(RuntimeError):
 
 @dataclass(frozen=True)
 class TaskOutcome:
-    """What a device app's per-round callback receives after each task."""
+    """What a client app's per-round callback receives after each task."""
 
     round: int
     rounds: int
@@ -145,7 +145,7 @@ class FinalMetrics(dict[str, float]):
 
 
 class EdgeClient:
-    """One device: a `ClientNode` (its id, architecture, private data, and the algorithm state it
+    """One client: a `ClientNode` (its id, architecture, private data, and the algorithm state it
     accumulates) served over a transport.
 
     `onnx_path`: where to export the personalized model (verified) after the last round.
@@ -155,7 +155,7 @@ class EdgeClient:
     normalize=True)` then applies it to raw inputs on the device. A mapping with other keys is
     refused here, when the client is built.
     `on_task`: called on the worker thread after every task (a per-round progress hook).
-    `state_dir`: where the node persists its state after every task (a restarted device resumes).
+    `state_dir`: where the node persists its state after every task (a restarted client resumes).
     `dataset`: the name of the data set it trains on, told to the coordinator when it registers
     (with its device and precision), so that the run's results say what the federation ran.
     """
@@ -357,7 +357,7 @@ class EdgeClient:
         """An EdgeClient over its own `MqttTransport` to `broker` (a URL or `BrokerSettings`);
         the other arguments are the constructor's.
 
-        The MQTT session is named after the run and the client, so a restarted device resumes
+        The MQTT session is named after the run and the client, so a restarted client resumes
         it (and receives what was queued for it while it was away).
         """
         from edge_sdk.transport.mqtt import MqttTransport

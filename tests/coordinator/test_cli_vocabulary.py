@@ -259,3 +259,29 @@ def test_the_demo_hands_its_log_options_and_plugins_to_every_process():
         "--log-level", "INFO", "--log-format", "json", "--plugin", "mine.py",
     ]  # fmt: skip
     assert CommonOptions(quiet=True, log_level="debug").child_args()[:2] == ["--log-level", "DEBUG"]
+
+
+@pytest.mark.parametrize("command", [[], *COMMANDS, ["keys"]], ids=" ".join)
+def test_help_calls_the_participant_a_client_and_device_only_where_it_computes(command):
+    # One vocabulary: a client takes part in the federation; a device is where it computes
+    # (--device cpu|cuda) or the hardware it runs on (an edge device). Before, `edgefl client`
+    # was "Run one edge device" and the demo's --clients were "devices".
+    text = _help(command)
+    if "--device" in text:
+        text = text.replace(_option_line(text, "--device"), "")
+        text = re.sub(r"\s+--device\s[^\n]*(\n {20,}[^\n]*)*", "", text)
+    words = " ".join(text.split()).replace("edge devices", "").replace("edge device", "")
+    assert "device" not in words.lower(), command
+
+
+def test_the_old_names_still_work_and_say_they_are_deprecated():
+    import coordinator.config as config
+    import coordinator.deploy as deploy
+
+    with pytest.warns(DeprecationWarning, match="DeviceConfig is deprecated: it is ClientConfig"):
+        assert config.DeviceConfig is config.ClientConfig
+    with (
+        pytest.warns(DeprecationWarning, match="run_device is deprecated: use run_client"),
+        pytest.raises(Exception, match="which client is this"),
+    ):
+        deploy.run_device(config.load_config(flags={"broker.url": "mqtt://h", "auth.open": True}))
