@@ -7,7 +7,7 @@ JSON keys and nesting results.json always had. Reading a results.json file valid
 ``results['clients'][0]['personal_acc']: Input should be a valid number``.
 
 Accuracies are fractions in [0, 1] measured on each client's own test split; a mean over
-clients gives every client the same weight (see README, "What a run writes").
+clients gives every client the same weight (docs/reference/results.md).
 """
 
 from __future__ import annotations
