@@ -33,7 +33,7 @@ from coordinator.cli_common import (
 if TYPE_CHECKING:  # the CLI imports the library lazily: `edgefl --help` stays fast
     from coordinator.results_model import Results
 
-__all__ = ["app", "main", "tune_malloc"]
+__all__ = ["app", "command_paths", "main", "tune_malloc"]
 
 
 def _version(show: bool) -> None:
@@ -659,10 +659,8 @@ def client(
         )
         return
     deployed = dev.deployed
-    typer.echo(
-        f"{dev.client_id}: done; deployed: "
-        + (deployed.describe() if deployed is not None else str(dev.exported))
-    )
+    chosen = f" (deployed: {deployed.choice}, {deployed.arch})" if deployed is not None else ""
+    typer.echo(f"{dev.client_id}: done; personalized model: {dev.exported}{chosen}")
     if onnx_int8 and dev.state_path is not None:
         _export_after_run(dev.state_path, cfg, onnx_int8)
 
@@ -747,6 +745,19 @@ def _round_rules(cfg: Any) -> str:
 
 
 from coordinator import cli_tools as _tools  # noqa: E402, F401  (registers the tool commands)
+
+
+def command_paths() -> list[list[str]]:
+    """Every command as a user types it after `edgefl` (`[]`: the app itself, `["bench",
+    "onnx"]`): what the docs' reference, the start-up benchmark and its test walk."""
+
+    def walk(command: Any, path: list[str]) -> list[list[str]]:
+        found = [path]
+        for name, sub in getattr(command, "commands", {}).items():
+            found += walk(sub, [*path, name])
+        return found
+
+    return walk(typer.main.get_command(app), [])
 
 
 def main() -> None:
