@@ -68,18 +68,18 @@ class ConfigError(ValueError):
 class RoundConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # Defaults for a small fleet of devices: a phase waits up to two minutes for a device that
-    # is online but slow (one whose connection drops, `reconnect_grace_s`), and a round
-    # counts with half of its replies, so one dead device never stalls or fails a round.
+    # Defaults for a small fleet: a phase waits up to two minutes for a client that is online
+    # but slow (one whose connection drops, `reconnect_grace_s`), and a round counts with half
+    # of its replies, so one dead client never stalls or fails a round.
     deadline_s: float = Field(120.0, gt=0)  # per phase of a round
     # The finalize phase (fine-tuning, distillation, ONNX export and its verification) may take
     # longer than a round's phases; None: the same as deadline_s.
     finalize_deadline_s: float | None = Field(None, gt=0)
     quorum: float = Field(0.5, gt=0, le=1)  # fraction of a round's tasks that must reply validly
     # A client whose connection dropped is still given tasks and waited for this long: a flaky
-    # network or a broker restart costs no reply; a dead device costs one such wait.
+    # network or a broker restart costs no reply; a dead client costs one such wait.
     reconnect_grace_s: float = Field(10.0, ge=0)
-    # How long the coordinator waits for its clients to register. Devices started by hand, or
+    # How long the coordinator waits for its clients to register. Clients started by hand, or
     # slow to import torch, take minutes: a daemon waits 10 by default.
     register_timeout_s: float = Field(600.0, gt=0)
     eval_every: int = Field(1, ge=1)  # evaluate on all clients every N rounds (and the last)
