@@ -27,22 +27,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit
 
-# Every command with options of its own, and the app itself ([]).
-HELPS: list[list[str]] = [
-    [],
-    ["simulate"],
-    ["demo"],
-    ["coordinator"],
-    ["client"],
-    ["export"],
-    ["split"],
-    ["zoo"],
-    ["settings"],
-    ["broker-acl"],
-    ["keys"],
-    ["bench"],
-    ["bench", "onnx"],
-]
 HEAVY = ("torch", "paho")
 
 
@@ -70,9 +54,11 @@ def heavy_imports(source: Path, args: list[str]) -> list[str]:
 
 
 def measure(sources: dict[str, Path], repeat: int) -> dict[str, Any]:
+    from coordinator.cli import command_paths  # this checkout's commands (loads no torch)
+
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {} for s in sources}
     for _ in range(repeat):
-        for args in HELPS:
+        for args in command_paths():
             for label, path in sources.items():  # alternating: the load weighs on each alike
                 runs[label].setdefault(" ".join(["edgefl", *args, "--help"]), []).append(
                     run_help(path, args)

@@ -30,20 +30,13 @@ def _settings_table() -> str:
 
 
 def _helps() -> str:
-    import typer
     from typer.testing import CliRunner
 
-    from coordinator.cli import app
-
-    def commands(group: Any, path: list[str]) -> list[list[str]]:
-        found = [path]
-        for name, cmd in getattr(group, "commands", {}).items():
-            found += commands(cmd, [*path, name])
-        return found
+    from coordinator.cli import app, command_paths
 
     out = []
     runner = CliRunner()
-    for args in commands(typer.main.get_command(app), []):
+    for args in command_paths():
         text = runner.invoke(app, [*args, "--help"], env={"COLUMNS": "100"}, prog_name="edgefl")
         title = " ".join(["edgefl", *args])
         out += [f"### `{title}`", "", "```text", text.output.rstrip(), "```", ""]

@@ -16,16 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _PROBE = r"""
 import json, sys
-import typer
-from coordinator.cli import app
-
-def commands(group, path):
-    yield path
-    for name, cmd in getattr(group, "commands", {}).items():
-        yield from commands(cmd, [*path, name])
+from coordinator.cli import app, command_paths
 
 seen = {}
-for args in list(commands(typer.main.get_command(app), [])):
+for args in command_paths():
     try:
         app([*args, "--help"], standalone_mode=True)
     except SystemExit as exc:
