@@ -139,6 +139,7 @@ def test_the_onnx_example_runs_as_written(tmp_path):
     assert out.strip().splitlines()[-1].startswith("['")  # eight class names
 
 
+@pytest.mark.usefixtures("scoped_registrations")
 def test_the_tutorials_proximal_algorithm_runs_as_a_plugin(tmp_path):
     import json
 

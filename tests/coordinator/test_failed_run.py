@@ -60,6 +60,7 @@ def _simulate(tmp_path, bad_rounds, tag):
     return runner.invoke(app, args), out
 
 
+@pytest.mark.usefixtures("scoped_registrations")
 @pytest.mark.parametrize(
     ("bad_rounds", "outcome", "closing"),
     [

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import ClassVar
 
+import pytest
 from tests_helpers import tiny_config
 
 from coordinator.simulator import simulate
@@ -18,18 +19,18 @@ from edge_sdk.algorithms import register_algorithm
 from edge_sdk.algorithms.fedavg import FedAvg, FedAvgConfig
 
 
-@register_algorithm
-class Inheriting(FedAvg):
-    name = "inheriting_stackable"
-    config_cls: ClassVar[type[FedAvgConfig]] = FedAvgConfig
-
-
-@register_strategy
-class InheritingStrategy(FedAvgStrategy):
-    name = "inheriting_stackable"
-
-
+@pytest.mark.usefixtures("scoped_registrations")
 def test_a_plugin_that_inherits_stackable_is_told_it_trains_stacked(caplog):
+    # Prepare: what a plugin does, a FedAvg subclass (stackable by inheritance) and its strategy.
+    @register_algorithm
+    class Inheriting(FedAvg):
+        name = "inheriting_stackable"
+        config_cls: ClassVar[type[FedAvgConfig]] = FedAvgConfig
+
+    @register_strategy
+    class InheritingStrategy(FedAvgStrategy):
+        name = "inheriting_stackable"
+
     cfg = tiny_config(algorithm="inheriting_stackable", rounds=1, local_epochs=1)
 
     with caplog.at_level(logging.WARNING, logger="edge_sdk.cohort"):
