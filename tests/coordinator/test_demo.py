@@ -121,16 +121,18 @@ def test_demo_sigint_stops_the_broker_and_every_process(tmp_path: Path) -> None:
     seen: list[str] = []
     try:
         assert demo.stdout is not None
-        # Until every process is started: the devices are still importing torch, the point where
+        # Until every process is started: the clients are still importing torch, the point where
         # a child is easiest to leave behind (and the same loop the demo follows rounds in).
         for line in demo.stdout:
             seen.append(line)
-            if line.startswith("waiting for 2 devices"):
+            if line.startswith("waiting for 2 clients"):
                 break
+            # A demo that never says so would run its 200 rounds: fail at its first instead.
+            assert not line.startswith("round "), "".join(seen)
         started = [ln for ln in seen if "pid" in ln]
         pids = [int(p) for ln in started for p in re.findall(r"pid (\d+)", ln)]
         # the broker (mosquitto is a child; the embedded one lives in the demo), a coordinator
-        # and two devices
+        # and two clients
         assert len(pids) >= 3, "".join(seen)
         assert all(_alive(p) for p in pids)
 
