@@ -229,7 +229,7 @@ for _g in (2, 4):
     )
 
 
-# -- PersFL (thesis 002) and FedMe (paper 004): the example configs, as measured in the README ---
+# -- PersFL (thesis 002) and FedMe (paper 004): the example configs (docs/benchmarks/reproduce.md)
 for _ds in (1, 2, 3):
     register(
         Row(

@@ -24,7 +24,7 @@ for the device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,7 +40,6 @@ __all__ = [
     "MIXTURE",
     "OWN",
     "DeployBudget",
-    "Deployment",
     "Footprint",
     "arch_name",
     "footprint",
@@ -74,10 +73,12 @@ class DeployBudget(BaseModel):
     @field_validator("allow")
     @classmethod
     def _known(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        named = [w for w in value if w not in (OWN, ANY, MIXTURE)]
+        if not named:  # (the default needs no registry: `edgefl --help` loads no torch)
+            return value
         from model_zoo import families  # (registered families, plugins' included)
 
-        known = set(families()) | {OWN, ANY, MIXTURE}
-        bad = [w for w in value if w not in known]
+        bad = [w for w in named if w not in families()]
         if bad:
             raise ValueError(
                 f"cannot allow {', '.join(map(repr, bad))}: a budget allows 'own', 'any', "
@@ -144,44 +145,6 @@ def members_of(spec: ArchSpec) -> list[ArchSpec]:
     if spec.family != "mixture":
         return [spec]
     return [type(spec).model_validate(m) for m in spec.kwargs["members"]]
-
-
-@dataclass(frozen=True)
-class Deployment:
-    """What a device deployed after the run: the model (the guard's label, e.g. "personal
-    (final, lenet5)"), its architecture ("mixture of mlr+mlp" for several models), its
-    parameters and size, the device's own architecture's parameters, and why it was chosen (a
-    sentence; `outside_budget`: a better model the budget refused, and what became of it)."""
-
-    model: str
-    arch: str
-    params: int
-    kib: float
-    own_params: int
-    reason: str
-    outside_budget: str | None = None
-
-    @classmethod
-    def from_details(cls, details: Mapping[str, object]) -> Deployment | None:
-        """The record in a finalize reply's details; None where they hold none."""
-        if "deployed_arch" not in details:
-            return None
-        return cls(
-            model=str(details.get("deployed", "")),
-            arch=str(details["deployed_arch"]),
-            params=int(details["deployed_params"]),  # type: ignore[call-overload]
-            kib=float(details["deployed_kib"]),  # type: ignore[arg-type]
-            own_params=int(details["own_params"]),  # type: ignore[call-overload]
-            reason=str(details.get("deployed_reason", "")),
-            outside_budget=(
-                None
-                if details.get("deployed_outside_budget") is None
-                else str(details["deployed_outside_budget"])
-            ),
-        )
-
-    def __str__(self) -> str:
-        return f"{self.arch}, {self.params:,} parameters ({self.kib:.1f} KiB): {self.reason}"
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,11 @@ class ClientNode:
         self.seed = seed
         self.onnx_path = Path(onnx_path) if onnx_path else None
         self.class_names = class_names
+        # Checked now, not at the export after the last round: {"mean": [...], "std": [...]}.
+        if normalization is not None:
+            from edge_sdk.onnx_format import check_normalization  # loads onnx: only when asked
+
+            normalization = check_normalization(spec, normalization)
         self.normalization = normalization
         self.peers = peers
         self.dataset = dataset

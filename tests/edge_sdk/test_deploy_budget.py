@@ -13,7 +13,8 @@ from tests_helpers import raises_exactly
 from edge_sdk.algorithms import ClientContext
 from edge_sdk.algorithms.fml import FML, FMLConfig
 from edge_sdk.algorithms.guard import DISTILLED, PERSONAL
-from edge_sdk.budget import DeployBudget, Deployment, arch_name, footprint
+from edge_sdk.budget import DeployBudget, arch_name, footprint
+from edge_sdk.client import Deployed
 from edge_sdk.codec import WireModel
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec, build
@@ -207,7 +208,7 @@ def test_guard_off_deploys_the_algorithms_model_and_records_it():
         "Its personalized model (mlp): the algorithm's final model (the guard is off)."
     )
     assert not any(k.startswith("guard") for k in out.details)
-    rec = Deployment.from_details(out.details)
+    rec = Deployed.from_details(out.details)
     assert rec is not None and rec.arch == "mlp" and rec.params == _params(MLP)
 
 
