@@ -58,12 +58,13 @@ class FMLConfig(AlgorithmConfig, GuardConfig):
     weighting: Literal["uniform", "by_samples"] = "uniform"
     # State-dict key prefixes that are global (e.g. ["features."]); empty = the whole model.
     shared_prefixes: list[str] = Field(default_factory=list)
-    # [ours] "validation": a round's personalized model learns from the meme (α as set) only
-    # when the global model it starts from has a lower validation loss than the personalized
-    # model; otherwise from the labels alone (α = 1). "soft": the KL term's weight 1 − α scaled
-    # by min(1, L_personal / L_global), the two models' validation losses, so that it grows as
-    # the global model improves. "off": always α (the paper).
-    alpha_gate: Literal["validation", "soft", "off"] = "validation"
+    # [ours] "soft": the KL term's weight 1 − α scaled by min(1, L_personal / L_global), the
+    # two models' validation losses at the round's start, so that the personalized model learns
+    # from the meme as the global model improves. "validation": from the meme (α as set) only
+    # when the global model has the lower validation loss, else from the labels alone (α = 1).
+    # "off": always α (the paper). Measured at two sizes (docs/algorithms.md): "soft" deployed
+    # the best own-architecture models at both, "validation" the worst on the long runs.
+    alpha_gate: Literal["validation", "soft", "off"] = "soft"
 
 
 def shared_keys(

@@ -8,7 +8,7 @@ def test_every_algorithm_has_a_section_with_the_documented_defaults():
     assert cfg.fml.alpha == 0.5 and cfg.fml.beta == 1.0 and cfg.fml.lr == 0.01
     assert cfg.fml.momentum == 0.9 and cfg.fml.weight_decay == 5e-4 and cfg.fml.batch_size == 128
     assert cfg.fml.local_epochs == 5 and cfg.fml.lr_schedule == "none"  # see FMLConfig
-    assert cfg.fml.alpha_gate == "validation" and cfg.fml.guard and cfg.fml.guard_z == 2.0
+    assert cfg.fml.alpha_gate == "soft" and cfg.fml.guard and cfg.fml.guard_z == 2.0
     p = cfg.pfml
     assert (p.k_steps, p.beta, p.local_iterations) == (3, 2.0, 10)
     # ours, measured (see PFMLConfig): the paper's λ 20, η 0.01, D 200 are a setting away
