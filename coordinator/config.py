@@ -32,6 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
+from coordinator.robust import RobustConfig
 from coordinator.server import RoundConfig
 from edge_sdk.algorithms import BaseAlgorithmConfig, algorithm_class, algorithm_names
 from edge_sdk.auth import AuthSettings
@@ -111,6 +112,7 @@ class RunConfig(BaseModel):
     model_kwargs: dict[str, dict[str, Any]] = {}  # per family, e.g. {"vgg11": {"width": 0.25}}
     data: DataConfig = DataConfig()
     round: RoundConfig = RoundConfig()
+    robust: RobustConfig = RobustConfig()  # what aggregation bounds (docs/security.md)
     baselines: list[str] = []  # e.g. ["local", "fedavg"]: run with the same data for the metrics
     out: str | None = None
     export_onnx: bool = False

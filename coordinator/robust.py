@@ -1,0 +1,211 @@
+"""What the coordinator does so that no client with a valid key can wreck the federation.
+
+`robust.*` settings (`RobustConfig`), applied to every algorithm that aggregates (FedAvg and
+FedProx, FML's meme, PFML's global model, PersFL's teachers, FedMe's models; FedeRiCo's clients
+bound what their peers send them on the device):
+- a fit reply holding a non-finite value, or one larger than `max_abs`, is rejected with the
+  reason (`check_values`);
+- sample weights are capped at `weight_cap` × the round's median, and at `max_samples`;
+- each update (the reply's state minus the state the round started from) is bounded at `clip` ×
+  the cohort's median update norm; the client is flagged in the round's record;
+- the clipped updates are combined by `aggregator`: `mean` (weighted, as before), `median`,
+  `trimmed_mean` (cutting `trim` of them at each end) or `krum` (tolerating `krum_f`);
+- a round whose evaluation shows most clients much worse than the last evaluation is rolled
+  back (`rolled_back`, in `coordinator.server`).
+With the defaults, a round in which no update is clipped and no weight capped aggregates exactly
+as the plain weighted mean did: honest runs keep their results.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from edge_sdk.codec import WireModel
+from edge_sdk.robust import (
+    RobustError,
+    clip_scales,
+    clipped,
+    coordinate_median,
+    krum,
+    state_norm,
+    trimmed_mean,
+    update_norms,
+)
+
+__all__ = [
+    "Contribution",
+    "RobustConfig",
+    "cap_weights",
+    "check_values",
+    "combine",
+    "rolled_back",
+    "suspects",
+]
+
+Aggregator = Literal["mean", "median", "trimmed_mean", "krum"]
+
+
+class RobustConfig(BaseModel):
+    """`[robust]` of a run config: how the coordinator bounds what one client can do."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # How the (clipped) updates combine: the weighted mean, or a robust aggregator.
+    aggregator: Aggregator = "mean"
+    trim: float = Field(0.2, ge=0, lt=0.5)  # trimmed_mean's β: the share cut at each end
+    krum_f: int = Field(1, ge=0)  # krum's f: the attackers it tolerates (needs 2f + 3 replies)
+    # An update's norm is bounded at `clip` × the cohort's median (0: no bound). 3: honest
+    # clients of the personalization suite stay under it (docs/security.md has the measurement).
+    clip: float = Field(3.0, ge=0)
+    # A sample weight (weighting = "by_samples") is capped at `weight_cap` × the round's median
+    # (0: no cap) and at `max_samples` (None: no maximum).
+    weight_cap: float = Field(3.0, ge=0)
+    max_samples: int | None = Field(None, ge=1)
+    # A fit reply with a weight (or buffer) larger than this in absolute value is rejected.
+    max_abs: float = Field(1e6, gt=0)
+    # A round whose evaluation shows more than `rollback_share` of the clients `rollback_drop`
+    # (accuracy, as a fraction) or more below the last evaluation is rolled back.
+    rollback: bool = True
+    rollback_drop: float = Field(0.1, gt=0, le=1)
+    rollback_share: float = Field(0.5, ge=0, lt=1)
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One state a client sent for one aggregate, the state it started from, and its weight."""
+
+    client: str
+    state: Mapping[str, torch.Tensor]
+    start: Mapping[str, torch.Tensor]
+    weight: float = 1.0
+
+
+def check_values(models: Mapping[str, WireModel], max_abs: float) -> None:
+    """Raise ValueError naming the first tensor holding a non-finite value or one above
+    `max_abs` in absolute value."""
+    for name, model in models.items():
+        for key, t in model.weights.items():
+            if not t.is_floating_point() or t.numel() == 0:
+                continue
+            top = float(t.detach().abs().max())
+            if not top <= max_abs:  # (NaN compares false)
+                raise ValueError(
+                    f"model {name!r} tensor {key!r} holds {top:.3g}, out of range "
+                    f"(robust.max_abs = {max_abs:g})"
+                )
+
+
+def cap_weights(
+    weights: Mapping[str, float], cfg: RobustConfig, flags: dict[str, str]
+) -> list[float]:
+    """Each client's weight, capped at `weight_cap` × the median and at `max_samples`; capped
+    clients are flagged."""
+    limit = float("inf")
+    if cfg.weight_cap > 0 and len(weights) > 1:
+        limit = cfg.weight_cap * statistics.median(weights.values())
+    if cfg.max_samples is not None:
+        limit = min(limit, float(cfg.max_samples))
+    out = []
+    for cid, w in weights.items():
+        if w > limit:
+            _flag(flags, cid, f"sample weight {w:g} capped at {limit:g}")
+            w = limit
+        out.append(w)
+    return out
+
+
+def combine(
+    groups: Mapping[str, Sequence[Contribution]], cfg: RobustConfig, flags: dict[str, str]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Per group (one aggregate each: the global model, or each of FedMe's models), its
+    contributions clipped against the whole cohort's median update and combined by
+    `cfg.aggregator`. Flags the clients clipped (and, under krum, those not chosen)."""
+    every = [c for group in groups.values() for c in group]
+    norms = update_norms([c.state for c in every], [c.start for c in every])
+    sizes = [state_norm(c.start) for c in every]
+    scales = clip_scales(norms, cfg.clip, sizes)
+    bounded: dict[int, Mapping[str, torch.Tensor]] = {}
+    for c, norm, scale in zip(every, norms, scales, strict=True):
+        if scale < 1.0:
+            _flag(flags, c.client, f"update norm {norm:.3g} clipped by {scale:.3g}")
+            bounded[id(c)] = clipped(c.state, c.start, scale)
+        else:
+            bounded[id(c)] = c.state
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, group in groups.items():
+        states = [bounded[id(c)] for c in group]
+        out[name] = _aggregate(name, group, states, cfg, flags)
+    return out
+
+
+def _aggregate(
+    name: str,
+    group: Sequence[Contribution],
+    states: Sequence[Mapping[str, torch.Tensor]],
+    cfg: RobustConfig,
+    flags: dict[str, str],
+) -> dict[str, torch.Tensor]:
+    # (imported here: the strategies' base imports this module)
+    from coordinator.strategies.base import StrategyError, weighted_mean
+
+    try:
+        if cfg.aggregator == "mean":
+            return weighted_mean(states, [c.weight for c in group])
+        if cfg.aggregator == "median":
+            return coordinate_median(states)
+        if cfg.aggregator == "trimmed_mean":
+            return trimmed_mean(states, cfg.trim)
+        chosen, state = krum(states, cfg.krum_f)
+    except RobustError as exc:
+        raise StrategyError(f"{name}: {exc}") from exc
+    for i, c in enumerate(group):
+        if i != chosen:
+            _flag(flags, c.client, "not chosen by krum")
+    return state
+
+
+def _flag(flags: dict[str, str], cid: str, why: str) -> None:
+    flags[cid] = f"{flags[cid]}; {why}" if cid in flags else why
+
+
+def rolled_back(
+    before: Mapping[str, float],
+    after: Mapping[str, float | None],
+    cfg: RobustConfig,
+) -> list[str] | None:
+    """The clients much worse after the round than before it (accuracy down by `rollback_drop`
+    or more, or no evaluation at all), when they are more than `rollback_share` of the clients
+    evaluated both times; else None (the round stands)."""
+    if not cfg.rollback:
+        return None
+    both = sorted(set(before) & set(after))
+    if not both:
+        return None
+    worse = [c for c in both if (a := after[c]) is None or before[c] - a >= cfg.rollback_drop]
+    return worse if len(worse) > cfg.rollback_share * len(both) else None
+
+
+def suspects(groups: Mapping[str, Sequence[Contribution]], flags: Mapping[str, str]) -> list[str]:
+    """Who most likely poisoned a round: the clients flagged in it, and those whose
+    contribution lies farther from its group's coordinate-wise median than twice the typical
+    distance (relative to the model's size); the farthest one when nobody stands out."""
+    far: dict[str, float] = {}
+    for group in groups.values():
+        if not group:
+            continue
+        center = coordinate_median([c.state for c in group])
+        sizes = [max(state_norm(c.start), 1e-12) for c in group]
+        dist = update_norms([c.state for c in group], [center] * len(group))
+        for c, d, size in zip(group, dist, sizes, strict=True):
+            far[c.client] = max(far.get(c.client, 0.0), d / size)
+    if not far:
+        return sorted(flags)
+    typical = statistics.median(far.values())
+    out = set(flags) | {c for c, d in far.items() if d > 2 * typical}
+    return sorted(out) or [max(far, key=far.__getitem__)]
