@@ -58,7 +58,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from coordinator.config import RunConfig, load_config  # noqa: E402
+from coordinator.config import RunConfig, load_config, parse_overrides  # noqa: E402
 from coordinator.federation import prepare_federation  # noqa: E402
 from coordinator.simulator import run_federation  # noqa: E402
 from edge_sdk.algorithms import FitResult  # noqa: E402
@@ -72,6 +72,7 @@ ALGORITHMS = ("fedavg", "fml", "pfml", "persfl", "fedme")
 ATTACKS = ("scaled", "flipped", "huge", "inflated")
 AGGREGATORS = ("mean", "median", "trimmed_mean")
 INFLATED = 10**9
+RESEEDED = {"seed": 1000, "data.seed": 0}  # the same data, training's randomness from seed 1000
 # The defences off: no clipping, no cap, no rollback, any finite value.
 UNDEFENDED = {
     "robust.clip": 0,
@@ -100,7 +101,9 @@ def attacked(kind: str, start: WireModel, sent: WireModel) -> WireModel:
 
 
 def attacker(kind: str) -> type[EdgeClient]:
-    """An EdgeClient that attacks every fit reply it sends (see the module docstring)."""
+    """An EdgeClient that attacks every fit reply it sends (see the module docstring), or, as
+    `absent`, fails every fit task: the run without the attacker, what a perfect defence
+    would leave (its evaluations still count)."""
 
     class Attacker(EdgeClient):
         @classmethod
@@ -113,6 +116,8 @@ def attacker(kind: str) -> type[EdgeClient]:
             return super().around(node, transport, **kw)
 
         def run_task(self, task: Task, blobs: Mapping[str, Buffer]) -> FitResult:
+            if kind == "absent" and task.phase == "fit":
+                raise RuntimeError("absent: this client sends nothing to aggregate")
             received = unpack_models(
                 task.models, blobs, max_bytes=self.max_blob_bytes, partial=frozenset(task.models)
             )
@@ -166,14 +171,14 @@ def run(
     back, and the wall time."""
     cfg = config(algorithm, rounds, sets)
     fed = prepare_federation(cfg)
-    bad = fed.client_ids[:n_attackers] if attack else []
+    bad = fed.client_ids[:n_attackers]
     t0 = time.perf_counter()
     result = run_federation(
         cfg, fed, algorithm, client_cls={cid: attacker(attack) for cid in bad} if attack else None
     )
     return {
         "algorithm": algorithm,
-        "attack": attack or "none",
+        "attack": attack or "none",  # (the `attackers` were honest)
         "attackers": bad,
         "acc": {c.id: c.personal_acc for c in result.clients},
         "rounds_failed": sum(r.failed for r in result.rounds),
@@ -195,6 +200,7 @@ def gaps(
 
 def attacks_part(args: argparse.Namespace) -> dict[str, Any]:
     sets = dict(UNDEFENDED) if args.defences == "off" else {}
+    sets |= parse_overrides(args.set)
     rows = []
     for algorithm in args.algorithms.split(","):
         for aggregator in args.aggregators.split(","):
@@ -202,12 +208,15 @@ def attacks_part(args: argparse.Namespace) -> dict[str, Any]:
                 if n > 1 and aggregator == "mean" and args.defences == "on":
                     continue  # the goal for three attackers is under median or trimmed_mean
                 extra = {**sets, "robust.aggregator": aggregator, "robust.trim": args.trim}
-                clean = run(algorithm, None, 0, args.rounds, extra)
-                logging.info("%s %s: clean in %.0f s", algorithm, aggregator, clean["wall_s"])
+                clean = run(algorithm, None, n, args.rounds, extra)
+                without = run(algorithm, "absent", n, args.rounds, extra)
+                honest = [c for c in clean["acc"] if c not in without["attackers"]]
+                # The noise floor: the run without them again, training from another seed
+                again = run(algorithm, "absent", n, args.rounds, extra | RESEEDED)
+                floor = gaps(without["acc"], again["acc"], honest)
                 for attack in args.attacks.split(","):
                     hit = run(algorithm, attack, n, args.rounds, extra)
-                    honest = [c for c in clean["acc"] if c not in hit["attackers"]]
-                    mean_gap, worst_gap = gaps(clean["acc"], hit["acc"], honest)
+                    mean_gap, worst_gap = gaps(without["acc"], hit["acc"], honest)
                     rows.append(
                         {
                             "algorithm": algorithm,
@@ -216,20 +225,15 @@ def attacks_part(args: argparse.Namespace) -> dict[str, Any]:
                             "attackers": n,
                             "attack": attack,
                             "honest_clean": {c: clean["acc"][c] for c in honest},
+                            "honest_without": {c: without["acc"][c] for c in honest},
                             "honest_attacked": {c: hit["acc"][c] for c in honest},
                             "mean_gap_points": mean_gap,
                             "worst_gap_points": worst_gap,
+                            "worst_gap_vs_clean_points": gaps(clean["acc"], hit["acc"], honest)[1],
                             "goal_points": 2.0 if n == 1 else 5.0,
-                            **{
-                                k: hit[k]
-                                for k in (
-                                    "rounds_failed",
-                                    "rounds_rolled_back",
-                                    "flagged",
-                                    "suspects",
-                                    "wall_s",
-                                )
-                            },
+                            "noise_floor_points": floor[1],  # the reseeded run's worst gap
+                            "clean_flagged": clean["flagged"],
+                            **{k: hit[k] for k in HIT_KEYS},
                         }
                     )
                     logging.info(
@@ -244,21 +248,30 @@ def attacks_part(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows}
 
 
+HIT_KEYS = ("rounds_failed", "rounds_rolled_back", "flagged", "suspects", "wall_s")
+
+
+def _mean(accs: Mapping[str, float | None]) -> float:
+    return 100 * sum(a or 0.0 for a in accs.values()) / len(accs)
+
+
 def attack_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| algorithm | aggregator | defences | attackers | attack | honest clean | honest "
-        "attacked | mean gap | worst gap | goal | rolled back | flagged |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Honest clients' mean final accuracy (%): everyone honest, the attackers absent, "
+        "attacked; the gaps (points) are to the run without the attackers",
+        "",
+        "| algorithm | aggregator | defences | attackers | attack | all honest | without | "
+        "attacked | mean gap | worst gap | goal | noise floor | rolled back | flagged |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        clean = [v for v in r["honest_clean"].values() if v is not None]
-        hit = [v or 0.0 for v in r["honest_attacked"].values()]
         ok = (r["worst_gap_points"] or 0.0) <= r["goal_points"]
         lines.append(
             f"| {r['algorithm']} | {r['aggregator']} | {r['defences']} | {r['attackers']} | "
-            f"{r['attack']} | {100 * sum(clean) / len(clean):.1f} | {100 * sum(hit) / len(hit):.1f}"
-            f" | {r['mean_gap_points']:.1f} | {r['worst_gap_points']:.1f} | "
-            f"≤ {r['goal_points']:.0f} {'✓' if ok else '✗'} | {r['rounds_rolled_back']} | "
+            f"{r['attack']} | {_mean(r['honest_clean']):.1f} | {_mean(r['honest_without']):.1f}"
+            f" | {_mean(r['honest_attacked']):.1f} | {r['mean_gap_points']:.1f} | "
+            f"{r['worst_gap_points']:.1f} | ≤ {r['goal_points']:.0f} {'✓' if ok else '✗'} | "
+            f"{r['noise_floor_points']:.1f} | {r['rounds_rolled_back']} | "
             f"{','.join(r['flagged']) or '-'} |"
         )
     return "\n".join(lines)
@@ -455,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trim", type=float, default=0.3, help="trimmed_mean's β")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--defences", choices=["on", "off"], default="on")
+    p.add_argument("--set", action="append", default=[], help="a run setting, e.g. robust.clip=2")
     p.add_argument("--chunks", type=int, default=300_000)
     p.add_argument("--settle", type=float, default=10.0, help="s before the first reading")
     p.add_argument("--expiry-wait", type=float, default=150.0, help="s after the flood")

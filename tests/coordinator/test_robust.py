@@ -10,7 +10,7 @@ import pytest
 import torch
 from tests_helpers import small_federation
 
-from coordinator.robust import RobustConfig, check_values, suspects
+from coordinator.robust import RobustConfig, check_values, combine, suspects
 from coordinator.strategies import (
     ClientInfo,
     FitReply,
@@ -78,8 +78,8 @@ def _plus(start, direction, scale):
 
 # -- honest rounds: exactly what they were -------------------------------------------------------
 def test_an_honest_round_aggregates_exactly_as_the_plain_weighted_mean():
-    clients = _clients(MLR, MLR, MLR)
-    s = _strategy("fedavg", clients)  # by_samples: 10, 30, 60 (cap 3 × 30 = 90: none capped)
+    clients = _clients(MLR, MLR, MLR, n=(20, 30, 40))
+    s = _strategy("fedavg", clients)  # by_samples (cap 1.5 × 30 = 45: none capped)
     start = dict(s.global_weights)
     states = [_plus(start, _direction(MLR, i), 0.1 * (i + 1)) for i in range(3)]  # norms ≤ 3×
     replies = {
@@ -87,7 +87,7 @@ def test_an_honest_round_aggregates_exactly_as_the_plain_weighted_mean():
         for (cid, c), st in zip(clients.items(), states, strict=True)
     }
     s.aggregate_fit(1, replies)
-    expected = plain_mean(states, [10.0, 30.0, 60.0])
+    expected = plain_mean(states, [20.0, 30.0, 40.0])
     assert all(torch.equal(s.global_weights[k], expected[k]) for k in expected)  # bit for bit
     assert s.flags == {}
 
@@ -113,7 +113,7 @@ def test_memes_and_local_models_of_an_honest_round_are_the_plain_mean(name):
 # -- what one client can do, bounded -------------------------------------------------------------
 def test_an_update_far_above_the_cohorts_median_is_clipped_to_three_times_it_and_flagged():
     clients = _clients(MLR, MLR, MLR, n=(20, 20, 20))
-    s = _strategy("fedavg", clients)
+    s = _strategy("fedavg", clients, robust=RobustConfig(center_clip=0))  # the norm bound alone
     start = dict(s.global_weights)
     d = [_direction(MLR, i) for i in range(3)]
     norms = [float(torch.cat([v.reshape(-1) for v in x.values()]).norm()) for x in d]
@@ -125,12 +125,33 @@ def test_an_update_far_above_the_cohorts_median_is_clipped_to_three_times_it_and
         for cid, st in zip(clients, states, strict=True)
     }
     s.aggregate_fit(1, replies)
-    expected = {k: start[k] + (6.0 * unit[0][k] + unit[1][k] + 2.0 * unit[2][k]) / 3 for k in start}
+    # c0 now at 6 (scaled by 6/1000) counts (6/1000)² in the mean
+    t = (6.0 / 1000.0) ** 2
+    expected = {
+        k: start[k] + (t * 6.0 * unit[0][k] + unit[1][k] + 2.0 * unit[2][k]) / (t + 2)
+        for k in start
+    }
     assert all(torch.allclose(s.global_weights[k], expected[k], atol=1e-6) for k in start)
-    assert list(s.flags) == ["c0"] and "clipped" in s.flags["c0"]
+    assert list(s.flags) == ["c0"] and "clipped by 0.006" in s.flags["c0"]
 
 
-def test_sample_weights_are_capped_at_three_times_the_median_and_at_a_maximum():
+def test_a_state_far_from_the_others_is_pulled_in_to_twice_the_median_distance():
+    start = {"w": torch.zeros(1)}
+    values = (0.0, 1.0, 2.0, 3.0, 100.0)
+    group = [bench_contribution(f"c{i}", start, v) for i, v in enumerate(values)]
+    flags: dict[str, str] = {}
+    (out,) = combine({"global": group}, RobustConfig(clip=0), flags).values()
+    # center 2; distances 2, 1, 0, 1, 98: median 1, bound 2; 100 goes to 4 and counts
+    # (2 / 98)² in the mean
+    t = (2.0 / 98.0) ** 2
+    assert out["w"].item() == pytest.approx((0.0 + 1.0 + 2.0 + 3.0 + 4.0 * t) / (4 + t))
+    assert list(flags) == ["c4"] and "98 from the median pulled in" in flags["c4"]
+    flags.clear()
+    four = combine({"global": group[1:]}, RobustConfig(clip=0), flags)["global"]
+    assert four["w"].item() == 26.5 and not flags  # too few for a center: the norm bound's
+
+
+def test_sample_weights_are_capped_at_one_and_a_half_times_the_median_and_at_a_maximum():
     clients = _clients(MLR, MLR, MLR, n=(10**9, 30, 60))
     s = _strategy("fedavg", clients)
     start = dict(s.global_weights)
@@ -138,8 +159,8 @@ def test_sample_weights_are_capped_at_three_times_the_median_and_at_a_maximum():
         cid: FitReply(cid, {"model": WireModel(MLR, _moved(start, 0.01))}, n_samples=n)
         for cid, n in zip(clients, (10**9, 30, 60), strict=True)
     }
-    assert s._weights(replies) == [180.0, 30.0, 60.0]  # 3 × median 60
-    assert "capped at 180" in s.flags["c0"]
+    assert s._weights(replies) == [90.0, 30.0, 60.0]  # 1.5 × median 60
+    assert "capped at 90" in s.flags["c0"]
     capped = _strategy("fedavg", clients, robust=RobustConfig(weight_cap=0, max_samples=40))
     assert capped._weights(replies) == [40.0, 30.0, 40.0]
     off = _strategy("fedavg", clients, robust=RobustConfig(weight_cap=0))
@@ -262,7 +283,7 @@ def _run(fed):
 
 
 def test_an_honest_run_with_the_defences_ends_exactly_as_one_without_them():
-    off = {"clip": 0, "weight_cap": 0, "rollback": False, "max_abs": 1e300}
+    off = {"clip": 0, "center_clip": 0, "weight_cap": 0, "rollback": False, "max_abs": 1e300}
     _, _, defended = _run(small_federation(rounds=3, config=LEARN))
     _, _, plain = _run(small_federation(rounds=3, config=LEARN, robust=off))
     assert [c.personal_acc for c in defended.clients] == [c.personal_acc for c in plain.clients]
