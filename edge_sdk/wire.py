@@ -76,7 +76,16 @@ _MSG = b"EF1M"
 _SIGNED = b"EF1S"
 _CHUNK = b"EF1C"
 DEFAULT_CHUNK_BYTES = 1024 * 1024
-_RELEASE_BYTES = 16 * 1024 * 1024  # freeing this much at once gives the pages back to the kernel
+# What reassembly holds is counted with its bookkeeping, measured with tracemalloc (a flood of
+# one-byte chunks cost 300-600 bytes each beside its byte): per chunk held, the frame it keeps
+# alive, its view and its index entry; per blob, its record (hash state, buffer, entries).
+CHUNK_COST = 512
+BLOB_COST = 512
+# Chunks a topic may hold beyond what its byte bound needs in whole chunks (small blobs, such as
+# a tiny model's, come as one short chunk each).
+SPARE_CHUNKS = 256
+# Freeing this much (bookkeeping included) at once: the pages go back to the kernel.
+_RELEASE_BYTES = 1024 * 1024
 _BlobKey = tuple[str, str]  # (topic it arrived on, blob id)
 
 
@@ -152,6 +161,8 @@ class _Blob:
     early: dict[int, memoryview] = field(default_factory=dict)
     joined: int = 0  # chunks in `data`
     received: int = 0  # bytes actually held
+    cost: int = 0  # what it counts against the bounds: its bytes and bookkeeping
+    chunks: int = 0  # chunks held (joined and early)
 
     @property
     def complete(self) -> bool:
@@ -160,9 +171,11 @@ class _Blob:
     def has(self, index: int) -> bool:
         return index < self.joined or index in self.early
 
-    def add(self, index: int, part: memoryview) -> None:
+    def add(self, index: int, part: memoryview, cost: int) -> None:
         self.early[index] = part
         self.received += len(part)
+        self.cost += cost
+        self.chunks += 1
         while self.joined in self.early:
             part = self.early.pop(self.joined)
             self.data += part
@@ -212,8 +225,9 @@ class Endpoint:
         self.shared_topic = shared_topic
         self.chunk_bytes = min(chunk_bytes, transport.max_payload_bytes - 512)
         self.max_blob_bytes = max_blob_bytes
-        # Bytes held for reassembly: per topic (one sender cannot crowd out the others), and in
-        # all (a flood over many topics is bounded too).
+        # Bytes held for reassembly, bookkeeping included (CHUNK_COST, BLOB_COST): per topic (one
+        # sender cannot crowd out the others), and in all (a flood over many topics is bounded
+        # too). The chunks held are capped alike (`chunk_bound`).
         self.max_pending_bytes = max_pending_bytes or 2 * max_blob_bytes
         self.max_total_pending_bytes = max_total_pending_bytes or 4 * self.max_pending_bytes
         self.blob_timeout_s = blob_timeout_s
@@ -225,8 +239,10 @@ class Endpoint:
         self._log = RateLimitedLog(log)
         self._lock = threading.Lock()
         self._blobs: dict[_BlobKey, _Blob] = {}
-        self._held = 0  # bytes held in _blobs
+        self._held = 0  # bytes held in _blobs, with their bookkeeping
         self._held_by: Counter[str] = Counter()  # ... per topic
+        self._chunks = 0  # chunks held in _blobs
+        self._chunks_by: Counter[str] = Counter()  # ... per topic
         # Recently delivered (late duplicates are dropped), oldest first: expiry stops at the
         # first one still fresh instead of walking all (a coordinator delivers ~100 per round).
         self._consumed: dict[_BlobKey, float] = {}
@@ -462,24 +478,37 @@ class Endpoint:
                 return  # a duplicate chunk
             if blob.received + len(data) > blob.size:
                 raise PayloadError(f"blob {blob_id}: chunks carry more than its {size} bytes")
-            self._make_room(len(data), keep=key)
-            blob.add(index, data)
-            self._held += len(data)
-            self._held_by[topic] += len(data)
+            cost = len(data) + CHUNK_COST + (BLOB_COST if key not in self._blobs else 0)
+            self._make_room(cost, keep=key)
+            blob.add(index, data, cost)
+            self._held += cost
+            self._held_by[topic] += cost
+            self._chunks += 1
+            self._chunks_by[topic] += 1
             self._blobs[key] = blob
             if blob.complete:
                 self._release_parked()
 
+    def chunk_bound(self, nbytes: int) -> int:
+        """The chunks a byte bound of `nbytes` may hold: its bytes in whole chunks, twice, and
+        SPARE_CHUNKS (a sender's chunks are this endpoint's size, the last of each blob
+        shorter). A flood of tiny chunks meets this long before its bytes add up."""
+        return 2 * -(-nbytes // self.chunk_bytes) + SPARE_CHUNKS
+
     def _make_room(self, need: int, keep: _BlobKey) -> None:
         """Evict complete blobs nobody claimed yet (the sender's own first, oldest first);
-        refuse the chunk if the bounds still do not hold."""
+        refuse the chunk if the bounds (bytes with their bookkeeping, and chunks) still do not
+        hold."""
         topic = keep[0]
         bound = self.max_pending_bytes if self.pending_bound is None else self.pending_bound(topic)
+        total = self.max_total_pending_bytes
 
         def fits() -> bool:
             return (
                 self._held_by[topic] + need <= bound
-                and self._held + need <= self.max_total_pending_bytes
+                and self._held + need <= total
+                and self._chunks_by[topic] < self.chunk_bound(bound)
+                and self._chunks < self.chunk_bound(total)
             )
 
         if fits():
@@ -499,15 +528,21 @@ class Endpoint:
                     return
         raise PayloadError(
             f"{need} more bytes pending reassembly would exceed the bound "
-            f"({self._held_by[topic]} held on {topic}, {self._held} in all)"
+            f"({self._held_by[topic]} bytes in {self._chunks_by[topic]} chunks held on {topic}, "
+            f"{self._held} in {self._chunks} in all)"
         )
 
     def _drop(self, key: _BlobKey) -> None:
         blob = self._blobs.pop(key)
-        self._held -= blob.received
-        self._held_by[key[0]] -= blob.received
-        if not self._held_by[key[0]]:
-            del self._held_by[key[0]]
+        topic = key[0]
+        self._held -= blob.cost
+        self._held_by[topic] -= blob.cost
+        self._chunks -= blob.chunks
+        self._chunks_by[topic] -= blob.chunks
+        if not self._held_by[topic]:
+            del self._held_by[topic]
+        if not self._chunks_by[topic]:
+            del self._chunks_by[topic]
 
     def _on_message(self, topic: str, msg: Message) -> None:
         with self._lock:
@@ -552,7 +587,7 @@ class Endpoint:
             for key, blob in list(self._blobs.items()):
                 if now - blob.started > self.blob_timeout_s:
                     self._drop(key)
-                    freed += blob.received
+                    freed += blob.cost
                     if not blob.complete:
                         self.rejections["blob_expired"] += 1
                         self._log.warning(
@@ -579,7 +614,7 @@ class Endpoint:
                 else:
                     kept.append((m, topic, t))
             self._parked = kept
-        if freed >= _RELEASE_BYTES:  # glibc keeps freed heap pages unless asked
+        if freed >= _RELEASE_BYTES:  # glibc keeps freed heap pages unless asked (32 MiB here)
             release_free_memory()
 
 

@@ -12,7 +12,14 @@ from edge_sdk.client import EdgeClient
 from edge_sdk.codec import WeightsError, check_weights
 from edge_sdk.protocol import Capabilities, Register, Registered, Status, Task, decode, encode
 from edge_sdk.transport import InMemoryBroker
-from edge_sdk.wire import Endpoint, message_frame, pack_models
+from edge_sdk.wire import (
+    BLOB_COST,
+    CHUNK_COST,
+    SPARE_CHUNKS,
+    Endpoint,
+    message_frame,
+    pack_models,
+)
 from model_zoo import ArchSpec
 
 
@@ -147,20 +154,35 @@ def test_reassembly_memory_is_bounded_by_bytes_received_not_by_headers():
 
 def test_one_sender_filling_its_bound_does_not_crowd_out_another():
     broker = InMemoryBroker()
+    # room for 3 of mallory's half blobs per topic (each 200 bytes and its bookkeeping)
+    half = 200 + CHUNK_COST + BLOB_COST
     rx = Endpoint(
-        broker.connect("rx"), "up/+", max_pending_bytes=1000, max_total_pending_bytes=3000
+        broker.connect("rx"), "up/+", max_pending_bytes=3 * half, max_total_pending_bytes=9 * half
     ).open()
     tx = broker.connect("tx")
     for i in range(20):  # mallory keeps sending halves of blobs that never complete
         tx.publish("up/mallory", _chunk(f"m{i}", 0, 2, 400, b"x" * 200))
-    assert rx._held_by["up/mallory"] <= 1000
-    tx.publish("up/alice", _chunk("a", 0, 2, 800, b"y" * 400))
-    tx.publish("up/alice", _chunk("a", 1, 2, 800, b"y" * 400))
+    assert rx._held_by["up/mallory"] == 3 * half
+    tx.publish("up/alice", _chunk("a", 0, 2, 400, b"y" * 200))
+    tx.publish("up/alice", _chunk("a", 1, 2, 400, b"y" * 200))
     assert rx._blobs[("up/alice", "a")].complete
     for who in ("bob", "carol", "dave"):  # many senders: the total bound holds as well
         for i in range(5):
             tx.publish(f"up/{who}", _chunk(f"{who}{i}", 0, 2, 400, b"z" * 200))
-    assert rx._held <= 3000
+    assert rx._held <= 9 * half
+    rx.close()
+
+
+def test_a_flood_of_tiny_chunks_is_bounded_by_their_count_and_bookkeeping():
+    broker = InMemoryBroker()
+    rx = Endpoint(broker.connect("rx"), "in", max_pending_bytes=1 << 20).open()
+    tx = broker.connect("tx")
+    for i in range(5000):  # one-byte chunks: 5,000 bytes, far under the byte bound alone
+        tx.publish("in", _chunk(f"a{i}", 0, 2, 2, b"x"))
+        tx.publish("in", _chunk(f"b{i // 999}", 1 + i % 999, 1000, 1000, b"x"))
+    cap = rx.chunk_bound(1 << 20)  # 2 whole chunks and SPARE_CHUNKS
+    assert cap == 2 + SPARE_CHUNKS and rx._chunks == cap
+    assert rx._held <= 1 << 20 and rx.rejections["oversized"] == 10_000 - cap
     rx.close()
 
 
@@ -168,7 +190,7 @@ def test_incomplete_blobs_expire_on_a_timer_without_receive():
     broker = InMemoryBroker()
     rx = Endpoint(broker.connect("rx"), "in", blob_timeout_s=0.1).open()
     broker.connect("tx").publish("in", _chunk("half", 0, 2, 20, b"x" * 10))
-    assert rx._held == 10
+    assert rx._held == 10 + CHUNK_COST + BLOB_COST
     eventually(lambda: rx._held == 0 and not rx._blobs, timeout=3)
     rx.close()
 
