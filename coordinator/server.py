@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -149,7 +150,7 @@ class Coordinator:
             config=config.model_dump(mode="json"),
             rounds=rounds,
             # A new number per start: clients that see it change on the status topic re-register.
-            incarnation=incarnation if incarnation is not None else time.time_ns() // 1_000_000,
+            incarnation=incarnation if incarnation is not None else new_incarnation(),
             expected_clients=self.expected_clients,
             allow=allowed,
             max_blob_bytes=max_blob_bytes,
@@ -543,6 +544,14 @@ def _accuracies(
     ps = [p for p, _ in per_client.values() if p is not None]
     gs = [g for _, g in per_client.values() if g is not None]
     return (sum(ps) / len(ps) if ps else None, sum(gs) / len(gs) if gs else None, per_client)
+
+
+def new_incarnation() -> int:
+    """A coordinator start's number: the clock's milliseconds, then 20 random bits. It grows
+    from start to start (clients take a smaller one for an earlier coordinator's) and no two
+    starts share one, so every message bound to it (edge_sdk.protocol) belongs to one start:
+    nothing signed in an earlier run counts in a later one."""
+    return (time.time_ns() // 1_000_000) << 20 | secrets.randbits(20)
 
 
 def _score(pair: tuple[float | None, float | None] | None) -> float | None:

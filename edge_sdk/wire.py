@@ -53,7 +53,15 @@ from edge_sdk.codec import (
     sha256_hex,
 )
 from edge_sdk.malloc import release_free_memory
-from edge_sdk.protocol import BlobRef, Message, ModelRef, ProtocolError, decode, encode
+from edge_sdk.protocol import (
+    BlobRef,
+    Message,
+    ModelRef,
+    ProtocolError,
+    ProtocolVersionError,
+    decode,
+    encode,
+)
 from edge_sdk.ratelog import RateLimitedLog
 from edge_sdk.topics import writer_of
 from edge_sdk.transport.base import Delivery, Transport
@@ -214,11 +222,13 @@ class Endpoint:
         scope: Callable[[str], str] | None = None,
         keyring: Keyring | None = None,
         pending_bound: Callable[[str], int] | None = None,
+        replay: ReplayGuard | None = None,
     ) -> None:
         """`keyring`: sign what is sent and accept only frames signed by their topic's writer
         (None: open mode, nothing signed or checked). `pending_bound(topic)`: the bytes that
         topic may hold in reassembly (0: no blobs expected there), instead of
-        `max_pending_bytes` for all."""
+        `max_pending_bytes` for all. `replay`: the record of what was seen (default: a new
+        one, in memory)."""
         self.transport = transport
         subs = [subscriptions] if isinstance(subscriptions, str) else list(subscriptions)
         self.subscriptions = subs
@@ -235,7 +245,7 @@ class Endpoint:
         self.rejections: Counter[str] = Counter()  # frames/messages dropped, by reason
         self.keyring = keyring
         self.pending_bound = pending_bound
-        self._replay = ReplayGuard()
+        self.replay = replay or ReplayGuard()
         self._log = RateLimitedLog(log)
         self._lock = threading.Lock()
         self._blobs: dict[_BlobKey, _Blob] = {}
@@ -409,6 +419,8 @@ class Endpoint:
                 raise ProtocolError("unknown frame type")
         except _Unexpected as exc:
             self._reject("unexpected_blob", str(exc), topic, stranger=True)
+        except ProtocolVersionError as exc:
+            self._reject("old_protocol", str(exc), topic)
         except PayloadError as exc:
             self._reject("oversized", str(exc), topic)
         except (ProtocolError, ValueError, ArithmeticError) as exc:
@@ -435,7 +447,7 @@ class Endpoint:
             claim = f"sender {msg.sender!r} of run {msg.run!r}"
             self._reject("sender_mismatch", f"{writer} signed a {msg.kind} claiming {claim}", topic)
             return None
-        stale = self._replay.check(topic, msg.kind, msg.seq)
+        stale = self.replay.check(topic, msg.kind, msg.seq, getattr(msg, "incarnation", 0))
         if stale == "replayed":
             self._reject("replayed", f"a {msg.kind} older than the last one accepted", topic)
             return None

@@ -57,6 +57,9 @@ __all__ = ["NetworkFleet"]
 log = logging.getLogger(__name__)
 
 RESEND_BATCH_S = 0.5  # clients that came back within this share one re-broadcast of the models
+# The retained status is published again this often: a client that read an old one (anyone on
+# an open broker may replay a finished run's, retained) sees the current one within this.
+STATUS_REFRESH_S = 2.0
 
 
 class NetworkFleet(Fleet):
@@ -93,6 +96,7 @@ class NetworkFleet(Fleet):
         self._shared: dict[str, bytes] = {}
         self._due: set[str] = set()
         self._due_since = 0.0
+        self._status_at = -float("inf")  # when the status was last published (monotonic)
 
     @property
     def _endpoint(self) -> Endpoint:
@@ -278,7 +282,12 @@ class NetworkFleet(Fleet):
                     break
                 msg = env.message
                 to = owner.get(msg.task_id) if isinstance(msg, Reply) else None
-                if to is None or not isinstance(msg, Reply) or msg.round != r:
+                if (
+                    to is None
+                    or not isinstance(msg, Reply)
+                    or msg.round != r
+                    or msg.incarnation != run.incarnation
+                ):
                     self._dispatch(env)  # registrations, presence, stray replies
                     continue
                 if to not in self._tasks:  # answered already: a copy (QoS 1 or a re-send)
@@ -437,6 +446,7 @@ class NetworkFleet(Fleet):
         )
 
     def _publish_status(self, phase: str) -> None:
+        self._phase, self._status_at = phase, time.monotonic()
         try:
             self._endpoint.send(topics.status(self.run.run_id), self._status(phase), retain=True)
         except TransportError as exc:
@@ -454,6 +464,8 @@ class NetworkFleet(Fleet):
         while True:
             self.check_stop(self._round)
             self._resend_due()
+            if time.monotonic() - self._status_at >= STATUS_REFRESH_S:
+                self._publish_status(self._phase)
             left = deadline - time.monotonic()
             if left <= 0:
                 return None

@@ -251,7 +251,9 @@ def _registered_client(broker, coordinator, client):
     )
     voice.send(topics.status("default"), status, retain=True)
     eventually(lambda: client.status is not None)
-    answer = Registered(run="default", sender="coordinator", accepted=True, session=client.session)
+    answer = Registered(
+        run="default", sender="coordinator", accepted=True, session=client.session, incarnation=1
+    )
     voice.send(topics.down("default", client.client_id), answer)
     eventually(lambda: client.accepted)
     return voice

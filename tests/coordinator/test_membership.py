@@ -98,12 +98,12 @@ def test_a_reply_signed_by_the_client_but_from_another_process_does_not_count():
     answered: set[str] = set()
     twin_sent = threading.Condition()
 
-    def answer():
-        while len(answered) < 3:
+    def answer():  # the initial evaluation, round 1's fit and evaluation, the finalize
+        while len(answered) < 4:
             for t in [t for t in tasks if t.task_id not in answered]:
                 reply = Reply(
                     run="default", sender="c1", task_id=t.task_id, round=t.round,
-                    phase=t.phase, ok=True, session="ab" * 8,
+                    phase=t.phase, ok=True, session="ab" * 8, incarnation=t.incarnation,
                 )  # fmt: skip
                 twin.send(topics.up("default", "c1"), reply)
                 with twin_sent:
