@@ -94,6 +94,10 @@ BLOB_COST = 512
 SPARE_CHUNKS = 256
 # Freeing this much (bookkeeping included) at once: the pages go back to the kernel.
 _RELEASE_BYTES = 1024 * 1024
+MAX_HEADER_BYTES = 1024  # a chunk header (blob id, index, count, size) needs a few hundred
+# Blobs refused (over the size limit, or no room), remembered so that the message that names one
+# is handed on at once, marked, instead of waiting for chunks that will never come.
+_REFUSED_KEPT = 256
 _BlobKey = tuple[str, str]  # (topic it arrived on, blob id)
 
 
@@ -148,11 +152,14 @@ def message_frame(message: Message) -> bytes:
 
 @dataclass
 class Envelope:
-    """A received message, the topic it came on, and the blobs it references, verified."""
+    """A received message, the topic it came on, and the blobs it references, verified;
+    `refused`: those of its blobs this endpoint refused (over the size limit, no room), with
+    why: they will not come, so the message is handed on at once without them."""
 
     message: Message
     blobs: dict[str, bytearray] = field(default_factory=dict)
     topic: str = ""
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -198,6 +205,7 @@ class _Ready:
     message: Message
     topic: str
     blobs: dict[str, tuple[BlobRef, _Blob]]
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 class Endpoint:
@@ -257,6 +265,7 @@ class Endpoint:
         # first one still fresh instead of walking all (a coordinator delivers ~100 per round).
         self._consumed: dict[_BlobKey, float] = {}
         self._parked: list[tuple[Message, str, float]] = []
+        self._refused: dict[_BlobKey, str] = {}  # oldest first, at most _REFUSED_KEPT
         self._queue: queue.Queue[_Ready | None] = queue.Queue()  # None: interrupt()
         self._open = False
         self._scope = scope
@@ -400,7 +409,7 @@ class Endpoint:
                 )
                 return None
             blobs[blob_id] = data
-        return Envelope(ready.message, blobs, ready.topic)
+        return Envelope(ready.message, blobs, ready.topic, ready.refused)
 
     def _on_payload(self, topic: str, payload: bytes) -> None:
         try:
@@ -423,7 +432,7 @@ class Endpoint:
             self._reject("old_protocol", str(exc), topic)
         except PayloadError as exc:
             self._reject("oversized", str(exc), topic)
-        except (ProtocolError, ValueError, ArithmeticError) as exc:
+        except (ProtocolError, ValueError, ArithmeticError, RecursionError) as exc:
             self._reject("malformed", str(exc), topic)
 
     def _verified(self, topic: str, payload: bytes) -> Message | None:
@@ -458,20 +467,20 @@ class Endpoint:
 
     def _on_chunk(self, topic: str, payload: bytes) -> None:
         n = int.from_bytes(payload[4:8], "big")
+        if n > MAX_HEADER_BYTES:
+            raise ProtocolError(f"a chunk header of {n} bytes (at most {MAX_HEADER_BYTES})")
         try:
             header = json.loads(payload[8 : 8 + n])
             blob_id = header["blob"]
             index, count, size = (header[k] for k in ("index", "count", "size"))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ProtocolError(f"bad chunk header: {exc}") from exc
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise ProtocolError(f"bad chunk header: {type(exc).__name__}: {exc}") from exc
         # Whole numbers only: 1e999 is a float (inf), True an int; neither is a count.
         if not all(type(v) is int for v in (index, count, size)) or not isinstance(blob_id, str):
             raise ProtocolError("chunk header fields must be a string id and whole numbers")
         data = memoryview(payload)[8 + n :]  # no copy: the part keeps its frame alive
         if not 0 < len(blob_id) <= 128:
             raise ProtocolError("chunk header names no valid blob id")
-        if size > self.max_blob_bytes:
-            raise PayloadError(f"blob {blob_id} of {size} bytes is over {self.max_blob_bytes}")
         if not 0 <= index < count or count > max(1, size):
             raise ProtocolError(f"blob {blob_id}: chunk {index} of {count} is inconsistent")
         topic = self._scope(topic) if self._scope else topic
@@ -481,6 +490,8 @@ class Endpoint:
         with self._lock:
             if key in self._consumed:
                 return  # a late duplicate of a delivered blob (QoS 1 redelivery)
+            if key in self._refused:
+                raise PayloadError(f"blob {blob_id} was refused: {self._refused[key]}")
             blob = self._blobs.get(key)
             if blob is None:
                 blob = _Blob(count, size, time.monotonic())
@@ -491,7 +502,16 @@ class Endpoint:
             if blob.received + len(data) > blob.size:
                 raise PayloadError(f"blob {blob_id}: chunks carry more than its {size} bytes")
             cost = len(data) + CHUNK_COST + (BLOB_COST if key not in self._blobs else 0)
-            self._make_room(cost, keep=key)
+            try:
+                if size > self.max_blob_bytes:
+                    raise PayloadError(
+                        f"blob {blob_id} declares {size} bytes, over the limit of "
+                        f"{self.max_blob_bytes}"
+                    )
+                self._make_room(cost, keep=key)
+            except PayloadError as exc:  # it will never be whole: its message need not wait
+                self._refuse(key, str(exc))
+                raise
             blob.add(index, data, cost)
             self._held += cost
             self._held_by[topic] += cost
@@ -544,6 +564,16 @@ class Endpoint:
             f"{self._held} in {self._chunks} in all)"
         )
 
+    def _refuse(self, key: _BlobKey, why: str) -> None:
+        """Remember that the blob `key` was refused (what it held is dropped): the message that
+        names it is handed on at once, marked (`Envelope.refused`)."""
+        if key in self._blobs:
+            self._drop(key)
+        self._refused[key] = why
+        while len(self._refused) > _REFUSED_KEPT:
+            del self._refused[next(iter(self._refused))]
+        self._release_parked()
+
     def _drop(self, key: _BlobKey) -> None:
         blob = self._blobs.pop(key)
         topic = key[0]
@@ -569,11 +599,15 @@ class Endpoint:
     def _try_deliver(self, msg: Message, topic: str) -> bool:
         refs = {m.blob.id: m.blob for m in getattr(msg, "models", {}).values()}
         keys = {}
+        refused = {}
         for blob_id, ref in refs.items():
             key = self._blob_key(ref, topic)
             if key is None:
                 self._reject("malformed", "a shared blob with no shared topic", topic)
                 return True
+            if key in self._refused:
+                refused[blob_id] = self._refused[key]
+                continue
             blob = self._blobs.get(key)
             if blob is None or not blob.complete:
                 return False
@@ -586,7 +620,7 @@ class Endpoint:
             self._drop(key)
             self._consumed.pop(key, None)  # to the end: the dict stays in time order
             self._consumed[key] = now
-        self._queue.put(_Ready(msg, topic, ready))
+        self._queue.put(_Ready(msg, topic, ready, refused))
         return True
 
     def _release_parked(self) -> None:
@@ -675,6 +709,8 @@ def unpack_models(
     """
     out: dict[str, WireModel] = {}
     for name, ref in refs.items():
+        if ref.blob.id not in blobs:
+            raise ValueError(f"model {name!r}: its blob {ref.blob.id} did not arrive")
         weights = decode_weights(blobs[ref.blob.id], max_bytes=max_bytes)
         check_weights(weights, reference_shapes(ref.spec), what=name, partial=name in partial)
         out[name] = WireModel(ref.spec, weights)

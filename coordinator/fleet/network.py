@@ -38,7 +38,7 @@ from coordinator.fleet.packing import pack_plan, renew
 from coordinator.strategies import FitReply
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
-from edge_sdk.codec import Buffer, WireModel
+from edge_sdk.codec import WireModel
 from edge_sdk.protocol import Archive, Registered, Reply, Shutdown, Status, Task
 from edge_sdk.ratelog import RateLimitedLog
 from edge_sdk.transport.base import Delivery, Transport, TransportError
@@ -299,7 +299,7 @@ class NetworkFleet(Fleet):
                     log.error("%s failed its %s task: %s", to, phase, msg.error)
                     del self._tasks[to]
                     continue
-                reply = self._accept(to, request, msg, env.blobs, validate)
+                reply = self._accept(to, request, msg, env, validate)
                 # Unsigned (open mode), an invalid reply may be anyone's: the task stays open
                 # for the genuine one. Signed by the registered process, it is that answer.
                 if reply is not None or self.keyring is not None:
@@ -333,12 +333,14 @@ class NetworkFleet(Fleet):
         cid: str,
         request: PhaseRequest,
         msg: Reply,
-        blobs: Mapping[str, Buffer],
+        env: Envelope,
         validate: Validator,
     ) -> FitReply | None:
         try:
+            if env.refused:  # e.g. a blob declaring 10**12 bytes: it fails its task at once
+                raise ValueError("its models were refused: " + "; ".join(env.refused.values()))
             models = unpack_models(
-                msg.models, blobs, max_bytes=self.run.max_blob_bytes, partial=request.partial
+                msg.models, env.blobs, max_bytes=self.run.max_blob_bytes, partial=request.partial
             )
             reply = FitReply(cid, models, dict(msg.metrics), msg.n_samples, dict(msg.details))
             validate(cid, reply)

@@ -113,3 +113,19 @@ def test_edgefl_keys_issues_private_keys_and_a_roster_and_daemons_refuse_to_star
         res = runner.invoke(app, [*command, "--broker", "mqtt://127.0.0.1:1", "--run-id", "r"])
         assert res.exit_code == 2
         assert "edgefl keys --clients" in res.output and "auth.open=true" in res.output
+
+
+@pytest.mark.parametrize("command", ["keys", "broker-acl"])
+@pytest.mark.parametrize("bad", ["..", "."])
+def test_ids_that_name_a_directory_are_refused_with_the_rule_and_nothing_is_written(
+    tmp_path, command, bad
+):
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, [command, "--clients", f"c0,{bad}", "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    assert f"client id '{bad}' must be" in res.output and "(not '.' or '..')" in res.output
+    assert not out.exists() or not any(out.rglob("*.key"))

@@ -313,12 +313,17 @@ def test_blob_with_wrong_checksum_drops_its_message():
     assert rx.rejected == 1
 
 
-def test_oversized_blob_is_refused_before_reassembly():
+def test_oversized_blob_is_refused_before_reassembly_and_its_message_comes_at_once_marked():
     _broker, tx, rx = _pair(max_blob_bytes=100)
     refs, blobs = pack_models({"model": _model()})
     tx.send("in", _reply(refs), blobs)
-    assert rx.receive(timeout=0.1) is None
-    assert rx.rejected >= 1
+    env = rx.receive(timeout=0.1)  # not after the blob timeout: its blob will never come
+    blob_id = refs["model"].blob.id
+    assert env is not None and env.blobs == {} and rx._held == 0
+    assert "declares 500 bytes, over the limit of 100" in env.refused[blob_id]
+    assert rx.rejections["oversized"] == len(blobs[blob_id]) // 64 + 1  # each of its chunks
+    with pytest.raises(ValueError, match=f"model 'model': its blob {blob_id} did not arrive"):
+        unpack_models(env.message.models, env.blobs)
 
 
 def test_message_whose_blobs_never_arrive_expires():
