@@ -15,9 +15,9 @@ forged chunk can only make its blob fail the checksum, never make a forged model
 Replays: every signed message carries a sequence number, strictly increasing per sender (the wall
 clock in nanoseconds at the first message, +1 after). Receivers keep the last one seen per topic
 (`ReplayGuard`, which a client keeps in its state directory, so a new process of it remembers)
-and drop older ones. A status is older when its coordinator incarnation is, or its sequence
-number within one incarnation (a will, signed when the connection opened, is older than the
-statuses published since: dropped, it only said the coordinator was offline). Exempt are
+and drop older ones. A status is a replay when its coordinator incarnation is older; within one
+incarnation an older one is dropped quietly (a will, signed when the connection opened, is older
+than the statuses published since: it only said the coordinator was offline). Exempt are
 `presence` (signed when a connection opens and published later as a will; its epoch decides)
 and retained publications (`published`, `archive`: read by fresh readers, their versions
 decide). Across runs, every message binds to the coordinator incarnation it belongs to (a fresh
@@ -203,8 +203,9 @@ def _signed_bytes(topic: str, body: bytes) -> bytes:
 class ReplayGuard:
     """The last sequence number accepted per topic (each topic has one writer): an older one is
     a replay, an equal one a duplicate (QoS 1 may deliver a message twice); for statuses, the
-    last (incarnation, sequence number), where an equal one passes (a new process reads the
-    retained status it read before). Bounded: one entry per topic that carried a correctly
+    last (incarnation, sequence number): one of an earlier incarnation is a replay, an older one
+    of the same incarnation dropped quietly (the coordinator's will, signed when it connected),
+    an equal one passes (a new process reads the retained status it read before). Bounded: one entry per topic that carried a correctly
     signed message.
 
     With a `path` it starts from what was saved there and `save()` writes it (atomically), so a
@@ -226,9 +227,11 @@ class ReplayGuard:
             return None
         with self._lock:
             if kind == "status":
-                mark = (incarnation, seq)
-                if mark < self._status.get(topic, (-1, -1)):
+                mark, last = (incarnation, seq), self._status.get(topic, (-1, -1))
+                if incarnation < last[0]:
                     return "replayed"
+                if mark < last:  # the same coordinator's, out of order: its will, published late
+                    return "duplicate"
                 self._dirty |= self._status.get(topic) != mark
                 self._status[topic] = mark
                 return None

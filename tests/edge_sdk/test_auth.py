@@ -182,7 +182,7 @@ def test_the_replay_record_outlives_its_process_and_orders_statuses_by_incarnati
     assert again.check(down, "task", 4) == "replayed"
     assert again.check(status, "status", 7, incarnation=2) is None  # the retained one, reread
     assert again.check(status, "status", 99, incarnation=1) == "replayed"  # an earlier run's
-    assert again.check(status, "status", 3, incarnation=2) == "replayed"  # e.g. a late will
+    assert again.check(status, "status", 3, incarnation=2) == "duplicate"  # its will, late
     assert again.check(status, "status", 1, incarnation=3) is None  # a new coordinator
     assert again.check(down, "presence", 1) is None  # decided by its epoch
     path.write_text("{not json")
