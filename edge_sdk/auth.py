@@ -205,8 +205,8 @@ class ReplayGuard:
     a replay, an equal one a duplicate (QoS 1 may deliver a message twice); for statuses, the
     last (incarnation, sequence number): one of an earlier incarnation is a replay, an older one
     of the same incarnation dropped quietly (the coordinator's will, signed when it connected),
-    an equal one passes (a new process reads the retained status it read before). Bounded: one entry per topic that carried a correctly
-    signed message.
+    an equal one passes (a new process reads the retained status it read before). Bounded: one
+    entry per topic that carried a correctly signed message.
 
     With a `path` it starts from what was saved there and `save()` writes it (atomically), so a
     device's new process drops what its last one already saw (a client keeps it in its state

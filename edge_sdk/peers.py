@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
@@ -111,6 +111,10 @@ class PeerChannel:
         for name, (model, version) in list(self._current.items()):
             self.publish(name, model, version)
 
+    def _signed_as(self) -> dict[str, Any]:
+        """The fields every message of this client carries: run, sender, incarnation."""
+        return {"run": self.run_id, "sender": self.me, "incarnation": self.incarnation or 0}
+
     def publish(self, name: str, model: WireModel, version: int) -> None:
         """Make `model` this client's current `name`, retained, for round `version`."""
         self._current[name] = (model, version)
@@ -118,14 +122,7 @@ class PeerChannel:
             self.inbox,
             topics.peer_publication(self.run_id, self.me, name),
             {name: model},
-            lambda refs: Published(
-                run=self.run_id,
-                sender=self.me,
-                name=name,
-                version=version,
-                models=refs,
-                incarnation=self.incarnation or 0,
-            ),
+            lambda refs: Published(**self._signed_as(), name=name, version=version, models=refs),
             previous_chunks=self._chunks.get(name, 0),
         )
 
@@ -161,14 +158,7 @@ class PeerChannel:
     # -- messages --------------------------------------------------------------------------
     def send(self, to: str, name: str, round_: int, model: WireModel) -> None:
         refs, blobs = pack_models({name: model}, max_bytes=self.max_blob_bytes)
-        msg = PeerMessage(
-            run=self.run_id,
-            sender=self.me,
-            name=name,
-            round=round_,
-            models=refs,
-            incarnation=self.incarnation or 0,
-        )
+        msg = PeerMessage(**self._signed_as(), name=name, round=round_, models=refs)
         self.inbox.send(topics.peer_message(self.run_id, to, self.me), msg, blobs)
 
     def receive(
