@@ -142,7 +142,10 @@ def combine(
     3. the mean weighs a contribution by its weight times the square of what it was scaled by:
        one that had to be pulled in far counts little (in FedMe's aggregates of two or three
        copies, a reversed copy clipped to 3x the median still weighed a third); nothing changes
-       where nothing was clipped.
+       where nothing was clipped. The median and the trimmed mean weigh it by that square alone
+       (ignoring sample weights): three attackers of ten, always on one side of each coordinate,
+       no longer shift the median by three places (measured: 35 points lost under Dirichlet
+       label skew, none weighted).
     Flags the clients bounded (and, under krum, those not chosen)."""
     bounded: dict[int, tuple[Mapping[str, torch.Tensor], float]] = {}
     for every in _cohorts(groups):
@@ -203,9 +206,9 @@ def _aggregate(
             weights = [c.weight * t for c, t in zip(group, trust, strict=True)]
             return weighted_mean(states, weights)
         if cfg.aggregator == "median":
-            return coordinate_median(states)
+            return coordinate_median(states, trust)
         if cfg.aggregator == "trimmed_mean":
-            return trimmed_mean(states, cfg.trim)
+            return trimmed_mean(states, cfg.trim, trust)
         chosen, state = krum(states, cfg.krum_f)
     except RobustError as exc:
         raise StrategyError(f"{name}: {exc}") from exc

@@ -104,31 +104,66 @@ def _integers(states: Sequence[State]) -> dict[str, torch.Tensor]:
     }
 
 
-def _trimmed(states: Sequence[State], cut: int) -> dict[str, torch.Tensor]:
-    """Per float tensor and coordinate, the mean of the values left after cutting the `cut`
-    smallest and the `cut` largest of them."""
+def _sorted(
+    states: Sequence[State], weights: Sequence[float] | None
+) -> tuple[State, list[str], torch.Tensor, int]:
+    """Checks, and what both order statistics need: the first state, its float keys, the weights
+    (float64; ones without `weights`) and their count."""
     if not states:
         raise RobustError("no updates to aggregate")
-    if len(states) - 2 * cut < 1:
-        raise RobustError(f"cutting {cut} at each end leaves none of {len(states)} updates")
-    first = states[0]
+    w = torch.ones(len(states), dtype=torch.float64)
+    if weights is not None:
+        w = torch.tensor(list(weights), dtype=torch.float64)
+    if not bool((w >= 0).all()) or float(w.sum()) <= 0:
+        raise RobustError(f"the weights {w.tolist()} weigh nothing")
+    return states[0], _floats(states[0]), w, len(states)
+
+
+def _ordered(states: Sequence[State], key: str, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per coordinate of tensor `key`: the states' values sorted, their weights in that order,
+    and the weight up to and including each."""
+    values, order = torch.stack([s[key].double() for s in states]).sort(dim=0)
+    ws = w[order]
+    return values, ws, ws.cumsum(dim=0)
+
+
+def coordinate_median(
+    states: Sequence[State], weights: Sequence[float] | None = None
+) -> dict[str, torch.Tensor]:
+    """Each coordinate's median over the states (Yin et al. 2018), weighted by `weights`: the
+    mean of the first value with half the weight at or below it and the first with more than
+    half (with equal weights, the middle value, or the mean of the two middle ones). Fewer than
+    half of them (by weight), however large, cannot move it past the honest values' range."""
+    first, keys, w, _ = _sorted(states, weights)
+    half, tol = float(w.sum()) / 2, 1e-9 * float(w.sum())
     out = _integers(states)
-    for k in _floats(first):
-        ordered = torch.stack([s[k].double() for s in states]).sort(dim=0).values
-        out[k] = ordered[cut : len(states) - cut].mean(dim=0).to(first[k].dtype)
+    for k in keys:
+        values, _, above = _ordered(states, k, w)
+        low = (above >= half - tol).to(torch.int8).argmax(dim=0, keepdim=True)
+        high = (above > half + tol).to(torch.int8).argmax(dim=0, keepdim=True)
+        mid = (values.gather(0, low) + values.gather(0, high)) / 2
+        out[k] = mid.squeeze(0).to(first[k].dtype)
     return {k: out[k] for k in first}
 
 
-def coordinate_median(states: Sequence[State]) -> dict[str, torch.Tensor]:
-    """Each coordinate's median over the states (Yin et al. 2018), the mean of the two middle
-    values for an even count: fewer than half of them, however large, cannot move it past the
-    honest values' range."""
-    return _trimmed(states, (len(states) - 1) // 2)
-
-
-def trimmed_mean(states: Sequence[State], beta: float) -> dict[str, torch.Tensor]:
-    """Each coordinate's mean after cutting its ⌊β·n⌋ largest and smallest values."""
-    return _trimmed(states, math.floor(beta * len(states)))
+def trimmed_mean(
+    states: Sequence[State], beta: float, weights: Sequence[float] | None = None
+) -> dict[str, torch.Tensor]:
+    """Each coordinate's mean after cutting its ⌊β·n⌋ largest and smallest values; with
+    `weights`, its weighted mean after cutting ⌊β·n⌋/n of the weight at each end (a value that
+    straddles a cut counts with what is left of its weight)."""
+    first, keys, w, n = _sorted(states, weights)
+    cut = math.floor(beta * n)
+    if n - 2 * cut < 1:
+        raise RobustError(f"trimmed_mean(β={beta}) leaves none of {n} updates")
+    total = float(w.sum())
+    lo, hi = cut / n * total, (n - cut) / n * total
+    out = _integers(states)
+    for k in keys:
+        values, ws, above = _ordered(states, k, w)
+        kept = (above.clamp(max=hi) - (above - ws).clamp(min=lo)).clamp(min=0)
+        out[k] = ((kept * values).sum(dim=0) / kept.sum(dim=0)).to(first[k].dtype)
+    return {k: out[k] for k in first}
 
 
 def krum_needs(f: int) -> int:

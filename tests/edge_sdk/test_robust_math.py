@@ -61,6 +61,19 @@ def test_coordinate_median_and_trimmed_mean_by_hand():
         trimmed_mean([_s(1.0), _s(2.0)], 0.5)
 
 
+def test_weighted_median_and_trimmed_mean_give_a_light_value_its_weight_by_hand():
+    four = [_s(1.0), _s(2.0), _s(3.0), _s(1000.0)]
+    light = [1.0, 1.0, 1.0, 0.01]  # 1000 weighs little: half of 3.01 lies at 2
+    assert coordinate_median(four, light)["w"].tolist() == [2.0]
+    assert coordinate_median(four, [1.0] * 4)["w"].tolist() == [2.5]  # equal: the usual median
+    # β = 0.25 of 4: a quarter of the weight 3.1 (0.775) cut at each end: 1 keeps 0.225, 2 all,
+    # 3 keeps 0.325, 1000 nothing
+    got = trimmed_mean(four, 0.25, [1.0, 1.0, 1.0, 0.1])["w"].item()
+    assert got == pytest.approx((0.225 * 1 + 2 + 0.325 * 3) / 1.55)
+    with pytest.raises(RobustError, match="weigh nothing"):
+        coordinate_median(four, [0.0] * 4)
+
+
 def test_krum_chooses_the_update_nearest_to_its_neighbours():
     states = [_s(0.0), _s(1.0), _s(2.0), _s(3.0), _s(100.0)]
     # f = 1: each scores its n - f - 2 = 2 nearest: 0 -> 1 + 4 = 5, 1 -> 1 + 1 = 2, 2 -> 2,
