@@ -232,7 +232,9 @@ class ReplayGuard:
                     return "replayed"
                 if mark < last:  # the same coordinator's, out of order: its will, published late
                     return "duplicate"
-                self._dirty |= self._status.get(topic) != mark
+                # Saved when the incarnation changes, not every status (one every 2 s): a
+                # new process needs only to know the incarnations it must not go back to.
+                self._dirty |= incarnation != last[0]
                 self._status[topic] = mark
                 return None
             last = self._last.get(topic, -1)
