@@ -76,6 +76,7 @@ RESEEDED = {"seed": 1000, "data.seed": 0}  # the same data, training's randomnes
 # The defences off: no clipping, no cap, no rollback, any finite value.
 UNDEFENDED = {
     "robust.clip": 0,
+    "robust.center_clip": 0,
     "robust.weight_cap": 0,
     "robust.rollback": False,
     "robust.max_abs": 1e300,
@@ -173,14 +174,26 @@ def run(
     fed = prepare_federation(cfg)
     bad = fed.client_ids[:n_attackers]
     t0 = time.perf_counter()
-    result = run_federation(
-        cfg, fed, algorithm, client_cls={cid: attacker(attack) for cid in bad} if attack else None
-    )
-    return {
+    out: dict[str, Any] = {
         "algorithm": algorithm,
         "attack": attack or "none",  # (the `attackers` were honest)
         "attackers": bad,
+    }
+    try:
+        result = run_federation(
+            cfg, fed, algorithm, client_cls={c: attacker(attack) for c in bad} if attack else None
+        )
+    except Exception as exc:  # an undefended coordinator may crash: every client lost it all
+        logging.error("%s %s: the run crashed: %s: %s", algorithm, attack, type(exc).__name__, exc)
+        return out | {
+            "acc": dict.fromkeys(fed.client_ids),
+            "crashed": f"{type(exc).__name__}: {exc}"[:300],
+            **dict.fromkeys(("rounds_failed", "rounds_rolled_back"), 0),
+            **{"flagged": [], "suspects": [], "wall_s": round(time.perf_counter() - t0, 1)},
+        }
+    return out | {
         "acc": {c.id: c.personal_acc for c in result.clients},
+        "crashed": None,
         "rounds_failed": sum(r.failed for r in result.rounds),
         "rounds_rolled_back": sum(r.rolled_back for r in result.rounds),
         "flagged": sorted({c for r in result.rounds for c in r.flagged}),
@@ -248,7 +261,7 @@ def attacks_part(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows}
 
 
-HIT_KEYS = ("rounds_failed", "rounds_rolled_back", "flagged", "suspects", "wall_s")
+HIT_KEYS = ("crashed", "rounds_failed", "rounds_rolled_back", "flagged", "suspects", "wall_s")
 
 
 def _mean(accs: Mapping[str, float | None]) -> float:
@@ -272,7 +285,7 @@ def attack_table(rows: list[dict[str, Any]]) -> str:
             f" | {_mean(r['honest_attacked']):.1f} | {r['mean_gap_points']:.1f} | "
             f"{r['worst_gap_points']:.1f} | ≤ {r['goal_points']:.0f} {'✓' if ok else '✗'} | "
             f"{r['noise_floor_points']:.1f} | {r['rounds_rolled_back']} | "
-            f"{','.join(r['flagged']) or '-'} |"
+            f"{'run crashed' if r['crashed'] else ','.join(r['flagged']) or '-'} |"
         )
     return "\n".join(lines)
 

@@ -42,6 +42,8 @@ from edge_sdk.algorithms.fedme import FedMeConfig
 from edge_sdk.codec import WireModel
 from model_zoo import ArchSpec, build
 
+LOGIT_LIMIT = 1e15  # squared distances of such outputs still fit in float32
+
 __all__ = [
     "FedMeStrategy",
     "cluster_models",
@@ -72,7 +74,10 @@ def model_logits(models: Sequence[WireModel], inputs: torch.Tensor) -> np.ndarra
                 ]
             )
             rows.append(z.float().reshape(-1).numpy())
-    return np.stack(rows)
+    # A model whose outputs overflow (weights within robust.max_abs can still multiply past
+    # float32 through a deep network) must not crash the clustering: its non-finite or huge
+    # outputs are clipped far beyond any sane model's (which stay untouched), so it sits alone.
+    return np.clip(np.nan_to_num(np.stack(rows), nan=0.0), -LOGIT_LIMIT, LOGIT_LIMIT)
 
 
 def cluster_models(features: np.ndarray, k: int, seed: int) -> np.ndarray:
