@@ -10,7 +10,7 @@ import pytest
 import torch
 from tests_helpers import small_federation
 
-from coordinator.robust import RobustConfig, check_values, combine, suspects
+from coordinator.robust import Contribution, RobustConfig, check_values, combine, suspects
 from coordinator.strategies import (
     ClientInfo,
     FitReply,
@@ -138,7 +138,7 @@ def test_an_update_far_above_the_cohorts_median_is_clipped_to_three_times_it_and
 def test_a_state_far_from_the_others_is_pulled_in_to_twice_the_median_distance():
     start = {"w": torch.zeros(1)}
     values = (0.0, 1.0, 2.0, 3.0, 100.0)
-    group = [bench_contribution(f"c{i}", start, v) for i, v in enumerate(values)]
+    group = [_contribution(f"c{i}", start, v) for i, v in enumerate(values)]
     flags: dict[str, str] = {}
     (out,) = combine({"global": group}, RobustConfig(clip=0), flags).values()
     # center 2; distances 2, 1, 0, 1, 98: median 1, bound 2; 100 goes to 4 and counts
@@ -240,7 +240,7 @@ def test_fedme_bounds_each_trained_copy_against_the_rounds_median():
 def test_suspects_are_the_flagged_and_the_far_from_the_median():
     start = {"w": torch.zeros(4)}
     group = [
-        bench_contribution(cid, start, step)
+        _contribution(cid, start, step)
         for cid, step in (("c0", 1.0), ("c1", 1.1), ("c2", 0.9), ("c3", -30.0))
     ]
     assert suspects({"global": group}, {}) == ["c3"]
@@ -249,9 +249,7 @@ def test_suspects_are_the_flagged_and_the_far_from_the_median():
     assert suspects({"global": near}, {}) == ["c1"]  # nobody stands out: the farthest
 
 
-def bench_contribution(cid, start, step):
-    from coordinator.robust import Contribution
-
+def _contribution(cid, start, step):
     return Contribution(cid, {"w": start["w"] + step}, start)
 
 
