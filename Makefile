@@ -1,17 +1,19 @@
 # Two entry points do all the set-up on a fresh machine:
 #   make demo   install, then run `edgefl demo`
-#   make test   install (with the test extra and the Debian packages the tests use), lint, test
+#   make test   install (with the test and docs extras and the Debian packages the tests use),
+#               lint, test (the tests build the documentation site with --strict)
+# `make docs` serves the documentation site at http://127.0.0.1:8000 while you edit it.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint system-packages clean mutation
+.PHONY: install demo test docs lint system-packages clean mutation
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -35,6 +37,9 @@ system-packages:
 demo: $(STAMP)
 	$(BIN)/edgefl demo
 
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -49,10 +54,10 @@ test: $(STAMP) system-packages lint
 # about 11-15 minutes on 2 cores). Settings in pyproject's [tool.mutmut]; equivalent survivors
 # in mutation-equivalent.txt; fails when a survivor is neither killed nor listed there.
 mutation: $(STAMP)
-	$(BIN)/python -m pip install -q -e '.[test,mutation]'
+	$(BIN)/python -m pip install -q -e '.[test,docs,mutation]'
 	rm -rf mutants
 	$(BIN)/mutmut run --max-children 2
 	$(BIN)/python tools/mutation_score.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info mutants
+	rm -rf $(VENV) .pytest_cache .ruff_cache build site *.egg-info mutants

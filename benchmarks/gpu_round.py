@@ -75,6 +75,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from coordinator.config import load_config
 from coordinator.federation import prepare_federation
 from coordinator.results import RoundRecord
+from coordinator.results_model import deployment_summary
 from coordinator.simulator import run_federation
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.algorithms.base import ClientContext
@@ -231,6 +232,7 @@ def run_mode(overrides: dict[str, Any], cohort: bool, rounds: int, parallel: int
         "cpu_s": [round(s, 3) for s in cpus],
         "median_cpu_s": round(statistics.median(cpus[1:] or cpus), 3),
         "mean_personal_acc": round(sum(accs) / len(accs), 4) if accs else None,
+        "deployed": deployment_summary(run.clients),
         "finalize_s": round(finalize_s, 3),
     }
 

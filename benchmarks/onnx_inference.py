@@ -1,6 +1,7 @@
 """Inference benchmark: PyTorch eager vs onnxruntime fp32 / int8 dynamic / int8 static.
 
-The same as `edgefl bench onnx` (same options); see benchmarks/README.md for what it measures.
+The same as `edgefl bench onnx` (same options); docs/benchmarks/onnx-inference.md says what it
+measures.
 
     python benchmarks/onnx_inference.py                          # every family, ~16 min on 2 cores
     python benchmarks/onnx_inference.py --quick --families mlr,lenet5 --json-out out.json

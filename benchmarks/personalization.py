@@ -20,6 +20,7 @@ fine-tuning are extra passes).
 
     python benchmarks/personalization.py --quick                  # about 30 min on 2 cores
     python benchmarks/personalization.py                          # the full size
+    python benchmarks/personalization.py --size long              # 20 clients, 20 rounds
     python benchmarks/personalization.py --quick --splits lg-fmnist --algorithms fml,persfl
 
 Every run's per-client results are kept under `--out` (default runs/personalization/<size>),
@@ -66,7 +67,10 @@ from model_zoo.data.base import stratified_indices  # noqa: E402
 ALGORITHMS = ("fml", "pfml", "persfl", "fedme", "federico")
 TIE = 1.0  # points: a client within ±TIE of the other method ties
 GUARD_POINTS = 2.0  # the guard's goal: no client more than this below local training
-PAYS_POINTS = 5.0  # where data is scarce: at least local + this, and at least FedAvg+FT
+PAYS_POINTS = 5.0  # where data is scarce: at least local + this...
+# ...and at least FedAvg+FT less this (FedAvg+FT trains the global architecture on every device,
+# which a small device may not be able to run: issue 44's target)
+FT_SLACK = 1.0
 OWN = "own"  # local training: every client its own architecture
 # The noise floor: local training again on each seed's own split, its initialisation and batches
 # drawn from another seed (seed + RESEED).
@@ -98,11 +102,32 @@ class Size:
     samples: int  # image splits: the seeded subset of the pooled data set
     group_samples: int  # label groups: the subset (50-100 training images per client)
     unlabeled: int  # FedMe's unlabeled set
+    groups: int = 2  # label groups: how many (their clients draw from one each, round-robin)
+    # The splits run by default (None: every split `splits` makes).
+    default_splits: tuple[str, ...] | None = None
+    # The Dirichlet splits' architectures, round-robin (the other image splits: IMAGE_MODELS).
+    dirichlet_models: tuple[str, ...] = ("lenet5", "mlp", "cnn1")
 
 
 SIZES = {
-    "quick": Size(5, 2, 16, 0.01, clients=6, samples=1500, group_samples=1500, unlabeled=200),
-    "full": Size(10, 2, 16, 0.01, clients=12, samples=3600, group_samples=1500, unlabeled=500),
+    "quick": Size(5, 2, 16, 0.01, 6, 1500, 1500, 200),
+    "full": Size(10, 2, 16, 0.01, 12, 3600, 1500, 500, groups=4),
+    # Longer runs and more clients, each with a few dozen training images, on the label-skew
+    # and Dirichlet splits of two data sets (issue 44: a default must win here as well as at
+    # the quick size). Digits' 1,797 images leave 20 clients about 24 training images each.
+    "long": Size(
+        20,
+        2,
+        16,
+        0.01,
+        20,
+        3400,
+        3400 * 6 // 20,
+        200,
+        groups=2,
+        default_splits=("lg-fmnist", "lg-digits", "dir0.1-fmnist", "dir0.1-digits"),
+        dirichlet_models=("lenet5", "mlp", "cnn1", "mlr"),
+    ),
 }
 # Every client's data: 30% train, 20% validation (what the guard and PersFL, FedMe decide on),
 # 50% test, so that one client's accuracy rests on a hundred images or more.
@@ -129,31 +154,37 @@ def splits(size: Size) -> dict[str, Split]:
                 # digits has 1,797 images: leave FedMe's unlabeled set some no client holds
                 **({"data.max_samples": min(n, DIGITS - size.unlabeled)} if ds == "digits" else {}),
             },
-            IMAGE_MODELS,
+            size.dirichlet_models,
             scarce=a == 0.1,  # most clients hold two or three classes
         )
         for ds in ("digits", "fmnist")
         for a in (0.1, 0.5)
     ]
-    out.append(
-        Split(
-            "lg-fmnist",
-            f"Fashion-MNIST, {k // 3} label groups, 3 clients each, 50-100 training images per "
-            "client",
-            {
-                "data.dataset": "fashion_mnist",
-                "data.partition": "label_groups",
-                # k/3 groups (not 3) and 3 architectures round-robin: every group has every
-                # architecture, so architecture and group are not the same thing
-                "data.partition_params": {"num_groups": k // 3},
-                "data.max_samples": size.group_samples * k // 6,
-                "data.split": DATA_SPLIT,
-                "clients": k,
-            },
-            IMAGE_MODELS,
-            scarce=True,
+    g = size.groups
+    for ds in ("fmnist", "digits"):
+        subset = size.group_samples * k // 6
+        if ds == "digits":
+            subset = min(subset, DIGITS - size.unlabeled)
+        out.append(
+            Split(
+                f"lg-{ds}",
+                f"{'digits' if ds == 'digits' else 'Fashion-MNIST'}, {g} label groups, "
+                f"{k // g} clients each, {subset * DATA_SPLIT[0] / k:.0f} training images per "
+                "client on average",
+                {
+                    "data.dataset": "digits" if ds == "digits" else "fashion_mnist",
+                    "data.partition": "label_groups",
+                    # groups of 3 clients or more and 3 architectures round-robin: every group
+                    # has every architecture, so architecture and group are not the same thing
+                    "data.partition_params": {"num_groups": g},
+                    "data.max_samples": subset,
+                    "data.split": DATA_SPLIT,
+                    "clients": k,
+                },
+                IMAGE_MODELS,
+                scarce=True,
+            )
         )
-    )
     out.append(
         Split(
             "synthetic",
@@ -206,15 +237,19 @@ _KEEP = (
     "n_train",
     "personal_acc",
     "samples_processed",
-    "guard_choice",
+    "guard_choice",  # (runs made before results said `deployed`)
     "guard_arch",
-    "guard_reason",
     "guard_unguarded_acc",
     "guard_mix_weight",
     "distill_lambda",
     "distill_T",
     "student_init",
     "arch_end",
+    "deployed",
+    "deployed_arch",
+    "deployed_params",
+    "own_params",
+    "deployed_outside_budget",
 )
 
 
@@ -359,12 +394,41 @@ DEPLOYED = {
     "mixture": "personal+finetuned (final",  # the default's mixture of the two, 0 < w < 1
     "own": "personal (final",  # the algorithm's own final personalized model
     "finetuned": "finetuned (final",  # the federation's final model, fine-tuned
+    "distilled": "distilled (final",  # a student of its own architecture (edge_sdk.guard)
     "other": "",  # an earlier round's model, the meme, the global model...
 }
 
 
+def _choice(client: dict[str, Any]) -> str | None:
+    """The guard's label of what a client deployed (`guard_choice` in runs made before)."""
+    return client.get("deployed") or client.get("guard_choice")
+
+
 def _deployed(choice: str | None) -> str:
     return next(k for k, start in DEPLOYED.items() if (choice or DEPLOYED["own"]).startswith(start))
+
+
+def _arch_kind(client: dict[str, Any]) -> str:
+    """What a client deployed against its own architecture: "own" (one model of it), "other"
+    (one model of another architecture) or "mixture" (several models). Runs made before results
+    said `deployed_arch` give the guard's label (FedMe's unguarded runs: the architecture it
+    ended with)."""
+    deployed = client.get("deployed_arch") or client.get("guard_arch") or client.get("arch_end")
+    if deployed is None or deployed == client["arch"]:
+        return "own"
+    return "mixture" if deployed.startswith("mixture") else "other"
+
+
+def _size_ratio(runs: Sequence[Run]) -> float | None:
+    """The deployed models' parameters over the clients' own architectures', mean over clients
+    (None for runs made before results said them)."""
+    ratios = [
+        c["deployed_params"] / c["own_params"]
+        for r in runs
+        for c in r.clients
+        if c.get("deployed_params") and c.get("own_params")
+    ]
+    return statistics.mean(ratios) if ratios else None
 
 
 def _mix_weight(runs: Sequence[Run]) -> float | None:
@@ -374,7 +438,7 @@ def _mix_weight(runs: Sequence[Run]) -> float | None:
         c["guard_mix_weight"]
         for r in runs
         for c in r.clients
-        if c.get("guard_mix_weight") is not None and _deployed(c.get("guard_choice")) == "mixture"
+        if c.get("guard_mix_weight") is not None and _deployed(_choice(c)) == "mixture"
     ]
     return statistics.mean(weights) if weights else None
 
@@ -450,9 +514,12 @@ def summarize(
             "wall_seconds": sum(r.wall_seconds for r in runs),
         }
         if name in ALGORITHMS:
-            deployed = Counter(_deployed(c.get("guard_choice")) for r in runs for c in r.clients)
+            deployed = Counter(_deployed(_choice(c)) for r in runs for c in r.clients)
             row["deployed"] = {k: deployed[k] for k in DEPLOYED if deployed[k]}
             row["mix_weight"] = _mix_weight(runs)
+            kinds = Counter(_arch_kind(c) for r in runs for c in r.clients)
+            row["deployed_arch"] = {k: kinds[k] for k in ("own", "other", "mixture") if kinds[k]}
+            row["size_vs_own"] = _size_ratio(runs)
             unguarded = [
                 100
                 * statistics.mean(
@@ -467,7 +534,9 @@ def summarize(
         if split.scarce and name in ALGORITHMS:
             ft_mean = statistics.mean(_mean_acc(r) for r in fts[best])
             local_mean = statistics.mean(_mean_acc(r) for r in local)
-            row["pays"] = row["mean"] >= ft_mean and row["mean"] >= local_mean + PAYS_POINTS
+            row["pays"] = (
+                row["mean"] >= ft_mean - FT_SLACK and row["mean"] >= local_mean + PAYS_POINTS
+            )
         rows.append(row)
     return rows
 
@@ -486,6 +555,9 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             if r.get("mix_weight") is not None:
                 guard += f" (mean w {r['mix_weight']:.2f})"
             guard += f"; unguarded {r['mean_unguarded']:.1f}"
+            guard += "; arch " + ", ".join(f"{k} {v}" for k, v in r["deployed_arch"].items())
+            if r.get("size_vs_own") is not None:
+                guard += f" ({r['size_vs_own']:.2f}x own size)"
         if "pays" in r:
             guard += f"; pays: {'yes' if r['pays'] else 'no'}"
         if "deployed" in r:
@@ -501,7 +573,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="the quick size (about 30 min, 2 cores)")
+    ap.add_argument("--size", choices=sorted(SIZES), help="quick, full (the default) or long")
+    ap.add_argument("--quick", action="store_true", help="the quick size: --size quick")
     ap.add_argument("--splits", help="comma-separated split names (default: all)")
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
@@ -519,11 +592,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("coordinator", "edge_sdk", "model_zoo"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    size_name = "quick" if args.quick else "full"
+    if args.quick and args.size not in (None, "quick"):
+        ap.error(f"--quick and --size {args.size} name two sizes")
+    size_name = "quick" if args.quick else args.size or "full"
     size = SIZES[size_name]
     out = args.out or ROOT / "runs" / "personalization" / size_name
     chosen = splits(size)
-    names = args.splits.split(",") if args.splits else list(chosen)
+    names = args.splits.split(",") if args.splits else list(size.default_splits or chosen)
     unknown = [n for n in names if n not in chosen]
     if unknown:
         ap.error(f"unknown split(s) {unknown}; known: {', '.join(chosen)}")

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from coordinator.config import load_config, parse_overrides  # noqa: E402
+from coordinator.results_model import Results  # noqa: E402
 from coordinator.simulator import simulate  # noqa: E402
 from edge_sdk.algorithms import algorithm_class, algorithm_names  # noqa: E402
 
@@ -228,7 +229,7 @@ for _g in (2, 4):
     )
 
 
-# -- PersFL (thesis 002) and FedMe (paper 004): the example configs, as measured in the README ---
+# -- PersFL (thesis 002) and FedMe (paper 004): the example configs (docs/benchmarks/reproduce.md)
 for _ds in (1, 2, 3):
     register(
         Row(
@@ -360,6 +361,9 @@ def summarize(row: Row, results: dict[str, Any], meta: dict[str, Any]) -> dict[s
         "PUI": (s.get("metrics") or {}).get("PUI"),
         "beats_local_pct": _share((c["personal_acc"], c["local_acc"]) for c in clients),
         "beats_fedavg_pct": _share((c["personal_acc"], c["fedavg_acc"]) for c in clients),
+        # what each device deployed: its own architecture, or what else (reproduce's rows run
+        # the algorithms as published, the guard off)
+        "deployed": Results.parse(results).deployed(),
         "budget": results.get("budget"),
         "reported": [r.__dict__ for r in row.reported],
         "claim": row.claim,
@@ -383,12 +387,22 @@ def _claim_check(row: Row, o: dict[str, Any]) -> str:
     return row.claim.split(" (")[0] + ", qualitative: " + ", ".join(checks)
 
 
+def _deployed(told: dict[str, Any] | None) -> str:
+    """What the devices deployed, in a cell: "own 5/5", or with the other architectures."""
+    if not told or not told["devices"]:
+        return "—"
+    cell = f"own {told['own_architecture']}/{told['devices']}"
+    if told["own_architecture"] < told["devices"]:
+        cell += " (" + ", ".join(f"{a} {n}" for a, n in told["architectures"].items()) + ")"
+    return cell
+
+
 def table(out: Path) -> str:
     lines = [
         "| row | T | personalized final / best | global final / best | "
         + "baselines (global final / best; local: personalized) | pooled | PUI | >local | "
-        + ">FedAvg | paper / reference | wall |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        + ">FedAvg | deployed | paper / reference | wall |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     summaries = []
     for name, row in ROWS.items():
@@ -423,8 +437,8 @@ def table(out: Path) -> str:
         lines.append(
             f"| {name} | {t} | {_pct(o['personal_final'])} / {_pct(o['personal_best'])} | "
             f"{_pct(o['global_final'])} / {_pct(o['global_best'])} | {'; '.join(basel)} | "
-            f"{pooled} | {pui} | {sm['beats_local_pct']} | {sm['beats_fedavg_pct']} | {reported} | "
-            f"{sm['wall_seconds']} s |"
+            f"{pooled} | {pui} | {sm['beats_local_pct']} | {sm['beats_fedavg_pct']} | "
+            f"{_deployed(sm.get('deployed'))} | {reported} | {sm['wall_seconds']} s |"
         )
     (out / "summary.json").write_text(json.dumps(summaries, indent=2) + "\n")
     text = "\n".join(lines) + "\n" + _fedme_tuning(summaries)

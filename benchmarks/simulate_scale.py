@@ -56,6 +56,7 @@ from _report import emit
 from coordinator.config import load_config
 from coordinator.federation import prepare_federation
 from coordinator.results import RoundRecord
+from coordinator.results_model import deployment_summary
 from coordinator.simulator import run_federation
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -142,6 +143,7 @@ def run_pfml(rounds: int, eval_every: int, reference: Path, fleets: list[str]) -
             "wall_s": round(wall, 2),
             "ratio": round(wall / ref_s, 2),
             "mean_personal_acc": round(acc, 4),
+            "deployed": deployment_summary(run.clients),
             "acc_gap_points": round(100 * (acc - ref_acc), 2),
             "round_s": [round(r.seconds, 3) for r in run.rounds],
         }
@@ -199,6 +201,7 @@ def _child(overrides: dict[str, Any], conn: Any) -> None:
             "peak_rss_mb": peak >> 20,
             "rounds": rounds,
             "mean_personal_acc": round(sum(accs) / len(accs), 4) if accs else None,
+            "deployed": deployment_summary(out.clients),
         }
     )
 

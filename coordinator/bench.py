@@ -50,6 +50,7 @@ __all__ = [
     "CHAR_FAMILY",
     "OnnxBenchConfig",
     "bench_family_names",
+    "bench_files",
     "check_goals",
     "format_goals",
     "run_onnx_benchmark",
@@ -309,4 +310,52 @@ def run_onnx_benchmark(
         "rows": [r.to_dict() | ({} if workdir is not None else {"path": None}) for r in rows],
         "goals": goals,
         "all_goals_met": all(g["met"] for g in goals),
+    }
+
+
+def bench_files(
+    files: Sequence[str | Path],
+    *,
+    data: str | Path | None = None,
+    dataset: str | None = None,
+    data_root: str | None = None,
+    samples: int = 1000,
+    seed: int = 0,
+    settings: BenchSettings | None = None,
+) -> dict[str, Any]:
+    """Measure ONNX files a user exported (one model: `edgefl export`'s fp32, fp16 and int8
+    files of one client) side by side, on `samples` inputs: from `data` (an .npz with arrays
+    `x`, preprocessed as in training, and `y`) or from the registered `dataset`."""
+    import numpy as np
+
+    from edge_sdk.onnx_format import read_metadata
+    from model_zoo.data import load_dataset
+
+    if (data is None) == (dataset is None):
+        raise ValueError("measuring files needs their test data: --data FILE.npz or --dataset NAME")
+    spec = read_metadata(files[0]).spec
+    if data is not None:
+        with np.load(data) as arrays:
+            if not {"x", "y"} <= set(arrays.files):
+                raise ValueError(f"{data} must hold arrays x and y; it holds {arrays.files}")
+            x, y = arrays["x"][:samples], arrays["y"][:samples]
+        where = f"{data}, {len(x)} samples"
+    else:
+        assert dataset is not None
+        ds = load_dataset(dataset, data_root, max_samples=samples, seed=seed)
+        x, y = ds.x.numpy(), ds.y.numpy()
+        where = f"{ds.name}, {len(x)} samples (a seeded subset; normalised as in training)"
+    if tuple(x.shape[1:]) != tuple(spec.input_shape):
+        raise ValueError(
+            f"the inputs are shaped {tuple(x.shape[1:])}, but {files[0]} takes "
+            f"{tuple(spec.input_shape)}"
+        )
+    settings = settings or BenchSettings()
+    rows = benchmark_onnx(list(files), x, y, settings=settings)
+    return {
+        "benchmark": "inference: onnxruntime, your files side by side",
+        "machine": machine_info(settings),
+        "settings": {**asdict(settings), "samples": len(x)},
+        "data": {"inputs": where},
+        "rows": [r.to_dict() for r in rows],
     }

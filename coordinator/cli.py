@@ -24,6 +24,7 @@ from coordinator.cli_common import (
     current,
     fail,
     guard,
+    key_values,
     load,
     tune_malloc,
     with_default,
@@ -32,7 +33,7 @@ from coordinator.cli_common import (
 if TYPE_CHECKING:  # the CLI imports the library lazily: `edgefl --help` stays fast
     from coordinator.results_model import Results
 
-__all__ = ["app", "main", "tune_malloc"]
+__all__ = ["app", "command_paths", "main", "tune_malloc"]
 
 
 def _version(show: bool) -> None:
@@ -63,23 +64,55 @@ SetOpt = Annotated[
     typer.Option(
         "--set",
         help="any setting, dotted: fml.alpha=0.3 (repeatable; `edgefl settings` lists them all)",
+        callback=key_values,
     ),
 ]
 _BROKER_HELP = "MQTT broker URL, mqtt[s]://[user@]host[:port] (password: EDGEFL_BROKER__PASSWORD)"
 _ONNX_INT8_HELP = (
     "after the run, also write each personalized model as int8 ONNX: dynamic (any model) or "
     "static (calibrated on the client's own training data; not for LSTMs), checked against "
-    "PyTorch"
+    "PyTorch. Smaller, but at batch 1 not always faster than fp32 (dynamic int8 convolutions and "
+    "the guard's mixtures were slower): `edgefl bench onnx FILES` measures yours"
 )
 
 
-def _training_help(what: str, key: str) -> str:
-    from coordinator.cli_common import setting_default
+_DEPLOY_HELP = with_default(
+    "what each client may deploy, by what its edge device can run: own (its own architecture), "
+    "any, or families and 'mixture', comma-separated (own,lenet5,mixture)",
+    "deploy.allow",
+    none="own",
+)
+_DEPLOY_MAX_PARAMS_HELP = with_default(
+    "the most parameters a deployed model other than the client's own architecture may hold",
+    "deploy.max_params",
+    none="no bound",
+)
 
+# The commands that run a federation end with this in their help (docs/reference/failures.md).
+EXIT_STATUS = (
+    "Exit status: 0 when every round got its quorum; 4 when some rounds did not and 3 when none "
+    "did (the last line and results.json's summary.outcome say so); 2 for a bad setting or "
+    "input; 130 when interrupted."
+)
+
+
+ConnectTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        help=with_default(
+            "seconds to keep trying to reach the broker, with backoff: a client may start before "
+            "its broker (inf: no limit)",
+            "broker.connect_timeout_s",
+        )
+    ),
+]
+
+
+def _training_help(what: str, key: str) -> str:
+    # The algorithms' defaults would load torch into every --help: `edgefl settings` shows them.
     return (
         f"{what}, for the algorithm and every baseline that has it "
-        f"[<algorithm>.{key}; default: the algorithm's own, "
-        f"e.g. fml {setting_default('fml.' + key)}]"
+        f"[<algorithm>.{key}; default: the algorithm's own: `edgefl settings fml.{key}`]"
     )
 
 
@@ -96,7 +129,7 @@ def _apply_threads(cfg: Any) -> None:
         torch.set_num_threads(cfg.threads)
 
 
-@app.command()
+@app.command(epilog=EXIT_STATUS)
 @common()
 def simulate(
     config: ConfigOpt = None,
@@ -221,6 +254,8 @@ def simulate(
     onnx_int8: Annotated[
         str | None, typer.Option(help=_ONNX_INT8_HELP + " (implies --export-onnx)", callback=_int8)
     ] = None,
+    deploy: Annotated[str | None, typer.Option(help=_DEPLOY_HELP)] = None,
+    deploy_max_params: Annotated[int | None, typer.Option(help=_DEPLOY_MAX_PARAMS_HELP)] = None,
     set_: SetOpt = None,
 ) -> None:
     """Simulate a federation in one process.
@@ -252,6 +287,8 @@ def simulate(
         "broker.url": broker,
         "out": str(out) if out else None,
         "export_onnx": True if (export_onnx or onnx_int8) else None,
+        "deploy.allow": deploy,
+        "deploy.max_params": deploy_max_params,
     }
     training = {"local_epochs": local_epochs, "batch_size": batch_size, "lr": lr}
     cfg = load(config, flags, training, set_ or [])
@@ -263,6 +300,16 @@ def simulate(
     _print_summary(results, cfg.out)
     if onnx_int8:
         _export_after_run(Path(cfg.out) / "state", cfg, onnx_int8, out=Path(cfg.out) / "onnx")
+    _close(results)
+
+
+def _close(results: Results) -> None:
+    """A run that lost rounds to a missed quorum ends with a line that says so, and a non-zero
+    exit status (`EXIT_STATUS`)."""
+    line = results.closing_line()
+    if line is not None:
+        typer.secho(line, fg=typer.colors.RED, bold=True)
+        raise typer.Exit(code=results.exit_code)
 
 
 def _export_after_run(states: Path, cfg: Any, kind: str, *, out: Path | None = None) -> None:
@@ -278,12 +325,12 @@ def _export_after_run(states: Path, cfg: Any, kind: str, *, out: Path | None = N
     )
 
 
-@app.command()
+@app.command(epilog=EXIT_STATUS)
 @common()
 def demo(
     algorithm: Annotated[str, typer.Option(help="any registered algorithm (`edgefl zoo`)")] = "fml",
     rounds: Annotated[int, typer.Option(min=1, help="communication rounds")] = 10,
-    clients: Annotated[int, typer.Option(min=1, help="devices, one process each")] = 6,
+    clients: Annotated[int, typer.Option(min=1, help="clients, one process each")] = 6,
     dataset: Annotated[
         str | None,
         typer.Option(help="dataset name [default: fashion_mnist when installed, else digits]"),
@@ -305,10 +352,10 @@ def demo(
     """Run a real federation on this machine, with a report.
 
     Takes 2-3 minutes on 2 cores. Starts an MQTT broker (mosquitto when installed, else the embedded
-    one), a coordinator and one process per device, each device with its own architecture (mlr, mlp,
-    lenet5, cnn1, a small vgg11, the row-LSTM), on a split where each device sees a few classes and
+    one), a coordinator and one process per client, each client with its own architecture (mlr, mlp,
+    lenet5, cnn1, a small vgg11, the row-LSTM), on a split where each client sees a few classes and
     about 100 training images. Then the local, FedAvg and FedAvg+FT baselines, an ONNX benchmark
-    of every device's personalized model, and OUT/report.html. Every process logs to
+    of every client's personalized model, and OUT/report.html. Every process logs to
     OUT/logs/<name>.log. Ctrl-C stops everything it started.
     """
     from coordinator.demo import DemoError, DemoOptions, run_demo
@@ -326,15 +373,16 @@ def demo(
         child_args=tuple(current().child_args()),
     )
     try:
-        guard(lambda: run_demo(opts, echo=typer.echo))
+        results = guard(lambda: run_demo(opts, echo=typer.echo))
     except DemoError as exc:
         raise fail(str(exc)) from exc
     except KeyboardInterrupt:
         typer.echo("\ninterrupted: every process the demo started has been stopped", err=True)
         raise typer.Exit(code=130) from None
+    _close(results)
 
 
-@app.command()
+@app.command(epilog=EXIT_STATUS)
 @common()
 def coordinator(
     broker: Annotated[
@@ -344,6 +392,7 @@ def coordinator(
         str | None,
         typer.Option(help=with_default("the run's id (topics are named after it)", "run_id")),
     ] = None,
+    connect_timeout: ConnectTimeoutOpt = None,
     config: ConfigOpt = None,
     algorithm: Annotated[
         str | None, typer.Option(help=with_default("fml, pfml, fedavg, ...", "algorithm"))
@@ -434,6 +483,7 @@ def coordinator(
 
     flags: dict[str, Any] = {
         "broker.url": broker,
+        "broker.connect_timeout_s": connect_timeout,
         "run_id": run_id,
         "algorithm": algorithm,
         "clients": clients,
@@ -450,6 +500,11 @@ def coordinator(
     }
     training = {"local_epochs": local_epochs, "batch_size": batch_size, "lr": lr}
     cfg = load(config, flags, training, set_ or [])
+    from edge_sdk import topics
+    from edge_sdk.auth import Keyring
+
+    # Keys first: a coordinator without them says how to issue them before anything else.
+    guard(lambda: Keyring.load(cfg.auth, topics.COORDINATOR))
 
     def show(rec: Any) -> None:
         acc = "—" if rec.mean_personal_acc is None else f"{100 * rec.mean_personal_acc:.2f}%"
@@ -478,6 +533,7 @@ def coordinator(
     if fresh:
         typer.echo("(started over: --fresh)")
     _print_summary(results, cfg.out or f"runs/{cfg.run_id}")
+    _close(results)
 
 
 @app.command()
@@ -487,22 +543,21 @@ def client(
         str | None, typer.Option(help=with_default(_BROKER_HELP, "broker.url"))
     ] = None,
     run_id: Annotated[str | None, typer.Option(help=with_default("the run's id", "run_id"))] = None,
+    connect_timeout: ConnectTimeoutOpt = None,
     index: Annotated[
         int | None,
-        typer.Option(
-            help="which client of the split this device is: its data (required) [client.index]"
-        ),
+        typer.Option(help="which client of the split this is: its data (required) [client.index]"),
     ] = None,
     id_: Annotated[
         str | None,
-        typer.Option("--id", help="this device's id [client.id; default: the split's, c<INDEX>]"),
+        typer.Option("--id", help="this client's id [client.id; default: the split's, c<INDEX>]"),
     ] = None,
     config: ConfigOpt = None,
     model: Annotated[
         str | None,
         typer.Option(
             help=with_default(
-                "this device's architecture family", "client.model", none="models[INDEX]"
+                "this client's architecture family", "client.model", none="models[INDEX]"
             )
         ),
     ] = None,
@@ -555,20 +610,23 @@ def client(
         typer.Option("--late", help="join a finished run: personalize from its archive (PersFL)"),
     ] = False,
     onnx_int8: Annotated[str | None, typer.Option(help=_ONNX_INT8_HELP, callback=_int8)] = None,
+    deploy: Annotated[str | None, typer.Option(help=_DEPLOY_HELP)] = None,
+    deploy_max_params: Annotated[int | None, typer.Option(help=_DEPLOY_MAX_PARAMS_HELP)] = None,
     set_: SetOpt = None,
 ) -> None:
-    """Run one edge device of a federation over MQTT.
+    """Run one client of a federation over MQTT (on its edge device).
 
     It trains when the coordinator asks. Its data is what the simulator would give client INDEX of
     the configured split. It persists its state in STATE_DIR after every task, resumes from it when
     restarted, and exports its personalized model to STATE_DIR/<id>.onnx after the run.
     """
     from coordinator.config import write_config
-    from coordinator.deploy import run_device
+    from coordinator.deploy import run_client
     from coordinator.export import RUN_CONFIG_SUFFIX
 
     flags: dict[str, Any] = {
         "broker.url": broker,
+        "broker.connect_timeout_s": connect_timeout,
         "run_id": run_id,
         "client.id": id_,
         "client.model": model,
@@ -583,6 +641,8 @@ def client(
         "seed": seed,
         "device": device,
         "threads": threads,
+        "deploy.allow": deploy,
+        "deploy.max_params": deploy_max_params,
     }
     cfg = load(config, flags, {}, set_ or [])
     _apply_threads(cfg)
@@ -594,7 +654,7 @@ def client(
         typer.echo(f"round {t.round}/{t.rounds} {t.phase}: {status}{score}")
 
     def started(dev: Any) -> None:
-        # What `edgefl export` needs to rebuild this device's data from its state.
+        # What `edgefl export` needs to rebuild this client's data from its state.
         own = cfg.model_copy(update={"client": cfg.client.model_copy(update={"id": dev.client_id})})
         write_config(own, Path(cfg.client.state_dir) / f"{dev.client_id}{RUN_CONFIG_SUFFIX}")
         typer.echo(f"{dev.client_id}: logs: {current().where()}")
@@ -610,7 +670,7 @@ def client(
     from edge_sdk.client import RegistrationRefused
 
     try:
-        dev = guard(lambda: run_device(cfg, on_task=show, on_start=started))
+        dev = guard(lambda: run_client(cfg, on_task=show, on_start=started))
     except RegistrationRefused as exc:
         raise fail(str(exc)) from exc
     if not dev.finished:
@@ -618,7 +678,9 @@ def client(
             f"{dev.client_id}: stopped; its state is in {dev.state_path}; run again to resume"
         )
         return
-    typer.echo(f"{dev.client_id}: done; personalized model: {dev.exported}")
+    deployed = dev.deployed
+    chosen = f" (deployed: {deployed.choice}, {deployed.arch})" if deployed is not None else ""
+    typer.echo(f"{dev.client_id}: done; personalized model: {dev.exported}{chosen}")
     if onnx_int8 and dev.state_path is not None:
         _export_after_run(dev.state_path, cfg, onnx_int8)
 
@@ -638,12 +700,24 @@ def _print_summary(results: Results, out: str | None) -> None:
     # A column per accuracy some client has (a baseline that did not run gets none).
     shown = [(h, k) for h, k in columns if any(getattr(c, k) is not None for c in clients)]
     mixed = len({c.device for c in clients}) > 1
-    header = f"{'client':<8}{'arch':<10}" + "".join(f"{h:>{max(10, len(h) + 2)}}" for h, _ in shown)
+    from coordinator.report.comparison import deployed as deployed_cell
+
+    deployed = {c.id: deployed_cell(c) for c in clients}
+    wide = max(10, *(len(d) + 2 for d in deployed.values()))
+    header = f"{'client':<8}{'arch':<10}{'deployed':<{wide}}"
+    header += "".join(f"{h:>{max(10, len(h) + 2)}}" for h, _ in shown)
     typer.echo(f"\n{results.algorithm}: per-client accuracy on each client's own test split (%)")
     typer.echo(header + ("  device" if mixed else ""))
     for c in clients:
         cells = "".join(f"{pct(getattr(c, k)):>{max(10, len(h) + 2)}}" for h, k in shown)
-        typer.echo(f"{c.id:<8}{c.arch or '—':<10}{cells}" + (f"  {c.device}" if mixed else ""))
+        row = f"{c.id:<8}{c.arch or '—':<10}{deployed[c.id]:<{wide}}{cells}"
+        typer.echo(row + (f"  {c.device}" if mixed else ""))
+    told = results.deployed()
+    if told["devices"]:
+        typer.echo(
+            f"deployed: {told['own_architecture']} of {told['devices']} devices a model of their "
+            "own architecture (the report's client details say why each deployed what it did)"
+        )
     means = ", ".join(
         f"{name} {pct(value)}%"
         for name, value in (
@@ -703,6 +777,19 @@ def _round_rules(cfg: Any) -> str:
 
 
 from coordinator import cli_tools as _tools  # noqa: E402, F401  (registers the tool commands)
+
+
+def command_paths() -> list[list[str]]:
+    """Every command as a user types it after `edgefl` (`[]`: the app itself, `["bench",
+    "onnx"]`): what the docs' reference, the start-up benchmark and its test walk."""
+
+    def walk(command: Any, path: list[str]) -> list[list[str]]:
+        found = [path]
+        for name, sub in getattr(command, "commands", {}).items():
+            found += walk(sub, [*path, name])
+        return found
+
+    return walk(typer.main.get_command(app), [])
 
 
 def main() -> None:

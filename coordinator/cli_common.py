@@ -34,6 +34,7 @@ __all__ = [
     "current",
     "fail",
     "guard",
+    "key_values",
     "load",
     "setting_default",
     "tune_malloc",
@@ -60,6 +61,20 @@ def csv_list(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def key_values(pairs: list[str] | None) -> list[str] | None:
+    """`--set`'s callback: every value is key=value. `--set fml.alpha 0.3` would otherwise end
+    in "unexpected extra argument (0.3)", which does not say what --set takes."""
+    for pair in pairs or []:
+        key, sep, _ = pair.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(
+                f"{pair!r} is not key=value: write --set {pair.strip() or 'KEY'}=VALUE, with no "
+                "space around '=' (e.g. --set fml.alpha=0.3; `edgefl settings` lists the keys)",
+                param_hint="'--set'",
+            )
+    return pairs
+
+
 def fail(msg: str) -> typer.Exit:
     typer.secho(f"error: {msg}", err=True, fg=typer.colors.RED)
     return typer.Exit(code=2)
@@ -67,10 +82,17 @@ def fail(msg: str) -> typer.Exit:
 
 # -- settings' defaults, shown in --help -------------------------------------------------------
 def setting_default(key: str) -> Any:
-    """The default of the dotted setting `key` (`rounds`, `round.deadline_s`, `fml.lr`)."""
-    from coordinator.config import run_config_model
+    """The default of the dotted setting `key` (`rounds`, `round.deadline_s`, `fml.lr`).
 
-    node: Any = run_config_model()()
+    Settings outside the algorithms' sections come from `RunConfig` alone, which loads neither
+    torch nor paho: the help of every command shows them, and `--help` stays fast. An
+    algorithm's section (`fml.lr`) needs its algorithm, and so torch."""
+    from coordinator.config import RunConfig, run_config_model
+
+    top = key.split(".")[0]
+    node: Any = (
+        RunConfig.model_construct() if top in RunConfig.model_fields else run_config_model()()
+    )
     for part in key.split("."):
         node = getattr(node, part)
     return node

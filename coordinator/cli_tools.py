@@ -17,6 +17,7 @@ from coordinator.cli_common import (
     csv_list,
     fail,
     guard,
+    key_values,
     load,
     with_default,
 )
@@ -53,13 +54,16 @@ def export(
         Path,
         typer.Argument(
             metavar="SOURCE",
-            help="a client state (<id>.state), a device's --state-dir, or a run's output folder",
+            help="a client state (<id>.state), a client's --state-dir, or a run's output folder",
         ),
     ],
     formats: Annotated[
         str,
         typer.Option(
-            "--format", help=f"{CSV}: fp32, fp16, int8-dynamic, int8-static (fp32 always)"
+            "--format",
+            help=f"{CSV}: fp32, fp16, int8-dynamic, int8-static (fp32 always). int8 is smaller "
+            "but at batch 1 not always faster than fp32 (dynamic int8 convolutions and the "
+            "guard's mixtures were slower): `edgefl bench onnx FILES` measures the files",
         ),
     ] = "fp32,fp16,int8-dynamic,int8-static",
     client_ids: Annotated[
@@ -81,7 +85,10 @@ def export(
         int, typer.Option(min=1, help="training inputs static int8 is calibrated on")
     ] = 256,
     set_: Annotated[
-        list[str] | None, typer.Option("--set", help="override a setting of the run's config")
+        list[str] | None,
+        typer.Option(
+            "--set", help="override a setting of the run's config: key=value", callback=key_values
+        ),
     ] = None,
 ) -> None:
     """Export a trained client's model to ONNX, fp32 to int8.
@@ -143,7 +150,8 @@ def split(
     seed: Annotated[int | None, typer.Option(help=with_default("partition seed", "seed"))] = None,
     plot: Annotated[Path | None, typer.Option(help="write the label distribution PNG here")] = None,
     set_: Annotated[
-        list[str] | None, typer.Option("--set", help="any setting, dotted: key=value")
+        list[str] | None,
+        typer.Option("--set", help="any setting, dotted: key=value", callback=key_values),
     ] = None,
 ) -> None:
     """Show how a dataset would be split, without training."""
@@ -254,7 +262,7 @@ def broker_acl(
     typer.echo(f"  each user's broker password: {paths['credentials']}/<user> (mode 600)")
     typer.echo(f"  each participant's signing key: {paths['keys']}/<id>.key (mode 600),")
     typer.echo(f"  the run's public keys: {paths['keys']}/roster.json")
-    typer.echo("give every device its own password and key and the roster:")
+    typer.echo("give every client its own password and key and the roster:")
     typer.echo("  broker.username = its id, broker.password_file, auth.key_file, auth.roster")
 
 
@@ -271,10 +279,12 @@ def keys(
     ids)."""
     from edge_sdk.auth import issue_keys
 
-    paths = guard(lambda: issue_keys(out, csv_list(clients) or []))
+    ids = csv_list(clients) or []
+    paths = guard(lambda: issue_keys(out, ids))
     typer.echo(f"wrote {len(paths) - 1} keys and {paths['roster']}")
-    typer.echo("give each participant its own key and the roster, e.g. for c0:")
-    typer.echo(f"  --set auth.key_file={out}/c0.key --set auth.roster={paths['roster']}")
+    first = ids[0] if ids else "coordinator"  # the example names a key this command wrote
+    typer.echo(f"give each participant its own key and the roster, e.g. for {first}:")
+    typer.echo(f"  --set auth.key_file={paths[first]} --set auth.roster={paths['roster']}")
 
 
 bench_app = typer.Typer(
@@ -286,6 +296,23 @@ app.add_typer(bench_app, name="bench")
 @bench_app.command("onnx")
 @common(plugins=False)
 def bench_onnx(
+    files: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            metavar="[FILES]...",
+            help="measure these ONNX files of one model instead (edgefl export's fp32, fp16 and "
+            "int8 files of a client), on --data or --dataset",
+            show_default=False,
+        ),
+    ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(help="FILES' test data: an .npz with inputs x (preprocessed) and labels y"),
+    ] = None,
+    dataset: Annotated[
+        str | None, typer.Option(help="FILES' test data: a seeded subset of this dataset")
+    ] = None,
+    samples: Annotated[int, typer.Option(min=1, help="test samples for FILES")] = 1000,
     families: Annotated[
         str | None,
         typer.Option(help=f"{CSV} families [default: every zoo family and lstm-char]"),
@@ -298,7 +325,8 @@ def bench_onnx(
     ] = 1,
     device: Annotated[str, typer.Option(help="auto (CUDA if there is one), cpu, cuda")] = "auto",
     data_root: Annotated[
-        str | None, typer.Option(help="directory holding the Fashion-MNIST IDX files")
+        str | None,
+        typer.Option(help="directory of the dataset files (the zoo's: Fashion-MNIST IDX files)"),
     ] = None,
     seed: Annotated[int, typer.Option(help="seed for initialisation and training")] = 0,
     workdir: Annotated[
@@ -306,21 +334,38 @@ def bench_onnx(
     ] = None,
     json_out: Annotated[Path | None, typer.Option(help="also write the JSON report here")] = None,
 ) -> None:
-    """Compare PyTorch with onnxruntime fp32 and int8.
+    """Measure PyTorch against onnxruntime fp32 and int8, or your files.
 
     For every zoo family: latency, throughput, size and accuracy of briefly trained models on real
-    data, measured side by side. Prints JSON, then tables.
+    data, measured side by side. With FILES: those files (fp32, fp16, int8), side by side on
+    --data or --dataset. Prints JSON, then tables. At batch 1, int8 is not always faster than
+    fp32 (dynamic int8 convolutions and the guard's mixtures were slower): measure before
+    deploying it.
     """
     from coordinator.bench import (
         OnnxBenchConfig,
         bench_family_names,
+        bench_files,
         format_goals,
         run_onnx_benchmark,
     )
     from edge_sdk.device import resolve_device
-    from edge_sdk.onnx_bench import format_rows
+    from edge_sdk.onnx_bench import BenchSettings, format_rows
 
     def run() -> Any:
+        if files:
+            if families:
+                raise ValueError("give FILES or --families, not both")
+            base = BenchSettings.quick() if quick else BenchSettings()
+            return bench_files(
+                files,
+                data=data,
+                dataset=dataset,
+                data_root=data_root,
+                samples=samples,
+                seed=seed,
+                settings=base.with_(threads=threads, device=resolve_device(device).type),
+            )
         cfg = OnnxBenchConfig(
             families=tuple(csv_list(families) or bench_family_names()),
             quick=quick,
@@ -348,6 +393,7 @@ def bench_onnx(
     for kind, desc in report["data"].items():
         typer.echo(f"{kind}: {desc}")
     typer.echo(format_rows(report["rows"]))
-    typer.echo("\ngoals:\n" + format_goals(report["goals"]))
-    for fam, why in report["skipped"].items():
+    if "goals" in report:  # the zoo's run (not your files)
+        typer.echo("\ngoals:\n" + format_goals(report["goals"]))
+    for fam, why in report.get("skipped", {}).items():
         typer.echo(f"skipped {fam}: {why}")

@@ -25,27 +25,29 @@ import os
 import tomllib
 import types
 import typing
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
-from coordinator.robust import RobustConfig
-from coordinator.server import RoundConfig
-from edge_sdk.algorithms import BaseAlgorithmConfig, algorithm_class, algorithm_names
 from edge_sdk.auth import AuthSettings
-from edge_sdk.transport.mqtt import BrokerSettings
-from model_zoo import families
-from model_zoo.data import dataset_names, partition_schemes
-from model_zoo.files import write_atomic
+from edge_sdk.budget import DeployBudget
+from edge_sdk.transport.settings import BrokerSettings
+
+if TYPE_CHECKING:
+    from edge_sdk.algorithms import BaseAlgorithmConfig
 
 __all__ = [
     "ENV_PREFIX",
+    "ClientConfig",
     "ConfigError",
     "DataConfig",
-    "DeviceConfig",
+    "DeployConfig",
+    "RobustConfig",
+    "RoundConfig",
     "RunConfig",
     "load_config",
     "parse_overrides",
@@ -66,6 +68,64 @@ class ConfigError(ValueError):
     """A config file or override that does not validate; the message names the field."""
 
 
+class RoundConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Defaults for a small fleet: a phase waits up to two minutes for a client that is online
+    # but slow (one whose connection drops, `reconnect_grace_s`), and a round counts with half
+    # of its replies, so one dead client never stalls or fails a round.
+    deadline_s: float = Field(120.0, gt=0)  # per phase of a round
+    # The finalize phase (fine-tuning, distillation, ONNX export and its verification) may take
+    # longer than a round's phases; None: the same as deadline_s.
+    finalize_deadline_s: float | None = Field(None, gt=0)
+    quorum: float = Field(0.5, gt=0, le=1)  # fraction of a round's tasks that must reply validly
+    # A client whose connection dropped is still given tasks and waited for this long: a flaky
+    # network or a broker restart costs no reply; a dead client costs one such wait.
+    reconnect_grace_s: float = Field(10.0, ge=0)
+    # How long the coordinator waits for its clients to register. Clients started by hand, or
+    # slow to import torch, take minutes: a daemon waits 10 by default.
+    register_timeout_s: float = Field(600.0, gt=0)
+    eval_every: int = Field(1, ge=1)  # evaluate on all clients every N rounds (and the last)
+    # Start once this many clients registered when `register_timeout_s` passes without all of
+    # the expected ones (None: all expected clients are needed).
+    min_clients: int | None = Field(None, ge=1)
+    # A round that misses quorum runs again (new sampling, the clients start from where they
+    # were before it) up to this many times; then it is recorded as failed, state unchanged on
+    # both sides (clients that trained in it go back to the state before it).
+    retries: int = Field(1, ge=0)
+
+
+Aggregator = Literal["mean", "median", "trimmed_mean", "krum"]
+
+
+class RobustConfig(BaseModel):
+    """`[robust]` of a run config: how the coordinator bounds what one client can do."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # How the (clipped) updates combine: the weighted mean, or a robust aggregator.
+    aggregator: Aggregator = "mean"
+    trim: float = Field(0.2, ge=0, lt=0.5)  # trimmed_mean's β: the share cut at each end
+    krum_f: int = Field(1, ge=0)  # krum's f: the attackers it tolerates (needs 2f + 3 replies)
+    # An update's norm is bounded at `clip` × the cohort's median (0: no bound). These defaults
+    # met the attack benchmark's goals at a measured cost to honest runs (docs/security.md).
+    clip: float = Field(3.0, ge=0)
+    # A contribution farther from the coordinate-wise median of its aggregate's contributions
+    # than `center_clip` × the median distance is pulled in to that distance (0: not at all).
+    center_clip: float = Field(2.0, ge=0)
+    # A sample weight (weighting = "by_samples") is capped at `weight_cap` × the round's median
+    # (0: no cap) and at `max_samples` (None: no maximum).
+    weight_cap: float = Field(1.5, ge=0)
+    max_samples: int | None = Field(None, ge=1)
+    # A fit reply with a weight (or buffer) larger than this in absolute value is rejected.
+    max_abs: float = Field(1e6, gt=0)
+    # A round whose evaluation shows more than `rollback_share` of the clients `rollback_drop`
+    # (accuracy, as a fraction) or more below the last evaluation is rolled back.
+    rollback: bool = True
+    rollback_drop: float = Field(0.1, gt=0, le=1)
+    rollback_share: float = Field(0.5, ge=0, lt=1)
+
+
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -81,19 +141,35 @@ class DataConfig(BaseModel):
     seed: int | None = None
 
 
-class DeviceConfig(BaseModel):
-    """`edgefl client`: which simulated device of the split this process is."""
+class ClientConfig(BaseModel):
+    """`edgefl client`: which client of the split this process is (its data, id, model)."""
 
     model_config = ConfigDict(extra="forbid")
 
     id: str | None = None  # client id (default: the simulator's, c<index>)
-    # Which client of the partition's split this device holds. No default: two devices started
+    # Which client of the partition's split this process is. No default: two clients started
     # without it would both be client 0 (`edgefl client` refuses to start without it).
     index: int | None = Field(None, ge=0)
     model: str | None = None  # its architecture family (default: models[index % len(models)])
-    state_dir: str = "edgefl-state"  # where the exported ONNX model (and later, state) goes
+    state_dir: str = "edgefl-state"  # its state, its run config and its exported ONNX model
     # Join a finished run: personalize from what it archived (PersFL), without training in it.
     late: bool = False
+
+
+class DeployConfig(DeployBudget):
+    """What the clients may deploy, by what their devices can run (edge_sdk.budget): `allow`
+    and `max_params` for every client, and `clients` for those with budgets of their own, by
+    id. Default: every client deploys a model of its own architecture only."""
+
+    # Budgets of their own, by client id (e.g. {"c3": {"allow": ["any"]}}).
+    clients: dict[str, DeployBudget] = Field(default_factory=dict)
+
+    def for_client(self, client_id: str) -> DeployBudget:
+        """`client_id`'s budget: its own where `clients` names it, else the common one."""
+        own = self.clients.get(client_id)
+        if own is not None:
+            return own
+        return DeployBudget(allow=self.allow, max_params=self.max_params)
 
 
 class RunConfig(BaseModel):
@@ -125,7 +201,10 @@ class RunConfig(BaseModel):
     fp16_upload: bool = False  # clients send their models in fp16: half the upload bytes
     allow: list[str] | None = None  # coordinator: the client ids admitted (default: any, up to N)
     metrics_port: int | None = Field(None, ge=0, le=65535)  # coordinator: Prometheus /metrics
-    client: DeviceConfig = DeviceConfig()
+    client: ClientConfig = ClientConfig()
+    # What each client may deploy (what its device can run): a model of its own architecture
+    # unless this allows more (edge_sdk.budget).
+    deploy: DeployConfig = DeployConfig()
     parallel: int | None = Field(None, ge=1)  # simulated clients training at once; None = cores
     # Where simulated clients run: "local", in this process (no serialisation); "network", each
     # an EdgeClient over the in-memory transport (a broker URL implies the network, over MQTT).
@@ -141,6 +220,10 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_names(self) -> RunConfig:
+        from edge_sdk.algorithms import algorithm_names
+        from model_zoo import families
+        from model_zoo.data import dataset_names, partition_schemes
+
         known = algorithm_names()
         for name in [self.algorithm, *self.baselines]:
             if name not in known:
@@ -171,6 +254,8 @@ class RunConfig(BaseModel):
 
     def algorithm_config(self, name: str | None = None) -> BaseAlgorithmConfig:
         """The config section of `name` (default: this run's algorithm)."""
+        from edge_sdk.algorithms import algorithm_class
+
         name = name or self.algorithm
         section = getattr(self, name, None)
         return section if section is not None else algorithm_class(name).config_cls()
@@ -191,6 +276,8 @@ _MODELS: dict[tuple[str, ...], type[RunConfig]] = {}
 def run_config_model() -> type[RunConfig]:
     """The model load_config validates with: RunConfig plus one section per algorithm
     registered now (built again when a plugin has registered another since)."""
+    from edge_sdk.algorithms import algorithm_class, algorithm_names
+
     names = tuple(algorithm_names())
     if names not in _MODELS:
         sections: dict[str, Any] = {}
@@ -331,6 +418,8 @@ def _as_dict(value: Any, dotted: str) -> dict[str, Any]:
 
 def _apply_training(tree: dict[str, Any], algorithms: list[str], key: str, value: Any) -> None:
     """Set one common training flag on every algorithm of the run whose config has it."""
+    from edge_sdk.algorithms import algorithm_class, algorithm_names
+
     known = set(algorithm_names())
     takers = [
         n for n in algorithms if n in known and key in algorithm_class(n).config_cls.model_fields
@@ -418,6 +507,7 @@ def load_config(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: invalid TOML: {exc}") from exc
         _refuse_secrets(tree, f"the config file {p}")
+    file_tree = copy.deepcopy(tree)
     if environ:
         for warning in unknown_env_settings():
             log.warning(warning)
@@ -445,8 +535,23 @@ def load_config(
     try:
         return run_config_model().model_validate(tree)
     except ValidationError as exc:
-        msgs = "; ".join(_error_text(e) for e in exc.errors())
+        # A bad value that came from the file (nothing later set that key) names the file.
+        later = set(_dotted(_env_tree() if environ else {})) | set(_dotted(given))
+        from_file = set(_dotted(file_tree)) - later
+        msgs = "; ".join(
+            f"{path}: {text}" if ".".join(map(str, e["loc"])) in from_file else text
+            for e in exc.errors()
+            for text in [_error_text(e)]
+        )
         raise ConfigError(f"invalid config: {msgs}") from exc
+
+
+def _dotted(tree: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
+    """Every key of a nested dict, dotted (`data.partition`), sections included."""
+    for key, value in tree.items():
+        yield prefix + key
+        if isinstance(value, Mapping):
+            yield from _dotted(value, f"{prefix}{key}.")
 
 
 def _without_nulls(value: Any) -> Any:
@@ -463,6 +568,21 @@ def write_config(cfg: RunConfig, path: str | Path, header: str = "") -> Path:
     `header` lines go first, as comments."""
     import tomli_w
 
+    from model_zoo.files import write_atomic
+
     tree = _without_nulls(cfg.model_dump(mode="json", exclude={"broker": {"password"}}))
     comments = "".join(f"# {line}\n" for line in header.splitlines())
     return write_atomic(path, comments + tomli_w.dumps(tree))
+
+
+def __getattr__(name: str) -> Any:
+    # Names kept for code written before the vocabulary was settled (client: the participant;
+    # device: where tensors compute).
+    if name == "DeviceConfig":
+        warnings.warn(
+            "coordinator.config.DeviceConfig is deprecated: it is ClientConfig",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return ClientConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

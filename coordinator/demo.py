@@ -3,24 +3,24 @@
 What it does, in order (each step prints what it did):
 
 1. Data: Fashion-MNIST when its files are installed, else scikit-learn's digits (28×28). The
-   split is the one personalization is for: `label_groups` puts the devices in pairs that share a
+   split is the one personalization is for: `label_groups` puts the clients in pairs that share a
    few classes, each with about 100 training images.
 2. A broker: mosquitto as a child process when it is installed, else the embedded amqtt broker
    (in this process); `broker` uses an existing one instead.
-3. `OUT/keys/`: a signing key for the coordinator and each device, and the roster of their
+3. `OUT/keys/`: a signing key for the coordinator and each client, and the roster of their
    public keys (`edgefl keys`): every message of the run is signed and checked.
-   `OUT/demo.toml`: the whole run config. The coordinator and every device read it.
-4. A coordinator daemon and one device per client, each a separate process (`python -m
-   coordinator coordinator|client`, each given its own key file), each device with its own
+   `OUT/demo.toml`: the whole run config. The coordinator and every client read it.
+4. A coordinator daemon and one process per client, each a separate process (`python -m
+   coordinator coordinator|client`, each given its own key file), each client with its own
    architecture. Their output goes to `OUT/logs/`. Progress comes from the coordinator's round
    records (`OUT/coordinator/rounds.jsonl`) and, before the first round, from its Prometheus
    endpoint.
 5. The baselines the report compares against, `local`, `fedavg` and `fedavg_ft` (FedAvg, then
-   each device fine-tunes the global model on its own data), with the in-process simulator on
+   each client fine-tunes the global model on its own data), with the in-process simulator on
    the same split and budget. A simulation and a deployment of one config give the
    same accuracies (tests/coordinator/test_deploy.py), so they compare like with like.
-6. The ONNX benchmark (quick mode) of each device's exported personalized model, on that
-   device's own test split.
+6. The ONNX benchmark (quick mode) of each client's exported personalized model, on that
+   client's own test split.
 7. `results.json`, `report.md`, `report.html` and the plots in OUT.
 
 SIGINT / SIGTERM at any point stop every process the demo started (SIGTERM, then SIGKILL after a
@@ -50,9 +50,9 @@ from coordinator.results_model import OnnxRow, Results
 from coordinator.simulator import run_federation
 from coordinator.strategies import strategy_class
 from edge_sdk.auth import AuthSettings, issue_keys
+from edge_sdk.budget import arch_name
 from edge_sdk.onnx_bench import BenchSettings, benchmark_onnx
 from edge_sdk.onnx_format import read_metadata
-from model_zoo import ArchSpec
 from model_zoo.data import DatasetNotFound
 from model_zoo.files import atomic_open, write_atomic
 
@@ -66,7 +66,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# One architecture per device, in this order (round-robin beyond six devices).
+# One architecture per client, in this order (round-robin beyond six clients).
 DEFAULT_FAMILIES: Final[tuple[str, ...]] = ("mlr", "mlp", "lenet5", "cnn1", "vgg11", "lstm")
 MODEL_KWARGS: Final[dict[str, dict[str, Any]]] = {"vgg11": {"width": 0.125}}  # a small VGG
 GLOBAL_FAMILY: Final[str] = "lenet5"  # the shared model (FML's meme, FedAvg's global model)
@@ -88,7 +88,7 @@ class DemoOptions:
     out: Path = Path("runs/demo")
     seed: int = 0
     broker: str | None = None  # None: start one
-    keep_broker: bool = False  # after the report, keep the broker up for your own device app
+    keep_broker: bool = False  # after the report, keep the broker up for your own client app
     device: str = "cpu"  # where the devices train: auto, cpu or cuda
     # Options every child process gets: log level and format, plugins (`edgefl demo --plugin`).
     child_args: tuple[str, ...] = ()
@@ -116,7 +116,7 @@ class _Timer:
 
 
 def _families(algorithm: str, clients: int) -> list[str]:
-    """Each device's architecture: all different, except for algorithms that average one model."""
+    """Each client's architecture: all different, except for algorithms that average one model."""
     if strategy_class(algorithm).one_architecture:
         return [GLOBAL_FAMILY]
     return list(DEFAULT_FAMILIES[: min(clients, len(DEFAULT_FAMILIES))])
@@ -124,7 +124,7 @@ def _families(algorithm: str, clients: int) -> list[str]:
 
 def demo_config(opts: DemoOptions, dataset: str) -> RunConfig:
     """The demo's run config for `dataset` (every process of the demo reads this one)."""
-    # Pairs of devices share a group of classes; at least two groups, so no device sees them all.
+    # Pairs of clients share a group of classes; at least two groups, so no client sees them all.
     num_groups = min(5, max(2, math.ceil(opts.clients / 2)), opts.clients)
     flags: dict[str, Any] = {
         "algorithm": opts.algorithm,
@@ -187,9 +187,9 @@ def _split_words(cfg: RunConfig, fed: Federation) -> str:
     shown = "; ".join("{" + ", ".join(names[k] for k in g) + "}" for g in groups)
     return (
         f"label_groups: the {len(names)} classes cut into {len(groups)} groups ({shown}); "
-        f"each device holds the samples of one group, shared with the other devices of that "
+        f"each client holds the samples of one group, shared with the other clients of that "
         f"group: {min(n_classes)}-{max(n_classes)} classes and {min(n_train)}-{max(n_train)} "
-        f"training images per device ({train}/{val}/{test} train/val/test split)"
+        f"training images per client ({train}/{val}/{test} train/val/test split)"
     )
 
 
@@ -214,21 +214,13 @@ def _baselines(cfg: RunConfig, fed: Federation) -> dict[str, RunResult]:
     return runs
 
 
-def _deployed_arch(spec: ArchSpec) -> str:
-    """What a device deploys, as the report names it: a mixture by its members (the guard's
-    default is the device's own model with the fine-tuned global one)."""
-    if spec.family != "mixture":
-        return spec.family
-    return "+".join(str(m["family"]) for m in spec.kwargs["members"])
-
-
 def _onnx_rows(fed: Federation, results: Results, out: Path) -> list[OnnxRow]:
-    """Each device's exported model (its architecture read from the file), measured with
+    """Each client's exported model (its architecture read from the file), measured with
     onnxruntime on its own test split."""
     personal = {c.id: c.personal_acc for c in results.clients}
     rows = []
     for i, cid in enumerate(fed.client_ids):
-        path = out / "devices" / cid / f"{cid}.onnx"
+        path = out / "clients" / cid / f"{cid}.onnx"
         data = fed.client_data[i]
         [row] = benchmark_onnx(
             path, data.x_test, data.y_test, settings=BenchSettings.quick(threads=1)
@@ -236,7 +228,7 @@ def _onnx_rows(fed: Federation, results: Results, out: Path) -> list[OnnxRow]:
         rows.append(
             OnnxRow(
                 client=cid,
-                arch=_deployed_arch(read_metadata(path).spec),
+                arch=arch_name(read_metadata(path).spec),
                 file=str(path.relative_to(out)),
                 size_bytes=row.size_bytes,
                 latency_p50_ms=row.latency_p50_ms_b1,
@@ -279,7 +271,7 @@ def _print_outcome(results: Results, echo: Callable[[str], None]) -> None:
             f"   {pct(c.fedavg_acc):>6}   {pct(c.fedavg_ft_acc):>9}   {model}{diff}"
         )
     echo(
-        f"mean over devices: personalized {pct(results.client_mean('personal_acc'))}, local "
+        f"mean over clients: personalized {pct(results.client_mean('personal_acc'))}, local "
         f"{pct(results.client_mean('local_acc'))}, FedAvg global model "
         f"{pct(results.client_mean('fedavg_acc'))}, FedAvg+FT "
         f"{pct(results.client_mean('fedavg_ft_acc'))}"
@@ -296,15 +288,15 @@ def _print_outcome(results: Results, echo: Callable[[str], None]) -> None:
         lost = sum(p < b for p, b in known)
         tied = len(known) - won - lost
         echo(
-            f"personalization beat {what} on {won} of {len(known)} devices"
+            f"personalization beat {what} on {won} of {len(known)} clients"
             + (f", lost on {lost}" if lost else "")
             + (f", tied on {tied}" if tied else "")
         )
 
 
-def _device_app_hint(url: str, echo: Callable[[str], None]) -> None:
+def _client_app_hint(url: str, echo: Callable[[str], None]) -> None:
     keys = "runs/phones/keys"
-    echo("your own device app against this broker (examples/embedded_client.py):")
+    echo("your own client app against this broker (examples/embedded_client.py):")
     echo(f"  edgefl keys --clients phone0,phone1 --out {keys}")
     echo(
         f"  edgefl coordinator --broker {url} --run-id phones --algorithm fml --clients 2 "
@@ -321,7 +313,13 @@ def _device_app_hint(url: str, echo: Callable[[str], None]) -> None:
 
 def _clean(out: Path) -> None:
     """Remove what a previous demo run left in OUT (and nothing else)."""
-    for sub in ("coordinator", "devices", "logs", "keys"):
+    for sub in (
+        "coordinator",
+        "clients",
+        "devices",
+        "logs",
+        "keys",
+    ):  # devices: what older demos wrote
         shutil.rmtree(out / sub, ignore_errors=True)
 
 
@@ -349,7 +347,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> Results:
             echo(f"split: {_split_words(cfg, fed)}")
             if len(cfg.models) == 1 and opts.clients > 1:
                 echo(
-                    f"{cfg.algorithm} averages one architecture: every device runs {cfg.models[0]}"
+                    f"{cfg.algorithm} averages one architecture: every client runs {cfg.models[0]}"
                 )
             # Every process signs what it sends with its own key; all check against the roster.
             keys = issue_keys(out / "keys", fed.client_ids)
@@ -386,7 +384,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> Results:
                 )
             echo(
                 f"deployment finished in {timer.phases['deployment']:.1f} s; personalized "
-                f"models: {out / 'devices'}/<id>/<id>.onnx"
+                f"models: {out / 'clients'}/<id>/<id>.onnx"
             )
             with timer.phase("baselines"):
                 echo(
@@ -394,15 +392,15 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> Results:
                     "and budget"
                 )
                 runs = {cfg.algorithm: deployed, **_baselines(cfg, fed)}
-            # The devices trained where they registered they did (the deployment's clients).
+            # The clients trained where they registered they did (the deployment's clients).
             results = build_results(cfg, runs)
             with timer.phase("onnx"):
-                echo("ONNX benchmark: onnxruntime, quick mode, 1 thread, each device's test split")
+                echo("ONNX benchmark: onnxruntime, quick mode, 1 thread, each client's test split")
                 results.onnx = _onnx_rows(fed, results, out)
             results.onnx_note = (
-                "Each device's personalized model as exported by the device itself after the "
+                "Each client's personalized model as exported by the client itself after the "
                 "run, measured with onnxruntime (CPU, 1 thread, quick mode: indicative) on the "
-                "device's own test split. Its accuracy there should equal the federation's "
+                "client's own test split. Its accuracy there should equal the federation's "
                 "personalized accuracy."
             )
             results.split = split_record(fed).model_copy(
@@ -411,19 +409,21 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> Results:
             results.setup = {
                 "Broker": f"{url} ({what})",
                 "Processes": (
-                    f"1 coordinator daemon + {len(arch)} device processes "
+                    f"1 coordinator daemon + {len(arch)} client processes "
                     "(`python -m coordinator coordinator|client`), over MQTT"
                 ),
-                "Devices": ", ".join(f"{cid}: {a}" for cid, a in arch.items()),
+                "Clients": ", ".join(f"{cid}: {a}" for cid, a in arch.items()),
                 "Data": f"{fed.dataset.name}, {len(fed.dataset)} images",
-                "Split": f"{cfg.data.partition}: a few classes per device (see Data per client)",
+                "Split": f"{cfg.data.partition}: a few classes per client (see Data per client)",
                 "Baselines": (
                     f"{', '.join(cfg.baselines)}, in-process simulator, same split and budget"
                 ),
                 "Local training": f"per round: {_budget_words(cfg)}",
-                "Wall time": ", ".join(f"{k} {v:.1f} s" for k, v in timer.phases.items())
-                + f"; {timer.total:.1f} s in all before this report",
+                "Time per step": ", ".join(f"{k} {v:.1f} s" for k, v in timer.phases.items())
+                + " (together: the summary's wall time)",
             }
+            # One wall time in the report: every step before it (not only the training runs).
+            results.summary.wall_seconds = sum(timer.phases.values())
             with timer.phase("report"):
                 write_results(results, out)
             total = timer.total
@@ -432,14 +432,14 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> Results:
             phases = ", ".join(f"{k} {v:.1f} s" for k, v in timer.phases.items())
             echo(f"wall time: {total:.1f} s ({phases}); the target is 3 minutes on 2 CPU cores")
             if opts.keep_broker and broker is not None:
-                _device_app_hint(url, echo)
+                _client_app_hint(url, echo)
                 echo("the broker stays up for it: Ctrl-C to stop")
                 with contextlib.suppress(KeyboardInterrupt):
                     while True:
                         time.sleep(1)
             elif broker is not None:
                 echo(
-                    "try your own device app: examples/embedded_client.py "
+                    "try your own client app: examples/embedded_client.py "
                     "(`edgefl demo --keep-broker` keeps this broker up and shows how)"
                 )
             return results

@@ -1,9 +1,9 @@
-"""The demo's processes: a coordinator daemon and one process per device, followed live.
+"""The demo's processes: a coordinator daemon and one process per client, followed live.
 
 `ProcessGroup` starts `python -m coordinator ...` children, each writing to its own log file,
 and stops them as a group (SIGTERM, then SIGKILL after a grace period). `deploy_and_follow`
 starts the federation and prints each round as the coordinator records it in `rounds.jsonl`
-(and, before the first round, how many devices are online, from its Prometheus endpoint).
+(and, before the first round, how many clients are online, from its Prometheus endpoint).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from coordinator.broker import free_port
 from coordinator.config import RunConfig
 from coordinator.deploy import RUN_RECORD, read_run
 from coordinator.results import RunResult
+from coordinator.results_model import EXIT_CODES
 
 __all__ = ["STOP_GRACE_S", "DemoError", "ProcessGroup", "deploy_and_follow", "interruptible"]
 
@@ -166,7 +167,7 @@ def deploy_and_follow(
     extra_sets: Sequence[str],
     child_args: Sequence[str] = (),
 ) -> RunResult:
-    """The coordinator daemon and one process per device; follows the rounds as they finish.
+    """The coordinator daemon and one process per client; follows the rounds as they finish.
     `child_args` go to every process (log options, plugins)."""
     config = str(out / "demo.toml")
     coordinator_out = out / "coordinator"
@@ -193,7 +194,7 @@ def deploy_and_follow(
     echo(f"coordinator: pid {coordinator.pid} (log: {procs.logs / 'coordinator.log'})")
     started = []
     for i, (cid, family) in enumerate(arch.items()):
-        state = out / "devices" / cid
+        state = out / "clients" / cid
         p = procs.start(
             cid,
             [
@@ -204,9 +205,9 @@ def deploy_and_follow(
             ],
         )
         started.append(f"{cid} {family} (pid {p.pid})")
-    echo("devices: " + ", ".join(started))
+    echo("clients: " + ", ".join(started))
     echo(f"logs: {procs.logs}/<name>.log, one per process (coordinator, {', '.join(arch)})")
-    echo(f"waiting for {len(arch)} devices to start and register (each process imports torch)")
+    echo(f"waiting for {len(arch)} clients to start and register (each process imports torch)")
     t0, online, shown = time.perf_counter(), -1, 0
     rounds_path = coordinator_out / "rounds.jsonl"
     while coordinator.poll() is None:
@@ -222,16 +223,16 @@ def deploy_and_follow(
             now = _clients_online(metrics_port)
             if now is not None and now != online:
                 online = now
-                echo(f"  devices online: {online}/{len(arch)} ({time.perf_counter() - t0:.1f} s)")
+                echo(f"  clients online: {online}/{len(arch)} ({time.perf_counter() - t0:.1f} s)")
         if rounds_path.exists():
             lines = [ln for ln in rounds_path.read_text().splitlines() if ln.strip()]
             for line in lines[shown:]:
                 echo(_round_line(json.loads(line), cfg, arch))
             if len(lines) > shown and len(lines) == cfg.rounds:
-                echo("finalizing: each device exports its personalized model to ONNX")
+                echo("finalizing: each client exports its personalized model to ONNX")
             shown = max(shown, len(lines))
         time.sleep(_POLL_S)
-    if coordinator.returncode != 0:
+    if coordinator.returncode not in EXIT_CODES.values():  # a run that lost rounds still ends
         raise DemoError(
             f"the coordinator exited with code {coordinator.returncode}; the end of its log:\n"
             f"{procs.tail('coordinator')}"

@@ -1,4 +1,4 @@
-"""Deployment entry points: the coordinator daemon and a device process, both over a real broker.
+"""Deployment entry points: the coordinator daemon and a client process, both over a real broker.
 
 `run_coordinator(cfg)` is `edgefl coordinator`: it waits for its clients on the broker, runs the
 rounds, appends one JSON line per completed round to `OUT/rounds.jsonl` (follow it with
@@ -6,7 +6,7 @@ rounds, appends one JSON line per completed round to `OUT/rounds.jsonl` (follow 
 `report.md` and the plots with the simulator's own writer. They describe the federation as its
 clients registered it (architectures, data set, devices), not the daemon's own config defaults.
 
-`run_device(cfg)` is `edgefl client`: one device holding client `index` of the same split the
+`run_client(cfg)` is `edgefl client`: one process holding client `index` of the same split the
 simulator would make (same data, ids and seeds), registering, training when asked and exporting
 its personalized model as a verified ONNX file into its state dir after the run.
 """
@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ __all__ = [
     "checkpoint_path",
     "metrics_collector",
     "read_run",
+    "run_client",
     "run_coordinator",
     "run_device",
 ]
@@ -252,13 +254,13 @@ def read_run(path: Path) -> RunResult:
     )
 
 
-def run_device(
+def run_client(
     cfg: RunConfig,
     *,
     on_task: Callable[[TaskOutcome], None] | None = None,
     on_start: Callable[[EdgeClient], None] | None = None,
 ) -> EdgeClient:
-    """One device process: client `cfg.client.index` of the configured split, over the broker.
+    """One client process: client `cfg.client.index` of the configured split, over the broker.
 
     It persists its algorithm state in `cfg.client.state_dir` after every task and resumes from
     it when restarted; SIGTERM/SIGINT stop it after the task in progress, leaving cleanly.
@@ -267,7 +269,7 @@ def run_device(
     i = cfg.client.index
     if i is None:  # two devices left on a default would both be client 0, and collide
         raise ConfigError(
-            "which device is this? pass --index I (the client of the split whose data it holds; "
+            "which client is this? pass --index I (the client of the split whose data it holds; "
             "client.index in a config) and, optionally, --id NAME (default c<I>)"
         )
     fed = prepare_federation(cfg)
@@ -308,3 +310,12 @@ def run_device(
             on_start(client)
         client.run()
     return client
+
+
+def run_device(cfg: RunConfig, **kwargs: Any) -> EdgeClient:
+    """Deprecated: `run_client` (the vocabulary: a client is the participant; a device is where
+    tensors compute)."""
+    warnings.warn(
+        "coordinator.deploy.run_device is deprecated: use run_client", DeprecationWarning, 2
+    )
+    return run_client(cfg, **kwargs)

@@ -264,8 +264,9 @@ def build_node(
     if not 0 <= index < len(fed.client_ids):
         raise ValueError(f"client index {index} is out of range for {len(fed.client_ids)} clients")
     family = family or cfg.models[index % len(cfg.models)]
+    cid = client_id or fed.client_ids[index]
     return ClientNode(
-        client_id or fed.client_ids[index],
+        cid,
         client_spec(cfg, family, fed.dataset),
         fed.client_data[index],
         run_id=run_id or cfg.run_id,
@@ -276,6 +277,7 @@ def build_node(
         normalization=fed.dataset.normalization,
         state_dir=state_dir,
         dataset=fed.dataset.name,
+        budget=cfg.deploy.for_client(cid),
     )
 
 

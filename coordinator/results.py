@@ -24,6 +24,7 @@ from coordinator.results_model import (
     BaselineSummary,
     ClientEntry,
     DeviceRecord,
+    Outcome,
     Results,
     RoundEntry,
     Summary,
@@ -156,6 +157,7 @@ def build_results(
         ),
         best_global_acc=max(globals_, default=None),
         failed_rounds=sum(r.failed for r in main.rounds),
+        outcome=_outcome(main.rounds),
         wall_seconds=sum(r.wall_seconds for r in runs.values()),
         # what crossed the coordinator's connection (payload bytes, the whole run)
         coordinator_bytes_out=main.bytes_out,
@@ -312,3 +314,11 @@ def write_results(results: Results, out: Path) -> Path:
 def _mean(values: list[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return sum(vals) / len(vals) if vals else None
+
+
+def _outcome(rounds: list[RoundRecord]) -> Outcome:
+    """Whether every round (complete), some (partial) or none (failed) got its quorum."""
+    failed = sum(r.failed for r in rounds)
+    if rounds and failed == len(rounds):
+        return "failed"
+    return "partial" if failed else "complete"

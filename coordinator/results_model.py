@@ -7,7 +7,7 @@ JSON keys and nesting results.json always had. Reading a results.json file valid
 ``results['clients'][0]['personal_acc']: Input should be a valid number``.
 
 Accuracies are fractions in [0, 1] measured on each client's own test split; a mean over
-clients gives every client the same weight (see README, "What a run writes").
+clients gives every client the same weight (docs/reference/results.md).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar, Literal, Protocol, Self
 
 from pydantic import (
     BaseModel,
@@ -32,6 +33,7 @@ from pydantic import (
 from edge_sdk.algorithms import Detail
 
 __all__ = [
+    "EXIT_CODES",
     "Accuracy",
     "Baseline",
     "BaselineClient",
@@ -41,17 +43,25 @@ __all__ = [
     "DeviceRecord",
     "Metrics",
     "OnnxRow",
+    "Outcome",
     "Results",
     "ResultsError",
     "RoundEntry",
     "Split",
     "SplitClient",
     "Summary",
+    "deployment_summary",
 ]
 
 Accuracy = Annotated[float, Field(ge=0.0, le=1.0)] | None
 # The PersFL metrics: numbers, and the fairness of the improved / worsened clients (or None).
 Metrics = dict[str, float | dict[str, float] | None]
+
+
+# What `edgefl simulate`, `edgefl coordinator` and `edgefl demo` exit with, by the run's
+# `summary.outcome` (2 is a usage or config error, 130 an interruption).
+EXIT_CODES: dict[str, int] = {"complete": 0, "failed": 3, "partial": 4}
+Outcome = Literal["complete", "partial", "failed"]
 
 
 class ResultsError(ValueError):
@@ -158,6 +168,10 @@ class Summary(_Doc):
     best_mean_personal_acc: Accuracy = None
     best_global_acc: Accuracy = None  # the best round's `global_acc`
     failed_rounds: int = Field(0, ge=0)
+    # "complete": every round got its quorum; "partial": some did not (each of those rounds was
+    # dropped, the state left as before it); "failed": none did, so no round's training was
+    # kept. None: a results.json written before the outcome was recorded.
+    outcome: Outcome | None = None
     wall_seconds: float | None = None
     coordinator_bytes_out: int = Field(0, ge=0)
     coordinator_bytes_in: int = Field(0, ge=0)
@@ -326,6 +340,64 @@ class Results(_Doc):
         values = [getattr(c, field) for c in self.clients]
         present = [v for v in values if v is not None]
         return sum(present) / len(present) if present else None
+
+    def deployed(self) -> dict[str, Any]:
+        """What the devices deployed (`deployment_summary`)."""
+        return deployment_summary(self.clients)
+
+    @property
+    def exit_code(self) -> int:
+        """What the command that ran this exits with (`EXIT_CODES`)."""
+        return EXIT_CODES[self.summary.outcome or "complete"]
+
+    def closing_line(self) -> str | None:
+        """The line a run that lost rounds to a missed quorum ends with (None: it lost none)."""
+        outcome = self.summary.outcome
+        if outcome in (None, "complete"):
+            return None
+        quorum = (self.config.get("round") or {}).get("quorum")
+        rule = f" (round.quorum {quorum:g})" if quorum is not None else ""
+        if outcome == "failed":
+            return (
+                f"RUN FAILED: none of the {len(self.rounds)} rounds got its quorum{rule}, so no "
+                "round's training was kept and the accuracies above measure no federated "
+                "training; the log says why clients did not reply validly "
+                f"(exit code {self.exit_code})"
+            )
+        failed = [str(r.round) for r in self.rounds if r.failed]
+        return (
+            f"RUN INCOMPLETE: {len(failed)} of {len(self.rounds)} rounds missed their "
+            f"quorum{rule} (round {', '.join(failed)}); those rounds' training was dropped "
+            f"(exit code {self.exit_code})"
+        )
+
+
+class _Deployer(Protocol):
+    arch: str | None
+
+    @property
+    def details(self) -> Mapping[str, Detail]: ...
+
+
+def deployment_summary(clients: Sequence[_Deployer]) -> dict[str, Any]:
+    """What the devices deployed, beside what they were asked to run: how many reported it, how
+    many deployed a model of their own architecture, how many of each architecture (`mixture of
+    mlr+mlp` for several models), and the deployed models' mean size against their own
+    architectures' (in parameters)."""
+    told = [c for c in clients if "deployed_arch" in c.details]
+    ratios = [
+        p / o
+        for c in told
+        if isinstance(p := c.details.get("deployed_params"), int | float)
+        and isinstance(o := c.details.get("own_params"), int | float)
+        and o > 0
+    ]
+    return {
+        "devices": len(told),
+        "own_architecture": sum(c.details["deployed_arch"] == c.arch for c in told),
+        "architectures": dict(Counter(str(c.details["deployed_arch"]) for c in told)),
+        "size_vs_own": sum(ratios) / len(ratios) if ratios else None,
+    }
 
 
 def _first_error(exc: ValidationError) -> str:

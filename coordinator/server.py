@@ -23,8 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from coordinator.config import RoundConfig
 from coordinator.fleet import (
     CoordinatorError,
     Fleet,
@@ -60,33 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class RoundConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    # Defaults for a small fleet of devices: a phase waits up to two minutes for a device that
-    # is online but slow (one whose connection drops, `reconnect_grace_s`), and a round
-    # counts with half of its replies, so one dead device never stalls or fails a round.
-    deadline_s: float = Field(120.0, gt=0)  # per phase of a round
-    # The finalize phase (fine-tuning, distillation, ONNX export and its verification) may take
-    # longer than a round's phases; None: the same as deadline_s.
-    finalize_deadline_s: float | None = Field(None, gt=0)
-    quorum: float = Field(0.5, gt=0, le=1)  # fraction of a round's tasks that must reply validly
-    # A client whose connection dropped is still given tasks and waited for this long: a flaky
-    # network or a broker restart costs no reply; a dead device costs one such wait.
-    reconnect_grace_s: float = Field(10.0, ge=0)
-    # How long the coordinator waits for its clients to register. Devices started by hand, or
-    # slow to import torch, take minutes: a daemon waits 10 by default.
-    register_timeout_s: float = Field(600.0, gt=0)
-    eval_every: int = Field(1, ge=1)  # evaluate on all clients every N rounds (and the last)
-    # Start once this many clients registered when `register_timeout_s` passes without all of
-    # the expected ones (None: all expected clients are needed).
-    min_clients: int | None = Field(None, ge=1)
-    # A round that misses quorum runs again (new sampling, the clients start from where they
-    # were before it) up to this many times; then it is recorded as failed, state unchanged on
-    # both sides (clients that trained in it go back to the state before it).
-    retries: int = Field(1, ge=0)
 
 
 @dataclass

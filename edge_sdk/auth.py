@@ -237,10 +237,10 @@ class ReplayGuard:
                 self._dirty |= incarnation != last[0]
                 self._status[topic] = mark
                 return None
-            last = self._last.get(topic, -1)
-            if seq < last:
+            last_seq = self._last.get(topic, -1)
+            if seq < last_seq:
                 return "replayed"
-            if seq == last:
+            if seq == last_seq:
                 return "duplicate"
             self._last[topic] = seq
             self._dirty = True

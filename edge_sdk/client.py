@@ -1,4 +1,4 @@
-"""EdgeClient: the runtime a device app embeds — a transport, a serve loop and registration
+"""EdgeClient: the runtime a client app embeds — a transport, a serve loop and registration
 around one `ClientNode` (edge_sdk.node), which owns the algorithm, its persistence and export.
 
 It connects through a Transport, registers its ArchSpec and capabilities, then serves tasks on
@@ -22,7 +22,7 @@ earlier run (same run id, same keys) counts in this one; a "finished" status see
 registered ends it only when no newer status follows within FINISHED_GRACE_S.
 
 With a `state_dir` it persists its whole algorithm state (atomically) after every task that
-changed it, and a restarted device (same id, same run) continues from there; its record of the
+changed it, and a restarted client (same id, same run) continues from there; its record of the
 signed messages it has seen (`ReplayGuard`) lives there too. A fit task for a
 round it already trained (the coordinator restarted, or retried the round) starts from the state
 it had before that round, so a repeated round trains exactly what the first attempt trained.
@@ -49,6 +49,7 @@ from pydantic import ValidationError
 from edge_sdk import topics
 from edge_sdk.algorithms import ClientAlgorithm, FitResult
 from edge_sdk.auth import Keyring, ReplayGuard
+from edge_sdk.budget import DeployBudget
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, Buffer, WireModel
 from edge_sdk.node import ClientNode, NodeTask
 from edge_sdk.peers import PeerChannel
@@ -80,7 +81,7 @@ from edge_sdk.wire import (
 )
 from model_zoo import ArchSpec
 
-__all__ = ["EdgeClient", "RegistrationRefused", "TaskOutcome"]
+__all__ = ["Deployed", "EdgeClient", "FinalMetrics", "RegistrationRefused", "TaskOutcome"]
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +105,22 @@ FINISHED_GRACE_S = 6.0
 INITIAL_PENDING_BYTES = 4 * DEFAULT_CHUNK_BYTES
 
 
+# Why a client without a keyring stops when its coordinator signs (RegistrationRefused).
+_UNSIGNED = (
+    "this client has no keyring, but the run's coordinator signs its messages and so drops "
+    "unsigned ones: its registration would never be answered. Give it its key: "
+    "keyring=Keyring.load(AuthSettings(key_file='{id}.key', roster='roster.json'), '{id}') "
+    "(files from `edgefl keys`), or run every participant unsigned (auth.open=true)"
+)
+
+
 class RegistrationRefused(RuntimeError):
     """The coordinator refused this client's registration (the reason is the message)."""
 
 
 @dataclass(frozen=True)
 class TaskOutcome:
-    """What a device app's per-round callback receives after each task."""
+    """What a client app's per-round callback receives after each task."""
 
     round: int
     rounds: int
@@ -118,17 +128,76 @@ class TaskOutcome:
     ok: bool
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    # After the finalize task: what the client deployed, and why.
+    deployed: Deployed | None = None
+
+
+@dataclass(frozen=True)
+class Deployed:
+    """What a client deploys after the run, as its finalize reply said: which model (its
+    guard's label, e.g. "personal (final, lenet5)", "distilled (final, mlp)"), its architecture
+    ("mixture of mlr+mlp" for several models), its parameters and the size of its weights, its
+    own architecture's parameters (the budget's yardstick, edge_sdk.budget), why it was chosen
+    (a sentence), a better model its budget refused (`outside_budget`), and its ONNX file."""
+
+    choice: str
+    arch: str
+    params: int
+    kib: float
+    own_params: int
+    reason: str
+    outside_budget: str | None = None
+    val_acc: float | None = None  # on the client's validation split (where the guard chose)
+    onnx_path: Path | None = None  # None when the client exports no ONNX file
+
+    @classmethod
+    def from_details(
+        cls, details: Mapping[str, Any], onnx_path: Path | None = None
+    ) -> Deployed | None:
+        """The record in a finalize reply's details; None where they hold none."""
+        if "deployed_arch" not in details:
+            return None
+        val, outside = details.get("guard_val_acc"), details.get("deployed_outside_budget")
+        return cls(
+            choice=str(details.get("deployed", "")),
+            arch=str(details["deployed_arch"]),
+            params=int(details["deployed_params"]),
+            kib=float(details["deployed_kib"]),
+            own_params=int(details["own_params"]),
+            reason=str(details.get("deployed_reason", "")),
+            outside_budget=None if outside is None else str(outside),
+            val_acc=float(val) if isinstance(val, int | float) else None,
+            onnx_path=onnx_path,
+        )
+
+    def describe(self) -> str:
+        where = f", {self.onnx_path}" if self.onnx_path else ""
+        return f"{self.choice}: {self.arch}, {self.params:,} parameters ({self.kib:.1f} KiB{where})"
+
+
+class FinalMetrics(dict[str, float]):
+    """What `EdgeClient.run()` returns: the final metrics, a dict as before, and `deployed`,
+    what the client deploys (None when the run did not reach its end)."""
+
+    deployed: Deployed | None = None
 
 
 class EdgeClient:
-    """One device: a `ClientNode` (its id, architecture, private data, and the algorithm state it
+    """One client: a `ClientNode` (its id, architecture, private data, and the algorithm state it
     accumulates) served over a transport.
 
     `onnx_path`: where to export the personalized model (verified) after the last round.
+    `class_names`, `normalization`: written into the ONNX file's metadata for the app that runs
+    it. `normalization` is what the app's data was normalised with: {"mean": [...], "std":
+    [...]}, one value per input channel (or one for all); `OnnxPredictor.predict(raw,
+    normalize=True)` then applies it to raw inputs on the device. A mapping with other keys is
+    refused here, when the client is built.
     `on_task`: called on the worker thread after every task (a per-round progress hook).
-    `state_dir`: where the node persists its state after every task (a restarted device resumes).
+    `state_dir`: where the node persists its state after every task (a restarted client resumes).
     `dataset`: the name of the data set it trains on, told to the coordinator when it registers
     (with its device and precision), so that the run's results say what the federation ran.
+    `budget`: what the device may deploy (edge_sdk.budget.DeployBudget; default: a model of its
+    own architecture only). After the run, `deployed` says what it deployed and why.
     """
 
     def __init__(
@@ -151,6 +220,7 @@ class EdgeClient:
         state_dir: str | Path | None = None,
         dataset: str | None = None,
         keyring: Keyring | None = None,
+        budget: DeployBudget | None = None,
     ) -> None:
         node = ClientNode(
             client_id,
@@ -164,6 +234,7 @@ class EdgeClient:
             normalization=normalization,
             state_dir=state_dir,
             dataset=dataset,
+            budget=budget,
         )
         self._attach(
             node,
@@ -258,6 +329,7 @@ class EdgeClient:
         self.tasks_done = 0
         self.errors: list[str] = []
         self.last_metrics: dict[str, float] = {}
+        self.last_details: dict[str, Any] = {}  # of the last task's reply (finalize: the guard's)
 
     # What the node holds, for apps and tests that read it from the client.
     @property
@@ -279,6 +351,13 @@ class EdgeClient:
     @property
     def exported(self) -> Path | None:
         return self.node.exported
+
+    @property
+    def deployed(self) -> Deployed | None:
+        """What this client deploys, once the run has ended (None before)."""
+        if not self.finished:
+            return None
+        return Deployed.from_details(self.last_details, self.exported)
 
     @property
     def state_path(self) -> Path | None:
@@ -308,15 +387,22 @@ class EdgeClient:
         state_dir: str | Path | None = None,
         dataset: str | None = None,
         keyring: Keyring | None = None,
+        budget: DeployBudget | None = None,
     ) -> EdgeClient:
         """An EdgeClient over its own `MqttTransport` to `broker` (a URL or `BrokerSettings`);
         the other arguments are the constructor's.
 
-        The MQTT session is named after the run and the client, so a restarted device resumes
+        The MQTT session is named after the run and the client, so a restarted client resumes
         it (and receives what was queued for it while it was away).
         """
         from edge_sdk.transport.mqtt import MqttTransport
 
+        if keyring is None:
+            log.warning(
+                "%s: no keyring: its messages go unsigned (open mode), and a coordinator that "
+                "checks signatures drops them; pass keyring=Keyring.load(...) (edge_sdk.auth)",
+                client_id,
+            )
         transport = MqttTransport(broker, f"edgefl-{run_id}-{client_id}")
         return cls(
             client_id,
@@ -336,6 +422,7 @@ class EdgeClient:
             state_dir=state_dir,
             dataset=dataset,
             keyring=keyring,
+            budget=budget,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -357,9 +444,11 @@ class EdgeClient:
         self._thread.start()
         return self
 
-    def run(self, timeout: float | None = None) -> dict[str, float]:
-        """Start (if needed) and block until the federation ends; the final metrics. Raises
-        `RegistrationRefused` when the coordinator refused this process."""
+    def run(self, timeout: float | None = None) -> FinalMetrics:
+        """Start (if needed) and block until the federation ends. Returns the final metrics (a
+        dict) whose `deployed` says which model the client deploys (its architecture, size and
+        ONNX file) and why. Raises `RegistrationRefused` when the coordinator refused this
+        process."""
         if self._thread is None:
             self.start()
         try:
@@ -369,7 +458,9 @@ class EdgeClient:
             self.stop()
         if self.refused is not None:
             raise RegistrationRefused(f"{self.client_id}: registration refused: {self.refused}")
-        return dict(self.last_metrics)
+        final = FinalMetrics(self.last_metrics)
+        final.deployed = self.deployed
+        return final
 
     def join_late(self, timeout: float = 60.0) -> FitResult:
         """Personalize from a finished run's archive, without taking part in it: what the
@@ -394,6 +485,7 @@ class EdgeClient:
         assert isinstance(archive, Archive)
         result = self.node.join_late(archive.algorithm, archive.config, archive.rounds, models)
         self.finished, self.last_metrics = True, dict(result.metrics)
+        self.last_details = dict(result.details)
         return result
 
     def register(self) -> None:
@@ -575,6 +667,12 @@ class EdgeClient:
             log.info("%s: ignoring the status of an earlier coordinator", self.client_id)
             return
         self.status = status
+        if self.keyring is None and topics.COORDINATOR in self.endpoint.signed_writers:
+            # A coordinator that signs drops unsigned registrations: waiting would never end.
+            self.accepted, self.refused = False, _UNSIGNED.format(id=self.client_id)
+            log.error("%s: %s", self.client_id, self.refused)
+            self._stop.set()
+            return
         if status.model_bytes:  # room for a task's models (and a chunk) per topic, no more
             bound = max(INITIAL_PENDING_BYTES, 2 * status.model_bytes + DEFAULT_CHUNK_BYTES)
             if bound > self.endpoint.max_pending_bytes:
@@ -599,6 +697,7 @@ class EdgeClient:
                 result.models, fp16=self.fp16_upload, max_bytes=self.max_blob_bytes
             )
             reply = _reply_for(task, self.client_id, result, refs, session=self.session)
+            self.last_details = dict(result.details)
         except Exception as exc:  # the client reports and keeps serving
             log.exception("%s: task %s (%s) failed", self.client_id, task.task_id, task.phase)
             error = f"{type(exc).__name__}: {exc}"[:2000]
@@ -614,11 +713,20 @@ class EdgeClient:
         except TransportError as exc:
             log.error("%s: could not send the reply to %s: %s", self.client_id, task.task_id, exc)
         self.tasks_done += 1
+        deployed = None
         if reply.ok:
             self.last_metrics = dict(reply.metrics)
+            if task.phase == "finalize":
+                deployed = Deployed.from_details(reply.details, self.exported)
         if self.on_task is not None:
             outcome = TaskOutcome(
-                task.round, task.rounds, task.phase, reply.ok, dict(reply.metrics), reply.error
+                task.round,
+                task.rounds,
+                task.phase,
+                reply.ok,
+                dict(reply.metrics),
+                reply.error,
+                deployed,
             )
             try:
                 self.on_task(outcome)

@@ -320,6 +320,30 @@ def _stacked_class(cls: type[nn.Module]) -> type[nn.Module]:
     return _CLASSES[cls]
 
 
+_SAID: set[type] = set()
+
+
+def _say_stacked(cls: type[ClientAlgorithm], members: int) -> None:
+    """Once per algorithm class: that its clients train stacked. An algorithm from outside the
+    SDK (a plugin) is told at WARNING: it may have inherited `stackable` without knowing."""
+    if cls in _SAID:
+        return
+    _SAID.add(cls)
+    own = cls.__module__.startswith("edge_sdk.algorithms.")
+    origin = next(c for c in cls.__mro__ if "stackable" in vars(c))
+    inherited = "" if origin is cls else f", inherited from {origin.__name__}"
+    log.log(
+        logging.INFO if own else logging.WARNING,
+        "%s: %d clients of one architecture train stacked, as one model whose parameters carry "
+        "a leading client dimension (stackable = True%s): train_round runs once for all of "
+        "them, so it may use only the context's trainer, model builders and losses. Set "
+        "stackable = False on the class, or --set cohort=false, to train client by client",
+        cls.name,
+        members,
+        inherited,
+    )
+
+
 def _check_stackable(model: nn.Module) -> None:
     if any(True for _ in model.buffers()):
         raise CohortUnsupported(f"{type(model).__name__} has buffers (e.g. batch norm statistics)")
@@ -822,6 +846,7 @@ def run_stacked(
     cls = type(first)
     if not cls.stackable:
         raise CohortUnsupported(f"{cls.name} does not train stacked")
+    _say_stacked(cls, len(algos))
     # Longest epochs first: then the members still training at any step are a prefix.
     order = sorted(range(len(algos)), key=lambda i: -algos[i].ctx.data.n_train)
     members = [algos[i] for i in order]

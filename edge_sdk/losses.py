@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ __all__ = [
     "ce_plus_kl",
     "cross_entropy",
     "distill_target",
+    "distillation_loss",
     "kl_distill",
     "mutual_losses",
     "proximal",
@@ -244,3 +245,19 @@ def proximal(
     if total is None:
         raise ValueError("proximal term over an empty parameter list")
     return 0.5 * mu * total
+
+
+def distillation_loss(
+    kind: Literal["kl", "gd"],
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    target: torch.Tensor,
+    lam: float,
+    temperature: float,
+) -> torch.Tensor:
+    """(1−λ)·CE(z_s, y) + λ·(T²-scaled KL or soft CE of the teacher's softened outputs)."""
+    hard = cross_entropy(student_logits, target)
+    if lam == 0:
+        return hard  # the soft term would be multiplied by zero
+    soft_fn = kl_distill if kind == "kl" else soft_cross_entropy
+    return (1 - lam) * hard + lam * soft_fn(student_logits, teacher_logits, temperature)

@@ -5,8 +5,9 @@ before the SDK sees it (`bytes +=` per socket read, then a `struct.unpack` per h
 Under glibc's default, dynamic thresholds that memory is handed back to the kernel after every
 chunk (the trim threshold follows the largest block freed, ~2 MiB) and faulted back in for the
 next one: a receiver took ~39,000 page faults per 40 MB model, ~13,000 tuned, and alone about
-1.7x the CPU (benchmarks/README.md, "Receivers as processes"). `tune_for_streams()` fixes both
-thresholds so that the chunks' scratch memory stays in the heap between chunks.
+1.7x the CPU (docs/benchmarks/transport.md, `benchmarks/transport.py --parts processes`).
+`tune_for_streams()` fixes both thresholds so that the chunks' scratch memory stays in the heap
+between chunks.
 
 It is process-wide, so a library object never calls it behind the app's back: the `edgefl`
 commands that talk to a broker do (unless `broker.tune_malloc = false`), and a device app may.

@@ -37,6 +37,7 @@ from edge_sdk.algorithms import (
     algorithm_class,
     algorithm_names,
 )
+from edge_sdk.budget import DeployBudget
 from edge_sdk.codec import WireModel
 from edge_sdk.cohort import CohortUnsupported, release_kept_stacks, run_stacked
 from edge_sdk.device import exclusive, precision
@@ -82,7 +83,8 @@ class ClientNode:
     a state of its own run and id there continues from it (`restore`). `peers`: the channel to
     other clients (decentralized algorithms), set by the runtime that hosts the node.
     `dataset`: the name of the data set it trains on (its registration reports it, with its
-    device and precision, so a run's results say what the federation ran).
+    device and precision, so a run's results say what the federation ran). `budget`: what the
+    device may deploy (edge_sdk.budget; default: its own architecture only).
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class ClientNode:
         state_dir: str | Path | None = None,
         peers: Peers | None = None,
         dataset: str | None = None,
+        budget: DeployBudget | None = None,
     ) -> None:
         self.client_id = topics.check_id(client_id, "client id")
         self.run_id = topics.check_id(run_id, "run id")
@@ -115,9 +118,15 @@ class ClientNode:
         self.seed = seed
         self.onnx_path = Path(onnx_path) if onnx_path else None
         self.class_names = class_names
+        # Checked now, not at the export after the last round: {"mean": [...], "std": [...]}.
+        if normalization is not None:
+            from edge_sdk.onnx_format import check_normalization  # loads onnx: only when asked
+
+            normalization = check_normalization(spec, normalization)
         self.normalization = normalization
         self.peers = peers
         self.dataset = dataset
+        self.budget = budget or DeployBudget()
         self.algorithm: ClientAlgorithm | None = None
         self._algo_key: tuple[str, str] | None = None
         self.exported: Path | None = None
@@ -259,6 +268,7 @@ class ClientNode:
             seed=self.seed,
             trainer=Trainer(self.device, seed=self.seed),
             peers=self.peers,
+            budget=self.budget,
         )
         self.algorithm = algorithm_class(name)(ctx, cfg)
         self._algo_key = (name, cfg.model_dump_json())

@@ -266,7 +266,7 @@ def quantize_static_int8(
     `reduce_range` keeps weights to 7 bits. On x86 CPUs without VNNI, onnxruntime's uint8 x int8
     kernels can saturate their 16-bit intermediate sums; measured on such a CPU (AVX2), a VGG-13
     trained on Fashion-MNIST lost 1.39 points with 8-bit weights and none with 7-bit ones
-    (`benchmarks/README.md`). The file is the same size either way.
+    (docs/benchmarks/onnx-inference.md). The file is the same size either way.
     """
     src = Path(src)
     _, _, meta = _load_fp32(src)

@@ -252,6 +252,8 @@ class Endpoint:
         self.ack_timeout_s = ack_timeout_s
         self.rejections: Counter[str] = Counter()  # frames/messages dropped, by reason
         self.keyring = keyring
+        # Without a keyring: the writers whose signed frames arrived (they expect ours signed).
+        self.signed_writers: set[str] = set()
         self.pending_bound = pending_bound
         self.replay = replay or ReplayGuard()
         self._log = RateLimitedLog(log)
@@ -440,6 +442,9 @@ class Endpoint:
         signature = payload[4 : 4 + SIGNATURE_BYTES]
         body = payload[4 + SIGNATURE_BYTES :]
         if self.keyring is None:  # open mode: nothing to check against
+            owner = writer_of(topic)
+            if owner is not None:  # but the peer signs, so it checks what we send (unsigned)
+                self.signed_writers.add(owner[1])
             return decode(body)
         owner = writer_of(topic)
         if owner is None:

@@ -1,4 +1,4 @@
-"""A device app that embeds the SDK: its own data, a zoo model, a per-round callback, ONNX export
+"""A client app that embeds the SDK: its own data, a zoo model, a per-round callback, ONNX export
 after the federation, and on-device inference from the exported file.
 
 Issue the run's signing keys, start a coordinator somewhere (any MQTT 3.1.1/5 broker; `edgefl
@@ -9,8 +9,8 @@ demo` prints its broker URL):
         --clients 2 --rounds 3 --global-model mlr \\
         --set auth.key_file=keys/coordinator.key --set auth.roster=keys/roster.json
 
-then run this on each device (here: two processes, each with its own slice of the digits and its
-own key; every device gets the roster):
+then run this on each edge device (here: two processes, each with its own slice of the digits
+and its own key; every client gets the roster):
 
     python examples/embedded_client.py --broker mqtt://HOST:1883 --run-id phones --id phone0 \\
         --key-file keys/phone0.key --roster keys/roster.json
@@ -55,17 +55,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--broker", required=True, help="mqtt[s]://host:port")
     p.add_argument("--run-id", default="phones")
-    p.add_argument("--id", default="phone0", help="this device's client id")
+    p.add_argument("--id", default="phone0", help="this client's id")
     p.add_argument("--slice", type=int, default=0, help="which half of the digits it holds")
-    p.add_argument("--model", default="mlp", help="this device's architecture family")
+    p.add_argument("--model", default="mlp", help="this client's architecture family")
     p.add_argument("--out", default="runs/embedded", help="where the ONNX model goes")
-    p.add_argument("--key-file", type=Path, required=True, help="this device's key (edgefl keys)")
+    p.add_argument("--key-file", type=Path, required=True, help="this client's key (edgefl keys)")
     p.add_argument("--roster", type=Path, required=True, help="the run's roster.json")
     args = p.parse_args()
-    # Everything this device sends is signed with its key; it obeys only the coordinator's.
+    # Everything this client sends is signed with its key; it obeys only the coordinator's.
     keyring = Keyring.load(AuthSettings(key_file=args.key_file, roster=args.roster), args.id)
 
-    # 1. The device's own data: here a slice of scikit-learn's digits, as torch Datasets.
+    # 1. The client's own data: here a slice of scikit-learn's digits, as torch Datasets.
     digits = load_dataset("digits", size=8)
     mine = torch.arange(len(digits.y))[args.slice :: 2]
     n = len(mine)

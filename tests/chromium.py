@@ -7,6 +7,7 @@ natural size. Every wait is bounded.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -16,6 +17,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +55,16 @@ def _port(profile: Path, proc: subprocess.Popen[bytes], timeout: float) -> int:
     raise TimeoutError(f"chromium did not open its DevTools port within {timeout} s")
 
 
-def load_page(path: Path, timeout: float = 60.0) -> dict[str, Any]:
-    """Open `path` and report what the page did (see the module docs)."""
+def load_page(
+    path: Path | str,
+    timeout: float = 60.0,
+    *,
+    evaluate: Mapping[str, str] | None = None,
+    screenshot: Path | None = None,
+) -> dict[str, Any]:
+    """Open `path` (a file, or an http URL) and report what the page did (see the module docs);
+    `evaluate`: JavaScript expressions whose values come back under their names;
+    `screenshot`: where to write a PNG of the page as it rendered (1280x900)."""
     exe = chromium_path()
     assert exe is not None, "chromium is not installed"
     # Chromium's helper processes can still be writing to the profile as the main one exits:
@@ -81,7 +91,8 @@ def load_page(path: Path, timeout: float = 60.0) -> dict[str, Any]:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as r:
                 pages = [t for t in json.load(r) if t["type"] == "page"]
             with connect(pages[0]["webSocketDebuggerUrl"], max_size=None) as ws:
-                return _drive(ws, path.resolve().as_uri(), timeout)
+                url = path if isinstance(path, str) else path.resolve().as_uri()
+                return _drive(ws, url, timeout, evaluate or {}, screenshot)
         finally:
             _stop(proc)
 
@@ -104,7 +115,9 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             time.sleep(0.05)
 
 
-def _drive(ws: Any, url: str, timeout: float) -> dict[str, Any]:
+def _drive(
+    ws: Any, url: str, timeout: float, evaluate: Mapping[str, str], screenshot: Path | None
+) -> dict[str, Any]:
     found: dict[str, Any] = {"console_errors": [], "exceptions": [], "failed_requests": []}
     deadline = time.monotonic() + timeout
     next_id = 0
@@ -141,6 +154,14 @@ def _drive(ws: Any, url: str, timeout: float) -> dict[str, Any]:
     for method in ("Runtime.enable", "Log.enable", "Network.enable", "Page.enable"):
         wanted = send(method)
         until(lambda m, i=wanted: m.get("id") == i)
+    wanted = send(
+        "Emulation.setDeviceMetricsOverride",
+        width=1280,
+        height=900,
+        deviceScaleFactor=1,
+        mobile=False,
+    )
+    until(lambda m: m.get("id") == wanted)
     send("Page.navigate", url=url)
     until(lambda m: m.get("method") == "Page.loadEventFired")
     wanted = send("Runtime.evaluate", expression=_IMAGES, returnByValue=True)
@@ -148,4 +169,11 @@ def _drive(ws: Any, url: str, timeout: float) -> dict[str, Any]:
     found["images"] = json.loads(reply["result"]["result"]["value"])
     wanted = send("Runtime.evaluate", expression="document.title", returnByValue=True)
     found["title"] = until(lambda m: m.get("id") == wanted)["result"]["result"]["value"]
+    for name, expression in evaluate.items():
+        wanted = send("Runtime.evaluate", expression=expression, returnByValue=True)
+        found[name] = until(lambda m, i=wanted: m.get("id") == i)["result"]["result"].get("value")
+    if screenshot is not None:
+        wanted = send("Page.captureScreenshot", format="png")
+        data = until(lambda m: m.get("id") == wanted)["result"]["data"]
+        screenshot.write_bytes(base64.b64decode(data))
     return found

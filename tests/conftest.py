@@ -46,6 +46,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ProcessesTogether(config, log)
 
 
+@pytest.fixture
+def scoped_registrations() -> Iterator[None]:
+    """Algorithms and strategies a test registers in this process (a plugin it loads in-process,
+    a class it defines) are unregistered after it: a later test's run config would otherwise
+    carry their sections, which that test's child processes (the demo's) do not know."""
+    from coordinator.strategies import base as strategies
+    from edge_sdk.algorithms import base as algorithms
+
+    saved = dict(algorithms._REGISTRY), dict(strategies._REGISTRY)
+    try:
+        yield
+    finally:
+        for registry, before in zip(
+            (algorithms._REGISTRY, strategies._REGISTRY), saved, strict=True
+        ):
+            registry.clear()
+            registry.update(before)
+
+
 @pytest.fixture(autouse=True)
 def _few_threads() -> None:
     torch.set_num_threads(1)

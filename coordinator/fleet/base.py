@@ -222,6 +222,13 @@ def check_reply(
         )
     if expected is not None:
         got = {name: m.spec for name, m in reply.models.items()}
+        if set(got) != set(expected):  # the plugin author's usual slip: a task's key sent back
+            raise ValueError(
+                f"the reply carries models named {sorted(got)}, the strategy expects "
+                f"{sorted(expected)} (its expected_models(); a task's incoming model is named "
+                "'global', the models a fit sends back are named as its strategy expects them: "
+                "'model' for FedAvg and its subclasses)"
+            )
         if got != dict(expected):
             raise ValueError(f"expected models {dict(expected)}, got {got}")
 

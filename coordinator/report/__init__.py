@@ -98,7 +98,8 @@ def write_report(results: Results, out_dir: Path) -> Path:
         lines += [f"![Training samples per class, per client]({SPLIT_PLOT_NAME})", ""]
     lines += sections.onnx_section(results.onnx, results.onnx_note)
     if COLLABORATION_PLOT_NAME in figures:
-        lines += sections.collaboration_section(COLLABORATION_PLOT_NAME)
+        assert results.collaboration is not None
+        lines += sections.collaboration_section(COLLABORATION_PLOT_NAME, results.collaboration)
     lines += sections.summary_section(results.summary, results.algorithm)
     lines += sections.baselines_section(results.baselines)
     lines += sections.rounds_section(results.rounds)

@@ -161,6 +161,14 @@ def _tally(what: str, diffs: Sequence[tuple[str, float, str]]) -> str:
     return sentence + "."
 
 
+def deployed(c: ClientEntry) -> str:
+    """What a client deployed, as its row says it: architecture and size ("lenet5, 241 KiB")."""
+    arch, kib = c.details.get("deployed_arch"), c.details.get("deployed_kib")
+    if arch is None:
+        return MISSING
+    return f"{arch}, {kib:.0f} KiB" if isinstance(kib, int | float) else str(arch)
+
+
 def clients_section(results: Results) -> list[str]:
     lines = ["## Clients", ""]
     clients = results.clients
@@ -176,18 +184,25 @@ def clients_section(results: Results) -> list[str]:
     # Accuracies no client has (a baseline that did not run) get no column.
     shown = [(h, f) for h, f in columns if any(f(c) != MISSING for c in clients)]
     devices = {c.device for c in clients}
+    told = any("deployed_arch" in c.details for c in clients)  # (results from before: none)
     header = ["Client", "Arch", "n_train", *(h for h, _ in shown), "Verdict", "QoI"]
+    if told:
+        header.insert(2, "Deployed")
     if len(devices) > 1:  # a deployment whose devices differ: say which is which
         header.insert(2, "Device")
     rows = []
     for c in clients:
         row = [c.id, plain(c.arch), plain(c.n_train), *(f(c) for _, f in shown)]
         row += [verdict(c), pp(_qoi(c))]
+        if told:
+            row.insert(2, deployed(c))
         if len(devices) > 1:
             row.insert(2, plain(c.device) + (f" ({c.precision})" if c.precision else ""))
         rows.append(row)
     note = (
-        "Accuracy of each model on the client's own test split. "
+        "Deployed: the model the device deployed (the Personalized column's), its architecture "
+        "and the size of its weights; the client details below say why. Accuracy of each model "
+        "on the client's own test split. "
         + BASELINE_NOTE
         + f" {results.algorithm} global: this run's own global model, where it has one. The "
         "verdict compares the personalized model with the best of the baselines that ran, for "

@@ -14,6 +14,7 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from coordinator.results_model import Baseline, ClientEntry, Results, RoundEntry, Split
@@ -181,7 +182,11 @@ def collaboration_figure(panels: Sequence[tuple[str, np.ndarray]], ids: Sequence
         axes.set_title(title)
         axes.set_xticks(range(n), ids, rotation=90 if n > 8 else 0)
         axes.set_yticks(range(n), ids)
-        axes.set_xlabel("model of client")
+        for i in range(n):  # the diagonal: each client's weight on its own model
+            axes.add_patch(
+                Rectangle((i - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="white", linestyle=":")
+            )
+        axes.set_xlabel("model of client (dotted: its own)")
         if k == 0:
             axes.set_ylabel("client")
         if n <= 12:

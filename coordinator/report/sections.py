@@ -121,12 +121,20 @@ def onnx_section(rows_in: Sequence[OnnxRow] | None, note: str | None) -> list[st
     return [*lines, *table(header, rows), ""]
 
 
-def collaboration_section(image: str) -> list[str]:
+def collaboration_section(image: str, final: Sequence[Sequence[float]]) -> list[str]:
+    n = len(final)
+    zero = sum(final[i][i] < 0.005 for i in range(n))  # shown as 0.00
     return [
         "## Collaboration",
         "",
         "Row i shows the weight w_ij client i gives client j's model (FedeRiCo's E-step): a "
         "client relies on the peers whose models explain its own data.",
+        "",
+        "The diagonal, w_ii, is a client's weight on its own model. It falls to 0 as soon as a "
+        "peer's model explains the client's training data better than its own: the weights "
+        "come from summed losses, which makes them nearly one-hot, so the clients of one group "
+        "tend to weigh one model, and only its owner keeps weight on its own. "
+        f"Here the final diagonal is 0 for {zero} of {n} clients.",
         "",
         f"![Collaboration weights]({image})",
         "",
@@ -254,7 +262,7 @@ def summary_section(summary: Summary, algorithm: str) -> list[str]:
         ],
         ["Rounds that failed quorum", "failed_rounds", str(s.failed_rounds)],
         [
-            "Wall time, this run and its baselines",
+            "Wall time: the run and its baselines (the demo: every step before this report)",
             "wall_seconds",
             MISSING if s.wall_seconds is None else f"{s.wall_seconds:.2f} s",
         ],

@@ -22,9 +22,19 @@ import torch
 from pydantic import BaseModel, ConfigDict, model_validator
 from torch import nn
 
-from edge_sdk.algorithms.guard import FINETUNED, PERSONAL, Candidate, Guard, GuardConfig, Pick
+from edge_sdk.algorithms.guard import (
+    FINETUNED,
+    PERSONAL,
+    Candidate,
+    Distil,
+    Guard,
+    GuardConfig,
+    Pick,
+)
+from edge_sdk.budget import DeployBudget, arch_name, footprint
 from edge_sdk.codec import WireModel, cpu_copies, state_of
 from edge_sdk.cohort_trainer import PerMember
+from edge_sdk.losses import distillation_loss
 from edge_sdk.peers import Peers
 from edge_sdk.trainer import ClientData, EvalResult, OptimConfig, Score, Trainer
 from model_zoo import ArchSpec, build
@@ -89,7 +99,8 @@ class TaskInfo:
 class ClientContext:
     """What an algorithm may use: its client's id, architecture, data, device and trainer;
     `peers`, the channel to other clients (decentralized algorithms); `task`, the current
-    task's step and parameters."""
+    task's step and parameters; `budget`, what the device may deploy (edge_sdk.budget; its
+    own architecture by default)."""
 
     client_id: str
     spec: ArchSpec
@@ -99,6 +110,7 @@ class ClientContext:
     trainer: Trainer
     peers: Peers | None = None
     task: TaskInfo = field(default_factory=TaskInfo)
+    budget: DeployBudget = field(default_factory=DeployBudget)
 
     def build_model(self, spec: ArchSpec, salt: int) -> nn.Module:
         """A fresh `spec` network on this client's device, seeded by the client and `salt`."""
@@ -166,7 +178,7 @@ class ClientAlgorithm(ABC):
         self.config = config
         # (an algorithm without the guard's fields never consults it: its z is the default)
         guarded = config if isinstance(config, GuardConfig) else GuardConfig()
-        self.guard = Guard(ctx.trainer, ctx.data, guarded.guard_z)
+        self.guard = Guard(ctx.trainer, ctx.data, guarded.guard_z, ctx.budget, ctx.spec)
         self._deployed: tuple[Pick, nn.Module] | None = None  # the guard's pick, built once
 
     @property
@@ -225,12 +237,15 @@ class ClientAlgorithm(ABC):
         result: FitResult,
         tuned: Candidate | None = None,
     ) -> FitResult:
-        """The guard's choice of the model to deploy, after `finish` (a cohort calls it per
-        member); the reply's details say what it chose and why, and how many training samples
-        this client processed. `tuned`: this client's fine-tuned final model when a stack of
-        clients trained theirs at once (edge_sdk.cohort); otherwise it is trained here."""
+        """The choice of the model to deploy, after `finish` (a cohort calls it per member):
+        the guard's where the config has it on, else the algorithm's final model, within the
+        device's budget either way. The reply's details say what it deployed (architecture,
+        parameters, size) and why, and how many training samples this client processed.
+        `tuned`: this client's fine-tuned final model when a stack of clients trained theirs at
+        once (edge_sdk.cohort); otherwise it is trained here."""
+        final = self.guard_candidates()
+        distil = self._distiller(rounds)
         if self.guarded:
-            final = self.guard_candidates()
             glob = self._full_global(models)
             if glob is not None:
                 final.setdefault("global", (glob.spec, self._materialize(glob)))
@@ -250,14 +265,74 @@ class ClientAlgorithm(ABC):
                     )
                     final = {name: mixed, **final}  # first: the default
                     result.details["guard_mix_weight"] = w
-            result.details |= self.guard.decide(rounds, final)
+            result.details |= self.guard.decide(rounds, final, distil)
             m = result.metrics
             if m.get("personal_total"):  # the algorithm's own model on the test split, for reports
                 result.details["guard_unguarded_acc"] = m["personal_correct"] / m["personal_total"]
-            if self.guard.deployed is not None:
-                result.metrics |= self._scores("personal", self.personalized_model()[1])
+        else:
+            why = "the guard is off" if isinstance(self.config, GuardConfig) else "no guard"
+            result.details |= self.guard.deploy_first(final, distil, why)
+        if self.guard.deployed is not None:
+            result.metrics |= self._scores("personal", self.personalized_model()[1])
+        result.details |= self.deployment()
         result.details["samples_processed"] = self.ctx.trainer.samples
         return result
+
+    def deployment(self) -> dict[str, Any]:
+        """The deployed model's architecture ("mixture of mlr+mlp" for several), parameters and
+        size (KiB of its weights), beside the device's own architecture's parameters."""
+        spec, model = self.personalized_model()
+        own = self._build(self.ctx.spec, salt=0) if spec != self.ctx.spec else model
+        size = footprint(model)
+        return {
+            "deployed_arch": arch_name(spec),
+            "deployed_params": size.params,
+            "deployed_kib": round(size.kib, 1),
+            "own_params": footprint(own).params,
+        }
+
+    def _distiller(self, rounds: int) -> Distil | None:
+        """What the guard distils a model outside the device's budget with (`distil`, at the
+        last round's rate); None where the config makes no student."""
+        cfg = self.config
+        if not isinstance(cfg, GuardConfig) or cfg.guard_distill_epochs == 0:
+            return None
+        if self.finetune_optim() is None:
+            return None
+        return lambda teacher, start: self.distil(rounds, teacher, start)
+
+    def distil(self, rounds: int, teacher: Candidate, start: Candidate | None) -> Candidate | None:
+        """A student of this device's own architecture, starting from `start`'s weights (a
+        fresh one without), trained for `guard_distill_epochs` on the training split with
+        (1 − λ)·CE + λ·T²·KL(teacher ‖ student) and the algorithm's optimizer settings at the
+        last round's rate (`finetune_optim`); None where its training diverges. Its samples
+        count as processed."""
+        cfg, optim = self.config, self.finetune_optim()
+        assert isinstance(cfg, GuardConfig) and optim is not None
+        trainer, d = self.ctx.trainer, self.ctx.data
+        student = self._build(self.ctx.spec, salt=3)
+        if start is not None:
+            student.load_state_dict(start[1].state_dict())
+        z_teacher = trainer.logits(teacher[1], d.x_train)  # the teacher is fixed: once
+        opt = trainer.optimizer(student.parameters(), optim, lr=optim.lr_at(rounds, rounds))
+        lam, temperature = cfg.guard_distill_lambda, cfg.guard_distill_temperature
+        student.train()
+
+        def step(x: torch.Tensor, y: torch.Tensor, z_t: torch.Tensor) -> tuple[torch.Tensor]:
+            with trainer.autocast():
+                z_s = student(x)
+            loss = distillation_loss("kl", z_s, z_t, y, lam, temperature)
+            return (trainer.step(loss, [opt]),)
+
+        batches = trainer.epochs(
+            d.x_train, d.y_train, optim.batch_size, cfg.guard_distill_epochs, z_teacher
+        )
+        try:
+            trainer.run(step, batches)
+        except FloatingPointError as exc:
+            log.warning("%s: the guard's distillation diverged (%s)", self.ctx.client_id, exc)
+            return None
+        return self.ctx.spec, student
 
     @property
     def finetunes(self) -> bool:
@@ -449,23 +524,31 @@ class ClientAlgorithm(ABC):
         clients, the value itself for one client."""
         return PerMember(values) if self._stacked else values[0]
 
-    def _teaches(self, teacher: nn.Module, student: nn.Module) -> float | torch.Tensor:
-        """1.0 when `teacher` has the lower cross-entropy on this client's validation split, else
-        0.0 (1.0 without validation data: nothing says otherwise). The gate of FML's and FedMe's
-        distillation: learn from a peer model only while it knows this client's data better.
-        On a stack of clients (edge_sdk.cohort), a tensor of one gate per member: a step's loss
-        takes its rows with `edge_sdk.losses.rows_of`."""
+    def _teaches(
+        self, teacher: nn.Module, student: nn.Module, gate: str = "validation"
+    ) -> float | torch.Tensor:
+        """How much `student` learns from `teacher` this round, by their cross-entropies on
+        this client's validation split (L_t, L_s): the gate of FML's and FedMe's distillation.
+        `gate` "validation": 1.0 when the teacher's is lower, else 0.0; "soft": min(1, L_s/L_t),
+        so that a teacher no better learns in proportion, and the weight grows as it improves;
+        either way 1.0 without validation data (nothing says otherwise). On a stack of clients
+        (edge_sdk.cohort), a tensor of one weight per member: a step's loss takes its rows with
+        `edge_sdk.losses.rows_of`."""
         d, trainer = self.ctx.data, self.ctx.trainer
         t = trainer.evaluate(teacher, d.x_val, d.y_val)
         s = trainer.evaluate(student, d.x_val, d.y_val)
 
-        def gate(total: int, teacher_loss: float, student_loss: float) -> float:
-            return 1.0 if total == 0 or teacher_loss < student_loss else 0.0
+        def weight(total: int, teacher_loss: float, student_loss: float) -> float:
+            if total == 0:
+                return 1.0
+            if gate == "soft":
+                return min(1.0, student_loss / teacher_loss) if teacher_loss > 0 else 1.0
+            return 1.0 if teacher_loss < student_loss else 0.0
 
         if isinstance(t, EvalResult):
-            return gate(t.total, t.loss, s.loss)
-        gates = [gate(*v) for v in zip(t.total, t.loss, s.loss, strict=True)]
-        return torch.tensor(gates, device=trainer.device)
+            return weight(t.total, t.loss, s.loss)
+        weights = [weight(*v) for v in zip(t.total, t.loss, s.loss, strict=True)]
+        return torch.tensor(weights, device=trainer.device)
 
     def _require(self, models: Mapping[str, WireModel], name: str) -> WireModel:
         if name not in models:

@@ -28,7 +28,15 @@ class FedAvgConfig(AlgorithmConfig):
 
 @register_algorithm
 class FedAvg(ClientAlgorithm):
-    """The client's model is the global model: personalized accuracy = global model, own test."""
+    """The client's model is the global model: personalized accuracy = global model, own test.
+
+    To subclass it: `self.model` is the client's network (its ArchSpec's, persistent), loaded
+    with the task's `"global"` weights at the start of `train_round` (`_load_global`); a fit
+    sends it back as `"model"`, the name `FedAvgStrategy.expected_models` asks for and averages.
+    Override `_extra_loss` to add a term to every batch's loss (FedProx does), `train_round` for
+    more. It trains stacked (`stackable`): a subclass whose round does what a stack of clients
+    cannot sets `stackable = False`.
+    """
 
     name = "fedavg"
     config_cls: ClassVar[type[AlgorithmConfig]] = FedAvgConfig

@@ -10,7 +10,9 @@ of models with similar outputs. The client then:
    SGD with momentum 0.9 and weight decay 1e-4, both optimizers re-created each round, each
    model's gradient clipped to norm 20;
 2. *model tuning*: adopts the exchanged model, architecture included, exactly when its validation
-   cross-entropy is lower than its own model's;
+   cross-entropy is lower than its own model's and the device's deployment budget admits it
+   (edge_sdk.budget: by default a device keeps its own architecture; the paper's devices may
+   adopt any, `DeployBudget(allow=["any"])`);
 3. sends both trained models back. The coordinator averages every trained copy of each model
    and returns to each client the aggregate of the model it chose (the next task's "personal").
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from typing import Any, Literal, cast
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 from pydantic import Field, model_validator
@@ -49,6 +51,9 @@ __all__ = ["FedMe", "FedMeConfig"]
 
 
 class FedMeConfig(AlgorithmConfig, GuardConfig):
+    # preset = "paper": CE + KL at 1:1 every round, no gate.
+    paper: ClassVar[dict[str, Any]] = {"kl_gate": "off"}
+
     local_epochs: int = Field(2, ge=0)  # [paper]
     batch_size: int = Field(40, ge=1)  # [paper] CIFAR-10 (FEMNIST: 20)
     lr: float = Field(0.01, gt=0)  # [paper]
@@ -57,8 +62,9 @@ class FedMeConfig(AlgorithmConfig, GuardConfig):
     clip_norm: float = Field(20.0, gt=0)  # [code] per-model gradient-norm clip
     # [ours] "validation": a round's personalized model learns from the exchanged model (the KL
     # term) only when the exchanged model arrives with the lower validation loss; otherwise from
-    # the labels alone. "off": always (the paper's 1:1).
-    kl_gate: Literal["validation", "off"] = "validation"
+    # the labels alone. "soft": the KL term weighted by min(1, L_personal / L_exchanged), their
+    # validation losses. "off": always (the paper's 1:1).
+    kl_gate: Literal["validation", "soft", "off"] = "validation"
     # Coordinator: KMeans cluster counts and the fraction of the rounds at which each starts
     # (1, 2, 3, 4 clusters from 0, 50, 75, 90 % of the rounds) [paper].
     cluster_counts: list[int] = Field(default_factory=lambda: [1, 2, 3, 4], min_length=1)
@@ -147,7 +153,7 @@ class FedMe(ClientAlgorithm):
         personal.train()
         exchanged.train()
         # One gate per member on a stack: its rows weigh the members' KL terms.
-        learn = 1.0 if cfg.kl_gate == "off" else self._teaches(exchanged, personal)
+        learn = 1.0 if cfg.kl_gate == "off" else self._teaches(exchanged, personal, cfg.kl_gate)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor]:
             with trainer.autocast():
@@ -156,8 +162,10 @@ class FedMe(ClientAlgorithm):
             loss_p = cross_entropy(z_p, y)
             if stacked:
                 loss_p = loss_p + rows_of(learn) * kl_distill(z_p, z_ex)
-            elif learn:  # the gate: distil from the exchanged model only while it knows more
+            elif learn == 1:  # the gate: distil from the exchanged model while it knows more
                 loss_p = loss_p + kl_distill(z_p, z_ex)
+            elif learn:  # the soft gate: in proportion to what it knows
+                loss_p = loss_p + learn * kl_distill(z_p, z_ex)
             loss_ex = cross_entropy(z_ex, y) + kl_distill(z_ex, z_p)
             return (trainer.step(loss_p + loss_ex, opts, clip=clip),)
 
@@ -170,9 +178,12 @@ class FedMe(ClientAlgorithm):
             "personal": WireModel.of(personal_spec, personal),
             "exchanged": WireModel.of(ex_wire.spec, exchanged),
         }
-        # One decision per member on a stack: an adopting member takes the exchanged rows.
+        # One decision per member on a stack: an adopting member takes the exchanged rows. A
+        # device adopts only a model its deployment budget admits (edge_sdk.budget; a stack's
+        # exchanged models are of the architecture its members hold already).
+        allowed = stacked or self.guard.admits((ex_wire.spec, exchanged))
         pairs = zip(self._each(val_ex), self._each(val_p), strict=True)
-        adopted: Any = [float(e < p) for e, p in pairs]
+        adopted: Any = [float(e < p and allowed) for e, p in pairs]
         if stacked:
             take_rows(personal, exchanged, adopted)
         else:

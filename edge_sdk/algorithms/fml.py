@@ -18,7 +18,7 @@ global (a shared backbone); each client's meme keeps its own head sized to its o
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal, cast
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 from pydantic import Field
@@ -40,6 +40,9 @@ __all__ = ["FML", "FMLConfig", "shared_keys"]
 
 
 class FMLConfig(AlgorithmConfig, GuardConfig):
+    # preset = "paper": the authors' α gate-free mutual learning, β and step schedule [code].
+    paper: ClassVar[dict[str, Any]] = {"alpha_gate": "off", "beta": 0.5, "lr_schedule": "step"}
+
     alpha: float = Field(0.5, ge=0, le=1)  # personalized model: weight of CE vs KL [code]
     # [ours] meme model: weight of CE vs KL. The authors' code has 0.5, the meme learning from
     # the personalized model too. At 1 it learns from the labels alone, as FedAvg's model does,
@@ -57,8 +60,10 @@ class FMLConfig(AlgorithmConfig, GuardConfig):
     shared_prefixes: list[str] = Field(default_factory=list)
     # [ours] "validation": a round's personalized model learns from the meme (α as set) only
     # when the global model it starts from has a lower validation loss than the personalized
-    # model; otherwise from the labels alone (α = 1). "off": always α (the paper).
-    alpha_gate: Literal["validation", "off"] = "validation"
+    # model; otherwise from the labels alone (α = 1). "soft": the KL term's weight 1 − α scaled
+    # by min(1, L_personal / L_global), the two models' validation losses, so that it grows as
+    # the global model improves. "off": always α (the paper).
+    alpha_gate: Literal["validation", "soft", "off"] = "validation"
 
 
 def shared_keys(
@@ -143,15 +148,15 @@ class FML(ClientAlgorithm):
         )
 
     def _alpha(self, meme: nn.Module) -> float | torch.Tensor:
-        """This round's α: the config's, or 1 when the gate finds the meme no better (one per
-        member on a stack of clients)."""
+        """This round's α: the config's, moved towards 1 (the labels alone) by the gate's weight
+        of the meme (one per member on a stack of clients)."""
         alpha = self.config.alpha
         if self.config.alpha_gate == "off":
             return alpha
-        gate = self._teaches(meme, self.personal)
-        if not isinstance(gate, torch.Tensor):
-            return alpha if gate else 1.0
-        rows = torch.where(gate > 0, alpha, 1.0)
+        weight = self._teaches(meme, self.personal, self.config.alpha_gate)
+        if not isinstance(weight, torch.Tensor):
+            return 1 - (1 - alpha) * weight
+        rows = 1 - (1 - alpha) * weight
         kept = self.alpha_rows  # the same tensor from round to round: a captured step reads it
         if kept is not None and kept.shape == rows.shape and kept.device == rows.device:
             return kept.copy_(rows)

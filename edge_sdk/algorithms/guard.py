@@ -42,21 +42,33 @@ continues exactly.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from torch import nn
 
+from edge_sdk.budget import DeployBudget, arch_name, footprint
 from edge_sdk.codec import WireModel
 from edge_sdk.trainer import ClientData, Score, Trainer
 from model_zoo import ArchSpec
 from model_zoo.models.mixture import Mixture, mixture_spec
 
-__all__ = ["BLEND", "FINETUNED", "PERSONAL", "Candidate", "Guard", "GuardConfig", "Pick", "blend"]
+__all__ = [
+    "BLEND",
+    "DISTILLED",
+    "FINETUNED",
+    "PERSONAL",
+    "Candidate",
+    "Distil",
+    "Guard",
+    "GuardConfig",
+    "Pick",
+    "blend",
+]
 
 # What the guard may deploy: a name ("personal", "meme"...) → (architecture, model).
 Candidate = tuple[ArchSpec, nn.Module]
@@ -77,10 +89,20 @@ def _lower(loss: float, than: float) -> bool:
 
 
 class GuardConfig(BaseModel):
-    """The config fields of every algorithm the guard serves."""
+    """The config fields of every algorithm the guard serves, and its `preset`."""
 
+    # The published algorithm for each algorithm config: every [ours] value at the paper's
+    # (or its authors' code's), the guard off. A subclass lists its own values in `paper`.
+    PAPER: ClassVar[dict[str, Any]] = {"guard": False}
+    paper: ClassVar[dict[str, Any]] = {}
+
+    # "paper": the algorithm exactly as published (`paper`'s values and the guard off), for
+    # every field not set explicitly; "edgefl": our defaults (docs/algorithms.md says which
+    # differ and why).
+    preset: Literal["edgefl", "paper"] = "edgefl"
     # Deploy the best model seen on the validation split (see edge_sdk.algorithms.guard);
-    # False deploys the algorithm's final personalized model, as the paper describes it.
+    # False deploys the algorithm's final personalized model, as the paper describes it (or,
+    # where that model is outside the device's budget, its own-architecture model).
     guard: bool = True
     # [ours] How clear the evidence must be to deploy another model than the default:
     # b − c > guard_z·√(b + c) over the validation samples where the two disagree.
@@ -91,9 +113,8 @@ class GuardConfig(BaseModel):
     # whose `ft_epochs` default is the same. 0: no such candidate. Counted in samples_processed.
     guard_ft_epochs: int = Field(5, ge=0)
     # [ours] The candidate kept unless another is clearly better: "mixture", the personalized
-    # and the fine-tuned model averaged (one `mixture` model: the device runs both); "personal",
-    # the algorithm's own model (one model of the client's architecture, unless the guard finds
-    # clear evidence for another).
+    # and the fine-tuned model averaged (one `mixture` model: the device runs both), where the
+    # device's budget allows mixtures; "personal", the algorithm's own model.
     guard_default: Literal["mixture", "personal"] = "mixture"
     # [ours] The weights w of the personalized model tried for the "mixture" default,
     # w·personal + (1 − w)·finetuned; each client keeps the one with the lowest validation
@@ -102,6 +123,23 @@ class GuardConfig(BaseModel):
     guard_mix_weights: list[float] = Field(
         default_factory=lambda: [1.0, 0.75, 0.5, 0.25, 0.0], min_length=1
     )
+    # [ours] Where a model outside the device's budget (a global model, a mixture) is clearly
+    # better on validation than what it may deploy, a student of the device's own architecture
+    # learns from it for this many epochs on the training split, starting from the device's
+    # best model of its architecture: (1 − λ)·CE + λ·T²·KL(teacher ‖ student), PersFL's loss.
+    # The student is deployed when it is clearly better than that model. 0: no student.
+    # Counted in samples_processed.
+    guard_distill_epochs: int = Field(10, ge=0)
+    guard_distill_lambda: float = Field(0.5, ge=0, le=1)  # [ours] λ
+    guard_distill_temperature: float = Field(2.0, gt=0)  # [ours] T
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        # The preset's values under whatever is given explicitly.
+        if isinstance(data, Mapping) and data.get("preset") == "paper":
+            return {**cls.PAPER, **cls.paper, **data}
+        return data
 
     @field_validator("guard_mix_weights")
     @classmethod
@@ -141,10 +179,26 @@ def blend(a: Candidate, b: Candidate, weight: float = 0.5) -> Candidate:
     return spec, mixture.to(device)
 
 
+# How a reply's reasons name each candidate.
+_PROSE = {
+    PERSONAL: "its personalized model",
+    FINETUNED: "the final model fine-tuned here",
+    BLEND: "its personalized and the fine-tuned model mixed",
+    "global": "the final global model",
+    "meme": "its meme",
+    "local": "its local model",
+    "teacher": "its teacher",
+    "own": "its own model",
+    "tuned_global": "the global model trained here",
+}
+DISTILLED = "distilled"
+
+
 @dataclass(frozen=True)
 class Pick:
-    """One scored candidate: which model, when, how it did on validation, and (once kept or
-    deployed, `kept`) a copy of its weights."""
+    """One scored candidate: which model, when, how it did on validation, whether the device's
+    budget admits it (`refusal`: why not), and (once kept or deployed, `kept`) a copy of its
+    weights."""
 
     name: str
     round: int  # the round whose training produced it
@@ -156,6 +210,9 @@ class Pick:
     # never copied: the guard scores a few each round, on every client).
     source: Candidate | None = field(default=None, compare=False, repr=False)
     correct: int = -1  # hits' count; counted here unless given (a stack counts its members')
+    params: int = 0  # the model's parameters
+    refusal: str | None = None  # why the device's budget does not admit it; None: it does
+    teacher: str | None = None  # a distilled student's: the teacher's label
 
     def __post_init__(self) -> None:
         if self.correct < 0:
@@ -195,8 +252,17 @@ class Pick:
         return f"{self.name} ({when}, {self.spec.family})"
 
     @property
+    def prose(self) -> str:
+        """The candidate as a reason names it: "its meme (mlp, round 3)"."""
+        family = arch_name(self.spec)
+        when = "" if self.final else f", round {self.round}"
+        if self.name == DISTILLED:
+            return f"a student ({family}) of {self.teacher}"
+        return f"{_PROSE.get(self.name, self.name)} ({family}{when})"
+
+    @property
     def score(self) -> str:
-        return f"{self.correct}/{self.total} (loss {self.loss:.3f})"
+        return f"{self.correct}/{self.total}"
 
     def to_state(self) -> dict[str, Any]:
         assert self.model is not None, "only a kept pick is saved"
@@ -207,6 +273,8 @@ class Pick:
             "hits": self.hits,
             "loss": self.loss,
             "model": self.model,
+            "params": self.params,
+            "teacher": self.teacher or "",
         }
 
     @classmethod
@@ -218,22 +286,50 @@ class Pick:
             hits=state["hits"].to(torch.bool),
             loss=float(state["loss"]),
             model=state["model"],
+            params=int(state.get("params", 0)),  # (states saved before it was kept: 0)
+            teacher=str(state.get("teacher", "")) or None,
         )
 
 
-class Guard:
-    """Scores candidates on one client's validation split and remembers the best."""
+# A student of the device's own architecture distilled from a teacher it may not deploy:
+# (teacher, the model it starts from or None) -> the student, or None where it cannot be made.
+Distil = Callable[[Candidate, Candidate | None], Candidate | None]
 
-    def __init__(self, trainer: Trainer, data: ClientData, z: float) -> None:
+
+class Guard:
+    """Scores candidates on one client's validation split and remembers the best one its
+    deployment budget admits (`budget`, for a device whose own architecture is `own`)."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        data: ClientData,
+        z: float,
+        budget: DeployBudget | None = None,
+        own: ArchSpec | None = None,
+    ) -> None:
         self.trainer = trainer
         self.data = data
         self.z = z
-        self.best: Pick | None = None  # the best candidate seen after a round's training
+        self.budget = budget or DeployBudget()
+        self.own = own  # None: no budget applies (any model is admitted)
+        self.best: Pick | None = None  # the best admitted candidate seen after a round
         self.deployed: Pick | None = None  # set by `decide` when it is not the final personal
 
     @property
     def active(self) -> bool:
         return len(self.data.y_val) > 0
+
+    def _fit(self, cand: Candidate) -> tuple[int, str | None]:
+        """`cand`'s parameters, and why the budget refuses it (None: it admits it)."""
+        spec, model = cand
+        params = footprint(model).params
+        if self.own is None:
+            return params, None
+        return params, self.budget.refusal(spec, self.own, params)
+
+    def admits(self, cand: Candidate) -> bool:
+        return self._fit(cand)[1] is None
 
     def _score(self, name: str, cand: Candidate, round_: int, final: bool) -> Pick:
         _, model = cand
@@ -241,7 +337,8 @@ class Guard:
         z = self.trainer.logits(model, self.data.x_val)
         hits = (z.argmax(1) == y).cpu()
         loss = float(F.cross_entropy(z, y))
-        return Pick(name, round_, final, hits, loss, source=cand)
+        params, refusal = self._fit(cand)
+        return Pick(name, round_, final, hits, loss, source=cand, params=params, refusal=refusal)
 
     def observe(
         self,
@@ -249,15 +346,20 @@ class Guard:
         candidates: Mapping[str, Candidate],
         scores: Mapping[str, Score] | None = None,
     ) -> None:
-        """After a round's training: keep a copy of any candidate better than the best so far.
-        `scores`: a candidate's score when a stack of clients scored theirs at once
-        (edge_sdk.cohort); the others are scored here."""
+        """After a round's training: keep a copy of any candidate the budget admits that is
+        better than the best so far. `scores`: a candidate's score when a stack of clients
+        scored theirs at once (edge_sdk.cohort); the others are scored here."""
         if not self.active:
             return
         for name, cand in candidates.items():
+            params, refusal = self._fit(cand)
+            if refusal is not None:
+                continue
             if scores is not None and name in scores:
                 hits, loss, correct = scores[name]
-                pick = Pick(name, round_, False, hits, loss, source=cand, correct=correct)
+                pick = Pick(
+                    name, round_, False, hits, loss, source=cand, correct=correct, params=params
+                )
             else:
                 pick = self._score(name, cand, round_, final=False)
             if pick.beats(self.best):
@@ -288,47 +390,130 @@ class Guard:
             return w, FINETUNED, tuned
         return w, BLEND, blend(personal, tuned, w)
 
-    def decide(self, rounds: int, final: Mapping[str, Candidate]) -> dict[str, Any]:
+    def clearly(self, a: Pick, b: Pick) -> tuple[bool, int, int]:
+        """Whether `a` is clearly better than `b` on validation (b_ − c > z·√(b_ + c), see the
+        module's docstring), with b_, the samples `a` alone gets right, and c, `b`'s."""
+        wins = int((a.hits & ~b.hits).sum())
+        losses = int((b.hits & ~a.hits).sum())
+        return wins - losses > self.z * math.sqrt(wins + losses), wins, losses
+
+    def replaces(self, student: Pick, chosen: Pick) -> bool:
+        """Whether a student distilled from a clearly better teacher replaces `chosen`: when it
+        is clearly better too."""
+        return self.clearly(student, chosen)[0]
+
+    def decide(
+        self, rounds: int, final: Mapping[str, Candidate], distil: Distil | None = None
+    ) -> dict[str, Any]:
         """After the last round: the model to deploy, and the finalize reply's details.
 
         `final` lists the models the client holds now, the default first (its personalized
-        model, or what `weigh` chose). The best of the others and the kept copy replaces it
-        only when the paired evidence is clear (see the module's docstring). `deployed` is the
-        choice, None when it is the personalized model.
+        model, or what `weigh` chose). The default is the first the budget admits; the best of
+        the other admitted ones and the kept copy replaces it only when the paired evidence is
+        clear. Where a candidate the budget refuses is clearly better still, `distil` makes a
+        student of the device's own architecture from it, which replaces the choice when it is
+        clearly better in turn. `deployed` is the choice, None when it is the algorithm's final
+        personalized model.
         """
         self.deployed = None
         if not self.active:
-            return {
-                "guard_choice": f"{PERSONAL} (final)",
-                "guard_reason": "no validation data: the algorithm's final model is deployed",
-            }
+            return self.deploy_first(final, distil, "it has no validation data to choose by")
         picks = [self._score(name, cand, rounds, final=True) for name, cand in final.items()]
-        default, others = picks[0], picks[1:] + ([self.best] if self.best is not None else [])
-        rival: Pick | None = None
-        for pick in others:
-            if pick.beats(rival):
-                rival = pick
-        chosen, reason = default, f"the final {default.name} model, {default.score}"
-        if rival is None:
-            reason += ", was the only candidate"
-        else:
-            b = int((rival.hits & ~default.hits).sum())
-            c = int((default.hits & ~rival.hits).sum())
-            evidence = f"; {rival.label}, {rival.score}, right on {b} it missed, wrong on {c}"
-            if b - c > self.z * math.sqrt(b + c):
-                chosen = rival
-                reason = f"{rival.label} on validation, {rival.score}, right on {b} samples the "
-                reason += f"final {default.name} model, {default.score}, missed; wrong on {c}"
+        admitted = [p for p in picks if p.refusal is None]
+        others = admitted[1:] + ([self.best] if self.best is not None else [])
+        chosen = admitted[0] if admitted else None
+        reason = ""
+        if chosen is not None:
+            rival = _best(others)
+            reason = f"{_cap(chosen.prose)} had {chosen.score} right on validation"
+            if rival is None:
+                reason += "; it was the only candidate within its budget"
             else:
-                reason += f", kept: no clear evidence against it{evidence}"
+                clear, b, c = self.clearly(rival, chosen)
+                if clear:
+                    reason = (
+                        f"{_cap(rival.prose)} had {rival.score} right on validation: {b} that "
+                        f"{chosen.prose} ({chosen.score}) missed, {c} the other way"
+                    )
+                    chosen = rival
+                else:
+                    reason += (
+                        "; no other candidate within its budget was clearly better (the best, "
+                        f"{rival.prose}, had {rival.score}: {b} more right, {c} fewer)"
+                    )
+        teacher = _best([p for p in picks if p.refusal is not None])
+        outside = None
+        if teacher is not None and (chosen is None or self.clearly(teacher, chosen)[0]):
+            outside = f"{_cap(teacher.prose)} had {teacher.score} but {teacher.refusal}"
+            student = self._student(teacher, chosen, distil, rounds)
+            if student is not None and (chosen is None or self.replaces(student, chosen)):
+                reason = f"{_cap(student.prose)} had {student.score} right on validation"
+                if chosen is not None:
+                    reason += f", against {chosen.score} for {chosen.prose}"
+                chosen = student
+                outside += "; a student of its own architecture learnt from it"
+        if chosen is None:
+            raise RuntimeError(
+                "the guard found no model within the device's budget to deploy: "
+                f"{'; '.join(f'{p.prose}: {p.refusal}' for p in picks)}"
+            )
+        self._deploy(chosen)
+        details: dict[str, Any] = {"guard_val_acc": chosen.correct / chosen.total}
+        details |= self._record(chosen, reason + ".", outside)
+        return details
+
+    def deploy_first(
+        self, final: Mapping[str, Candidate], distil: Distil | None, why: str
+    ) -> dict[str, Any]:
+        """Without choosing on validation (the guard off, or no validation data, `why`): the
+        first model of `final` the budget admits (the algorithm's own where it does); where
+        none is admitted, a student of the device's own architecture distilled from the first
+        (`distil`)."""
+        self.deployed = None
+        picks = [_unscored(name, c, *self._fit(c)) for name, c in final.items()]
+        first = picks[0]
+        chosen = next((p for p in picks if p.refusal is None), None)
+        reason = f"{_cap(first.prose)}: the algorithm's final model ({why})"
+        outside = None
+        if chosen is not first:
+            outside = f"{_cap(first.prose)}, the algorithm's final model, {first.refusal}"
+            if chosen is None:
+                chosen = self._student(first, None, distil, 0)
+                if chosen is None:
+                    raise RuntimeError(f"no model within the device's budget: {outside}")
+                outside += "; a student of its own architecture learnt from it"
+            reason = f"{_cap(chosen.prose)}: the first within its budget ({why})"
+        self._deploy(chosen)
+        return self._record(chosen, reason + ".", outside)
+
+    def _student(
+        self, teacher: Pick, start: Pick | None, distil: Distil | None, rounds: int
+    ) -> Pick | None:
+        """A student of the device's own architecture distilled from `teacher`, starting from
+        `start` where that is one plain model of that architecture; None without `distil`."""
+        if distil is None or teacher.source is None:
+            return None
+        begin: Candidate | None = None
+        if start is not None and start.spec == self.own:  # live, or a kept copy
+            begin = start.source or (start.spec, _built(start))
+        made = distil(teacher.source, begin)
+        if made is None:
+            return None
+        if self.active:
+            pick = self._score(DISTILLED, made, rounds, final=True)
+        else:
+            pick = _unscored(DISTILLED, made, *self._fit(made))
+        return replace(pick, teacher=teacher.prose)
+
+    def _deploy(self, chosen: Pick) -> None:
         if chosen.name != PERSONAL or not chosen.final:
             self.deployed = chosen.kept()
-        return {
-            "guard_choice": chosen.label,
-            "guard_arch": chosen.spec.family,
-            "guard_val_acc": chosen.correct / chosen.total,
-            "guard_reason": reason[:_REASON_CHARS],
-        }
+
+    def _record(self, chosen: Pick, reason: str, outside: str | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"deployed": chosen.label, "deployed_reason": reason[:_REASON_CHARS]}
+        if outside is not None:
+            out["deployed_outside_budget"] = (outside + ".")[:_REASON_CHARS]
+        return out
 
     # -- persistence -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -341,3 +526,27 @@ class Guard:
         best, deployed = state["best"], state["deployed"]
         self.best = None if best is None else Pick.from_state(best)
         self.deployed = None if deployed is None else Pick.from_state(deployed)
+
+
+def _unscored(name: str, cand: Candidate, params: int, refusal: str | None) -> Pick:
+    """A final candidate deployed without scoring it (no validation data, or the guard off)."""
+    none = torch.zeros(0, dtype=torch.bool)
+    return Pick(name, 0, True, none, 0.0, source=cand, params=params, refusal=refusal)
+
+
+def _built(pick: Pick) -> nn.Module:
+    assert pick.model is not None
+    return pick.model.build()
+
+
+def _best(picks: Sequence[Pick]) -> Pick | None:
+    """The best of `picks` (`Pick.beats`; the first of equal ones)."""
+    out: Pick | None = None
+    for p in picks:
+        if p.beats(out):
+            out = p
+    return out
+
+
+def _cap(text: str) -> str:
+    return text[:1].upper() + text[1:]

@@ -54,7 +54,7 @@ from edge_sdk.algorithms.fedavg import FedAvgConfig
 from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.cohort_trainer import CohortUnsupported, take_rows
-from edge_sdk.losses import cross_entropy, kl_distill, soft_cross_entropy
+from edge_sdk.losses import distillation_loss
 from model_zoo import ArchSpec
 
 __all__ = [
@@ -116,22 +116,6 @@ class PersFLConfig(FedAvgConfig, GuardConfig):
         if any(not x > 0 for x in v):
             raise ValueError(f"every temperature must be > 0, got {v}")
         return v
-
-
-def distillation_loss(
-    kind: Literal["kl", "gd"],
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    target: torch.Tensor,
-    lam: float,
-    temperature: float,
-) -> torch.Tensor:
-    """(1−λ)·CE(z_s, y) + λ·(T²-scaled KL or soft CE of the teacher's softened outputs)."""
-    hard = cross_entropy(student_logits, target)
-    if lam == 0:
-        return hard  # the soft term would be multiplied by zero
-    soft_fn = kl_distill if kind == "kl" else soft_cross_entropy
-    return (1 - lam) * hard + lam * soft_fn(student_logits, teacher_logits, temperature)
 
 
 @dataclass(frozen=True)

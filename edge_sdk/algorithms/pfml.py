@@ -46,6 +46,18 @@ _PLAIN_STEPS = "pfml takes the plain gradient steps of Algorithm 1 (lr η only)"
 
 
 class PFMLConfig(BaseAlgorithmConfig, GuardConfig):
+    # preset = "paper": E = 10 iterations of batches of 200 (the figure captions), η = 0.01 and
+    # λ = 20 [paper]. The auxiliary model persists (`aux_init`): re-initialising it from the
+    # global model, as the literal Algorithm 1 does, is undefined for one of another
+    # architecture, which the paper allows.
+    paper: ClassVar[dict[str, Any]] = {
+        "local_epochs": None,
+        "local_iterations": 10,
+        "batch_size": 200,
+        "lr": 0.01,
+        "lam": 20.0,
+    }
+
     # E: local *iterations*, each on one fresh batch of batch_size samples [paper: 10]. Used when
     # local_epochs is None (setting local_iterations alone sets it so).
     local_iterations: int = Field(10, ge=0)

@@ -18,7 +18,7 @@ from torch import nn
 
 from edge_sdk.onnx_bench.runners import OrtRunner, Runner, TorchRunner, onnx_providers
 from edge_sdk.onnx_format import read_metadata
-from edge_sdk.quantization import DYNAMIC_INT8, STATIC_INT8
+from edge_sdk.quantization import DYNAMIC_INT8, FP16, STATIC_INT8
 from model_zoo.spec import ArchSpec, input_dtype
 
 __all__ = [
@@ -36,6 +36,7 @@ VARIANTS = ("torch", "ort_fp32", "ort_int8_dynamic", "ort_int8_static")
 THROUGHPUT_BATCH = 64
 _VARIANT_OF_QUANTIZATION = {
     None: "ort_fp32",
+    FP16: "ort_fp16",  # `edgefl export --format fp16`
     DYNAMIC_INT8: "ort_int8_dynamic",
     STATIC_INT8: "ort_int8_static",
 }

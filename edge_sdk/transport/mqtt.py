@@ -24,16 +24,13 @@ import random
 import ssl
 import threading
 import time
-from pathlib import Path
-from typing import Any, Literal
-from urllib.parse import unquote, urlsplit
+from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from edge_sdk.topics import topic_matches
 from edge_sdk.transport.base import (
@@ -48,6 +45,7 @@ from edge_sdk.transport.base import (
     TransportStats,
     WillPayload,
 )
+from edge_sdk.transport.settings import BrokerAddress, BrokerSettings, parse_broker_url
 
 __all__ = ["BrokerAddress", "BrokerSettings", "MqttTransport", "parse_broker_url"]
 
@@ -56,77 +54,8 @@ log = logging.getLogger(__name__)
 _UNSUPPORTED_PROTOCOL = 132  # CONNACK reason: the broker does not speak MQTT 5
 _AUTH_FAILURES = {134, 135}  # bad user name or password, not authorized (v5 and mapped v3 codes)
 _NOT_AUTHORIZED = 135
+_CONNACK_GRACE_S = 5.0  # how long a broker that took the connection has to answer it
 _PROTOCOLS: dict[tuple[str, int], str] = {}  # what each broker address answered to MQTT 5
-
-
-class BrokerSettings(BaseModel):
-    """How to reach and talk to a broker. Secrets: `password` (from the environment, e.g.
-    EDGEFL_BROKER__PASSWORD) or `password_file`; never put them on a command line."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    url: str | None = None  # mqtt[s]://[user@]host[:port]; None: no broker (simulate in memory)
-    username: str | None = None
-    password: SecretStr | None = None
-    password_file: Path | None = None
-    ca_file: Path | None = None  # CA bundle that signed the broker's certificate (default: system)
-    cert_file: Path | None = None  # client certificate, when the broker asks for one
-    key_file: Path | None = None
-    protocol: Literal["auto", "5", "3.1.1"] = "auto"
-    keepalive_s: int = Field(30, ge=5)
-    session_expiry_s: int = Field(3600, ge=0)  # how long the broker keeps our queue while offline
-    connect_timeout_s: float = Field(30.0, gt=0)
-    ack_timeout_s: float = Field(120.0, gt=0)  # waiting for PUBACKs of one message and its blobs
-    max_inflight: int = Field(100, ge=1)
-    max_payload_bytes: int = Field(2 * 1024 * 1024, ge=1024)
-    reconnect_min_s: float = Field(0.5, gt=0)
-    reconnect_max_s: float = Field(30.0, gt=0)
-    # The edgefl commands tune glibc's allocator for chunk streams (edge_sdk.malloc); an app
-    # that embeds MqttTransport decides for itself. False: leave the allocator alone.
-    tune_malloc: bool = True
-
-    def resolved_password(self) -> str | None:
-        if self.password is not None:
-            return self.password.get_secret_value()
-        if self.password_file is not None:
-            try:
-                return self.password_file.read_text().rstrip("\r\n")
-            except OSError as exc:
-                raise ConnectError(f"cannot read the broker password file: {exc}") from exc
-        return parse_broker_url(self.url).password if self.url else None
-
-
-class BrokerAddress(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    tls: bool
-    host: str
-    port: int
-    username: str | None = None
-    password: str | None = None
-
-
-def parse_broker_url(url: str) -> BrokerAddress:
-    """`mqtt[s]://[user[:password]@]host[:port]` → address (ports default to 1883 / 8883)."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("mqtt", "mqtts"):
-        raise ValueError(f"broker URL {url!r} must start with mqtt:// or mqtts://")
-    if not parts.hostname:
-        raise ValueError(f"broker URL {url!r} names no host")
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ValueError(f"broker URL {url!r} must be mqtt[s]://[user[:password]@]host[:port]")
-    tls = parts.scheme == "mqtts"
-    try:
-        port = parts.port or (8883 if tls else 1883)
-    except ValueError as exc:
-        raise ValueError(f"broker URL {url!r}: {exc}") from exc
-    return BrokerAddress(
-        tls=tls,
-        host=parts.hostname,
-        port=port,
-        username=unquote(parts.username) if parts.username else None,
-        password=unquote(parts.password) if parts.password else None,
-    )
 
 
 class _JitterClient(mqtt.Client):
@@ -270,12 +199,14 @@ class MqttTransport(Transport):
             self._refused = None
             self._fallback.clear()
             self._open_until(deadline, delay)
+            # A broker reached just before the deadline still gets its time to answer.
+            answer_by = max(deadline, time.monotonic() + _CONNACK_GRACE_S)
             self._client.loop_start()
             self._running = True
             while not self._connected.wait(0.02):
                 if self._refused is not None or self._fallback.is_set():
                     break
-                if time.monotonic() > deadline:
+                if time.monotonic() > answer_by:
                     self._halt()
                     raise ConnectError(
                         f"{self.client_id}: no CONNACK from {self.url_for_logs} within {limit} s"
@@ -305,7 +236,7 @@ class MqttTransport(Transport):
         probe.on_connect = lambda c, u, f, reason, p: answer.append(_code(reason))
         self._open_until(deadline, delay, client=probe)
         try:
-            end = min(deadline, time.monotonic() + 5.0)
+            end = time.monotonic() + _CONNACK_GRACE_S  # a broker reached has this to answer
             while not answer and time.monotonic() < end and probe.loop(0.05) == 0:
                 pass
             if answer and answer[0] == 0:
@@ -330,13 +261,36 @@ class MqttTransport(Transport):
             except ssl.SSLError as exc:  # certificate problems do not heal by retrying
                 raise ConnectError(f"TLS with {self.url_for_logs} failed: {exc}") from exc
             except (OSError, ValueError) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise ConnectError(
-                        f"{self.client_id}: cannot reach the broker at {self.url_for_logs}: {exc}"
-                    ) from exc
-                log.info("%s: broker unreachable (%s); retry in %.1f s", self.client_id, exc, delay)
-                time.sleep(delay * random.uniform(0.5, 1.5))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ConnectError(self._unreachable(exc)) from exc
+                # A device may boot before its broker: say so, and keep trying until the limit.
+                wait = min(delay * random.uniform(0.5, 1.5), left)
+                log.warning(
+                    "%s: the broker at %s is not reachable yet (%s); retrying in %.1f s, for "
+                    "%.0f s more (broker.connect_timeout_s)",
+                    self.client_id,
+                    self.url_for_logs,
+                    exc,
+                    wait,
+                    left,
+                )
+                time.sleep(wait)
                 delay = min(delay * 2, self.settings.reconnect_max_s)
+
+    def _unreachable(self, exc: BaseException) -> str:
+        """Why no connection was made, and how to get a broker there."""
+        a = self.address
+        start = (
+            f"start one there, e.g. `mosquitto -p {a.port}` (Debian: apt-get install mosquitto)"
+            if a.host in ("127.0.0.1", "localhost", "::1")
+            else "start it, or check the host name and port"
+        )
+        return (
+            f"{self.client_id}: cannot reach the broker at {self.url_for_logs}: {exc} (it kept "
+            "trying for broker.connect_timeout_s). Is an MQTT broker running there? "
+            f"{start}; `edgefl demo --keep-broker` runs one to try the SDK against"
+        )
 
     @property
     def url_for_logs(self) -> str:

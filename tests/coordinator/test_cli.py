@@ -6,6 +6,7 @@ import numpy as np
 from typer.testing import CliRunner
 
 from coordinator.cli import app
+from edge_sdk.budget import arch_name
 from edge_sdk.inference import OnnxPredictor
 
 runner = CliRunner()
@@ -74,7 +75,7 @@ def test_simulate_writes_results_report_plots_and_onnx(tmp_path):
     predictor = OnnxPredictor(onnx_files[1])
     # c1 (an mlp) deploys what its guard chose: by default the mixture of its own model and the
     # fine-tuned global one, or another model the guard found clearly better.
-    assert predictor.spec.family == results["clients"][1]["guard_arch"]
+    assert arch_name(predictor.spec) == results["clients"][1]["deployed_arch"]
     probs = predictor.predict_proba(np.zeros((2, 1, 8, 8), dtype=np.float32))
     assert probs.shape == (2, 10)
     assert "mean personalized accuracy" in res.output

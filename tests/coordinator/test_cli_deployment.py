@@ -18,7 +18,7 @@ def test_a_client_without_its_identity_refuses_to_start(tmp_path: Path, monkeypa
     monkeypatch.chdir(tmp_path)
     res = runner.invoke(app, ["client", "--broker", "mqtt://127.0.0.1:9", "--id", "phone1"])
     assert res.exit_code == 2
-    assert "which device is this? pass --index I" in res.output
+    assert "which client is this? pass --index I" in res.output
     assert list(tmp_path.iterdir()) == []  # no state directory made
 
 

@@ -72,3 +72,22 @@ def test_errors_carry_no_pydantic_noise():
     assert res.exit_code == 2
     assert "<root>" not in res.output and "Value error," not in res.output
     assert "error: invalid config: unknown architecture family 'resnet'; known: " in res.output
+
+
+def test_set_without_equals_says_set_takes_key_value():
+    # A user's `--set fml.alpha 0.3`: before, "Got unexpected extra argument(s) (0.3)".
+    res = runner.invoke(app, [*SPLIT, "--set", "fml.alpha", "0.3"])
+    assert res.exit_code == 2
+    assert "'fml.alpha' is not key=value: write --set fml.alpha=VALUE" in res.output
+    assert "unexpected extra argument" not in res.output
+
+
+def test_a_wrong_type_in_a_toml_file_names_the_file_and_the_field(tmp_path: Path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('rounds = "five"\n[data]\nmax_samples = 300\n')
+    res = runner.invoke(app, ["split", "--config", str(cfg)])
+    assert res.exit_code == 2
+    assert f"{cfg}: rounds: Input should be a valid integer" in res.output.replace("\n", "")
+    # The same bad value from a flag is the flag's, not the file's.
+    res = runner.invoke(app, ["split", "--set", "rounds=five"])
+    assert res.exit_code == 2 and "invalid config: rounds: Input should be" in res.output

@@ -62,7 +62,10 @@ def _option_line(text: str, flag: str) -> str:
             for more in lines[i + 1 :]:
                 if re.match(r"\s+-", more) or not more.startswith("     "):
                     break
-                out.append(more.strip())
+                if out[-1].endswith("-"):  # click wraps after a hyphen: edgefl-|state
+                    out[-1] += more.strip()
+                else:
+                    out.append(more.strip())
             return re.sub(r"\s+", " ", " ".join(out))
     raise AssertionError(f"{flag} is not in the help:\n{text}")
 
@@ -99,7 +102,7 @@ def test_command_summaries_are_whole_sentences():
         (["simulate"], "--rounds", "[rounds; default: 5]"),
         (["simulate"], "--clients", "[clients; default: 10]"),
         (["simulate"], "--dataset", "[data.dataset; default: digits]"),
-        (["simulate"], "--lr", "default: the algorithm's own, e.g. fml 0.01]"),
+        (["simulate"], "--lr", "default: the algorithm's own: `edgefl settings fml.lr`]"),
         (["simulate"], "--threads", "[threads; default: the cores this process may use]"),
         (["simulate"], "--out", "default: runs/<algorithm>-<date>-<time>]"),
         (["coordinator"], "--register-timeout", "[round.register_timeout_s; default: 600]"),
@@ -108,6 +111,8 @@ def test_command_summaries_are_whole_sentences():
         (["client"], "--state-dir", "[client.state_dir; default: edgefl-state]"),
         (["client"], "--threads", "[threads; default: one per core]"),
         (["client"], "--device", "[device; default: auto]"),
+        (["client"], "--connect-timeout", "[broker.connect_timeout_s; default: 30]"),
+        (["coordinator"], "--connect-timeout", "(inf: no limit)"),
         (["demo"], "--device", "[default: cpu]"),
     ],
 )
@@ -254,3 +259,29 @@ def test_the_demo_hands_its_log_options_and_plugins_to_every_process():
         "--log-level", "INFO", "--log-format", "json", "--plugin", "mine.py",
     ]  # fmt: skip
     assert CommonOptions(quiet=True, log_level="debug").child_args()[:2] == ["--log-level", "DEBUG"]
+
+
+@pytest.mark.parametrize("command", [[], *COMMANDS, ["keys"]], ids=" ".join)
+def test_help_calls_the_participant_a_client_and_device_only_where_it_computes(command):
+    # One vocabulary: a client takes part in the federation; a device is where it computes
+    # (--device cpu|cuda) or the hardware it runs on (an edge device). Before, `edgefl client`
+    # was "Run one edge device" and the demo's --clients were "devices".
+    text = _help(command)
+    if "--device" in text:
+        text = text.replace(_option_line(text, "--device"), "")
+        text = re.sub(r"\s+--device\s[^\n]*(\n {20,}[^\n]*)*", "", text)
+    words = " ".join(text.split()).replace("edge devices", "").replace("edge device", "")
+    assert "device" not in words.lower(), command
+
+
+def test_the_old_names_still_work_and_say_they_are_deprecated():
+    import coordinator.config as config
+    import coordinator.deploy as deploy
+
+    with pytest.warns(DeprecationWarning, match="DeviceConfig is deprecated: it is ClientConfig"):
+        assert config.DeviceConfig is config.ClientConfig
+    with (
+        pytest.warns(DeprecationWarning, match="run_device is deprecated: use run_client"),
+        pytest.raises(Exception, match="which client is this"),
+    ):
+        deploy.run_device(config.load_config(flags={"broker.url": "mqtt://h", "auth.open": True}))

@@ -120,3 +120,39 @@ def test_lr_gamma_without_a_step_schedule_is_refused():
     with pytest.raises(ConfigError, match=r"lr_gamma.*lr_schedule"):
         load_config(None, None, {"fml.lr_gamma": 0.5})
     assert load_config(None, None, {"fml.lr_gamma": 0.5, "fml.lr_schedule": "step"}).fml.lr_gamma
+
+
+# The published algorithms, written out from the papers (docs/algorithms.md's preset table).
+PAPER = {
+    "fml": {"guard": False, "alpha_gate": "off", "beta": 0.5, "lr_schedule": "step"},
+    "pfml": {
+        "guard": False,
+        "local_epochs": None,
+        "local_iterations": 10,
+        "batch_size": 200,
+        "lr": 0.01,
+        "lam": 20.0,
+        "aux_init": "persist",
+    },
+    "persfl": {"guard": False},
+    "fedme": {"guard": False, "kl_gate": "off"},
+    "federico": {"guard": False, "lr": 0.001, "batch_size": 50},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_the_paper_preset_is_the_published_algorithm(name):
+    cfg = load_config(None, None, {f"{name}.preset": "paper"})
+    section = cfg.algorithm_config(name).model_dump()
+    default = cfg.algorithm_config(name).model_validate({}).model_dump()
+    changed = {k for k in section if section[k] != default[k]} - {"preset"}
+    # exactly the published values, and nothing else moved
+    assert {k: section[k] for k in PAPER[name]} == PAPER[name]
+    assert changed == {k for k, v in PAPER[name].items() if default[k] != v}
+
+
+def test_a_setting_given_with_the_paper_preset_wins_over_it():
+    cfg = load_config(None, None, {"fml.preset": "paper", "fml.beta": 0.7, "fml.guard": True})
+    assert (cfg.fml.beta, cfg.fml.guard, cfg.fml.alpha_gate) == (0.7, True, "off")
+    # a config written out whole and read back is the same config
+    assert type(cfg.fml).model_validate(cfg.fml.model_dump()) == cfg.fml

@@ -79,10 +79,9 @@ def test_demo_runs_devices_as_processes_and_writes_the_report(tmp_path: Path) ->
     for row, client in zip(results.onnx, results.clients, strict=True):
         assert (tmp_path / str(row.file)).is_file() and (row.size_bytes or 0) > 0
         assert row.accuracy == pytest.approx(client.personal_acc, abs=1e-6)
-        # The table names the model the device deploys: by default its own architecture mixed
-        # with the fine-tuned global one (lenet5), else what its guard chose instead.
-        deployed = client.details["guard_arch"]
-        assert row.arch == (f"{client.arch}+lenet5" if deployed == "mixture" else deployed)
+        # The table names the model the device deploys, as its finalize reply said: by
+        # default a model of its own architecture.
+        assert row.arch == client.details["deployed_arch"]
     # The split is stated, and each device holds a few classes.
     assert results.split is not None
     counts = [c.counts for c in results.split.clients]
@@ -94,6 +93,12 @@ def test_demo_runs_devices_as_processes_and_writes_the_report(tmp_path: Path) ->
     assert page.count("data:image/png;base64,") >= 3
     assert "## Data per client" in (tmp_path / "report.md").read_text()
     assert re.search(r"wall time: \d+\.\d s", text)
+    # One wall time in the report: the summary's is the sum of the steps the setup lists
+    # (before, 96.77 s in the summary against "137.3 s in all" in the setup).
+    assert results.setup is not None and "in all" not in results.setup["Time per step"]
+    steps = [float(v) for v in re.findall(r"(\d+\.\d) s", results.setup["Time per step"])]
+    assert len(steps) == 4 and "Wall time" not in results.setup
+    assert results.summary.wall_seconds == pytest.approx(sum(steps), abs=0.25)
     # Where the logs are, and every process got the demo's log options and plugins.
     assert f"logs: {tmp_path / 'logs'}/<name>.log, one per process (coordinator, c0, c1)" in text
     for name in ("coordinator", "c0", "c1"):
@@ -115,16 +120,18 @@ def test_demo_sigint_stops_the_broker_and_every_process(tmp_path: Path) -> None:
     seen: list[str] = []
     try:
         assert demo.stdout is not None
-        # Until every process is started: the devices are still importing torch, the point where
+        # Until every process is started: the clients are still importing torch, the point where
         # a child is easiest to leave behind (and the same loop the demo follows rounds in).
         for line in demo.stdout:
             seen.append(line)
-            if line.startswith("waiting for 2 devices"):
+            if line.startswith("waiting for 2 clients"):
                 break
+            # A demo that never says so would run its 200 rounds: fail at its first instead.
+            assert not line.startswith("round "), "".join(seen)
         started = [ln for ln in seen if "pid" in ln]
         pids = [int(p) for ln in started for p in re.findall(r"pid (\d+)", ln)]
         # the broker (mosquitto is a child; the embedded one lives in the demo), a coordinator
-        # and two devices
+        # and two clients
         assert len(pids) >= 3, "".join(seen)
         assert all(_alive(p) for p in pids)
 

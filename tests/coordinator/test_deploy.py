@@ -15,6 +15,7 @@ from coordinator.deploy import run_coordinator
 from coordinator.results_model import Results
 from coordinator.simulator import simulate
 from edge_sdk.auth import AuthSettings, Keyring, issue_keys
+from edge_sdk.budget import arch_name
 from edge_sdk.inference import OnnxPredictor
 
 EDGEFL = str(Path(sys.executable).parent / "edgefl")
@@ -27,8 +28,9 @@ ARCHS = ["mlr", "mlp", "cnn1"]
 FML = ["--algorithm", "fml", "--global-model", "mlr", "--local-epochs", "2", "--lr", "0.1"]
 
 
-def _deploy(url, tmp_path, run_id, algorithm=FML, coordinator_sets=()):
-    """`edgefl coordinator` and three `edgefl client` processes; returns their outcomes."""
+def _deploy(url, tmp_path, run_id, algorithm=FML, coordinator_sets=(), client_flags=()):
+    """`edgefl coordinator` and three `edgefl client` processes (with `client_flags`); returns
+    their outcomes."""
     common = ["--broker", url, "--run-id", run_id]
     out = tmp_path / "out"
     keys = key_flags(tmp_path / "keys", [f"c{i}" for i in range(len(ARCHS))])
@@ -40,7 +42,9 @@ def _deploy(url, tmp_path, run_id, algorithm=FML, coordinator_sets=()):
     for i, arch in enumerate(ARCHS):
         me = ["--id", f"c{i}", "--model", arch, "--index", str(i), "--seed", "0", "--threads", "1"]
         state = ["--state-dir", str(tmp_path / f"state{i}")]
-        commands.append([EDGEFL, "client", *common, *me, *DATA, *state, *SETS, *keys[f"c{i}"]])
+        commands.append(
+            [EDGEFL, "client", *common, *me, *DATA, *state, *SETS, *client_flags, *keys[f"c{i}"]]
+        )
     procs = [
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for cmd in commands
@@ -61,11 +65,12 @@ def _check_deployment(out, tmp_path, families=ARCHS):
     assert [r["round"] for r in rounds] == [1, 2]
     assert all(r["replied"] == ["c0", "c1", "c2"] for r in rounds)
     assert (out / "report.md").is_file()
-    for i, (family, c) in enumerate(zip(families, results.clients, strict=True)):
+    for i, c in enumerate(results.clients):
         predictor = OnnxPredictor(tmp_path / f"state{i}" / f"c{i}.onnx")
-        # The model the client deploys: its own architecture, or what its guard chose instead
-        # (FML's meme, of the global architecture).
-        assert predictor.spec.family == c.details.get("guard_arch", family)
+        # The model the client deploys, as its reply says: its own architecture (its budget's
+        # default) unless `families` is None (a budget that allows any).
+        assert arch_name(predictor.spec) == c.details["deployed_arch"]
+        assert families is None or c.details["deployed_arch"] == families[i]
     return results
 
 
@@ -117,10 +122,13 @@ def test_federico_clients_as_processes_collaborate_over_mosquitto_and_export_mix
     mosquitto, tmp_path
 ):
     # Models and gradients go from client to client over peer topics; the coordinator only
-    # keeps the round clock, and each client exports its mixture predictor.
+    # keeps the round clock, and each client (which may deploy any model) exports what its
+    # guard chose: by default the mixture predictor with its fine-tuned model.
     federico = ["--algorithm", "federico", "--set", "federico.lr=0.01"]
-    out, logs = _deploy(mosquitto.url, tmp_path, "e2e-federico", federico)
-    results = _check_deployment(out, tmp_path, families=["mixture"] * 3)
+    out, logs = _deploy(
+        mosquitto.url, tmp_path, "e2e-federico", federico, client_flags=["--deploy", "any"]
+    )
+    results = _check_deployment(out, tmp_path, families=None)
     assert results.collaboration_clients == ["c0", "c1", "c2"]
     assert results.collaboration is not None and results.collaboration_history is not None
     for row in results.collaboration:

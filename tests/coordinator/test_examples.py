@@ -25,9 +25,11 @@ def test_pfml_example_carries_the_paper_settings():
     assert (cfg.clients, cfg.clients_per_round, cfg.data.partition) == (100, 10, "natural")
 
 
-def test_the_embedded_device_app_runs_against_a_real_broker(mosquitto, tmp_path):
+def _run_apps(broker, tmp_path, apps, *, rounds=2):
+    """A coordinator (in this process) for len(apps) clients over `broker`, and each app as a
+    process of its own: `apps(keys)` gives each app's command line from the issued keys. Returns
+    the apps' outputs and the coordinator's results."""
     import subprocess
-    import sys
     import threading
 
     from coordinator.server import Coordinator, RoundConfig
@@ -39,12 +41,12 @@ def test_the_embedded_device_app_runs_against_a_real_broker(mosquitto, tmp_path)
     mine = AuthSettings(key_file=keys["coordinator"], roster=keys["roster"])
     coordinator = Coordinator(
         NetworkFleet(
-            MqttTransport(mosquitto.url, "example-coordinator"),
+            MqttTransport(broker.url, "example-coordinator"),
             keyring=Keyring.load(mine, "coordinator"),
         ),
         algorithm="fml",
         config=algorithm_class("fml").config_cls(local_epochs=2, batch_size=32, lr=0.05),
-        rounds=2,
+        rounds=rounds,
         expected_clients=2,
         global_model="mlr",
         run_id="phones",
@@ -53,56 +55,105 @@ def test_the_embedded_device_app_runs_against_a_real_broker(mosquitto, tmp_path)
     result = {}
     runner = threading.Thread(target=lambda: result.update(run=coordinator.run()))
     runner.start()
-    script = EXAMPLES / "embedded_client.py"
-    args = ["--broker", mosquitto.url, "--out", str(tmp_path), "--roster", str(keys["roster"])]
-
-    def key(i):
-        return ["--key-file", str(keys[f"phone{i}"])]
-
-    devices = [
+    procs = [
         subprocess.Popen(
-            [sys.executable, str(script), *args, "--id", f"phone{i}", "--slice", str(i), *key(i)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        for i in range(2)
+        for cmd in apps(keys)
     ]
     try:
-        logs = [d.communicate(timeout=180)[0] for d in devices]
+        logs = [p.communicate(timeout=180)[0] for p in procs]
     finally:
-        for d in devices:
-            d.kill()
+        for p in procs:
+            p.kill()
         runner.join(60)
         coordinator.fleet.transport.close()
-    assert [d.returncode for d in devices] == [0, 0], "\n".join(logs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    return logs, result["run"]
+
+
+def test_the_embedded_client_app_runs_against_a_real_broker(mosquitto, tmp_path):
+    import sys
+
+    script = EXAMPLES / "embedded_client.py"
+    args = ["--broker", mosquitto.url, "--out", str(tmp_path)]
+
+    def apps(keys):
+        return [
+            [
+                *(sys.executable, str(script), *args, "--id", f"phone{i}", "--slice", str(i)),
+                *("--key-file", str(keys[f"phone{i}"]), "--roster", str(keys["roster"])),
+            ]
+            for i in range(2)
+        ]
+
+    logs, run = _run_apps(mosquitto, tmp_path, apps)
     assert all("predicts" in log and "round 2/2 fit: ok" in log for log in logs)
     assert (tmp_path / "phone0.onnx").is_file() and (tmp_path / "phone1.onnx").is_file()
-    assert [c.id for c in result["run"].clients] == ["phone0", "phone1"]
+    assert [c.id for c in run.clients] == ["phone0", "phone1"]
 
 
-def _readme_block(heading: str) -> str:
-    """The first ```python block of README.md after `heading`."""
-    text = (EXAMPLES.parent / "README.md").read_text()
-    after = text[text.index(heading) :]
-    return after.split("```python\n", 1)[1].split("```", 1)[0]
+def test_the_readmes_client_app_runs_against_a_real_broker(mosquitto, tmp_path):
+    # examples/client_app.py is the README's client app and the tutorial's, as written.
+    import sys
+
+    def apps(keys):
+        return [
+            [
+                *(sys.executable, str(EXAMPLES / "client_app.py"), mosquitto.url, "phones"),
+                *(f"phone{i}", str(keys[f"phone{i}"]), str(keys["roster"])),
+            ]
+            for i in range(2)
+        ]
+
+    logs, run = _run_apps(mosquitto, tmp_path, apps)
+    for i, log in enumerate(logs):
+        # What it deployed: the guard's choice, its architecture and its ONNX file
+        assert f"phone{i} deployed " in log and f"phone{i}.onnx)" in log, log
+        assert (tmp_path / f"phone{i}.onnx").is_file()
+    assert {c.arch for c in run.clients} == {"mlp"}
 
 
-def test_the_readmes_python_snippet_runs_as_written(tmp_path):
-    # Before: it predicted on an undefined `images`, normalising them a second time.
+def _run_example(path, tmp_path):
     import subprocess
     import sys
 
-    from model_zoo.data import DatasetNotFound, load_dataset
-
-    try:
-        load_dataset("fashion_mnist", max_samples=10)
-    except DatasetNotFound:
-        pytest.skip("Fashion-MNIST is not installed (make test installs it as root)")
-    code = _readme_block("## Using the pieces directly")
     res = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        [sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def test_the_first_simulation_example_runs_as_written(tmp_path):
+    out = _run_example(EXAMPLES / "first_simulation.py", tmp_path)
+    assert "outcome: complete" in out
+    assert len([ln for ln in out.splitlines() if ": personalized " in ln]) == 6
+    assert (tmp_path / "runs" / "first" / "results.json").is_file()
+
+
+def test_the_onnx_example_runs_as_written(tmp_path):
+    # Before (as the README's snippet): it predicted on an undefined `images`.
+    out = _run_example(EXAMPLES / "onnx_on_device.py", tmp_path)
     assert (tmp_path / "lenet5.onnx").is_file()
-    assert res.stdout.strip().splitlines()[-1].startswith("['")  # eight class names
+    assert out.strip().splitlines()[-1].startswith("['")  # eight class names
+
+
+@pytest.mark.usefixtures("scoped_registrations")
+def test_the_tutorials_proximal_algorithm_runs_as_a_plugin(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    plugin = EXAMPLES / "plugin" / "proximal.py"
+    args = ["simulate", "--plugin", str(plugin), "--algorithm", "proximal", "--models", "mlr"]
+    args += ["--clients", "3", "--rounds", "2", "--device", "cpu", "--out", str(tmp_path), "-q"]
+    args += ["--set", 'data.options={"size": 8}', "--set", "proximal.mu=0.5"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["summary"]["outcome"] == "complete"
+    assert results["config"]["proximal"]["mu"] == 0.5
+    assert results["summary"]["mean_personal_acc"] > 0.3  # well above chance (0.1)

@@ -135,7 +135,16 @@ def test_check_reply_refuses_counts_and_models_the_client_cannot_have():
         (FitReply("c0", {}, {"personal_correct": 6, "personal_total": 5}), "above 1"),
         (FitReply("c0", {}, {"personal_correct": 1}), "come together"),
         (FitReply("c0", {}, {"personal_correct": 1, "personal_total": 6}), "exceeds the 5 test"),
-        (FitReply("c0", {}, {}, 1), "expected models"),
+        (FitReply("c0", {}, {}, 1), r"carries models named \[\], the strategy expects"),
+        # A plugin's slip: the task's key sent back. Before: only the two dicts of ArchSpecs.
+        (
+            FitReply("c0", {"global": model}, {}, 1),
+            r"named \['global'\], the strategy expects \['model'\].*'model' for FedAvg",
+        ),
+        (
+            FitReply("c0", {"model": WireModel(spec.model_copy(update={"num_classes": 3}), {})}),
+            "expected models",
+        ),
     ]:
         with pytest.raises(ValueError, match=why):
             check_reply(bad, caps, {"model": spec})

@@ -10,6 +10,7 @@ from coordinator.fleet import NetworkFleet
 from coordinator.server import Coordinator, RoundConfig
 from coordinator.strategies import ClientInfo, FitReply, IncompatibleClients, strategy_class
 from edge_sdk.algorithms import algorithm_class
+from edge_sdk.budget import arch_name
 from edge_sdk.client import EdgeClient
 from edge_sdk.codec import WireModel
 from edge_sdk.protocol import Capabilities, Task
@@ -144,5 +145,5 @@ def test_persfl_new_participant_personalizes_from_the_archive_after_training():
     assert result.metrics["personal_correct"] / result.metrics["personal_total"] > 0.5
     assert newcomer.algorithm.trained_model()[0].family == "mlp"  # its student
     # What it deploys is the guard's pick between that student and the teacher, as reported.
-    deployed = newcomer.algorithm.personalized_model()[0].family
-    assert deployed == result.details["guard_arch"]
+    deployed = arch_name(newcomer.algorithm.personalized_model()[0])
+    assert deployed == result.details["deployed_arch"]

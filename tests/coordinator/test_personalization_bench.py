@@ -76,7 +76,7 @@ def test_the_mean_mixture_weight_counts_only_the_mixtures_deployed():
     mixture, own = "personal+finetuned (final, mixture)", "personal (final, mlp)"
     choices = zip([mixture, mixture, own, None], [0.25, 0.5, 1.0, None], strict=True)
     for c, (choice, w) in zip(run.clients, choices, strict=True):
-        c.update(guard_choice=choice, guard_mix_weight=w)
+        c.update(deployed=choice, guard_mix_weight=w)
     assert bench._mix_weight([run]) == pytest.approx(0.375)
     assert bench._mix_weight([_run([0.5])]) is None  # an algorithm without the guard
 

@@ -227,6 +227,7 @@ def test_the_example_plugin_over_mqtt_coordinator_client_and_export(mosquitto, t
     assert results["algorithm"] == "fedavgm"
     assert [(c["id"], c["arch"]) for c in results["clients"]] == [("c1", "tiny_cnn")]
     assert "c1: done; personalized model:" in device_log
+    assert "(deployed: " in device_log  # which model its guard chose, and its architecture
     assert (tmp_path / "d1" / "c1.run.toml").is_file()  # what `edgefl export` rebuilds from
 
     # And the device's state exports to int8 (the plugin's model, the client's own data).

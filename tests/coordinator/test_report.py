@@ -323,3 +323,22 @@ def test_the_verdict_compares_with_fedavg_ft_when_it_is_the_best_baseline(tmp_pa
     assert "**worse than the best baseline** (FedAvg+FT, -2.00 pp)" in text  # c0: 93 vs 95
     assert "better than the best baseline (local, +19.00 pp)" in text  # c1: 71 vs 52
     assert "| FedAvg+FT: FedAvg fine-tuned on each client (baseline) | 72.50% |" in text
+
+
+def test_each_clients_row_says_what_it_deployed_and_how_big(tmp_path: Path) -> None:
+    # Prepare: the clients' finalize replies said what they deployed (c1: a mixture).
+    results = _results_with_baselines()
+    deployed = {"c0": ("lenet5", 241.04), "c1": ("mixture of mlp+lenet5", 551.5)}
+    for c in results["clients"]:
+        if c["id"] in deployed:
+            arch, kib = deployed[c["id"]]
+            c.update(deployed_arch=arch, deployed_kib=kib, deployed_reason="Because.")
+
+    # Execute
+    text = _write(results, tmp_path).read_text(encoding="utf-8")
+
+    # Assert: a Deployed column, with the architecture and the size of its weights.
+    assert "| Client | Arch | Deployed | n_train |" in text
+    assert "| c0 | lenet5 | lenet5, 241 KiB | 812 | 93.00% |" in text
+    assert "| c1 | mlp | mixture of mlp+lenet5, 552 KiB | 640 | 71.00% |" in text
+    assert "| c2 | cnn1 | — | 455 | 80.00% |" in text  # it said nothing

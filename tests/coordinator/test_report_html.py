@@ -242,3 +242,20 @@ def test_round_plot_draws_one_line_per_client_and_the_baselines() -> None:
     c1 = figure.axes[0].get_lines()[1].get_ydata()
     np.testing.assert_allclose(c1, [51.0, 61.0, 71.0])
     assert re.match(r"^Accuracy per round$", figure.axes[0].get_title())
+
+
+def test_collaboration_says_what_its_diagonal_is_and_why_it_is_often_zero(tmp_path: Path) -> None:
+    # Before, a FedeRiCo heatmap whose diagonal was all zeros came with no word on why.
+    results = _results()
+    results["collaboration"] = [[0.0, 1.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]
+    del results["collaboration_history"]
+
+    text = write_report(Results.parse(results), tmp_path).read_text()
+
+    section = text.split("## Collaboration")[1].split("\n## ")[0]
+    assert "The diagonal, w_ii, is a client's weight on its own model" in section
+    assert "Here the final diagonal is 0 for 1 of 3 clients." in section
+    figure = collaboration_figure(
+        collaboration_matrices(Results.parse(results)), ["c0", "c1", "c2"]
+    )
+    assert len(figure.axes[0].patches) == 3  # the diagonal's cells are outlined

@@ -1,9 +1,9 @@
-"""The README's secure set-up, as printed, with real processes.
+"""The secure set-up of docs/tutorials/deploy.md, as printed, with real processes.
 
 `edgefl broker-acl` writes the broker's files; a stock mosquitto runs them unchanged (as root it
 drops to user `mosquitto` before reading them); the coordinator and three devices connect over
 TLS, each as its own broker user and with its own signing key, given through the environment as
-the README shows. Meanwhile a participant's valid credentials (c9's: a user of the broker, not of
+the tutorial shows. Meanwhile a participant's valid credentials (c9's: a user of the broker, not of
 the run) ask for the coordinator's and c1's MQTT client ids, again and again, and flood their own
 topic: nobody is knocked off and the run ends with an undisturbed run's accuracies.
 """

@@ -113,6 +113,45 @@ def test_edgefl_keys_issues_private_keys_and_a_roster_and_daemons_refuse_to_star
         res = runner.invoke(app, [*command, "--broker", "mqtt://127.0.0.1:1", "--run-id", "r"])
         assert res.exit_code == 2
         assert "edgefl keys --clients" in res.output and "auth.open=true" in res.output
+        # ... and says it first: before, the coordinator printed "checked against None".
+        assert "None" not in res.output
+        assert res.output.lstrip().startswith("error: no keys"), res.output
+
+
+def test_edgefl_keys_example_names_a_key_it_wrote(tmp_path):
+    # Before, ids dev0,dev1 got an example with c0.key, a file it had not written.
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    res = CliRunner().invoke(app, ["keys", "--clients", "dev0,dev1", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    example = res.output.split("auth.key_file=")[1].split()[0]
+    assert example == str(tmp_path / "dev0.key") and (tmp_path / "dev0.key").is_file()
+    assert "c0" not in res.output
+
+
+def test_a_client_without_keyring_stops_at_once_when_its_coordinator_signs():
+    # Before, an app that forgot its keyring waited unsigned until its own timeout
+    # ("the federation did not end in 15 s"): the coordinator drops unsigned registrations.
+    from edge_sdk.auth import Keyring
+    from edge_sdk.client import RegistrationRefused
+
+    keys = Keyring.ephemeral([topics.COORDINATOR, "c1", "c2"])  # c0 has none
+    _, clients = small_federation(keys=keys)
+    c0 = clients[0]
+    assert c0.keyring is None
+    with pytest.raises(RegistrationRefused, match=r"no keyring.*keyring=Keyring\.load"):
+        c0.run(timeout=15)
+    assert c0.accepted is False
+
+
+def test_an_app_that_connects_without_keyring_is_warned(caplog):
+    _, clients = small_federation(n=1)
+    node = clients[0].node
+    app = EdgeClient.connect("mqtt://127.0.0.1:1", "c0", node.spec, node.data)
+    app.transport.close()
+    assert "c0: no keyring: its messages go unsigned (open mode)" in caplog.text
 
 
 @pytest.mark.parametrize("command", ["keys", "broker-acl"])

@@ -28,6 +28,7 @@ from edge_sdk.algorithms.base import (
 )
 from edge_sdk.algorithms.persfl import PersFL
 from edge_sdk.algorithms.pfml import PFML, PFMLConfig
+from edge_sdk.budget import DeployBudget
 from edge_sdk.codec import WireModel
 from edge_sdk.cohort import (
     CohortContext,
@@ -77,14 +78,17 @@ def _data(sizes, seed=100, shared=True):
     return out
 
 
-def _clients(algorithm, family="mlp", sizes=SIZES, shared=True, **overrides):
-    """Clients of `algorithm` with their own data, seeds and sizes (rebuilt identically)."""
+def _clients(algorithm, family="mlp", sizes=SIZES, shared=True, budget=None, **overrides):
+    """Clients of `algorithm` with their own data, seeds and sizes (rebuilt identically), each
+    with the deployment `budget` (default: its own architecture only)."""
     spec = ArchSpec(family=family, num_classes=CLASSES, input_shape=(FEATURES,))
     cls = algorithm_class(algorithm)
     cfg = cls.config_cls(**(SETTINGS[algorithm] | overrides))
     out = []
     for i, data in enumerate(_data(sizes, shared=shared)):
         ctx = ClientContext(f"c{i}", spec, data, CPU, i, Trainer(CPU, seed=i))
+        if budget is not None:
+            ctx.budget = budget
         out.append(cls(ctx, cfg))
     return spec, out
 
@@ -517,7 +521,9 @@ def test_the_guards_fine_tune_the_final_model_stacked_as_each_would_alone(
     # Prepare: two rounds alone and stacked (equal, as above), then a spy on the fine-tuning;
     # the default weighs each member's mixture, [0.5] deploys the fine-tuned weights in each.
     mix = {} if weights is None else {"guard_mix_weights": weights}
-    alone, stacked = _fits_alike(algorithm, guard_ft_epochs=3, **mix)
+    # devices that may run their model mixed with the fine-tuned one
+    budget = DeployBudget(allow="own,mixture")
+    alone, stacked = _fits_alike(algorithm, guard_ft_epochs=3, budget=budget, **mix)
     calls = []
     real = ClientAlgorithm.finetune
     monkeypatch.setattr(
@@ -543,6 +549,7 @@ def test_the_guards_fine_tune_the_final_model_stacked_as_each_would_alone(
         (spec_a, model_a), (spec_s, model_s) = a.personalized_model(), s.personalized_model()
         assert spec_s == spec_a
         deployed.append(spec_a.family)
+        assert g.details["deployed_arch"] in ("mlp", "mixture of mlp+mlp")  # within its budget
         _assert_close(model_s.state_dict(), model_a.state_dict(), "deployed")
         _assert_close(s.state_dict(), a.state_dict(), f"{a.ctx.client_id} state")
     assert weights is None or deployed.count("mixture") >= 2, deployed

@@ -19,6 +19,7 @@ from tests_helpers import raises_exactly
 
 from edge_sdk.algorithms import AlgorithmError, ClientContext, TaskInfo, algorithm_class
 from edge_sdk.algorithms.federico import posterior_weights
+from edge_sdk.budget import DeployBudget
 from edge_sdk.codec import WireModel
 from edge_sdk.export import export_onnx
 from edge_sdk.peers import PeerChannel
@@ -45,8 +46,14 @@ def _data(group: str, seed: int) -> ClientData:
     return ClientData(x, y, x[:0], y[:0], x[:8], y[:8], num_classes=CLASSES)
 
 
-def _federation(groups: dict[str, str], specs: dict[str, ArchSpec] | None = None, **cfg):
-    """One FedeRiCo client per id, each with its own peer channel on one broker."""
+def _federation(
+    groups: dict[str, str],
+    specs: dict[str, ArchSpec] | None = None,
+    budget: DeployBudget | None = None,
+    **cfg,
+):
+    """One FedeRiCo client per id, each with its own peer channel on one broker; the devices
+    deploy what the paper's do, their mixture, unless `budget` says otherwise."""
     broker = InMemoryBroker()
     cls = algorithm_class("federico")
     algos = {}
@@ -55,7 +62,14 @@ def _federation(groups: dict[str, str], specs: dict[str, ArchSpec] | None = None
         cpu = torch.device("cpu")
         spec = (specs or {}).get(cid, SPEC)
         ctx = ClientContext(
-            cid, spec, _data(groups[cid], i), cpu, i, Trainer(cpu, seed=i), peers=peers
+            cid,
+            spec,
+            _data(groups[cid], i),
+            cpu,
+            i,
+            Trainer(cpu, seed=i),
+            peers=peers,
+            budget=budget or DeployBudget(allow=("any",)),
         )
         algos[cid] = cls(ctx, cls.config_cls(**cfg))
     return algos
@@ -535,11 +549,13 @@ def test_federico_mixes_evaluates_and_finalizes_its_highest_weight_models_only()
     assert scores == want and out.metrics == want
     # Each round drew one batch per neighbour (their gradients) and one for its own.
     drawn = 2 * (2 + 1) * min(c.config.batch_size, N)
-    assert out.details == {
+    assert {k: out.details[k] for k in ("collaborators", "mixture_size", "samples_processed")} == {
         "collaborators": ",".join(top),
         "mixture_size": 2,
         "samples_processed": drawn,
     }
+    assert out.details["deployed"] == "personal (final, mixture)"
+    assert out.details["deployed_arch"] == "mixture of mlr+mlr"
     assert out.n_samples == N
 
 

@@ -7,6 +7,7 @@ from tests_helpers import raises_exactly
 
 from edge_sdk.algorithms import AlgorithmError, ClientContext
 from edge_sdk.algorithms.fedme import FedMe, FedMeConfig
+from edge_sdk.budget import DeployBudget
 from edge_sdk.codec import WireModel
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec, build
@@ -25,10 +26,13 @@ def _data(seed=0, n_train=20, n_val=10) -> ClientData:
     return ClientData(x[:a], y[:a], x[a:b], y[a:b], x[b:], y[b:], num_classes=CLASSES)
 
 
-def _client(data=None, spec=MLR, **cfg) -> FedMe:
-    ctx = ClientContext(
-        "c0", spec, data or _data(), torch.device("cpu"), 0, Trainer(torch.device("cpu"))
-    )
+# The paper's devices adopt any architecture; a device's own budget is tested below.
+ANY = DeployBudget(allow=("any",))
+
+
+def _client(data=None, spec=MLR, budget=ANY, **cfg) -> FedMe:
+    cpu = torch.device("cpu")
+    ctx = ClientContext("c0", spec, data or _data(), cpu, 0, Trainer(cpu), budget=budget)
     return FedMe(ctx, FedMeConfig(**cfg))
 
 
@@ -75,6 +79,20 @@ def test_fedme_adopts_the_exchanged_model_exactly_when_its_validation_ce_is_lowe
     assert out.details == {"arch": "mlp" if adopt else "mlr"}
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_device_that_runs_its_own_architecture_only_never_adopts_another(seed):
+    # The cases above, with the default budget: the better MLP is trained and sent back (its
+    # owner's aggregate learns), but this device keeps its MLR.
+    data = _data()
+    client = _client(data, local_epochs=0, budget=DeployBudget())
+    personal = WireModel.of(MLR, build(MLR, seed=seed))
+    exchanged = WireModel.of(MLP, build(MLP, seed=100 + seed))
+    out = client.fit(1, 3, {"personal": personal, "exchanged": exchanged})
+    assert out.metrics["adopted"] == 0.0
+    assert client.personalized_model()[0] == MLR and out.details == {"arch": "mlr"}
+    assert set(out.models) == {"personal", "exchanged"}
+
+
 def test_fedme_adoption_outcomes_both_occur_in_the_parametrized_cases():
     # Guards the test above: its seeds must exercise adopting and keeping.
     data = _data()
@@ -104,7 +122,19 @@ def test_fedme_evaluates_the_model_the_coordinator_returned_whatever_its_archite
     assert spec == MLP
     assert torch.equal(model.layers[0].weight.detach(), returned.weights["layers.0.weight"])
     out = client.finalize(3, 3, {"personal": returned})
-    assert out.details == {"arch_start": "mlr", "arch_end": "mlp", "samples_processed": 0}
+    mlp_params = sum(p.numel() for p in build(MLP).parameters())
+    assert out.details == {
+        "arch_start": "mlr",
+        "arch_end": "mlp",
+        "deployed": "personal (final, mlp)",
+        "deployed_reason": "Its personalized model (mlp): the algorithm's final model (the guard "
+        "is off).",
+        "deployed_arch": "mlp",
+        "deployed_params": mlp_params,
+        "deployed_kib": round(mlp_params * 4 / 1024, 1),
+        "own_params": sum(p.numel() for p in build(MLR).parameters()),
+        "samples_processed": 0,
+    }
     assert out.n_samples == 20
 
 
@@ -218,14 +248,15 @@ def _sure_of_class_zero(spec):
     return w
 
 
+@pytest.mark.parametrize("gate", ["validation", "soft"])
 @pytest.mark.parametrize("spoiled", ["personal", "exchanged"])
-def test_fedme_kl_gate_distils_into_the_personal_model_only_from_a_better_exchanged_one(spoiled):
+def test_fedme_kl_gate_opens_once_the_exchanged_model_does_better(spoiled, gate):
     # Prepare: one of the two models is sure of one class, so the other has the lower
     # validation loss; one full batch, no clipping, plain SGD.
     data = _data()
     lr = 0.1
     client = _client(data, local_epochs=1, batch_size=1000, lr=lr, momentum=0.0,
-                     weight_decay=0.0, clip_norm=1e6, guard=False)  # fmt: skip
+                     weight_decay=0.0, clip_norm=1e6, guard=False, kl_gate=gate)  # fmt: skip
     personal = WireModel.of(MLR, build(MLR, seed=5))
     exchanged = WireModel.of(MLP, build(MLP, seed=6))
     if spoiled == "personal":
@@ -234,8 +265,10 @@ def test_fedme_kl_gate_distils_into_the_personal_model_only_from_a_better_exchan
         exchanged = WireModel(MLP, _sure_of_class_zero(MLP))
     val_p = float(_ce(_logits(personal, data.x_val), data.y_val))
     val_e = float(_ce(_logits(exchanged, data.x_val), data.y_val))
-    learn = val_e < val_p
-    assert learn == (spoiled == "personal")  # each case takes one side of the gate
+    assert (val_e < val_p) == (spoiled == "personal")  # each case takes one side of the gate
+    # the KL term's weight: 1 once the exchanged model does better; below, none ("validation")
+    # or in proportion to the two validation losses ("soft")
+    learn = float(val_e < val_p) if gate == "validation" else min(1.0, val_p / val_e)
 
     # Execute
     out = client.fit(1, 3, {"personal": personal, "exchanged": exchanged})
@@ -246,11 +279,11 @@ def test_fedme_kl_gate_distils_into_the_personal_model_only_from_a_better_exchan
     we = {k: v.clone().requires_grad_(True) for k, v in exchanged.weights.items()}
     z_p = _logits(WireModel(MLR, wp), data.x_train)
     z_e = _logits(WireModel(MLP, we), data.x_train)
-    loss_p = _ce(z_p, data.y_train) + (_kl(z_p, z_e.detach()) if learn else 0)
+    loss_p = _ce(z_p, data.y_train) + learn * _kl(z_p, z_e.detach())
     loss_e = _ce(z_e, data.y_train) + _kl(z_e, z_p.detach())
     for params, loss, name in ((wp, loss_p, "personal"), (we, loss_e, "exchanged")):
         grads = torch.autograd.grad(loss, list(params.values()))
         for (k, w), g in zip(params.items(), grads, strict=True):
             want = (w - lr * g).detach()
             assert torch.allclose(out.models[name].weights[k], want, atol=1e-5), (name, k)
-    assert out.metrics["distilled"] == float(learn)
+    assert out.metrics["distilled"] == pytest.approx(learn, rel=1e-6)

@@ -12,6 +12,7 @@ from tests_helpers import raises_exactly
 from edge_sdk.algorithms import AlgorithmError, ClientContext, TaskInfo, algorithm_class
 from edge_sdk.algorithms.fml import FML, FMLConfig
 from edge_sdk.algorithms.guard import Pick, blend
+from edge_sdk.budget import DeployBudget
 from edge_sdk.codec import WireModel
 from edge_sdk.state import load_state, save_state
 from edge_sdk.trainer import ClientData, OptimConfig, Trainer
@@ -59,9 +60,14 @@ def _constant(model, label=0):
                 p[label] = 1.0
 
 
-def _client(data=None, cls=FML, **cfg):
+# These tests are about how the guard chooses: the device may deploy any model (the budget's
+# own tests are in test_budget.py).
+ANY = DeployBudget(allow=("any",))
+
+
+def _client(data=None, cls=FML, budget=ANY, **cfg):
     cpu = torch.device("cpu")
-    ctx = ClientContext("c0", MLP, data or _data(), cpu, 0, Trainer(cpu, seed=0))
+    ctx = ClientContext("c0", MLP, data or _data(), cpu, 0, Trainer(cpu, seed=0), budget=budget)
     # No fine-tuned candidate unless a test asks for one: these tests are about the others.
     base = {
         "local_epochs": 2,
@@ -137,12 +143,13 @@ def test_guard_falls_back_to_an_earlier_round_when_the_final_model_is_spoiled():
     assert out.metrics["personal_correct"] == test_correct
     assert out.metrics["personal_total"] == len(data.y_test)
     kind, when = name.split("@")
-    assert out.details["guard_choice"] == f"{kind} (round {when}, {spec.family})"
-    assert out.details["guard_arch"] == spec.family
+    assert out.details["deployed"] == f"{kind} (round {when}, {spec.family})"
+    assert out.details["deployed_arch"] == spec.family
     assert out.details["guard_val_acc"] == correct / len(data.y_val)
     assert out.details["guard_unguarded_acc"] == 0.25  # the spoiled model: one class in four
-    assert out.details["guard_reason"].startswith(
-        f"{out.details['guard_choice']} on validation, {correct}/32 (loss "
+    prose = {"personal": "Its personalized model", "meme": "Its meme"}[kind]
+    assert out.details["deployed_reason"].startswith(
+        f"{prose} ({spec.family}, round {when}) had {correct}/32 right on validation: "
     )
 
 
@@ -175,9 +182,11 @@ def test_guard_keeps_the_final_personalized_model_when_nothing_beats_it():
     assert final[0] == len(data.y_val)  # separable data: nothing can beat it on accuracy
     spec, model = client.personalized_model()
     assert model is client.personal and spec == MLP
-    assert out.details["guard_choice"] == "personal (final, mlp)"
-    assert out.details["guard_reason"].startswith(f"the final personal model, {final[0]}/32")
-    assert ", kept: no clear evidence against it; " in out.details["guard_reason"]
+    assert out.details["deployed"] == "personal (final, mlp)"
+    assert out.details["deployed_reason"].startswith(
+        f"Its personalized model (mlp) had {final[0]}/32 right on validation; no other "
+        "candidate within its budget was clearly better (the best, "
+    )
     assert out.details["guard_unguarded_acc"] == (
         out.metrics["personal_correct"] / out.metrics["personal_total"]
     )
@@ -215,11 +224,14 @@ def test_guard_switches_only_on_clear_paired_evidence(b, c, z, switch):
 
     # Assert
     assert (client.guard.deployed is rival) == switch
-    assert d["guard_choice"] == ("meme (round 2, mlr)" if switch else "personal (final, mlp)")
+    assert d["deployed"] == ("meme (round 2, mlr)" if switch else "personal (final, mlp)")
     if switch:
-        assert f"right on {b} samples the final personal model" in d["guard_reason"]
+        assert (
+            f": {b} that its personalized model (mlp) (8/32) missed, {c} the other"
+            in (d["deployed_reason"])
+        )
     else:
-        assert f"right on {b} it missed, wrong on {c}" in d["guard_reason"]
+        assert f"{b} more right, {c} fewer)" in d["deployed_reason"]
 
 
 def test_guard_keeps_the_best_copy_by_accuracy_then_loss():
@@ -254,9 +266,10 @@ def test_guard_without_validation_data_deploys_the_final_model_and_says_why():
     out = client.finalize(2, 2, _glob(9))
     assert client.guard.best is None
     assert client.personalized_model()[1] is client.personal
-    assert out.details["guard_choice"] == "personal (final)"
-    assert out.details["guard_reason"] == (
-        "no validation data: the algorithm's final model is deployed"
+    assert out.details["deployed"] == "personal (final, mlp)"
+    assert out.details["deployed_reason"] == (
+        "Its personalized model (mlp): the algorithm's final model (it has no validation data "
+        "to choose by)."
     )
 
 
@@ -277,7 +290,7 @@ def test_guard_state_survives_a_restart_and_the_same_choice_follows(tmp_path):
 
     # Assert: the kept model came back with the state, so the choice and weights agree.
     assert a.details == b.details and a.metrics == b.metrics
-    assert "round 1" in a.details["guard_choice"]
+    assert "round 1" in a.details["deployed"]
     assert _same(_copy(original.personalized_model()[1]), _copy(restored.personalized_model()[1]))
     assert restored.ctx.trainer.samples == original.ctx.trainer.samples
 
@@ -361,7 +374,7 @@ def test_the_default_mixes_the_two_with_the_weight_of_lowest_validation_loss(
     losses = {w: _val_nll(p, q, w, data.y_val) for w in (1.0, 0.75, 0.5, 0.25, 0.0)}
     assert min(losses, key=losses.__getitem__) == weight
     assert out.details["guard_mix_weight"] == weight
-    assert out.details["guard_choice"] == choice
+    assert out.details["deployed"] == choice
     spec, deployed = client.personalized_model()
     assert spec.family == family
     x = torch.cat([data.x_val, data.x_test])
@@ -404,12 +417,14 @@ def test_guard_mix_weights_05_is_the_equal_mixture_of_the_personal_and_fine_tune
     want = (_probs(own, x) + _probs(tuned, x)) / 2
     assert torch.allclose(_probs(deployed, x), want, atol=1e-5)
     assert _same(_copy(client.personal), personal)  # fine-tuning a copy left its model alone
-    assert out.details["guard_choice"] == "personal+finetuned (final, mixture)"
-    assert out.details["guard_arch"] == "mixture"
+    assert out.details["deployed"] == "personal+finetuned (final, mixture)"
+    assert out.details["deployed_arch"] == "mixture of mlp+mlr"
     test_hits = int((want[len(data.y_val) :].argmax(1) == data.y_test).sum())
     assert out.metrics["personal_correct"] == test_hits
     assert out.metrics["global_total"] == len(data.y_test)  # finish's other metrics stay
-    assert out.details["guard_reason"].startswith("the final personal+finetuned model, ")
+    assert out.details["deployed_reason"].startswith(
+        "Its personalized and the fine-tuned model mixed (mixture of mlp+mlr) had "
+    )
 
 
 def test_a_clearly_better_fine_tuned_model_replaces_the_spoiled_personal_one():
@@ -430,7 +445,7 @@ def test_a_clearly_better_fine_tuned_model_replaces_the_spoiled_personal_one():
     assert spec == MLR
     for k, v in _copy(tuned).items():
         assert torch.allclose(deployed.state_dict()[k], v, atol=1e-5), k
-    assert out.details["guard_choice"] == "finetuned (final, mlr)"
+    assert out.details["deployed"] == "finetuned (final, mlr)"
     assert "guard_mix_weight" not in out.details  # the default is its own model: no mixture
     hits = int((_probs(tuned, data.x_test).argmax(1) == data.y_test).sum())
     assert out.metrics["personal_correct"] == hits and hits > len(data.y_test) // 2
@@ -441,12 +456,12 @@ def test_a_clearly_better_fine_tuned_model_replaces_the_spoiled_personal_one():
     ("weights", "why"),
     [
         # Weighed: the mixture's validation loss is lowest with the personalized model alone.
-        (None, "the final personal model, "),
+        (None, "Its personalized model (mlp) had 31/32 right on validation; no other "),
         # The equal mixture only: it is the default, and the paired evidence replaces it.
         (
             [0.5],
-            "personal (final, mlp) on validation, 31/32 (loss 0.304), right on 23 samples the "
-            "final personal+finetuned model, ",
+            "Its personalized model (mlp) had 31/32 right on validation: 23 that its "
+            "personalized and the fine-tuned model mixed (mixture of mlp+mlr) (8/32) missed, 0 ",
         ),
     ],
 )
@@ -468,8 +483,8 @@ def test_the_mixture_is_not_deployed_when_the_personal_model_is_clearly_better(w
 
     # Assert
     assert client.personalized_model()[1] is client.personal
-    assert out.details["guard_choice"] == "personal (final, mlp)"
-    assert out.details["guard_reason"].startswith(why)
+    assert out.details["deployed"] == "personal (final, mlp)"
+    assert out.details["deployed_reason"].startswith(why)
     assert out.details["guard_mix_weight"] == (weights or [1.0])[0]
 
 
@@ -550,7 +565,8 @@ def _algo(name, spec, **cfg):
     cls = algorithm_class(name)
     cpu = torch.device("cpu")
     return cls(
-        ClientContext("c0", spec, _data(), cpu, 0, Trainer(cpu, seed=0)), cls.config_cls(**cfg)
+        ClientContext("c0", spec, _data(), cpu, 0, Trainer(cpu, seed=0), budget=ANY),
+        cls.config_cls(**cfg),
     )
 
 
@@ -597,7 +613,7 @@ def test_a_diverging_fine_tuning_is_no_candidate_and_the_client_keeps_serving(ca
 
     out = client.finalize(1, 1, _glob(9))
 
-    assert "finetuned" not in out.details["guard_reason"]
+    assert "finetuned" not in out.details["deployed_reason"]
     assert client.personalized_model()[0].family != "mixture"
     (warning,) = [r.getMessage() for r in caplog.records if "fine-tuning" in r.getMessage()]
     assert warning.startswith("c0: the guard's fine-tuning diverged (training loss became ")
@@ -631,7 +647,7 @@ def test_an_algorithm_without_optimizer_settings_gets_no_fine_tuned_candidate():
     assert not client.finetunes
     out = client.finalize(1, 1, _glob(9))
     assert out.details["samples_processed"] == 0
-    assert "finetuned" not in out.details["guard_reason"]
+    assert "finetuned" not in out.details["deployed_reason"]
 
 
 def test_the_fine_tuning_runs_at_the_last_rounds_learning_rate():
@@ -648,7 +664,7 @@ def test_the_fine_tuning_runs_at_the_last_rounds_learning_rate():
 
     # Assert: the weights of six full-batch epochs at the third round's rate, 0.1, by hand.
     tuned = _hand_finetuned(_glob(9)["global"], client.ctx.data, epochs=6, lr=0.1)
-    assert out.details["guard_choice"] == "finetuned (final, mlr)"
+    assert out.details["deployed"] == "finetuned (final, mlr)"
     deployed = client.personalized_model()[1].state_dict()
     for k, v in _copy(tuned).items():
         assert torch.allclose(deployed[k], v, atol=1e-5), k
@@ -667,7 +683,7 @@ def test_the_final_global_model_is_a_candidate_of_its_own():
     out = client.finalize(1, 1, final)
 
     # Assert: it deploys that model, under its name.
-    assert out.details["guard_choice"] == "global (final, mlr)"
+    assert out.details["deployed"] == "global (final, mlr)"
     deployed = client.personalized_model()[1]
     assert _same(_copy(deployed), _copy(good))
 
@@ -687,13 +703,13 @@ def test_a_single_candidate_is_deployed_and_the_reason_says_so():
     client = _client()
     d = client.ctx.data
     model = build(MLP, seed=1)
-    correct, loss = _hand_scores(MLP, _copy(model), d.x_val, d.y_val)
+    correct, _ = _hand_scores(MLP, _copy(model), d.x_val, d.y_val)
 
     details = client.guard.decide(1, {"personal": (MLP, model)})
 
-    assert details["guard_reason"] == (
-        f"the final personal model, {correct}/{len(d.y_val)} (loss {loss:.3f}), "
-        "was the only candidate"
+    assert details["deployed_reason"] == (
+        f"Its personalized model (mlp) had {correct}/{len(d.y_val)} right on validation; it was "
+        "the only candidate within its budget."
     )
 
 

@@ -72,8 +72,40 @@ def test_an_unreachable_broker_fails_connect_with_a_clear_error():
     t = MqttTransport(
         BrokerSettings(url=f"mqtt://127.0.0.1:{free_port()}", reconnect_min_s=0.05), "x"
     )
-    with pytest.raises(ConnectError, match="cannot reach the broker"):
+    with pytest.raises(ConnectError, match="cannot reach the broker") as err:
         t.connect(timeout=0.5)
+    # ... and says how to get one there (before: the bare socket error).
+    port = t.address.port
+    assert "Is an MQTT broker running there?" in str(err.value)
+    assert f"mosquitto -p {port}" in str(err.value) and "broker.connect_timeout_s" in str(err.value)
+
+
+def test_a_device_that_boots_before_its_broker_waits_for_it_until_its_limit(monkeypatch, caplog):
+    # Prepare: backoff without jitter (0.5, 1, 2 s...); the broker comes up 2 s in, the device
+    # allows 3 s. Before, the client gave up at 1.5 s, when its next wait would pass the limit.
+    import random
+
+    from coordinator.broker import free_port
+
+    monkeypatch.setattr(random, "uniform", lambda a, b: 1.0)
+    port = free_port()
+    broker = EmbeddedBroker(port=port)
+    late = threading.Timer(2.0, broker.start)
+    late.start()
+    t = MqttTransport(BrokerSettings(url=f"mqtt://{broker.USER}@127.0.0.1:{port}"), "early")
+    try:
+        # Execute
+        t.connect(timeout=3.0)
+
+        # Assert: connected, having said what it was waiting for.
+        assert t.connected
+        assert f"the broker at mqtt://{broker.USER}@127.0.0.1:{port} is not reachable yet" in (
+            caplog.text
+        )
+    finally:
+        late.join()
+        t.close()
+        broker.stop()
 
 
 # -- ACLs: typed refusals ------------------------------------------------------------------

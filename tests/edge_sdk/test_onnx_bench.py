@@ -145,3 +145,46 @@ def test_benchmark_refuses_mismatched_inputs(exported, tmp_path: Path):
         benchmark_onnx(tmp_path / "missing.onnx", x, labels, settings=TINY)
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         BenchSettings(rounds=0)
+
+
+def test_edgefl_bench_onnx_measures_the_files_a_user_exported_fp16_included(exported, tmp_path):
+    # Before: `edgefl bench onnx` measured only the zoo's own models, and benchmark_onnx refused
+    # `edgefl export`'s fp16 files ("unknown quantization 'fp16' in the file's metadata").
+    import json
+
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+    from edge_sdk.quantization import convert_fp16
+
+    model, files = exported
+    fp16 = tmp_path / "fp16.onnx"
+    convert_fp16(files[0], fp16)
+    x, labels = _labelled(model)
+    np.savez(tmp_path / "test.npz", x=x.numpy(), y=labels.numpy())
+
+    res = CliRunner().invoke(
+        app,
+        [
+            *("bench", "onnx", str(files[0]), str(fp16), str(files[1])),
+            *("--data", str(tmp_path / "test.npz"), "--quick", "--device", "cpu"),
+        ],
+    )
+
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output[: res.output.index("\n}\n") + 2])
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert set(rows) == {"ort_fp32", "ort_fp16", "ort_int8_dynamic"}
+    assert rows["ort_fp16"]["accuracy"] == pytest.approx(_ort_accuracy(fp16, x, labels))
+    assert rows["ort_fp32"]["eval_samples"] == 40
+
+
+def test_where_int8_is_offered_the_help_says_it_may_be_slower_at_batch_1():
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    for command, flag in (["export", "--format"], ["simulate", "--onnx-int8"]):
+        text = " ".join(CliRunner().invoke(app, [command, "-h"]).output.split())
+        at = text.index(flag)
+        assert "at batch 1 not always faster than fp32" in text[at : at + 700], command

@@ -32,3 +32,16 @@ def test_edge_client_connect_names_every_option_it_passes_on():
         assert connect[name].default == p.default, name
         assert connect[name].annotation == p.annotation, name
     assert connect["broker"].annotation == "str | BrokerSettings"
+
+
+def test_the_transport_package_names_the_transports_it_has():
+    # Before: "in-memory (simulation, tests) and, later, MQTT", long after MQTT had shipped.
+    import edge_sdk.transport as transport
+    from edge_sdk.transport.base import Transport
+    from edge_sdk.transport.memory import InMemoryTransport
+    from edge_sdk.transport.mqtt import MqttTransport
+
+    doc = transport.__doc__ or ""
+    assert "later" not in doc
+    for cls in (InMemoryTransport, MqttTransport):
+        assert issubclass(cls, Transport) and cls.__name__ in doc

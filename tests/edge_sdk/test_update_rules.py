@@ -324,8 +324,9 @@ def _sure_of_class_zero(spec: ArchSpec) -> dict[str, torch.Tensor]:
     return w
 
 
+@pytest.mark.parametrize("gate", ["validation", "soft"])
 @pytest.mark.parametrize("spoiled", ["personal", "global"])
-def test_fml_alpha_gate_distils_into_the_personal_model_only_from_a_meme_that_does_better(spoiled):
+def test_fml_alpha_gate_opens_once_the_meme_does_better_on_validation(spoiled, gate):
     # Prepare: a client with validation data; either its personalized model or the global model
     # is sure of one class, so the other has the lower validation loss.
     a, b, lr = 0.3, 0.8, 0.1
@@ -335,7 +336,9 @@ def test_fml_alpha_gate_distils_into_the_personal_model_only_from_a_meme_that_do
     cpu = torch.device("cpu")
     ctx = ClientContext("c0", MLP, val, cpu, SEED, Trainer(cpu, seed=SEED))
     cfg = {"alpha": a, "beta": b, "local_epochs": 1, "batch_size": 64, "lr": lr}
-    algo = cls(ctx, cls.config_cls(**cfg, momentum=0.0, weight_decay=0.0, guard=False))
+    algo = cls(
+        ctx, cls.config_cls(**cfg, momentum=0.0, weight_decay=0.0, guard=False, alpha_gate=gate)
+    )
     glob = _wire(MLR, 1)
     if spoiled == "personal":
         algo.personal.load_state_dict(_sure_of_class_zero(MLP))
@@ -343,9 +346,14 @@ def test_fml_alpha_gate_distils_into_the_personal_model_only_from_a_meme_that_do
         glob = WireModel(MLR, _sure_of_class_zero(MLR))
     personal, meme = _params_of(algo.personal.state_dict()), _params_of(glob.weights)
     xv, yv = val.x_val, val.y_val
-    meme_better = float(ce(forward(meme, xv), yv)) < float(ce(forward(personal, xv), yv))
+    loss_m, loss_p = float(ce(forward(meme, xv), yv)), float(ce(forward(personal, xv), yv))
+    meme_better = loss_m < loss_p
     assert meme_better == (spoiled == "personal")  # each case takes one side of the gate
-    alpha = a if meme_better else 1.0  # the gate: learn from the meme only when it does better
+    # The gate: open (the configured α) once the meme does better; below that, learn from the
+    # labels alone ("validation") or from the meme in proportion to the losses ("soft").
+    weight = float(meme_better) if gate == "validation" else min(1.0, loss_p / loss_m)
+    assert (weight == 1.0) == meme_better and (gate == "validation" or weight > 0)
+    alpha = 1 - (1 - a) * weight
 
     # Execute
     algo.fit(1, 1, {"global": glob})

@@ -1,0 +1,223 @@
+"""The deployment budget: what a device may deploy, and how the guard keeps to it.
+
+A device deploys a model of its own architecture unless its budget allows more; a better model
+it may not run is distilled into its own architecture. Each test builds a tiny client, makes the
+model the budget refuses the clearly better one, and checks what the device deploys against
+scores and sizes computed here.
+"""
+
+import pytest
+import torch
+from tests_helpers import raises_exactly
+
+from edge_sdk.algorithms import ClientContext
+from edge_sdk.algorithms.fml import FML, FMLConfig
+from edge_sdk.algorithms.guard import DISTILLED, PERSONAL
+from edge_sdk.budget import DeployBudget, arch_name, footprint
+from edge_sdk.client import Deployed
+from edge_sdk.codec import WireModel
+from edge_sdk.trainer import ClientData, Trainer
+from model_zoo import ArchSpec, build
+from model_zoo.models.mixture import mixture_spec
+
+FEATURES, CLASSES = 12, 4
+MLP = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=(FEATURES,), kwargs={"hidden": [16]})
+MLR = ArchSpec(family="mlr", num_classes=CLASSES, input_shape=(FEATURES,))
+BIG = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=(FEATURES,), kwargs={"hidden": [64]})
+OWN, ANY = DeployBudget(), DeployBudget(allow=("any",))
+
+
+def _params(spec: ArchSpec) -> int:
+    return sum(p.numel() for p in build(spec).parameters())
+
+
+# -- the budget itself -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("budget", "spec", "refused"),
+    [
+        (OWN, MLP, None),  # its own architecture, always
+        (OWN, BIG, "mlp is not an architecture this device runs"),  # the family, other width
+        (OWN, MLR, "mlr is not an architecture this device runs"),
+        (DeployBudget(allow="own,mlr"), MLR, None),
+        (DeployBudget(allow=("own", "mlr")), BIG, "mlp is not an architecture this device runs"),
+        (DeployBudget(allow="mlp"), BIG, None),  # a family allows every width of it
+        (ANY, BIG, None),
+        (DeployBudget(allow="any", max_params=100), BIG, "exceed this device's 100"),
+        (DeployBudget(allow="any", max_params=100), MLP, None),  # its own, whatever the bound
+    ],
+)
+def test_a_budget_admits_its_own_architecture_and_what_it_names(budget, spec, refused):
+    why = budget.refusal(spec, MLP, _params(spec))
+    if refused is None:
+        assert why is None
+    else:
+        assert why is not None and refused in why
+
+
+def test_a_mixture_needs_mixture_allowed_and_every_member_admitted():
+    mix = mixture_spec([MLP, MLR], [0.5, 0.5])
+    params = _params(MLP) + _params(MLR)
+    assert "is a mixture of 2 models (mlp, mlr) and this device runs one" in (
+        DeployBudget(allow="own,mlr").refusal(mix, MLP, params) or ""
+    )
+    assert "mlr is not an architecture" in (
+        DeployBudget(allow="own,mixture").refusal(mix, MLP, params) or ""
+    )
+    assert DeployBudget(allow="own,mlr,mixture").refusal(mix, MLP, params) is None
+    assert ANY.refusal(mix, MLP, params) is None
+    assert arch_name(mix) == "mixture of mlp+mlr"
+
+
+def test_a_budget_names_no_unknown_architecture():
+    with pytest.raises(ValueError, match="cannot allow 'lenet7'"):
+        DeployBudget(allow="own,lenet7")
+
+
+# -- the guard within it -----------------------------------------------------------------------
+def _data(seed=0) -> ClientData:
+    """Four classes around four random centres: separable, so trained models score high."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(CLASSES, FEATURES, generator=g) * 2
+
+    def draw(n):
+        y = torch.arange(n) % CLASSES
+        return centres[y] + torch.randn(n, FEATURES, generator=g), y
+
+    (xt, yt), (xv, yv), (xs, ys) = draw(64), draw(32), draw(40)
+    return ClientData(xt, yt, xv, yv, xs, ys, num_classes=CLASSES)
+
+
+class _Stuck(FML):
+    """FML whose personalized model is reset to one that predicts class 0 everywhere after every
+    round: only a model of another architecture (the meme, the global model) knows the data."""
+
+    def train_round(self, round_, rounds, models):
+        result = super().train_round(round_, rounds, models)
+        with torch.no_grad():  # its output layer (a student starting from it can still learn)
+            head = self.personal.layers[-1]
+            head.weight.zero_()
+            head.bias.zero_()
+            head.bias[0] = 1.0
+        return result
+
+
+def _client(budget, **cfg):
+    cpu = torch.device("cpu")
+    ctx = ClientContext("c0", MLP, _data(), cpu, 0, Trainer(cpu, seed=0), budget=budget)
+    base = {
+        "local_epochs": 3,
+        "batch_size": 16,
+        "lr": 0.1,
+        "alpha_gate": "off",
+        "alpha": 1.0,  # the personalized model learns from the labels alone
+        "guard_ft_epochs": 4,
+    }
+    return _Stuck(ctx, FMLConfig(**(base | cfg)))
+
+
+def _trained_global(seed=5):
+    """An MLR global model that knows the data: 40 full-batch steps on this client's split."""
+    model = build(MLR, seed=seed)
+    d = _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(40):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(d.x_train), d.y_train).backward()
+        opt.step()
+    return {"global": WireModel.of(MLR, model)}
+
+
+def _accuracy(model, x, y):
+    model.eval()
+    with torch.no_grad():
+        return float((model(x).argmax(1) == y).float().mean())
+
+
+def _run(client, rounds=2):
+    for r in range(1, rounds + 1):
+        client.fit(r, rounds, _trained_global())
+    return client.finalize(rounds, rounds, _trained_global())
+
+
+def test_with_its_own_architecture_only_a_device_never_deploys_another():
+    # Prepare: the personalized MLP predicts one class; the MLR meme, global and fine-tuned
+    # models know the data. With any budget the guard deploys one of those.
+    anything = _run(_client(ANY))
+    assert anything.details["deployed_arch"] != "mlp"
+
+    # Execute: the same run with the default budget, and with distillation off.
+    client = _client(OWN, guard_distill_epochs=0)
+    out = _run(client)
+
+    # Assert: its own architecture, the stuck model, and the reason names what it missed.
+    spec, model = client.personalized_model()
+    assert spec == MLP and out.details["deployed_arch"] == "mlp"
+    assert out.details["deployed"] == "personal (final, mlp)"
+    assert out.details["deployed_params"] == out.details["own_params"] == _params(MLP)
+    assert "mlr is not an architecture this device runs" in out.details["deployed_outside_budget"]
+    d = client.ctx.data
+    assert _accuracy(model, d.x_test, d.y_test) == 0.25
+
+
+def test_a_better_model_outside_the_budget_is_distilled_into_its_own_architecture():
+    # Prepare: the same stuck client, the guard's student on (its default epochs).
+    client = _client(OWN)
+
+    # Execute
+    out = _run(client)
+
+    # Assert: a student of its own architecture and size, which scores what the reply says it
+    # does and much better than the stuck model; its epochs counted as processed.
+    spec, model = client.personalized_model()
+    assert spec == MLP and footprint(model).params == _params(MLP) == out.details["own_params"]
+    assert out.details["deployed"] == f"{DISTILLED} (final, mlp)"
+    assert out.details["deployed_arch"] == "mlp"
+    assert out.details["deployed_reason"].startswith(
+        "A student (mlp) of the final model fine-tuned here (mlr) had 32/32 right on "
+        "validation, against 8/32 for its personalized model (mlp)."
+    )
+    d = client.ctx.data
+    acc = _accuracy(model, d.x_test, d.y_test)
+    assert acc > 0.9 and out.metrics["personal_correct"] == round(acc * len(d.y_test))
+    assert (
+        "a student of its own architecture learnt from it"
+        in (out.details["deployed_outside_budget"])
+    )
+    cfg = client.config
+    trained = 2 * cfg.local_epochs * 64 + cfg.guard_ft_epochs * 64  # rounds + fine-tuning
+    assert out.details["samples_processed"] == trained + cfg.guard_distill_epochs * 64
+
+
+def test_the_student_starts_from_its_best_model_of_its_architecture_and_keeps_the_budget():
+    # A budget that allows the MLR: the meme is deployed as it is, no student.
+    allowed = _run(_client(DeployBudget(allow="own,mlr")))
+    assert allowed.details["deployed_arch"] == "mlr"
+    assert DISTILLED not in allowed.details["deployed"]
+    # A budget bounded in parameters refuses the BIG global model, admits the MLR.
+    client = _client(DeployBudget(allow="any", max_params=_params(MLR)))
+    assert client.guard.admits((MLR, build(MLR)))
+    assert not client.guard.admits((BIG, build(BIG)))
+
+
+def test_guard_off_deploys_the_algorithms_model_and_records_it():
+    client = _client(OWN, guard=False)
+    out = _run(client)
+    assert client.personalized_model()[1] is client.personal
+    assert out.details["deployed"] == f"{PERSONAL} (final, mlp)"
+    assert out.details["deployed_reason"] == (
+        "Its personalized model (mlp): the algorithm's final model (the guard is off)."
+    )
+    assert not any(k.startswith("guard") for k in out.details)
+    rec = Deployed.from_details(out.details)
+    assert rec is not None and rec.arch == "mlp" and rec.params == _params(MLP)
+
+
+def test_a_device_without_any_model_in_its_budget_is_refused_clearly():
+    client = _client(OWN, guard_distill_epochs=0)
+    mix = (mixture_spec([MLR, MLR], [1, 1]), build(mixture_spec([MLR, MLR], [1, 1])))
+    message = (
+        "no model within the device's budget: Mix (mixture of mlr+mlr), the algorithm's final "
+        "model, it is a mixture of 2 models (mlr, mlr) and this device runs one"
+    )
+    with raises_exactly(RuntimeError, message):
+        client.guard.deploy_first({"mix": mix}, None, "the guard is off")

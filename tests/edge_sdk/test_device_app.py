@@ -1,0 +1,56 @@
+"""What a device app sees of the SDK: the arguments it passes are checked when it builds its
+client, and `run()` says what the client deployed."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from tests_helpers import small_federation
+
+from edge_sdk.client import EdgeClient, FinalMetrics
+
+
+def test_normalization_with_other_keys_is_refused_when_the_client_is_built():
+    # Before, {"mu", "sigma"} passed and failed only at the ONNX export after the last round.
+    _, clients = small_federation(n=1)
+    node = clients[0].node
+    with pytest.raises(ValueError, match="exactly the keys 'mean' and 'std'"):
+        EdgeClient("c0", node.spec, node.data, clients[0].transport, normalization={"mu": [0.5]})
+    ok = EdgeClient(
+        "c0", node.spec, node.data, clients[0].transport, normalization={"mean": [0.5], "std": [2]}
+    )
+    assert ok.node.normalization == {"mean": [0.5], "std": [2.0]}
+
+
+def test_run_returns_the_metrics_and_what_the_client_deployed():
+    # Prepare: FML (whose guard chooses the deployed model) and FedAvg (no guard).
+    for algorithm, guarded in (("fml", True), ("fedavg", False)):
+        coordinator, clients = small_federation(algorithm=algorithm, rounds=1)
+        returned: dict[str, FinalMetrics] = {}
+        threads = [
+            threading.Thread(
+                target=lambda c=c, out=returned: out.__setitem__(c.client_id, c.run(60))
+            )
+            for c in clients
+        ]
+
+        # Execute
+        for t in threads:
+            t.start()
+        coordinator.run()
+        for t in threads:
+            t.join(60)
+
+        # Assert: still the metrics dict, now with what was deployed.
+        for c in clients:
+            final = returned[c.client_id]
+            assert isinstance(final, dict) and final == c.last_metrics
+            deployed = final.deployed
+            assert deployed is not None and deployed.choice == c.last_details["deployed"]
+            assert deployed.arch == c.last_details["deployed_arch"] == "mlr"  # its own
+            assert deployed.params == deployed.own_params > 0 and deployed.reason
+            if guarded:
+                assert deployed.val_acc is not None
+            else:
+                assert deployed.val_acc is None and "no guard" in deployed.reason
