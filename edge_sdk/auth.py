@@ -46,7 +46,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from pydantic import BaseModel, ConfigDict
 
 from edge_sdk import topics
-from model_zoo.files import write_atomic
 
 __all__ = [
     "SIGNATURE_BYTES",
@@ -257,6 +256,8 @@ class ReplayGuard:
                 "status": {t: list(m) for t, m in self._status.items()},
             }
             self._dirty = False
+        from model_zoo.files import write_atomic  # (lazy: model_zoo imports torch; --help must not)
+
         write_atomic(self._path, json.dumps(doc) + "\n", mode=0o600)
 
     def _load(self, path: Path) -> None:
