@@ -238,6 +238,7 @@ def build_coordinator(
         else None,
         model_kwargs=cfg.model_kwargs,
         round_config=cfg.round,
+        robust=cfg.robust,
         run_id=run_id or cfg.run_id,
         seed=cfg.seed,
         on_round=on_round,

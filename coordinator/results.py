@@ -66,6 +66,12 @@ class RoundRecord:
     # each client's personalized accuracy (evaluate phase; {} when the round did not evaluate)
     client_acc: dict[str, float | None] = field(default_factory=dict)
     online: list[str] = field(default_factory=list)  # registered clients online at the round's end
+    # Clients whose contribution aggregation bounded (clipped, weight capped), with why
+    flagged: dict[str, str] = field(default_factory=dict)
+    # Undone after its evaluation left most clients much worse (coordinator.robust); the
+    # clients that most likely poisoned it
+    rolled_back: bool = False
+    suspects: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -233,6 +239,9 @@ def _round_entry(r: RoundRecord) -> RoundEntry:
         trained=len(r.trained),
         clients=dict(r.client_details),  # per client, what its fit reply reported
         client_acc=dict(r.client_acc),  # per client, its personalized accuracy (when evaluated)
+        flagged=dict(r.flagged),
+        rolled_back=r.rolled_back or None,
+        suspects=list(r.suspects),
     )
 
 

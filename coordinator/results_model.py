@@ -87,7 +87,7 @@ class _Doc(BaseModel):
 class RoundEntry(_Doc):
     """One round of the run: means over the clients evaluated after it."""
 
-    _omit_empty = ("clients", "client_acc")
+    _omit_empty = ("clients", "client_acc", "flagged", "rolled_back", "suspects")
 
     round: int = Field(ge=0)
     seconds: float = Field(0.0, ge=0.0)
@@ -98,6 +98,11 @@ class RoundEntry(_Doc):
     trained: int = Field(0, ge=0)
     clients: dict[str, dict[str, Detail]] = {}  # per client, what its fit reply reported
     client_acc: dict[str, Accuracy] = {}  # per client, its personalized accuracy
+    # Clients whose contribution aggregation bounded, with why (docs/security.md); a round
+    # undone after its evaluation, and the clients that most likely poisoned it
+    flagged: dict[str, str] = {}
+    rolled_back: bool | None = None
+    suspects: list[str] = []
 
 
 class ClientEntry(_Doc):

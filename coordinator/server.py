@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -33,6 +34,7 @@ from coordinator.fleet import (
     check_reply,
 )
 from coordinator.results import ClientResult, RoundRecord, RunResult
+from coordinator.robust import RobustConfig, check_values, rolled_back, suspects
 from coordinator.strategies import (
     ClientInfo,
     FitReply,
@@ -82,6 +84,7 @@ class Coordinator:
         global_model: str | None = None,
         model_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
         round_config: RoundConfig | None = None,
+        robust: RobustConfig | None = None,
         run_id: str = "default",
         seed: int = 0,
         incarnation: int | None = None,
@@ -108,6 +111,7 @@ class Coordinator:
         self.global_model = global_model
         self.model_kwargs = {k: dict(v) for k, v in (model_kwargs or {}).items()}
         self.rc = round_config or RoundConfig()
+        self.robust = robust or RobustConfig()
         self.seed = seed
         self.on_round = on_round
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
@@ -118,7 +122,7 @@ class Coordinator:
             config=config.model_dump(mode="json"),
             rounds=rounds,
             # A new number per start: clients that see it change on the status topic re-register.
-            incarnation=incarnation if incarnation is not None else time.time_ns() // 1_000_000,
+            incarnation=incarnation if incarnation is not None else new_incarnation(),
             expected_clients=self.expected_clients,
             allow=allowed,
             max_blob_bytes=max_blob_bytes,
@@ -128,6 +132,11 @@ class Coordinator:
         self.stats = CoordinatorStats()
         self._round = 0
         self._kept = 0  # the last round whose training was aggregated
+        # The last evaluation, per client (its global model's accuracy, else its personalized
+        # one), and the kept round whose state it evaluated: a round is rolled back when its
+        # evaluation shows most clients much worse than this (coordinator.robust).
+        self._scores: dict[str, float] = {}
+        self._scored_after: int | None = None
         self.records: list[RoundRecord] = []
         self._restored = False
         # Bytes moved by earlier incarnations of this run (from the checkpoint): the run's
@@ -172,6 +181,7 @@ class Coordinator:
             else:
                 self.fleet.gather(self.rc.register_timeout_s, self.rc.min_clients)
                 self._new_strategy().setup()
+                self._first_scores()
             strategy = self._strategy()
             for r in range(len(self.records) + 1, self.rounds + 1):
                 rec = self._run_round(r)
@@ -215,6 +225,7 @@ class Coordinator:
             clients_per_round=self.clients_per_round,
             seed=self.seed,
             server_data=self.server_data,
+            robust=self.robust,
         )
         return self.strategy
 
@@ -242,6 +253,8 @@ class Coordinator:
                 ],
                 "records": [asdict(rec) for rec in self.records],
                 "strategy": self._strategy().state_dict(),
+                "scores": dict(self._scores),
+                "scored_after": self._scored_after,
                 "bytes": [
                     self._bytes_before[0] + self.fleet.bytes_out,
                     self._bytes_before[1] + self.fleet.bytes_in,
@@ -273,6 +286,8 @@ class Coordinator:
             self.clients[c["id"]] = ClientInfo(c["id"], spec, caps)
         self.records = [RoundRecord(**rec) for rec in state["records"]]
         self._kept = max((rec.round for rec in self.records if not rec.failed), default=0)
+        self._scores = {str(k): float(v) for k, v in state.get("scores", {}).items()}
+        self._scored_after = state.get("scored_after")
         out_in = state.get("bytes", [0, 0])
         self._bytes_before = (int(out_in[0]), int(out_in[1]))
         incarnation = max(self.incarnation, int(state["incarnation"]) + 1)
@@ -311,11 +326,21 @@ class Coordinator:
         t0 = time.perf_counter()
         self._round = r
         valid: dict[str, FitReply] = {}
+        kept_before = self._kept
+        evaluate = r % self.rc.eval_every == 0 or r == self.rounds
+        # The state to go back to, when this round's evaluation can judge it (the last one
+        # evaluated the state it starts from): references, as aggregation builds new tensors.
+        undo = (
+            strategy.state_dict()
+            if evaluate and strategy.aggregates and self._scored_after == kept_before
+            else None
+        )
         for attempt in range(self.rc.retries + 1):
             if attempt:
                 log.warning("round %d: attempt %d of %d", r, attempt + 1, self.rc.retries + 1)
                 self.fleet.await_back(self.rc.deadline_s)
             strategy.available = self.fleet.online()
+            strategy.flags, strategy.cohort = {}, {}
             trained: set[str] = set()
             for step in strategy.steps:  # one, or several with a barrier after each
                 plan = strategy.configure_step(r, step)
@@ -345,11 +370,38 @@ class Coordinator:
             if not failed:
                 self._kept = r
                 break
+        flagged = dict(strategy.flags)
+        for cid, why in sorted(flagged.items()):
+            log.warning("round %d: %s flagged: %s", r, cid, why)
         personal = glob = None
         per_client: dict[str, tuple[float | None, float | None]] = {}
-        if r % self.rc.eval_every == 0 or r == self.rounds:
+        blamed: list[str] = []
+        back = False
+        if evaluate:
             scores = self._run_phase(r, "evaluate", strategy.configure_evaluate(r))
             personal, glob, per_client = _accuracies(scores)
+            now = {cid: _score(per_client.get(cid)) for cid in scores}
+            worse = rolled_back(self._scores, now, self.robust) if undo is not None else None
+            if worse is not None and not failed:
+                assert undo is not None
+                drawn = strategy.rng.bit_generator.state  # the next round samples anew
+                strategy.load_state_dict(undo)
+                strategy.rng.bit_generator.state = drawn
+                blamed = suspects(strategy.cohort, flagged)
+                self._kept, failed, back = kept_before, True, True
+                log.error(
+                    "round %d rolled back: its models left %d of %d clients much worse than "
+                    "the last evaluation (%s); suspects: %s",
+                    r,
+                    len(worse),
+                    len(set(self._scores) & set(now)),
+                    ", ".join(worse),
+                    ", ".join(blamed) or "none",
+                )
+            else:
+                self._scores = {cid: v for cid, v in now.items() if v is not None}
+                self._scored_after = self._kept
+        strategy.cohort = {}
         seconds = time.perf_counter() - t0
         self.stats.round_seconds.append(seconds)
         if failed:
@@ -368,7 +420,22 @@ class Coordinator:
             client_details={cid: v.details for cid, v in valid.items() if v.details},
             client_acc={cid: p for cid, (p, _) in sorted(per_client.items())},
             online=sorted(self.fleet.online()),
+            flagged=flagged,
+            rolled_back=back,
+            suspects=blamed,
         )
+
+    def _first_scores(self) -> None:
+        """Evaluate the initial models (as round 0) when every round is evaluated and may be
+        rolled back, so that the first round is judged too."""
+        strategy = self._strategy()
+        if not (self.robust.rollback and strategy.aggregates and self.rc.eval_every == 1):
+            return
+        scores = self._run_phase(0, "evaluate", strategy.configure_evaluate(0))
+        _, _, per_client = _accuracies(scores)
+        now = {cid: _score(per_client.get(cid)) for cid in scores}
+        self._scores = {cid: v for cid, v in now.items() if v is not None}
+        self._scored_after = 0
 
     def _finalize(self) -> list[ClientResult]:
         scores = self._run_phase(self.rounds, "finalize", self._strategy().configure_finalize())
@@ -428,6 +495,7 @@ class Coordinator:
         def validate(cid: str, reply: FitReply) -> None:
             expected = strategy.expected_models(cid) if phase == "fit" else None
             check_reply(reply, self.clients[cid].capabilities, expected)
+            check_values(reply.models, self.robust.max_abs)
 
         return validate
 
@@ -448,6 +516,23 @@ def _accuracies(
     ps = [p for p, _ in per_client.values() if p is not None]
     gs = [g for _, g in per_client.values() if g is not None]
     return (sum(ps) / len(ps) if ps else None, sum(gs) / len(gs) if gs else None, per_client)
+
+
+def new_incarnation() -> int:
+    """A coordinator start's number: the clock's milliseconds, then 20 random bits. It grows
+    from start to start (clients take a smaller one for an earlier coordinator's) and no two
+    starts share one, so every message bound to it (edge_sdk.protocol) belongs to one start:
+    nothing signed in an earlier run counts in a later one."""
+    return (time.time_ns() // 1_000_000) << 20 | secrets.randbits(20)
+
+
+def _score(pair: tuple[float | None, float | None] | None) -> float | None:
+    """What the rollback check compares: a client's global-model accuracy where it reports one
+    (the aggregate itself), else its personalized accuracy; None without an evaluation."""
+    if pair is None:
+        return None
+    personal, glob = pair
+    return glob if glob is not None else personal
 
 
 def _mean_metrics(valid: Mapping[str, FitReply]) -> dict[str, float]:

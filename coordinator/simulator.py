@@ -16,7 +16,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -102,10 +102,12 @@ def run_federation(
     models: list[str] | None = None,
     export_dir: Path | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
+    client_cls: Mapping[str, type[EdgeClient]] | None = None,
 ) -> RunResult:
     """Run one algorithm on the federation: its clients in this process (`LocalFleet`, the
     default), or as EdgeClients over the in-memory transport (`fleet = "network"`) or over the
-    broker `cfg.broker` names, the code path a deployment takes."""
+    broker `cfg.broker` names, the code path a deployment takes. `client_cls`: per client id,
+    the EdgeClient class that serves it over the network (a benchmark's attacker)."""
     families = models or cfg.models
     run_id = f"{cfg.run_id}-{algorithm}"
     # With exports, each client's state is kept in OUT/state for `edgefl export`; a simulation
@@ -135,7 +137,7 @@ def run_federation(
         if on_round is not None:
             on_round(rec)
 
-    if cfg.fleet == "local" and cfg.broker.url is None:
+    if cfg.fleet == "local" and cfg.broker.url is None and not client_cls:
         fleet = LocalFleet(
             nodes,
             parallel=parallel,
@@ -147,7 +149,8 @@ def run_federation(
             cfg, fleet, algorithm=algorithm, fed=fed, run_id=run_id, on_round=round_done
         )
         return coordinator.run()
-    return _over_network(cfg, fed, algorithm, nodes, run_id, threads, parallel, round_done)
+    classes = client_cls or {}
+    return _over_network(cfg, fed, algorithm, nodes, run_id, threads, parallel, round_done, classes)
 
 
 def _over_network(
@@ -159,6 +162,7 @@ def _over_network(
     threads: int,
     parallel: int,
     on_round: Callable[[RoundRecord], None],
+    client_cls: Mapping[str, type[EdgeClient]],
 ) -> RunResult:
     """Every node an EdgeClient on its own thread and transport, the coordinator on another;
     `threads`: the CPU threads of the run, shared by the `parallel` clients training at once."""
@@ -181,7 +185,8 @@ def _over_network(
         coordinator.open()
         for node in nodes:
             transports.append(connect(node.client_id))
-            client = EdgeClient.around(
+            cls = client_cls.get(node.client_id, EdgeClient)
+            client = cls.around(
                 node, transports[-1], fp16_upload=cfg.fp16_upload, keyring=keys[node.client_id]
             )
             clients.append(client.start())

@@ -14,11 +14,14 @@ forged chunk can only make its blob fail the checksum, never make a forged model
 
 Replays: every signed message carries a sequence number, strictly increasing per sender (the wall
 clock in nanoseconds at the first message, +1 after). Receivers keep the last one seen per topic
-(`ReplayGuard`) and drop older ones. The kinds whose freshness is decided otherwise are exempt:
-`status` and `presence` (signed when a connection opens, published later by the broker as a
-will; their incarnation and epoch numbers decide) and retained publications (`published`,
-`archive`: read by fresh readers, their versions decide). Run ids, task ids, sessions and
-incarnations bind the rest (see `edge_sdk.protocol`).
+(`ReplayGuard`, which a client keeps in its state directory, so a new process of it remembers)
+and drop older ones. A status is a replay when its coordinator incarnation is older; within one
+incarnation an older one is dropped quietly (a will, signed when the connection opened, is older
+than the statuses published since: it only said the coordinator was offline). Exempt are
+`presence` (signed when a connection opens and published later as a will; its epoch decides)
+and retained publications (`published`, `archive`: read by fresh readers, their versions
+decide). Across runs, every message binds to the coordinator incarnation it belongs to (a fresh
+nonce per coordinator start; see `edge_sdk.protocol`), and task ids and sessions are random.
 
 Signatures use `cryptography`'s Ed25519 (OpenSSL): about 50 µs to sign and 150 µs to verify a
 message on one core here, nothing per chunk.
@@ -35,6 +38,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -59,7 +63,7 @@ SIGNATURE_BYTES = 64
 _DOMAIN = b"edgefl-frame/1\0"  # what is signed starts here: a signature means nothing elsewhere
 ROSTER_FILE = "roster.json"
 # Kinds whose freshness is not a sequence number (see the module docstring).
-UNSEQUENCED = frozenset({"status", "presence", "published", "archive"})
+UNSEQUENCED = frozenset({"presence", "published", "archive"})
 
 
 class AuthError(ValueError):
@@ -197,25 +201,72 @@ def _signed_bytes(topic: str, body: bytes) -> bytes:
 
 class ReplayGuard:
     """The last sequence number accepted per topic (each topic has one writer): an older one is
-    a replay, an equal one a duplicate (QoS 1 may deliver a message twice). Bounded: one entry
-    per topic that carried a correctly signed message."""
+    a replay, an equal one a duplicate (QoS 1 may deliver a message twice); for statuses, the
+    last (incarnation, sequence number): one of an earlier incarnation is a replay, an older one
+    of the same incarnation dropped quietly (the coordinator's will, signed when it connected),
+    an equal one passes (a new process reads the retained status it read before). Bounded: one
+    entry per topic that carried a correctly signed message.
 
-    def __init__(self) -> None:
+    With a `path` it starts from what was saved there and `save()` writes it (atomically), so a
+    device's new process drops what its last one already saw (a client keeps it in its state
+    directory). A file that cannot be read is reported and left for the next save."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self._last: dict[str, int] = {}
+        self._status: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
+        self._path = Path(path) if path is not None else None
+        self._dirty = False
+        if self._path is not None and self._path.exists():
+            self._load(self._path)
 
-    def check(self, topic: str, kind: str, seq: int) -> str | None:
+    def check(self, topic: str, kind: str, seq: int, incarnation: int = 0) -> str | None:
         """None when the message is fresh (and remember it), else "replayed" or "duplicate"."""
         if kind in UNSEQUENCED:
             return None
         with self._lock:
-            last = self._last.get(topic, -1)
-            if seq < last:
+            if kind == "status":
+                mark, last = (incarnation, seq), self._status.get(topic, (-1, -1))
+                if incarnation < last[0]:
+                    return "replayed"
+                if mark < last:  # the same coordinator's, out of order: its will, published late
+                    return "duplicate"
+                # Saved when the incarnation changes, not every status (one every 2 s): a
+                # new process needs only to know the incarnations it must not go back to.
+                self._dirty |= incarnation != last[0]
+                self._status[topic] = mark
+                return None
+            last_seq = self._last.get(topic, -1)
+            if seq < last_seq:
                 return "replayed"
-            if seq == last:
+            if seq == last_seq:
                 return "duplicate"
             self._last[topic] = seq
+            self._dirty = True
         return None
+
+    def save(self) -> None:
+        """Write the record to its path, when it changed since the last save."""
+        with self._lock:
+            if self._path is None or not self._dirty:
+                return
+            doc: dict[str, Any] = {
+                "format": 1,
+                "last": dict(self._last),
+                "status": {t: list(m) for t, m in self._status.items()},
+            }
+            self._dirty = False
+        from model_zoo.files import write_atomic  # (lazy: model_zoo imports torch; --help must not)
+
+        write_atomic(self._path, json.dumps(doc) + "\n", mode=0o600)
+
+    def _load(self, path: Path) -> None:
+        try:
+            doc = json.loads(path.read_text())
+            self._last = {str(t): int(s) for t, s in doc["last"].items()}
+            self._status = {str(t): (int(m[0]), int(m[1])) for t, m in doc["status"].items()}
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            log.error("the replay record %s cannot be read (%s); starting a new one", path, exc)
 
 
 def _write_private(path: Path, key: Ed25519PrivateKey) -> None:

@@ -16,10 +16,14 @@ coordinator signed. It registers with the coordinator incarnation the status top
 process (its `session`): a task is run only once that registration was accepted, and a
 registration refused (the run started without it, another architecture, a newer process of the
 same id took over) ends `run()` with `RegistrationRefused`. A task delivered again (the
-coordinator re-sends outstanding tasks after a reconnection) gets its reply again.
+coordinator re-sends outstanding tasks after a reconnection) gets its reply again. Tasks, answers
+and shutdowns count only from the incarnation it registered with, so nothing recorded in an
+earlier run (same run id, same keys) counts in this one; a "finished" status seen before it
+registered ends it only when no newer status follows within FINISHED_GRACE_S.
 
 With a `state_dir` it persists its whole algorithm state (atomically) after every task that
-changed it, and a restarted client (same id, same run) continues from there. A fit task for a
+changed it, and a restarted client (same id, same run) continues from there; its record of the
+signed messages it has seen (`ReplayGuard`) lives there too. A fit task for a
 round it already trained (the coordinator restarted, or retried the round) starts from the state
 it had before that round, so a repeated round trains exactly what the first attempt trained.
 
@@ -44,7 +48,7 @@ from pydantic import ValidationError
 
 from edge_sdk import topics
 from edge_sdk.algorithms import ClientAlgorithm, FitResult
-from edge_sdk.auth import Keyring
+from edge_sdk.auth import Keyring, ReplayGuard
 from edge_sdk.budget import DeployBudget
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, Buffer, WireModel
 from edge_sdk.node import ClientNode, NodeTask
@@ -92,6 +96,10 @@ IDLE_WAIT_S = 1.0
 # status again once it is back. A repeated presence changes nothing on its side.
 REANNOUNCE_S = 60.0
 _SEEN_TASKS = 256  # task ids remembered to ignore QoS 1 redeliveries
+# A "finished" status seen before registering is believed after this long without a newer one:
+# the coordinator of a run that goes on publishes its status again every 2 s
+# (coordinator.fleet.network.STATUS_REFRESH_S), over an old run's replayed on an open broker.
+FINISHED_GRACE_S = 6.0
 # What reassembly may hold per topic before the coordinator's status says how large the run's
 # models are (then twice that, plus a chunk): a flood before it costs at most this much.
 INITIAL_PENDING_BYTES = 4 * DEFAULT_CHUNK_BYTES
@@ -289,6 +297,7 @@ class EdgeClient:
         self._up = topics.up(run_id, client_id)
         self._down = topics.down(run_id, client_id)
         self._status_topic = topics.status(run_id)
+        state = node.state_path
         self.endpoint = Endpoint(
             transport,
             [self._down, topics.bcast(run_id), self._status_topic],
@@ -296,6 +305,7 @@ class EdgeClient:
             max_blob_bytes=max_blob_bytes,
             max_pending_bytes=INITIAL_PENDING_BYTES,
             keyring=keyring,
+            replay=ReplayGuard(state.with_suffix(".replay.json") if state else None),
         )
         self.peers = PeerChannel(
             transport, run_id, client_id, max_blob_bytes=max_blob_bytes, keyring=keyring
@@ -312,7 +322,9 @@ class EdgeClient:
         self.accepted: bool | None = None
         self.refused: str | None = None  # why the coordinator refused this process
         self.status: Status | None = None  # the coordinator's last retained status
+        self._registering: int | None = None  # the incarnation our last registration named
         self._incarnation: int | None = None  # the coordinator incarnation that accepted us
+        self._finished_since: float | None = None  # a "finished" status came before we registered
         self.finished = False  # the coordinator said the run is over
         self.tasks_done = 0
         self.errors: list[str] = []
@@ -479,8 +491,9 @@ class EdgeClient:
     def register(self) -> None:
         """Register with the coordinator incarnation of the last status (none seen yet: wait
         for one; the status topic is retained, so it comes as soon as there is a coordinator)."""
-        if self.status is None:
+        if self.status is None or self.status.phase == "finished":
             return
+        self._registering = self.status.incarnation
         msg = Register(
             run=self.run_id,
             sender=self.client_id,
@@ -510,6 +523,7 @@ class EdgeClient:
             self._try_send(self._presence(self.transport.connection, online=False, leaving=True))
         self.endpoint.close()
         self.peers.close()
+        self._save_replay_record()
         if self._owns_transport:
             if self.finished:
                 self.transport.close()
@@ -538,11 +552,14 @@ class EdgeClient:
             if self.accepted is None and self.status is not None:  # a registration is due
                 wait = min(wait, max(0.0, self._last_register + REGISTER_RETRY_S - _now()))
             env = self.endpoint.receive(timeout=wait)
+            if self._believe_finished():
+                return
             if env is None:
                 # Until the coordinator answers, say hello again every few seconds.
                 if self.accepted is None and _now() - self._last_register >= REGISTER_RETRY_S:
                     self.register()
                 continue
+            self._save_replay_record()  # before acting on it: a new process will not again
             msg = env.message
             if msg.run != self.run_id or msg.sender != topics.COORDINATOR:
                 log.warning(
@@ -559,9 +576,31 @@ class EdgeClient:
             else:
                 log.warning("%s: ignoring unexpected %s message", self.client_id, msg.kind)
 
+    def _believe_finished(self) -> bool:
+        """Whether a "finished" status seen before registering has stood for FINISHED_GRACE_S
+        (then registration is refused: the run is over, and `run()` says so)."""
+        since = self._finished_since
+        if since is None or self.accepted is not None or _now() - since < FINISHED_GRACE_S:
+            return False
+        self.accepted, self.refused = False, "the run has already finished"
+        log.error("%s: registration refused: %s", self.client_id, self.refused)
+        self._stop.set()
+        return True
+
+    def _save_replay_record(self) -> None:
+        try:
+            self.endpoint.replay.save()
+        except OSError as exc:
+            log.error("%s: could not save the replay record: %s", self.client_id, exc)
+
     def _on_shutdown(self, msg: Shutdown, _blobs: Mapping[str, Buffer]) -> bool:
-        if self.status is not None and msg.incarnation < self.status.incarnation:
-            log.warning("%s: ignoring a shutdown from an earlier coordinator", self.client_id)
+        if not self.accepted or msg.incarnation != self._incarnation:
+            log.warning(
+                "%s: ignoring a shutdown from coordinator incarnation %d (registered with %s)",
+                self.client_id,
+                msg.incarnation,
+                self._incarnation if self.accepted else "none",
+            )
             return False
         log.info("%s: shutdown: %s", self.client_id, msg.reason)
         self.finished = True
@@ -571,6 +610,13 @@ class EdgeClient:
         if msg.session != self.session:  # an answer to another process of this id
             log.info("%s: ignoring an answer meant for another process", self.client_id)
             return False
+        if msg.incarnation != self._registering:  # recorded from another coordinator
+            log.warning(
+                "%s: ignoring an answer from coordinator incarnation %d",
+                self.client_id,
+                msg.incarnation,
+            )
+            return False
         if not msg.accepted:
             log.error("%s: registration refused: %s", self.client_id, msg.reason)
             self.accepted, self.refused = False, msg.reason or "no reason given"
@@ -578,7 +624,8 @@ class EdgeClient:
         if not self.accepted:
             log.info("%s: registered", self.client_id)
         self.accepted = True
-        self._incarnation = self.status.incarnation if self.status is not None else None
+        self._incarnation = msg.incarnation
+        self.peers.bind(msg.incarnation)
         return False
 
     def _on_task(self, msg: Task, blobs: Mapping[str, Buffer]) -> bool:
@@ -634,10 +681,10 @@ class EdgeClient:
             log.info("%s: the coordinator restarted; registering again", self.client_id)
             self.accepted = None
         if self.accepted is None and status.phase == "finished":
-            self.accepted, self.refused = False, "the run has already finished"
-            log.error("%s: registration refused: %s", self.client_id, self.refused)
-            self._stop.set()
+            if self._finished_since is None:  # an old run's, replayed? A newer status says so
+                self._finished_since = _now()
         elif self.accepted is None:
+            self._finished_since = None
             self.register()
         elif self.accepted and _now() - self._back_at < REANNOUNCE_S:
             self._try_send(self._presence(self.transport.connection, online=True))
@@ -783,4 +830,5 @@ def _reply_base(task: Task, sender: str, session: str) -> dict[str, Any]:
         "round": task.round,
         "phase": task.phase,
         "session": session,
+        "incarnation": task.incarnation,
     }

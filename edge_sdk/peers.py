@@ -12,7 +12,9 @@ Nothing here passes through the coordinator:
 It works the same over the in-memory transport and MQTT. Models are checked like any received
 model (architecture, shapes, finite values) and the sender is taken from the topic; with a
 keyring (edge_sdk.auth) publications and messages are signed, and only those signed by the
-client their topic names count.
+client their topic names count. Once the client is registered (`bind`), publications and
+messages carry the coordinator incarnation it registered with, and only those of that
+incarnation count: an earlier run's, still retained or replayed, do not.
 
 `LocalPeers` is the same channel between the ClientNodes of one process (the simulator's
 LocalFleet): a `PeerBoard` holds the publications and messages, nothing is serialised, and
@@ -25,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
@@ -87,6 +89,10 @@ class PeerChannel:
         )
         self._stash: dict[tuple[str, int, str], WireModel] = {}  # (name, round, sender)
         self._chunks: dict[str, int] = {}  # chunk topics of each publication, to clear stale ones
+        self._current: dict[str, tuple[WireModel, int]] = {}  # each publication and its version
+        # The coordinator incarnation this client registered with (None: not yet; nothing
+        # checked then).
+        self.incarnation: int | None = None
 
     def open(self) -> PeerChannel:
         self.inbox.open()
@@ -96,15 +102,27 @@ class PeerChannel:
         self.inbox.close()
 
     # -- publications ----------------------------------------------------------------------
+    def bind(self, incarnation: int) -> None:
+        """Registered with coordinator `incarnation`: what is sent from now on carries it, and
+        only what carries it is taken. Current publications are made again under it."""
+        if incarnation == self.incarnation:
+            return
+        self.incarnation = incarnation
+        for name, (model, version) in list(self._current.items()):
+            self.publish(name, model, version)
+
+    def _signed_as(self) -> dict[str, Any]:
+        """The fields every message of this client carries: run, sender, incarnation."""
+        return {"run": self.run_id, "sender": self.me, "incarnation": self.incarnation or 0}
+
     def publish(self, name: str, model: WireModel, version: int) -> None:
         """Make `model` this client's current `name`, retained, for round `version`."""
+        self._current[name] = (model, version)
         self._chunks[name] = publish_retained(
             self.inbox,
             topics.peer_publication(self.run_id, self.me, name),
             {name: model},
-            lambda refs: Published(
-                run=self.run_id, sender=self.me, name=name, version=version, models=refs
-            ),
+            lambda refs: Published(**self._signed_as(), name=name, version=version, models=refs),
             previous_chunks=self._chunks.get(name, 0),
         )
 
@@ -119,6 +137,8 @@ class PeerChannel:
             if msg.sender != owner or msg.name != name:
                 log.warning("%s: %s's publication claims %s/%s", self.me, owner, msg.sender, name)
                 return False
+            if self.incarnation is not None and msg.incarnation != self.incarnation:
+                return False  # another coordinator's (an earlier run): wait for the current
             return msg.version >= min_version  # an older one, still retained: wait for the new
 
         with stepping_aside():  # the owner may need this thread's GPU to publish it
@@ -138,7 +158,7 @@ class PeerChannel:
     # -- messages --------------------------------------------------------------------------
     def send(self, to: str, name: str, round_: int, model: WireModel) -> None:
         refs, blobs = pack_models({name: model}, max_bytes=self.max_blob_bytes)
-        msg = PeerMessage(run=self.run_id, sender=self.me, name=name, round=round_, models=refs)
+        msg = PeerMessage(**self._signed_as(), name=name, round=round_, models=refs)
         self.inbox.send(topics.peer_message(self.run_id, to, self.me), msg, blobs)
 
     def receive(
@@ -174,6 +194,8 @@ class PeerChannel:
             try:
                 if not isinstance(msg, PeerMessage) or sender != msg.sender:
                     raise ProtocolError(f"a {msg.kind} on {env.topic} from {msg.sender}")
+                if self.incarnation is not None and msg.incarnation != self.incarnation:
+                    raise ProtocolError(f"{sender}'s {msg.name} of coordinator {msg.incarnation}")
                 # a message may carry a subset of the model's tensors (gradients: no buffers)
                 models = unpack_models(
                     msg.models,

@@ -26,6 +26,7 @@ __all__ = [
     "Phase",
     "Presence",
     "ProtocolError",
+    "ProtocolVersionError",
     "Published",
     "Register",
     "Registered",
@@ -37,7 +38,9 @@ __all__ = [
     "encode",
 ]
 
-PROTOCOL_VERSION: Final = 1
+# 2: every message a coordinator incarnation sends or is sent binds to that incarnation (a
+# registration's answer, replies, peer messages and publications now carry it).
+PROTOCOL_VERSION: Final = 2
 MAX_CLASSES: Final = 100_000  # bounds what a registering client can make the server allocate
 
 Phase = Literal["fit", "evaluate", "finalize"]
@@ -49,6 +52,10 @@ Session = Annotated[str, Field(pattern=r"^[0-9a-f]{0,64}$")]
 
 class ProtocolError(ValueError):
     """Bytes that are not a valid message of this protocol version."""
+
+
+class ProtocolVersionError(ProtocolError):
+    """A message of another protocol version (a peer running another edgefl release)."""
 
 
 class _Frozen(BaseModel):
@@ -81,7 +88,7 @@ class Capabilities(_Frozen):
 
 
 class _Message(_Frozen):
-    v: Literal[1] = PROTOCOL_VERSION
+    v: Literal[2] = PROTOCOL_VERSION
     run: Id
     sender: Id
     # Strictly increasing per sender, set when the message is signed (edge_sdk.auth): a receiver
@@ -109,6 +116,7 @@ class Registered(_Message):
     accepted: bool
     reason: str | None = None
     session: Session = ""  # the process it answers (several may share a client id)
+    incarnation: int = Field(0, ge=0)  # the coordinator incarnation that answers
 
 
 class Task(_Message):
@@ -139,6 +147,7 @@ class Reply(_Message):
     kind: Literal["reply"] = "reply"
     task_id: str
     session: Session = ""  # the process that ran the task
+    incarnation: int = Field(0, ge=0)  # of the task's coordinator
     round: int = Field(ge=0)
     phase: Phase
     ok: bool
@@ -203,6 +212,7 @@ class Published(_Message):
     name: Id
     version: int = Field(ge=0)  # the round it is current for
     models: dict[str, ModelRef]
+    incarnation: int = Field(0, ge=0)  # of the coordinator its owner is registered with
 
 
 class PeerMessage(_Message):
@@ -212,6 +222,7 @@ class PeerMessage(_Message):
     name: Id
     round: int = Field(ge=0)
     models: dict[str, ModelRef]
+    incarnation: int = Field(0, ge=0)  # of the coordinator its sender is registered with
 
 
 class Archive(_Message):
@@ -250,6 +261,12 @@ def decode(data: bytes) -> Message:
     try:
         return _ADAPTER.validate_json(data)
     except ValidationError as exc:
+        versions = [e.get("input") for e in exc.errors() if e.get("loc", ())[-1:] == ("v",)]
+        if versions:
+            raise ProtocolVersionError(
+                f"a message of protocol version {versions[0]!r}; this edgefl speaks version "
+                f"{PROTOCOL_VERSION}: upgrade edgefl on the older side"
+            ) from exc
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise ProtocolError(f"invalid message: {where}: {first.get('msg')}") from exc

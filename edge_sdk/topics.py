@@ -48,9 +48,12 @@ COORDINATOR = "coordinator"  # the sender name of every coordinator message
 
 
 def check_id(value: str, what: str = "id") -> str:
-    """Ids become topic levels: letters, digits, '_', '.', '-' only (no '/', '+', '#')."""
-    if not isinstance(value, str) or not _ID.match(value):
-        raise ValueError(f"{what} {value!r} must be 1-128 of letters, digits, '_', '.', '-'")
+    """Ids become topic levels and file names (keys, credentials, state): letters, digits, '_',
+    '.', '-' only (no '/', '+', '#'), and not '.' or '..'."""
+    if not isinstance(value, str) or not _ID.match(value) or value in (".", ".."):
+        raise ValueError(
+            f"{what} {value!r} must be 1-128 of letters, digits, '_', '.', '-' (not '.' or '..')"
+        )
     return value
 
 

@@ -53,7 +53,15 @@ from edge_sdk.codec import (
     sha256_hex,
 )
 from edge_sdk.malloc import release_free_memory
-from edge_sdk.protocol import BlobRef, Message, ModelRef, ProtocolError, decode, encode
+from edge_sdk.protocol import (
+    BlobRef,
+    Message,
+    ModelRef,
+    ProtocolError,
+    ProtocolVersionError,
+    decode,
+    encode,
+)
 from edge_sdk.ratelog import RateLimitedLog
 from edge_sdk.topics import writer_of
 from edge_sdk.transport.base import Delivery, Transport
@@ -76,7 +84,20 @@ _MSG = b"EF1M"
 _SIGNED = b"EF1S"
 _CHUNK = b"EF1C"
 DEFAULT_CHUNK_BYTES = 1024 * 1024
-_RELEASE_BYTES = 16 * 1024 * 1024  # freeing this much at once gives the pages back to the kernel
+# What reassembly holds is counted with its bookkeeping, measured with tracemalloc (a flood of
+# one-byte chunks cost 300-600 bytes each beside its byte): per chunk held, the frame it keeps
+# alive, its view and its index entry; per blob, its record (hash state, buffer, entries).
+CHUNK_COST = 512
+BLOB_COST = 512
+# Chunks a topic may hold beyond what its byte bound needs in whole chunks (small blobs, such as
+# a tiny model's, come as one short chunk each).
+SPARE_CHUNKS = 256
+# Freeing this much (bookkeeping included) at once: the pages go back to the kernel.
+_RELEASE_BYTES = 1024 * 1024
+MAX_HEADER_BYTES = 1024  # a chunk header (blob id, index, count, size) needs a few hundred
+# Blobs refused (over the size limit, or no room), remembered so that the message that names one
+# is handed on at once, marked, instead of waiting for chunks that will never come.
+_REFUSED_KEPT = 256
 _BlobKey = tuple[str, str]  # (topic it arrived on, blob id)
 
 
@@ -131,11 +152,14 @@ def message_frame(message: Message) -> bytes:
 
 @dataclass
 class Envelope:
-    """A received message, the topic it came on, and the blobs it references, verified."""
+    """A received message, the topic it came on, and the blobs it references, verified;
+    `refused`: those of its blobs this endpoint refused (over the size limit, no room), with
+    why: they will not come, so the message is handed on at once without them."""
 
     message: Message
     blobs: dict[str, bytearray] = field(default_factory=dict)
     topic: str = ""
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -152,6 +176,8 @@ class _Blob:
     early: dict[int, memoryview] = field(default_factory=dict)
     joined: int = 0  # chunks in `data`
     received: int = 0  # bytes actually held
+    cost: int = 0  # what it counts against the bounds: its bytes and bookkeeping
+    chunks: int = 0  # chunks held (joined and early)
 
     @property
     def complete(self) -> bool:
@@ -160,9 +186,11 @@ class _Blob:
     def has(self, index: int) -> bool:
         return index < self.joined or index in self.early
 
-    def add(self, index: int, part: memoryview) -> None:
+    def add(self, index: int, part: memoryview, cost: int) -> None:
         self.early[index] = part
         self.received += len(part)
+        self.cost += cost
+        self.chunks += 1
         while self.joined in self.early:
             part = self.early.pop(self.joined)
             self.data += part
@@ -177,6 +205,7 @@ class _Ready:
     message: Message
     topic: str
     blobs: dict[str, tuple[BlobRef, _Blob]]
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 class Endpoint:
@@ -201,19 +230,22 @@ class Endpoint:
         scope: Callable[[str], str] | None = None,
         keyring: Keyring | None = None,
         pending_bound: Callable[[str], int] | None = None,
+        replay: ReplayGuard | None = None,
     ) -> None:
         """`keyring`: sign what is sent and accept only frames signed by their topic's writer
         (None: open mode, nothing signed or checked). `pending_bound(topic)`: the bytes that
         topic may hold in reassembly (0: no blobs expected there), instead of
-        `max_pending_bytes` for all."""
+        `max_pending_bytes` for all. `replay`: the record of what was seen (default: a new
+        one, in memory)."""
         self.transport = transport
         subs = [subscriptions] if isinstance(subscriptions, str) else list(subscriptions)
         self.subscriptions = subs
         self.shared_topic = shared_topic
         self.chunk_bytes = min(chunk_bytes, transport.max_payload_bytes - 512)
         self.max_blob_bytes = max_blob_bytes
-        # Bytes held for reassembly: per topic (one sender cannot crowd out the others), and in
-        # all (a flood over many topics is bounded too).
+        # Bytes held for reassembly, bookkeeping included (CHUNK_COST, BLOB_COST): per topic (one
+        # sender cannot crowd out the others), and in all (a flood over many topics is bounded
+        # too). The chunks held are capped alike (`chunk_bound`).
         self.max_pending_bytes = max_pending_bytes or 2 * max_blob_bytes
         self.max_total_pending_bytes = max_total_pending_bytes or 4 * self.max_pending_bytes
         self.blob_timeout_s = blob_timeout_s
@@ -223,16 +255,19 @@ class Endpoint:
         # Without a keyring: the writers whose signed frames arrived (they expect ours signed).
         self.signed_writers: set[str] = set()
         self.pending_bound = pending_bound
-        self._replay = ReplayGuard()
+        self.replay = replay or ReplayGuard()
         self._log = RateLimitedLog(log)
         self._lock = threading.Lock()
         self._blobs: dict[_BlobKey, _Blob] = {}
-        self._held = 0  # bytes held in _blobs
+        self._held = 0  # bytes held in _blobs, with their bookkeeping
         self._held_by: Counter[str] = Counter()  # ... per topic
+        self._chunks = 0  # chunks held in _blobs
+        self._chunks_by: Counter[str] = Counter()  # ... per topic
         # Recently delivered (late duplicates are dropped), oldest first: expiry stops at the
         # first one still fresh instead of walking all (a coordinator delivers ~100 per round).
         self._consumed: dict[_BlobKey, float] = {}
         self._parked: list[tuple[Message, str, float]] = []
+        self._refused: dict[_BlobKey, str] = {}  # oldest first, at most _REFUSED_KEPT
         self._queue: queue.Queue[_Ready | None] = queue.Queue()  # None: interrupt()
         self._open = False
         self._scope = scope
@@ -376,7 +411,7 @@ class Endpoint:
                 )
                 return None
             blobs[blob_id] = data
-        return Envelope(ready.message, blobs, ready.topic)
+        return Envelope(ready.message, blobs, ready.topic, ready.refused)
 
     def _on_payload(self, topic: str, payload: bytes) -> None:
         try:
@@ -395,9 +430,11 @@ class Endpoint:
                 raise ProtocolError("unknown frame type")
         except _Unexpected as exc:
             self._reject("unexpected_blob", str(exc), topic, stranger=True)
+        except ProtocolVersionError as exc:
+            self._reject("old_protocol", str(exc), topic)
         except PayloadError as exc:
             self._reject("oversized", str(exc), topic)
-        except (ProtocolError, ValueError, ArithmeticError) as exc:
+        except (ProtocolError, ValueError, ArithmeticError, RecursionError) as exc:
             self._reject("malformed", str(exc), topic)
 
     def _verified(self, topic: str, payload: bytes) -> Message | None:
@@ -424,7 +461,7 @@ class Endpoint:
             claim = f"sender {msg.sender!r} of run {msg.run!r}"
             self._reject("sender_mismatch", f"{writer} signed a {msg.kind} claiming {claim}", topic)
             return None
-        stale = self._replay.check(topic, msg.kind, msg.seq)
+        stale = self.replay.check(topic, msg.kind, msg.seq, getattr(msg, "incarnation", 0))
         if stale == "replayed":
             self._reject("replayed", f"a {msg.kind} older than the last one accepted", topic)
             return None
@@ -435,20 +472,20 @@ class Endpoint:
 
     def _on_chunk(self, topic: str, payload: bytes) -> None:
         n = int.from_bytes(payload[4:8], "big")
+        if n > MAX_HEADER_BYTES:
+            raise ProtocolError(f"a chunk header of {n} bytes (at most {MAX_HEADER_BYTES})")
         try:
             header = json.loads(payload[8 : 8 + n])
             blob_id = header["blob"]
             index, count, size = (header[k] for k in ("index", "count", "size"))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ProtocolError(f"bad chunk header: {exc}") from exc
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise ProtocolError(f"bad chunk header: {type(exc).__name__}: {exc}") from exc
         # Whole numbers only: 1e999 is a float (inf), True an int; neither is a count.
         if not all(type(v) is int for v in (index, count, size)) or not isinstance(blob_id, str):
             raise ProtocolError("chunk header fields must be a string id and whole numbers")
         data = memoryview(payload)[8 + n :]  # no copy: the part keeps its frame alive
         if not 0 < len(blob_id) <= 128:
             raise ProtocolError("chunk header names no valid blob id")
-        if size > self.max_blob_bytes:
-            raise PayloadError(f"blob {blob_id} of {size} bytes is over {self.max_blob_bytes}")
         if not 0 <= index < count or count > max(1, size):
             raise ProtocolError(f"blob {blob_id}: chunk {index} of {count} is inconsistent")
         topic = self._scope(topic) if self._scope else topic
@@ -458,6 +495,8 @@ class Endpoint:
         with self._lock:
             if key in self._consumed:
                 return  # a late duplicate of a delivered blob (QoS 1 redelivery)
+            if key in self._refused:
+                raise PayloadError(f"blob {blob_id} was refused: {self._refused[key]}")
             blob = self._blobs.get(key)
             if blob is None:
                 blob = _Blob(count, size, time.monotonic())
@@ -467,24 +506,46 @@ class Endpoint:
                 return  # a duplicate chunk
             if blob.received + len(data) > blob.size:
                 raise PayloadError(f"blob {blob_id}: chunks carry more than its {size} bytes")
-            self._make_room(len(data), keep=key)
-            blob.add(index, data)
-            self._held += len(data)
-            self._held_by[topic] += len(data)
+            cost = len(data) + CHUNK_COST + (BLOB_COST if key not in self._blobs else 0)
+            try:
+                if size > self.max_blob_bytes:
+                    raise PayloadError(
+                        f"blob {blob_id} declares {size} bytes, over the limit of "
+                        f"{self.max_blob_bytes}"
+                    )
+                self._make_room(cost, keep=key)
+            except PayloadError as exc:  # it will never be whole: its message need not wait
+                self._refuse(key, str(exc))
+                raise
+            blob.add(index, data, cost)
+            self._held += cost
+            self._held_by[topic] += cost
+            self._chunks += 1
+            self._chunks_by[topic] += 1
             self._blobs[key] = blob
             if blob.complete:
                 self._release_parked()
 
+    def chunk_bound(self, nbytes: int) -> int:
+        """The chunks a byte bound of `nbytes` may hold: its bytes in whole chunks, twice, and
+        SPARE_CHUNKS (a sender's chunks are this endpoint's size, the last of each blob
+        shorter). A flood of tiny chunks meets this long before its bytes add up."""
+        return 2 * -(-nbytes // self.chunk_bytes) + SPARE_CHUNKS
+
     def _make_room(self, need: int, keep: _BlobKey) -> None:
         """Evict complete blobs nobody claimed yet (the sender's own first, oldest first);
-        refuse the chunk if the bounds still do not hold."""
+        refuse the chunk if the bounds (bytes with their bookkeeping, and chunks) still do not
+        hold."""
         topic = keep[0]
         bound = self.max_pending_bytes if self.pending_bound is None else self.pending_bound(topic)
+        total = self.max_total_pending_bytes
 
         def fits() -> bool:
             return (
                 self._held_by[topic] + need <= bound
-                and self._held + need <= self.max_total_pending_bytes
+                and self._held + need <= total
+                and self._chunks_by[topic] < self.chunk_bound(bound)
+                and self._chunks < self.chunk_bound(total)
             )
 
         if fits():
@@ -504,15 +565,31 @@ class Endpoint:
                     return
         raise PayloadError(
             f"{need} more bytes pending reassembly would exceed the bound "
-            f"({self._held_by[topic]} held on {topic}, {self._held} in all)"
+            f"({self._held_by[topic]} bytes in {self._chunks_by[topic]} chunks held on {topic}, "
+            f"{self._held} in {self._chunks} in all)"
         )
+
+    def _refuse(self, key: _BlobKey, why: str) -> None:
+        """Remember that the blob `key` was refused (what it held is dropped): the message that
+        names it is handed on at once, marked (`Envelope.refused`)."""
+        if key in self._blobs:
+            self._drop(key)
+        self._refused[key] = why
+        while len(self._refused) > _REFUSED_KEPT:
+            del self._refused[next(iter(self._refused))]
+        self._release_parked()
 
     def _drop(self, key: _BlobKey) -> None:
         blob = self._blobs.pop(key)
-        self._held -= blob.received
-        self._held_by[key[0]] -= blob.received
-        if not self._held_by[key[0]]:
-            del self._held_by[key[0]]
+        topic = key[0]
+        self._held -= blob.cost
+        self._held_by[topic] -= blob.cost
+        self._chunks -= blob.chunks
+        self._chunks_by[topic] -= blob.chunks
+        if not self._held_by[topic]:
+            del self._held_by[topic]
+        if not self._chunks_by[topic]:
+            del self._chunks_by[topic]
 
     def _on_message(self, topic: str, msg: Message) -> None:
         with self._lock:
@@ -527,11 +604,15 @@ class Endpoint:
     def _try_deliver(self, msg: Message, topic: str) -> bool:
         refs = {m.blob.id: m.blob for m in getattr(msg, "models", {}).values()}
         keys = {}
+        refused = {}
         for blob_id, ref in refs.items():
             key = self._blob_key(ref, topic)
             if key is None:
                 self._reject("malformed", "a shared blob with no shared topic", topic)
                 return True
+            if key in self._refused:
+                refused[blob_id] = self._refused[key]
+                continue
             blob = self._blobs.get(key)
             if blob is None or not blob.complete:
                 return False
@@ -544,7 +625,7 @@ class Endpoint:
             self._drop(key)
             self._consumed.pop(key, None)  # to the end: the dict stays in time order
             self._consumed[key] = now
-        self._queue.put(_Ready(msg, topic, ready))
+        self._queue.put(_Ready(msg, topic, ready, refused))
         return True
 
     def _release_parked(self) -> None:
@@ -557,7 +638,7 @@ class Endpoint:
             for key, blob in list(self._blobs.items()):
                 if now - blob.started > self.blob_timeout_s:
                     self._drop(key)
-                    freed += blob.received
+                    freed += blob.cost
                     if not blob.complete:
                         self.rejections["blob_expired"] += 1
                         self._log.warning(
@@ -584,7 +665,7 @@ class Endpoint:
                 else:
                     kept.append((m, topic, t))
             self._parked = kept
-        if freed >= _RELEASE_BYTES:  # glibc keeps freed heap pages unless asked
+        if freed >= _RELEASE_BYTES:  # glibc keeps freed heap pages unless asked (32 MiB here)
             release_free_memory()
 
 
@@ -633,6 +714,8 @@ def unpack_models(
     """
     out: dict[str, WireModel] = {}
     for name, ref in refs.items():
+        if ref.blob.id not in blobs:
+            raise ValueError(f"model {name!r}: its blob {ref.blob.id} did not arrive")
         weights = decode_weights(blobs[ref.blob.id], max_bytes=max_bytes)
         check_weights(weights, reference_shapes(ref.spec), what=name, partial=name in partial)
         out[name] = WireModel(ref.spec, weights)

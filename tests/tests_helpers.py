@@ -61,6 +61,7 @@ def small_federation(
     checkpoint_path=None,
     keys=None,
     incarnation=None,
+    robust=None,
     **round_kw,
 ):
     """A Coordinator and n (not yet started) EdgeClients (ids c0..) on one in-memory broker;
@@ -68,7 +69,8 @@ def small_federation(
     `config`: the algorithm's settings (default: one local epoch). `state_dir`: where the
     clients persist their state; `checkpoint_path`: the coordinator's checkpoint. `keys`: the
     participants' keyrings by id (default: fresh ones, so every message is signed; `{}`: open
-    mode); the coordinator's is `coordinator.fleet.keyring`, a client's `client.keyring`."""
+    mode); the coordinator's is `coordinator.fleet.keyring`, a client's `client.keyring`.
+    `robust`: the coordinator's `robust.*` settings (default: the defaults)."""
     section = algorithm_class(algorithm).config_cls(**(config or {"local_epochs": 1}))
     cfg = tiny_config(
         algorithm=algorithm,
@@ -79,6 +81,7 @@ def small_federation(
         overrides={
             algorithm: section.model_dump(mode="json"),
             "round": {"deadline_s": 30, "register_timeout_s": 30, **round_kw},
+            "robust": robust or {},
         },
     )
     fed = prepare_federation(cfg)

@@ -134,6 +134,7 @@ class Members:
             accepted=accepted,
             reason=reason,
             session=session,
+            incarnation=run.incarnation,
         )
 
     def _require_run(self) -> RunInfo:

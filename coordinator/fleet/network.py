@@ -38,7 +38,7 @@ from coordinator.fleet.packing import pack_plan, renew
 from coordinator.strategies import FitReply
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
-from edge_sdk.codec import Buffer, WireModel
+from edge_sdk.codec import WireModel
 from edge_sdk.protocol import Archive, Registered, Reply, Shutdown, Status, Task
 from edge_sdk.ratelog import RateLimitedLog
 from edge_sdk.transport.base import Delivery, Transport, TransportError
@@ -57,6 +57,9 @@ __all__ = ["NetworkFleet"]
 log = logging.getLogger(__name__)
 
 RESEND_BATCH_S = 0.5  # clients that came back within this share one re-broadcast of the models
+# The retained status is published again this often: a client that read an old one (anyone on
+# an open broker may replay a finished run's, retained) sees the current one within this.
+STATUS_REFRESH_S = 2.0
 
 
 class NetworkFleet(Fleet):
@@ -93,6 +96,7 @@ class NetworkFleet(Fleet):
         self._shared: dict[str, bytes] = {}
         self._due: set[str] = set()
         self._due_since = 0.0
+        self._status_at = -float("inf")  # when the status was last published (monotonic)
 
     @property
     def _endpoint(self) -> Endpoint:
@@ -278,7 +282,12 @@ class NetworkFleet(Fleet):
                     break
                 msg = env.message
                 to = owner.get(msg.task_id) if isinstance(msg, Reply) else None
-                if to is None or not isinstance(msg, Reply) or msg.round != r:
+                if (
+                    to is None
+                    or not isinstance(msg, Reply)
+                    or msg.round != r
+                    or msg.incarnation != run.incarnation
+                ):
                     self._dispatch(env)  # registrations, presence, stray replies
                     continue
                 if to not in self._tasks:  # answered already: a copy (QoS 1 or a re-send)
@@ -290,7 +299,7 @@ class NetworkFleet(Fleet):
                     log.error("%s failed its %s task: %s", to, phase, msg.error)
                     del self._tasks[to]
                     continue
-                reply = self._accept(to, request, msg, env.blobs, validate)
+                reply = self._accept(to, request, msg, env, validate)
                 # Unsigned (open mode), an invalid reply may be anyone's: the task stays open
                 # for the genuine one. Signed by the registered process, it is that answer.
                 if reply is not None or self.keyring is not None:
@@ -324,12 +333,14 @@ class NetworkFleet(Fleet):
         cid: str,
         request: PhaseRequest,
         msg: Reply,
-        blobs: Mapping[str, Buffer],
+        env: Envelope,
         validate: Validator,
     ) -> FitReply | None:
         try:
+            if env.refused:  # e.g. a blob declaring 10**12 bytes: it fails its task at once
+                raise ValueError("its models were refused: " + "; ".join(env.refused.values()))
             models = unpack_models(
-                msg.models, blobs, max_bytes=self.run.max_blob_bytes, partial=request.partial
+                msg.models, env.blobs, max_bytes=self.run.max_blob_bytes, partial=request.partial
             )
             reply = FitReply(cid, models, dict(msg.metrics), msg.n_samples, dict(msg.details))
             validate(cid, reply)
@@ -437,6 +448,7 @@ class NetworkFleet(Fleet):
         )
 
     def _publish_status(self, phase: str) -> None:
+        self._phase, self._status_at = phase, time.monotonic()
         try:
             self._endpoint.send(topics.status(self.run.run_id), self._status(phase), retain=True)
         except TransportError as exc:
@@ -454,6 +466,8 @@ class NetworkFleet(Fleet):
         while True:
             self.check_stop(self._round)
             self._resend_due()
+            if time.monotonic() - self._status_at >= STATUS_REFRESH_S:
+                self._publish_status(self._phase)
             left = deadline - time.monotonic()
             if left <= 0:
                 return None

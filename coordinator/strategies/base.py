@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from coordinator.robust import Contribution, RobustConfig, cap_weights, combine
 from coordinator.server_data import ServerData
 from edge_sdk.algorithms import BaseAlgorithmConfig, Detail, algorithm_class
 from edge_sdk.codec import WireModel
@@ -91,6 +92,9 @@ class Strategy(ABC):
     one_architecture: ClassVar[bool] = False
     # The server keeps a global model of `global_spec` (it needs one to start):
     has_global_model: ClassVar[bool] = False
+    # Its aggregation makes models the clients receive (a round that makes most of them much
+    # worse is rolled back, coordinator.robust); False for local training and FedeRiCo.
+    aggregates: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -102,9 +106,17 @@ class Strategy(ABC):
         clients_per_round: int | None = None,
         seed: int = 0,
         server_data: ServerData | None = None,
+        robust: RobustConfig | None = None,
     ) -> None:
         self.config = config
         self.server_data = server_data or ServerData()
+        # How aggregation bounds each client (coordinator.robust), and the clients it flagged
+        # in the round being aggregated (clipped, capped), with why; the coordinator clears it.
+        self.robust = robust or RobustConfig()
+        self.flags: dict[str, str] = {}
+        # What the round's aggregation combined (per aggregate, each client's contribution):
+        # the coordinator names suspects from it when it rolls a round back.
+        self.cohort: dict[str, list[Contribution]] = {}
         self.clients = dict(sorted(clients.items()))
         self.global_spec = global_spec
         self.rounds = rounds
@@ -122,6 +134,13 @@ class Strategy(ABC):
         included, trains on the same data) and passes them in as `server_data.unlabeled`.
         """
         return 0
+
+    def _combine(
+        self, groups: Mapping[str, list[Contribution]]
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Each group's contributions combined into one state (`coordinator.robust.combine`)."""
+        self.cohort = dict(groups)
+        return combine(groups, self.robust, self.flags)
 
     # -- hooks -----------------------------------------------------------------------------
     def setup(self) -> None:  # noqa: B027  (optional hook: most strategies need no setup)
@@ -262,9 +281,24 @@ class GlobalModelStrategy(Strategy):
             )
 
     def _weights(self, replies: Mapping[str, FitReply]) -> list[float]:
+        """Each reply's weight: 1, or (`weighting = "by_samples"`) the samples it trained on,
+        capped (coordinator.robust) so that no client can claim the aggregate."""
         if getattr(self.config, "weighting", "uniform") == "by_samples":
-            return [float(max(1, r.n_samples)) for r in replies.values()]
+            claimed = {cid: float(max(1, r.n_samples)) for cid, r in replies.items()}
+            return cap_weights(claimed, self.robust, self.flags)
         return [1.0] * len(replies)
+
+    def _aggregate(
+        self, states: Mapping[str, Mapping[str, torch.Tensor]], weights: Sequence[float]
+    ) -> dict[str, torch.Tensor]:
+        """The clients' states (each trained from `global_weights`) combined into one, each
+        update bounded and combined as `robust` says: the weighted mean of the states where
+        none is clipped."""
+        group = [
+            Contribution(cid, state, self.global_weights, w)
+            for (cid, state), w in zip(states.items(), weights, strict=True)
+        ]
+        return self._combine({"global": group})["global"]
 
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict() | {"global": dict(self.global_weights)}

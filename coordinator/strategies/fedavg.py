@@ -8,7 +8,6 @@ from coordinator.strategies.base import (
     FitReply,
     GlobalModelStrategy,
     register_strategy,
-    weighted_mean,
 )
 from model_zoo import ArchSpec
 
@@ -30,5 +29,5 @@ class FedAvgStrategy(GlobalModelStrategy):
         return {"model": self.global_spec}
 
     def aggregate_fit(self, round_: int, replies: Mapping[str, FitReply]) -> None:
-        states = [r.models["model"].weights for r in replies.values()]
-        self.global_weights = weighted_mean(states, self._weights(replies))
+        states = {cid: r.models["model"].weights for cid, r in replies.items()}
+        self.global_weights = self._aggregate(states, self._weights(replies))

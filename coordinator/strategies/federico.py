@@ -21,6 +21,7 @@ from edge_sdk.codec import WireModel
 @register_strategy
 class FedeRiCoStrategy(Strategy):
     name = "federico"
+    aggregates = False
     config: FedeRiCoConfig
     steps = ("exchange", "update")
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
+from coordinator.robust import Contribution, RobustConfig, combine
 from coordinator.server_data import load_unlabeled
 from coordinator.strategies.base import (
     FitReply,
@@ -35,14 +36,21 @@ from coordinator.strategies.base import (
     Strategy,
     StrategyError,
     register_strategy,
-    weighted_mean,
 )
 from edge_sdk.algorithms import BaseAlgorithmConfig
 from edge_sdk.algorithms.fedme import FedMeConfig
 from edge_sdk.codec import WireModel
 from model_zoo import ArchSpec, build
 
-__all__ = ["FedMeStrategy", "cluster_models", "exchange_partners", "per_model_average"]
+LOGIT_LIMIT = 1e15  # squared distances of such outputs still fit in float32
+
+__all__ = [
+    "FedMeStrategy",
+    "cluster_models",
+    "exchange_partners",
+    "per_model_average",
+    "trained_copies",
+]
 
 
 def model_logits(models: Sequence[WireModel], inputs: torch.Tensor) -> np.ndarray:
@@ -66,7 +74,10 @@ def model_logits(models: Sequence[WireModel], inputs: torch.Tensor) -> np.ndarra
                 ]
             )
             rows.append(z.float().reshape(-1).numpy())
-    return np.stack(rows)
+    # A model whose outputs overflow (weights within robust.max_abs can still multiply past
+    # float32 through a deep network) must not crash the clustering: its non-finite or huge
+    # outputs are clipped far beyond any sane model's (which stay untouched), so it sits alone.
+    return np.clip(np.nan_to_num(np.stack(rows), nan=0.0), -LOGIT_LIMIT, LOGIT_LIMIT)
 
 
 def cluster_models(features: np.ndarray, k: int, seed: int) -> np.ndarray:
@@ -99,20 +110,36 @@ def exchange_partners(
     return out
 
 
+def trained_copies(
+    replies: Mapping[str, FitReply],
+    exchange: Mapping[str, str],
+    starts: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+) -> dict[str, list[Contribution]]:
+    """Per model owner m, the trained copies of m: the owner's own first ("personal" of its
+    reply), then the "exchanged" models of the clients that were sent m, each with the state it
+    started from (`starts`; None: itself, an update of nothing)."""
+    trained: dict[str, list[Contribution]] = {}
+    for cid, reply in replies.items():
+        for m, name in ((cid, "personal"), (exchange[cid], "exchanged")):
+            state = reply.models[name].weights
+            copy = Contribution(cid, state, starts[m] if starts is not None else state)
+            copies = trained.setdefault(m, [])
+            if name == "personal":  # the owner's own copy first
+                copies.insert(0, copy)
+            else:
+                copies.append(copy)
+    return trained
+
+
 def per_model_average(
     replies: Mapping[str, FitReply], exchange: Mapping[str, str]
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Per model owner m: (w_m + Σ trained copies of m) / (s_m + 1), uniformly.
+    """Per model owner m: (w_m + Σ trained copies of m) / (s_m + 1), uniformly (the strategy
+    combines `trained_copies` with their starts, so that each update is bounded first).
 
-    w_m is the owner's own trained copy ("personal" of m's reply) and the copies are the
-    "exchanged" models of the clients that were sent m. A model whose owner did not reply is the
-    mean of its copies; a model nobody trained is absent.
+    A model whose owner did not reply is the mean of its copies; one nobody trained is absent.
     """
-    trained: dict[str, list[dict[str, torch.Tensor]]] = {}
-    for cid, reply in replies.items():
-        trained.setdefault(cid, []).insert(0, reply.models["personal"].weights)
-        trained.setdefault(exchange[cid], []).append(reply.models["exchanged"].weights)
-    return {m: weighted_mean(states, [1.0] * len(states)) for m, states in trained.items()}
+    return combine(trained_copies(replies, exchange), RobustConfig(), {})
 
 
 @register_strategy
@@ -126,6 +153,12 @@ class FedMeStrategy(Strategy):
         return 0 if config.unlabeled_path else config.unlabeled_size
 
     def setup(self) -> None:
+        if self.robust.aggregator == "krum":
+            raise StrategyError(
+                "fedme averages each model over its owner's copy and the two or three copies "
+                "others trained: too few for krum (2f + 3); use robust.aggregator = median or "
+                "trimmed_mean"
+            )
         infos = list(self.clients.values())
         if len(infos) < 2 or (self.clients_per_round is not None and self.clients_per_round < 2):
             raise IncompatibleClients(
@@ -182,7 +215,8 @@ class FedMeStrategy(Strategy):
             if flag not in (0.0, 1.0):
                 raise StrategyError(f"fedme: {cid} did not say whether it adopted (got {flag})")
             adopted[cid] = flag == 1.0
-        averaged = per_model_average(replies, self.exchange)
+        starts = {m: model.weights for m, model in self.models.items()}
+        averaged = self._combine(trained_copies(replies, self.exchange, starts))
         new = {m: WireModel(self.models[m].spec, weights) for m, weights in averaged.items()}
         # Each client gets back the aggregate of the model it chose; the rest keep their own.
         self.models = {

@@ -8,7 +8,6 @@ from coordinator.strategies.base import (
     FitReply,
     GlobalModelStrategy,
     register_strategy,
-    weighted_mean,
 )
 from edge_sdk.algorithms.fml import FMLConfig, shared_keys
 from model_zoo import ArchSpec
@@ -44,10 +43,10 @@ class FMLStrategy(GlobalModelStrategy):
         return {"meme": spec}
 
     def aggregate_fit(self, round_: int, replies: Mapping[str, FitReply]) -> None:
-        memes = [
-            shared_keys(r.models["meme"].weights, self.config.shared_prefixes)
-            for r in replies.values()
-        ]
-        if any(set(m) != set(self.global_weights) for m in memes):
+        memes = {
+            cid: shared_keys(r.models["meme"].weights, self.config.shared_prefixes)
+            for cid, r in replies.items()
+        }
+        if any(set(m) != set(self.global_weights) for m in memes.values()):
             raise ValueError("fml: a meme reply does not carry exactly the shared tensors")
-        self.global_weights = weighted_mean(memes, self._weights(replies))
+        self.global_weights = self._aggregate(memes, self._weights(replies))

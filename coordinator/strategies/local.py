@@ -10,6 +10,7 @@ from coordinator.strategies.base import FitReply, Strategy, register_strategy
 @register_strategy
 class LocalStrategy(Strategy):
     name = "local"
+    aggregates = False
 
     def aggregate_fit(self, round_: int, replies: Mapping[str, FitReply]) -> None:
         return None

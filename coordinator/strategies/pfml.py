@@ -10,7 +10,6 @@ from coordinator.strategies.base import (
     GlobalModelStrategy,
     StrategyError,
     register_strategy,
-    weighted_mean,
 )
 from edge_sdk.algorithms.pfml import PFMLConfig
 from edge_sdk.codec import WireModel
@@ -47,8 +46,8 @@ class PFMLStrategy(GlobalModelStrategy):
             raise StrategyError(
                 f"pfml round {round_}: no reply from the aggregated clients {self._aggregate_ids}"
             )
-        mean = weighted_mean(
-            [r.models["local"].weights for r in chosen.values()], self._weights(chosen)
+        mean = self._aggregate(
+            {cid: r.models["local"].weights for cid, r in chosen.items()}, self._weights(chosen)
         )
         beta = self.config.beta
         self.global_weights = {

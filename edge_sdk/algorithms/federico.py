@@ -19,10 +19,18 @@ uniform). Gradients are taken on one mini-batch, scaled to the whole set (an unb
 of ∇ of the sum). The predictor is the mixture p_i(y|x) = Σ_j w_ij·p(y|x; θ_j) over the
 `mixture_top` highest-weight models the client holds (its own and the peers' it fetched), which
 is what it evaluates and exports to ONNX (the zoo's `mixture` family, one graph).
+
+No peer can wreck a client: a fetched model that is absurd on the client's validation data (a
+mean cross-entropy not finite or above `absurd_nats` × log(classes), far worse than a uniform
+guess) gets no weight (ℓ_ij = ∞) and is neither kept nor sent a gradient; a gradient a peer sends
+is bounded at `peer_clip` × the lower median of the round's gradient norms, the client's own
+(unweighted) among them (docs/security.md).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
@@ -43,6 +51,7 @@ from edge_sdk.codec import WireModel
 from edge_sdk.losses import cross_entropy
 from edge_sdk.optim import SGD, Adam
 from edge_sdk.peers import Peers
+from edge_sdk.robust import state_norm
 from edge_sdk.trainer import OptimConfig
 from model_zoo import ArchSpec
 from model_zoo.models.mixture import Mixture, mixture_spec
@@ -50,6 +59,8 @@ from model_zoo.models.mixture import Mixture, mixture_spec
 __all__ = ["FedeRiCo", "FedeRiCoConfig", "posterior_weights"]
 
 MODEL, GRAD = "model", "grad"
+
+log = logging.getLogger(__name__)
 
 
 class FedeRiCoConfig(BaseAlgorithmConfig, GuardConfig):
@@ -71,6 +82,12 @@ class FedeRiCoConfig(BaseAlgorithmConfig, GuardConfig):
     batch_size: int = Field(16, ge=1)  # the M-step's mini-batch
     mixture_top: int = Field(3, ge=1)  # models in the predictor (highest weights)
     peer_timeout_s: float = Field(60.0, gt=0)  # waiting for a peer's model or gradient
+    # A peer's gradient is bounded at this × the lower median of the round's gradient norms,
+    # the client's own among them (0: no bound).
+    peer_clip: float = Field(10.0, ge=0)
+    # A peer's model whose mean cross-entropy on our validation data is above this × log(classes)
+    # (10: far worse than a uniform guess), or not finite, gets no weight (0: any finite one).
+    absurd_nats: float = Field(10.0, ge=0)
 
 
 def posterior_weights(losses: Mapping[str, float], temperature: float) -> dict[str, float]:
@@ -124,7 +141,32 @@ class FedeRiCo(ClientAlgorithm):
     def _observe(self, who: str, loss: float) -> None:
         m = self.config.loss_momentum
         old = self.losses.get(who)
-        self.losses[who] = loss if old is None else (1 - m) * old + m * loss
+        if old is None or not math.isfinite(old):  # a model once absurd starts over
+            self.losses[who] = loss
+        else:
+            self.losses[who] = (1 - m) * old + m * loss
+
+    @staticmethod
+    def _typical(
+        total: Mapping[str, torch.Tensor], own: float, received: Mapping[str, WireModel]
+    ) -> float:
+        """The lower median of this round's gradient norms: the client's own (unweighted) and
+        those it was sent. One sender alone cannot set it, however large it claims to be."""
+        norms = sorted(
+            [state_norm(total) / own if own > 0 else 0.0]
+            + [state_norm(g.weights) for g in received.values()]
+        )
+        return norms[(len(norms) - 1) // 2]
+
+    def _absurd(self, model: nn.Module) -> bool:
+        """Whether a peer's model is absurd here: on the validation data (the training data
+        without any), a mean cross-entropy not finite or above `absurd_nats` × log(classes)."""
+        d, limit = self.ctx.data, self.config.absurd_nats
+        x, y = (d.x_val, d.y_val) if len(d.y_val) else (d.x_train, d.y_train)
+        loss = self.ctx.trainer.evaluate(model, x, y).loss
+        return not math.isfinite(loss) or (
+            limit > 0 and loss > limit * math.log(max(2, d.num_classes))
+        )
 
     def _gradient(self, model: nn.Module, scale: float) -> dict[str, torch.Tensor]:
         """scale·∇L_i(θ) on one mini-batch, L_i as the whole set's sum (or mean) of losses."""
@@ -184,8 +226,14 @@ class FedeRiCo(ClientAlgorithm):
             if wire.spec.num_classes != self.ctx.data.num_classes:
                 raise AlgorithmError(f"federico: {j}'s model predicts other classes than ours")
             self.peer_models[j] = wire
-            _, fetched[j] = self._net(j)
-            self._observe(j, self._nll(fetched[j]))
+            _, net = self._net(j)
+            if self._absurd(net):  # no weight, not kept, no gradient
+                log.warning("%s: %s's model is absurd on our data: no weight", me, j)
+                self.losses[j] = math.inf
+                del self.peer_models[j], self._nets[j]
+                continue
+            fetched[j] = net
+            self._observe(j, self._nll(net))
         w = self.weights  # the E-step, with the losses just observed
         # The M-step's share this client owes each model it fetched
         for j, model in fetched.items():
@@ -202,13 +250,20 @@ class FedeRiCo(ClientAlgorithm):
 
     def _update(self, round_: int, senders: list[str]) -> FitResult:
         me = self.ctx.client_id
-        total = self._gradient(self.model, self.weights.get(me, 1.0))
+        own = self.weights.get(me, 1.0)
+        total = self._gradient(self.model, own)
         received = self.peers.receive(GRAD, round_, senders, timeout=self.config.peer_timeout_s)
+        bound = self.config.peer_clip * self._typical(total, own, received)
         for sender, grad in received.items():
             if set(grad.weights) != set(total):
                 raise AlgorithmError(f"federico: {sender}'s gradient does not fit our model")
+            norm = state_norm(grad.weights)
+            scale = bound / norm if self.config.peer_clip > 0 and norm > bound else 1.0
+            if scale < 1.0:
+                log.warning("%s: %s's gradient (norm %.3g) clipped to %.3g", me, sender, norm,
+                            bound)  # fmt: skip
             for k, g in grad.weights.items():
-                total[k] = total[k] + g
+                total[k] = total[k] + (g * scale if scale < 1.0 else g)
         self.optimizer.zero_grad(set_to_none=True)
         for k, p in self.model.named_parameters():
             if k in total:

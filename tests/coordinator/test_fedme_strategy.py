@@ -15,6 +15,7 @@ from coordinator.federation import prepare_federation
 from coordinator.server_data import ServerData, UnlabeledDataError, load_unlabeled
 from coordinator.strategies import ClientInfo, FitReply, IncompatibleClients, StrategyError
 from coordinator.strategies.fedme import (
+    LOGIT_LIMIT,
     FedMeStrategy,
     cluster_models,
     exchange_partners,
@@ -125,6 +126,20 @@ def test_fedme_clusters_models_by_their_outputs_on_the_unlabeled_set():
             partner = s.exchange[cid]
             assert partner != cid and group[partner] == group[cid]
             assert models["exchanged"] is s.models[partner]
+
+
+def test_a_model_whose_outputs_overflow_sits_alone_instead_of_crashing_the_clustering():
+    # Prepare: four sane models and one whose outputs are infinite or NaN on the unlabeled set.
+    s = _strategy([MLR] * 5, cluster_counts=[2], cluster_starts=[0.0])
+    s.models["c4"] = WireModel(MLR, _filled(MLR, 3e38))
+    sane = model_logits([s.models[c] for c in ("c0", "c1")], U)
+    # Execute
+    features = model_logits([s.models[c] for c in s.clients], U)
+    plan = s.configure_fit(1)
+    # Assert: clipped, not crashing KMeans; sane outputs untouched; c4 alone in its cluster
+    assert np.isfinite(features).all() and np.abs(features).max() == LOGIT_LIMIT
+    assert np.array_equal(features[:2], sane)
+    assert set(plan) == set(s.clients) and all(s.exchange[c] != "c4" for c in ("c0", "c1"))
 
 
 # Twelve models' outputs whose 3-cluster KMeans solution depends on the initialisations tried.

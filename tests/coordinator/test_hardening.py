@@ -1,6 +1,7 @@
 """Bad peers cost only their own messages: each test here names one way to misbehave."""
 
 import json
+import threading
 
 import pytest
 import torch
@@ -12,7 +13,14 @@ from edge_sdk.client import EdgeClient
 from edge_sdk.codec import WeightsError, check_weights
 from edge_sdk.protocol import Capabilities, Register, Registered, Status, Task, decode, encode
 from edge_sdk.transport import InMemoryBroker
-from edge_sdk.wire import Endpoint, message_frame, pack_models
+from edge_sdk.wire import (
+    BLOB_COST,
+    CHUNK_COST,
+    SPARE_CHUNKS,
+    Endpoint,
+    message_frame,
+    pack_models,
+)
 from model_zoo import ArchSpec
 
 
@@ -147,20 +155,35 @@ def test_reassembly_memory_is_bounded_by_bytes_received_not_by_headers():
 
 def test_one_sender_filling_its_bound_does_not_crowd_out_another():
     broker = InMemoryBroker()
+    # room for 3 of mallory's half blobs per topic (each 200 bytes and its bookkeeping)
+    half = 200 + CHUNK_COST + BLOB_COST
     rx = Endpoint(
-        broker.connect("rx"), "up/+", max_pending_bytes=1000, max_total_pending_bytes=3000
+        broker.connect("rx"), "up/+", max_pending_bytes=3 * half, max_total_pending_bytes=9 * half
     ).open()
     tx = broker.connect("tx")
     for i in range(20):  # mallory keeps sending halves of blobs that never complete
         tx.publish("up/mallory", _chunk(f"m{i}", 0, 2, 400, b"x" * 200))
-    assert rx._held_by["up/mallory"] <= 1000
-    tx.publish("up/alice", _chunk("a", 0, 2, 800, b"y" * 400))
-    tx.publish("up/alice", _chunk("a", 1, 2, 800, b"y" * 400))
+    assert rx._held_by["up/mallory"] == 3 * half
+    tx.publish("up/alice", _chunk("a", 0, 2, 400, b"y" * 200))
+    tx.publish("up/alice", _chunk("a", 1, 2, 400, b"y" * 200))
     assert rx._blobs[("up/alice", "a")].complete
     for who in ("bob", "carol", "dave"):  # many senders: the total bound holds as well
         for i in range(5):
             tx.publish(f"up/{who}", _chunk(f"{who}{i}", 0, 2, 400, b"z" * 200))
-    assert rx._held <= 3000
+    assert rx._held <= 9 * half
+    rx.close()
+
+
+def test_a_flood_of_tiny_chunks_is_bounded_by_their_count_and_bookkeeping():
+    broker = InMemoryBroker()
+    rx = Endpoint(broker.connect("rx"), "in", max_pending_bytes=1 << 20).open()
+    tx = broker.connect("tx")
+    for i in range(5000):  # one-byte chunks: 5,000 bytes, far under the byte bound alone
+        tx.publish("in", _chunk(f"a{i}", 0, 2, 2, b"x"))
+        tx.publish("in", _chunk(f"b{i // 999}", 1 + i % 999, 1000, 1000, b"x"))
+    cap = rx.chunk_bound(1 << 20)  # 2 whole chunks and SPARE_CHUNKS
+    assert cap == 2 + SPARE_CHUNKS and rx._chunks <= cap
+    assert rx._held <= 1 << 20 and rx.rejections["oversized"] > 9000
     rx.close()
 
 
@@ -168,7 +191,7 @@ def test_incomplete_blobs_expire_on_a_timer_without_receive():
     broker = InMemoryBroker()
     rx = Endpoint(broker.connect("rx"), "in", blob_timeout_s=0.1).open()
     broker.connect("tx").publish("in", _chunk("half", 0, 2, 20, b"x" * 10))
-    assert rx._held == 10
+    assert rx._held == 10 + CHUNK_COST + BLOB_COST
     eventually(lambda: rx._held == 0 and not rx._blobs, timeout=3)
     rx.close()
 
@@ -229,7 +252,9 @@ def _registered_client(broker, coordinator, client):
     )
     voice.send(topics.status("default"), status, retain=True)
     eventually(lambda: client.status is not None)
-    answer = Registered(run="default", sender="coordinator", accepted=True, session=client.session)
+    answer = Registered(
+        run="default", sender="coordinator", accepted=True, session=client.session, incarnation=1
+    )
     voice.send(topics.down("default", client.client_id), answer)
     eventually(lambda: client.accepted)
     return voice
@@ -279,3 +304,36 @@ def test_a_task_whose_config_differs_is_refused_and_the_state_is_kept():
     assert client.algorithm is algorithm
     assert all(torch.equal(before[k], v) for k, v in algorithm.model.state_dict().items())
     client.stop()
+
+
+def test_a_chunk_header_nested_deeper_than_json_can_parse_is_counted_as_malformed():
+    broker = InMemoryBroker()
+    rx = Endpoint(broker.connect("rx"), "in").open()
+    deep = b"[" * 100_000 + b"]" * 100_000
+    broker.connect("tx").publish("in", b"EF1C" + len(deep).to_bytes(4, "big") + deep + b"x")
+    assert rx.rejections == {"malformed": 1}
+    rx.close()
+
+
+class _Boaster(EdgeClient):
+    """c0: every blob of its replies declares 10**12 bytes in its chunk header."""
+
+    def _send(self, msg, blobs=None):
+        for blob_id in blobs or {}:
+            self.transport.publish(self._up, _chunk(blob_id, 0, 2, 10**12, b"x"))
+        self.endpoint.send(self._up, msg)
+
+
+def test_a_reply_whose_blob_declares_a_terabyte_fails_its_task_at_once():
+    coordinator, clients = small_federation(client_cls=_Boaster, rounds=1, deadline_s=600)
+    for c in clients:
+        c.start()
+    done: list = []
+    runner = threading.Thread(target=lambda: done.append(coordinator.run()), daemon=True)
+    runner.start()
+    runner.join(120)  # a round that waited for c0's blob would take its 600 s deadline
+    for c in clients:
+        c.stop()
+    assert done, "the round waited for a blob that was refused"
+    assert done[0].rounds[0].replied == ["c1", "c2"]
+    assert coordinator.fleet.rejected["invalid_reply"] >= 1

@@ -152,3 +152,19 @@ def test_an_app_that_connects_without_keyring_is_warned(caplog):
     app = EdgeClient.connect("mqtt://127.0.0.1:1", "c0", node.spec, node.data)
     app.transport.close()
     assert "c0: no keyring: its messages go unsigned (open mode)" in caplog.text
+
+
+@pytest.mark.parametrize("command", ["keys", "broker-acl"])
+@pytest.mark.parametrize("bad", ["..", "."])
+def test_ids_that_name_a_directory_are_refused_with_the_rule_and_nothing_is_written(
+    tmp_path, command, bad
+):
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, [command, "--clients", f"c0,{bad}", "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    assert f"client id '{bad}' must be" in res.output and "(not '.' or '..')" in res.output
+    assert not out.exists() or not any(out.rglob("*.key"))

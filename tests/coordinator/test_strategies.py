@@ -55,14 +55,14 @@ def test_weighted_mean_by_hand():
 
 @pytest.mark.parametrize("name", ["fedavg", "fedprox", "fedavg_ft"])
 def test_fedavg_weights_by_samples_or_uniformly(name):
-    clients = _clients(MLR, MLR, MLR)
+    clients = _clients(MLR, MLR, MLR, n=(20, 30, 40))  # none above 1.5 × the median: not capped
     replies = {
         cid: FitReply(cid, {"model": WireModel(MLR, _state(v))}, n_samples=c.capabilities.n_train)
         for (cid, c), v in zip(clients.items(), [1.0, 2.0, 4.0], strict=True)
     }
     s = _strategy(name, clients)  # by_samples is the default
     s.aggregate_fit(1, replies)
-    expected = (10 * 1.0 + 30 * 2.0 + 60 * 4.0) / 100  # 3.1
+    expected = (20 * 1.0 + 30 * 2.0 + 40 * 4.0) / 90
     assert all(torch.allclose(v, torch.full_like(v, expected)) for v in s.global_weights.values())
     assert s.expected_models("c0") == {"model": MLR}
     u = _strategy(name, clients, weighting="uniform")
@@ -97,11 +97,11 @@ def test_pfml_server_step_weights_by_samples_when_asked():
     s.configure_fit(1)
     replies = {
         cid: FitReply(cid, {"local": WireModel(MLR, _state(v))}, n_samples=n)
-        for cid, v, n in zip(clients, [1.0, 2.0, 4.0], [10, 30, 60], strict=True)
+        for cid, v, n in zip(clients, [1.0, 2.0, 4.0], [20, 30, 40], strict=True)
     }
     s.aggregate_fit(1, replies)
-    # mean = (10·1 + 30·2 + 60·4)/100 = 3.1; w ← 0.5·2 + 0.5·3.1 = 2.55
-    assert all(torch.allclose(v, torch.full_like(v, 2.55)) for v in s.global_weights.values())
+    # mean = (20·1 + 30·2 + 40·4)/90 = 8/3; w ← 0.5·2 + 0.5·8/3 = 7/3
+    assert all(torch.allclose(v, torch.full_like(v, 7 / 3)) for v in s.global_weights.values())
 
 
 def test_pfml_quorum_counts_only_the_aggregated_clients_and_none_of_them_is_an_error():

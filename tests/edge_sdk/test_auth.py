@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tests_helpers import eventually, raises_exactly
 
 from edge_sdk import topics
-from edge_sdk.auth import AuthError, AuthSettings, Keyring, issue_keys, read_roster
+from edge_sdk.auth import AuthError, AuthSettings, Keyring, ReplayGuard, issue_keys, read_roster
 from edge_sdk.protocol import Reply, Status, decode
 from edge_sdk.transport import InMemoryBroker
 from edge_sdk.wire import Endpoint, message_frame
@@ -165,3 +165,27 @@ def test_decode_of_a_signed_body_is_the_message_sent():
     tx = Endpoint(InMemoryBroker().connect("c0"), "unused", keyring=keys["c0"])
     frame = tx.frame(topics.up(RUN, "c0"), _reply("same"))
     assert frame[:4] == b"EF1S" and decode(frame[68:]).task_id == "same"
+
+
+def test_the_replay_record_outlives_its_process_and_orders_statuses_by_incarnation(
+    tmp_path, caplog
+):
+    path = tmp_path / "c0.replay.json"
+    down, status = topics.down(RUN, "c0"), topics.status(RUN)
+    first = ReplayGuard(path)
+    assert first.check(down, "task", 5) is None
+    assert first.check(status, "status", 7, incarnation=2) is None
+    first.save()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    again = ReplayGuard(path)  # a new process of the same device
+    assert again.check(down, "task", 5) == "duplicate"
+    assert again.check(down, "task", 4) == "replayed"
+    assert again.check(status, "status", 7, incarnation=2) is None  # the retained one, reread
+    assert again.check(status, "status", 99, incarnation=1) == "replayed"  # an earlier run's
+    assert again.check(status, "status", 3, incarnation=2) == "duplicate"  # its will, late
+    assert again.check(status, "status", 1, incarnation=3) is None  # a new coordinator
+    assert again.check(down, "presence", 1) is None  # decided by its epoch
+    path.write_text("{not json")
+    fresh = ReplayGuard(path)
+    assert fresh.check(down, "task", 1) is None
+    assert "cannot be read" in caplog.text

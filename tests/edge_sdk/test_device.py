@@ -11,7 +11,7 @@ import torch
 
 from coordinator.fleet import LocalFleet
 from edge_sdk.device import autocast_dtype, choose_device, cpu_threads, precision, resolve_device
-from edge_sdk.protocol import Register, decode
+from edge_sdk.protocol import PROTOCOL_VERSION, Register, decode
 from edge_sdk.trainer import Trainer
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
@@ -52,7 +52,7 @@ def test_cuda_names_the_card_and_the_autocast_dtype_the_trainer_uses():
 def test_a_registration_from_a_client_that_names_no_dataset_or_precision_still_decodes():
     # An older client's registration: capabilities without `dataset` and `precision`.
     old = {
-        "v": 1,
+        "v": PROTOCOL_VERSION,
         "run": "r",
         "sender": "c0",
         "kind": "register",

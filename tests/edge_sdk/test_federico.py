@@ -557,3 +557,37 @@ def test_federico_mixes_evaluates_and_finalizes_its_highest_weight_models_only()
     assert out.details["deployed"] == "personal (final, mixture)"
     assert out.details["deployed_arch"] == "mixture of mlr+mlr"
     assert out.n_samples == N
+
+
+@pytest.mark.parametrize("kind", ["scaled", "huge"])
+def test_a_peers_absurd_model_gets_no_weight_and_its_gradients_are_bounded(kind, caplog):
+    # Prepare: three clients of one label group; c publishes an absurd model (its weights
+    # x1000, or 3e38 everywhere) and sends x1000 gradients to whoever it samples.
+    algos = _federation({c: "y" for c in IDS}, neighbours=2, lr=0.05, optimizer="sgd")
+    c = algos["c"]
+    publish, send = c.peers.publish, c.peers.send
+
+    def absurd(model):
+        fill = (lambda t: t * 1000) if kind == "scaled" else (lambda t: torch.full_like(t, 3e38))
+        return WireModel(model.spec, {k: fill(t) for k, t in model.weights.items()})
+
+    c.peers.publish = lambda name, model, version: publish(name, absurd(model), version)
+    c.peers.send = lambda to, name, r, grad: send(to, name, r, WireModel(
+        grad.spec, {k: 1000 * t for k, t in grad.weights.items()}))  # fmt: skip
+    # Execute
+    for round_ in (1, 2, 3):
+        replies = _round(algos, round_)
+    # Assert: c's model has no weight with a and b, is not held, gets no gradient from them;
+    # c's gradients were bounded, and a and b still predict their labels.
+    for i in ("a", "b"):
+        algo = algos[i]
+        assert algo.losses["c"] == math.inf and algo.weights["c"] == 0.0
+        assert "c" not in algo.peer_models and "c" not in algo._top(algo.weights)
+        assert replies[i].details["w:c"] == 0.0
+        d = algo.ctx.data
+        assert (
+            algo.ctx.trainer.evaluate(algo.personalized_model()[1], d.x_test, d.y_test).accuracy
+            == 1.0
+        )
+    assert "model is absurd on our data: no weight" in caplog.text
+    assert "'s gradient (norm" in caplog.text

@@ -19,7 +19,15 @@ from edge_sdk.codec import (
     encode_weights,
     state_of,
 )
-from edge_sdk.protocol import ProtocolError, Register, Reply, Shutdown, decode, encode
+from edge_sdk.protocol import (
+    ProtocolError,
+    ProtocolVersionError,
+    Register,
+    Reply,
+    Shutdown,
+    decode,
+    encode,
+)
 from edge_sdk.transport import InMemoryBroker, PayloadTooLarge
 from edge_sdk.wire import Endpoint, pack_models, unique_id, unpack_models
 from model_zoo import ArchSpec, build
@@ -205,7 +213,7 @@ def test_messages_round_trip_through_decode():
     [
         b"not json",
         b'{"kind": "nope", "run": "r", "sender": "s"}',
-        b'{"kind": "shutdown", "run": "r", "sender": "s", "v": 2}',
+        b'{"kind": "shutdown", "run": "r", "sender": "s", "v": 3}',
         b'{"kind": "shutdown", "run": "r", "sender": "s", "surprise": 1}',
         b'{"kind": "register", "run": "r", "sender": "s"}',
     ],
@@ -213,6 +221,15 @@ def test_messages_round_trip_through_decode():
 def test_decode_refuses_malformed_messages(payload):
     with pytest.raises(ProtocolError):
         decode(payload)
+
+
+def test_a_peer_of_another_protocol_version_is_refused_with_what_to_do_and_counted():
+    old = b'{"kind": "shutdown", "run": "r", "sender": "s", "v": 1}'
+    with pytest.raises(ProtocolVersionError, match="protocol version 1; this edgefl speaks "):
+        decode(old)
+    broker, _tx, rx = _pair()
+    broker.connect().publish("in", b"EF1M" + old)
+    assert rx.rejections == {"old_protocol": 1}
 
 
 def test_ids_that_would_break_topics_are_refused():
@@ -296,12 +313,17 @@ def test_blob_with_wrong_checksum_drops_its_message():
     assert rx.rejected == 1
 
 
-def test_oversized_blob_is_refused_before_reassembly():
+def test_oversized_blob_is_refused_before_reassembly_and_its_message_comes_at_once_marked():
     _broker, tx, rx = _pair(max_blob_bytes=100)
     refs, blobs = pack_models({"model": _model()})
     tx.send("in", _reply(refs), blobs)
-    assert rx.receive(timeout=0.1) is None
-    assert rx.rejected >= 1
+    env = rx.receive(timeout=0.1)  # not after the blob timeout: its blob will never come
+    blob_id = refs["model"].blob.id
+    assert env is not None and env.blobs == {} and rx._held == 0
+    assert "declares 500 bytes, over the limit of 100" in env.refused[blob_id]
+    assert rx.rejections["oversized"] == len(blobs[blob_id]) // 64 + 1  # each of its chunks
+    with pytest.raises(ValueError, match=f"model 'model': its blob {blob_id} did not arrive"):
+        unpack_models(env.message.models, env.blobs)
 
 
 def test_message_whose_blobs_never_arrive_expires():

@@ -1,0 +1,189 @@
+"""Byzantine-robust combination of model updates: what one client with a valid key can do to an
+aggregate is bounded here.
+
+A signature proves who sent an update, not that it is honest. These pure functions take the
+states a cohort sent (each with the state it started the round from) and bound each one's pull:
+- `update_norms` / `clip_scales`: each update's L2 norm (state − start, float tensors, computed
+  in float64 so that 3e38 does not overflow) against the cohort's median, relative to the size
+  of the model it updates (models of different architectures compare); an update above
+  `factor` × the median is scaled down to it (norm bounding, Sun et al. 2019);
+- `coordinate_median`, `trimmed_mean` (Yin et al. 2018) and `krum` (Blanchard et al. 2017):
+  aggregators that a minority of arbitrary updates cannot drag far.
+The coordinator's strategies use them on every aggregate (`coordinator.robust`); a FedeRiCo
+client clips the gradients its peers send it with `clip_scales`. Integer tensors (BatchNorm's
+step counters) are never clipped and take the largest value, as in `weighted_mean`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+
+import torch
+
+__all__ = [
+    "RobustError",
+    "clip_scales",
+    "clipped",
+    "coordinate_median",
+    "krum",
+    "krum_needs",
+    "state_norm",
+    "trimmed_mean",
+    "update_norms",
+]
+
+State = Mapping[str, torch.Tensor]
+
+
+class RobustError(ValueError):
+    """Updates a robust aggregator cannot combine (too few for its setting)."""
+
+
+def _floats(state: State) -> list[str]:
+    return [k for k, t in state.items() if t.is_floating_point()]
+
+
+def _norm(tensors: Sequence[torch.Tensor]) -> float:
+    """The L2 norm of all `tensors` together, in float64 (finite for any finite float32)."""
+    if not tensors:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([t.double().norm() for t in tensors])))
+
+
+def state_norm(state: State) -> float:
+    """The L2 norm of a state's float tensors together."""
+    return _norm([state[k] for k in _floats(state)])
+
+
+def update_norms(states: Sequence[State], starts: Sequence[State]) -> list[float]:
+    """‖state − start‖ over the float tensors of each state (the keys it carries)."""
+    return [
+        _norm([s[k].double() - start[k].double() for k in _floats(s)])
+        for s, start in zip(states, starts, strict=True)
+    ]
+
+
+def clip_scales(
+    norms: Sequence[float], factor: float, sizes: Sequence[float] | None = None
+) -> list[float]:
+    """Per update, the factor (≤ 1) that bounds its norm at `factor` × the cohort's median.
+
+    With `sizes` (each start's norm), norms compare relative to them, so a cohort of models of
+    different architectures shares one median; the bound of update i is then
+    factor × median(norm/size) × size_i. `factor` 0 bounds nothing. A cohort of one bounds
+    nothing either: there is no one to compare it with."""
+    if factor <= 0 or len(norms) < 2:
+        return [1.0] * len(norms)
+    if sizes is None or any(s <= 0 for s in sizes):
+        sizes = [1.0] * len(norms)
+    rel = [n / s for n, s in zip(norms, sizes, strict=True)]
+    bound = factor * statistics.median(rel)
+    return [bound / r if r > bound else 1.0 for r in rel]
+
+
+def clipped(state: State, start: State, scale: float) -> dict[str, torch.Tensor]:
+    """start + scale·(state − start) on the float tensors; `state` itself when scale is 1."""
+    if scale >= 1.0:
+        return dict(state)
+    return {
+        k: (start[k].double() + scale * (t.double() - start[k].double())).to(t.dtype)
+        if t.is_floating_point()
+        else t
+        for k, t in state.items()
+    }
+
+
+def _integers(states: Sequence[State]) -> dict[str, torch.Tensor]:
+    first = states[0]
+    return {
+        k: torch.stack([s[k] for s in states]).max(dim=0).values
+        for k, t in first.items()
+        if not t.is_floating_point()
+    }
+
+
+def _sorted(
+    states: Sequence[State], weights: Sequence[float] | None
+) -> tuple[State, list[str], torch.Tensor, int]:
+    """Checks, and what both order statistics need: the first state, its float keys, the weights
+    (float64; ones without `weights`) and their count."""
+    if not states:
+        raise RobustError("no updates to aggregate")
+    w = torch.ones(len(states), dtype=torch.float64)
+    if weights is not None:
+        w = torch.tensor(list(weights), dtype=torch.float64)
+    if not bool((w >= 0).all()) or float(w.sum()) <= 0:
+        raise RobustError(f"the weights {w.tolist()} weigh nothing")
+    return states[0], _floats(states[0]), w, len(states)
+
+
+def _ordered(states: Sequence[State], key: str, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per coordinate of tensor `key`: the states' values sorted, their weights in that order,
+    and the weight up to and including each."""
+    values, order = torch.stack([s[key].double() for s in states]).sort(dim=0)
+    ws = w[order]
+    return values, ws, ws.cumsum(dim=0)
+
+
+def coordinate_median(
+    states: Sequence[State], weights: Sequence[float] | None = None
+) -> dict[str, torch.Tensor]:
+    """Each coordinate's median over the states (Yin et al. 2018), weighted by `weights`: the
+    mean of the first value with half the weight at or below it and the first with more than
+    half (with equal weights, the middle value, or the mean of the two middle ones). Fewer than
+    half of them (by weight), however large, cannot move it past the honest values' range."""
+    first, keys, w, _ = _sorted(states, weights)
+    half, tol = float(w.sum()) / 2, 1e-9 * float(w.sum())
+    out = _integers(states)
+    for k in keys:
+        values, _, above = _ordered(states, k, w)
+        low = (above >= half - tol).to(torch.int8).argmax(dim=0, keepdim=True)
+        high = (above > half + tol).to(torch.int8).argmax(dim=0, keepdim=True)
+        mid = (values.gather(0, low) + values.gather(0, high)) / 2
+        out[k] = mid.squeeze(0).to(first[k].dtype)
+    return {k: out[k] for k in first}
+
+
+def trimmed_mean(
+    states: Sequence[State], beta: float, weights: Sequence[float] | None = None
+) -> dict[str, torch.Tensor]:
+    """Each coordinate's mean after cutting its ⌊β·n⌋ largest and smallest values; with
+    `weights`, its weighted mean after cutting ⌊β·n⌋/n of the weight at each end (a value that
+    straddles a cut counts with what is left of its weight)."""
+    first, keys, w, n = _sorted(states, weights)
+    cut = math.floor(beta * n)
+    if n - 2 * cut < 1:
+        raise RobustError(f"trimmed_mean(β={beta}) leaves none of {n} updates")
+    total = float(w.sum())
+    lo, hi = cut / n * total, (n - cut) / n * total
+    out = _integers(states)
+    for k in keys:
+        values, ws, above = _ordered(states, k, w)
+        kept = (above.clamp(max=hi) - (above - ws).clamp(min=lo)).clamp(min=0)
+        out[k] = ((kept * values).sum(dim=0) / kept.sum(dim=0)).to(first[k].dtype)
+    return {k: out[k] for k in first}
+
+
+def krum_needs(f: int) -> int:
+    """The fewest updates Krum with `f` attackers can choose among (n ≥ 2f + 3)."""
+    return 2 * f + 3
+
+
+def krum(states: Sequence[State], f: int) -> tuple[int, dict[str, torch.Tensor]]:
+    """Krum (Blanchard et al. 2017): the update whose n − f − 2 nearest others are nearest
+    (summed squared distances); its index and the state itself. Needs n ≥ 2f + 3."""
+    n = len(states)
+    if n < krum_needs(f):
+        raise RobustError(
+            f"krum(f={f}) chooses among at least {krum_needs(f)} updates (2f + 3); "
+            f"this round has {n}"
+        )
+    keys = _floats(states[0])
+    flat = torch.stack([torch.cat([s[k].double().reshape(-1) for k in keys]) for s in states])
+    d2 = torch.cdist(flat, flat).pow(2)  # (n, n)
+    nearest = n - f - 2
+    scores = [float(d2[i][torch.arange(n) != i].sort().values[:nearest].sum()) for i in range(n)]
+    best = min(range(n), key=lambda i: (scores[i], i))
+    return best, dict(states[best])

@@ -1,0 +1,85 @@
+"""Robust combination of updates, against values worked out by hand."""
+
+import math
+
+import pytest
+import torch
+
+from edge_sdk.robust import (
+    RobustError,
+    clip_scales,
+    clipped,
+    coordinate_median,
+    krum,
+    krum_needs,
+    state_norm,
+    trimmed_mean,
+    update_norms,
+)
+
+
+def _s(*values, steps=0):
+    return {"w": torch.tensor(values, dtype=torch.float32), "n": torch.tensor(steps)}
+
+
+def test_update_norms_are_float64_l2_norms_of_the_float_tensors_and_do_not_overflow():
+    start = _s(0.0, 0.0)
+    assert update_norms([_s(3.0, 4.0, steps=9)], [start]) == [5.0]  # the counter is no update
+    huge = _s(3e38, 3e38)
+    (norm,) = update_norms([huge], [start])
+    assert math.isfinite(norm) and norm == pytest.approx(3e38 * math.sqrt(2), rel=1e-6)
+    assert state_norm(_s(6.0, 8.0)) == 10.0
+
+
+def test_clip_scales_bound_each_norm_at_the_factor_times_the_median():
+    # median 2: the bound is 6; 60 is scaled by 6/60, the others are not touched
+    assert clip_scales([1.0, 2.0, 60.0], 3.0) == [1.0, 1.0, 0.1]
+    assert clip_scales([1.0, 2.0, 6.0], 3.0) == [1.0, 1.0, 1.0]  # at the bound: kept
+    assert clip_scales([1.0, 2.0, 60.0], 0.0) == [1.0, 1.0, 1.0]  # 0: off
+    assert clip_scales([60.0], 3.0) == [1.0]  # alone: nothing to compare with
+    # relative to each model's size: 6/3 = 2 and 1/1 = 1, 40/1 = 40; median 2, bound 6·size
+    assert clip_scales([6.0, 1.0, 40.0], 3.0, sizes=[3.0, 1.0, 1.0]) == [1.0, 1.0, 6.0 / 40.0]
+
+
+def test_clipped_scales_the_update_only_and_leaves_a_kept_state_as_it_is():
+    start, state = _s(1.0, 1.0, steps=2), _s(5.0, -3.0, steps=7)
+    out = clipped(state, start, 0.25)
+    assert out["w"].tolist() == [2.0, 0.0] and out["n"].item() == 7
+    assert clipped(state, start, 1.0)["w"] is state["w"]
+
+
+def test_coordinate_median_and_trimmed_mean_by_hand():
+    states = [_s(1.0, 10.0, steps=1), _s(2.0, -5.0, steps=4), _s(100.0, 0.0, steps=2)]
+    med = coordinate_median(states)
+    assert med["w"].tolist() == [2.0, 0.0] and med["n"].item() == 4
+    even = coordinate_median([*states, _s(3.0, 1.0)])
+    assert even["w"].tolist() == [2.5, 0.5]  # the mean of the two middle values
+    four = [_s(1.0), _s(2.0), _s(3.0), _s(1000.0)]
+    assert trimmed_mean(four, 0.25)["w"].tolist() == [2.5]  # one cut at each end: (2 + 3) / 2
+    assert trimmed_mean(four, 0.2)["w"].tolist() == [251.5]  # ⌊0.8⌋ = 0 cut: the mean
+    with pytest.raises(RobustError, match="leaves none of 2"):
+        trimmed_mean([_s(1.0), _s(2.0)], 0.5)
+
+
+def test_weighted_median_and_trimmed_mean_give_a_light_value_its_weight_by_hand():
+    four = [_s(1.0), _s(2.0), _s(3.0), _s(1000.0)]
+    light = [1.0, 1.0, 1.0, 0.01]  # 1000 weighs little: half of 3.01 lies at 2
+    assert coordinate_median(four, light)["w"].tolist() == [2.0]
+    assert coordinate_median(four, [1.0] * 4)["w"].tolist() == [2.5]  # equal: the usual median
+    # β = 0.25 of 4: a quarter of the weight 3.1 (0.775) cut at each end: 1 keeps 0.225, 2 all,
+    # 3 keeps 0.325, 1000 nothing
+    got = trimmed_mean(four, 0.25, [1.0, 1.0, 1.0, 0.1])["w"].item()
+    assert got == pytest.approx((0.225 * 1 + 2 + 0.325 * 3) / 1.55)
+    with pytest.raises(RobustError, match="weigh nothing"):
+        coordinate_median(four, [0.0] * 4)
+
+
+def test_krum_chooses_the_update_nearest_to_its_neighbours():
+    states = [_s(0.0), _s(1.0), _s(2.0), _s(3.0), _s(100.0)]
+    # f = 1: each scores its n - f - 2 = 2 nearest: 0 -> 1 + 4 = 5, 1 -> 1 + 1 = 2, 2 -> 2,
+    # 3 -> 1 + 4 = 5, 100 -> 97² + 98²; the first of the lowest is chosen
+    index, state = krum(states, 1)
+    assert index == 1 and state["w"].tolist() == [1.0]
+    assert krum_needs(1) == 5
+    with pytest.raises(RobustError, match=r"at least 7 updates \(2f \+ 3\); this round has 5"):
+        krum(states, 2)
