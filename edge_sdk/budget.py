@@ -103,33 +103,18 @@ class DeployBudget(BaseModel):
         if ANY not in self.allow:
             others = [m.family for m in members if m != own and m.family not in self.allow]
             if others:
-                return f"{_listed(sorted(set(others)))} is not an architecture this device runs"
+                refused = sorted(set(others))
+                what = "is not an architecture" if len(refused) == 1 else "are not architectures"
+                return f"{_listed(refused)} {what} this device runs"
         if self.max_params is not None and params > self.max_params:
             return f"its {params:,} parameters exceed this device's {self.max_params:,}"
         return None
 
-    def describe(self, own: ArchSpec) -> str:
-        """The budget in words, for a device whose own architecture is `own`."""
-        if self.anything:
-            return "any model"
-        if ANY in self.allow:
-            what = "any architecture"
-        else:
-            families = [w for w in self.allow if w not in (OWN, MIXTURE) and w != own.family]
-            what = f"its own architecture ({own.family})"
-            if families:
-                what = f"{what} or {_listed(families, 'or')}"
-            if MIXTURE in self.allow:
-                what += ", alone or mixed"
-        if self.max_params is not None:
-            what += f", up to {self.max_params:,} parameters beyond its own"
-        return what
 
-
-def _listed(words: Sequence[str], conj: str = "and") -> str:
+def _listed(words: Sequence[str]) -> str:
     if len(words) <= 1:
         return "".join(words)
-    return f"{', '.join(words[:-1])} {conj} {words[-1]}"
+    return f"{', '.join(words[:-1])} and {words[-1]}"
 
 
 def arch_name(spec: ArchSpec) -> str:

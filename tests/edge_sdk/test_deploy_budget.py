@@ -54,6 +54,21 @@ def test_a_budget_admits_its_own_architecture_and_what_it_names(budget, spec, re
         assert why is not None and refused in why
 
 
+def test_a_refusal_names_every_architecture_the_device_does_not_run():
+    # A mixture of three families on an MLP device that allows mixtures, each refused family
+    # named once, in order: "a, b and c".
+    cnn = ArchSpec(family="cnn1", num_classes=CLASSES, input_shape=(1, 8, 8))
+    lenet = ArchSpec(family="lenet5", num_classes=CLASSES, input_shape=(1, 8, 8))
+    budget = DeployBudget(allow="own,mixture")
+    two = mixture_spec([MLR, MLP, lenet], [1, 1, 1])
+    three = mixture_spec([MLR, cnn, lenet, MLR], [1, 1, 1, 1])
+    assert budget.refusal(MLR, MLP, 1) == "mlr is not an architecture this device runs"
+    assert budget.refusal(two, MLP, 1) == "lenet5 and mlr are not architectures this device runs"
+    assert budget.refusal(three, MLP, 1) == (
+        "cnn1, lenet5 and mlr are not architectures this device runs"
+    )
+
+
 def test_a_mixture_needs_mixture_allowed_and_every_member_admitted():
     mix = mixture_spec([MLP, MLR], [0.5, 0.5])
     params = _params(MLP) + _params(MLR)
