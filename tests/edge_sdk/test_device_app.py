@@ -46,10 +46,12 @@ def test_run_returns_the_metrics_and_what_the_client_deployed():
         for c in clients:
             final = returned[c.client_id]
             assert isinstance(final, dict) and final == c.last_metrics
+            assert final["personal_total"] > 0
             deployed = final.deployed
-            assert deployed is not None and deployed.choice == c.last_details["deployed"]
+            assert deployed is not None and deployed == c.deployed  # the client's own record
+            assert deployed.choice == c.last_details["deployed"]
             assert deployed.arch == c.last_details["deployed_arch"] == "mlr"  # its own
-            assert deployed.params == deployed.own_params > 0 and deployed.reason
+            assert deployed.params == deployed.own_params > 0 and deployed.reason.endswith(".")
             if guarded:
                 assert deployed.val_acc is not None
             else:
