@@ -45,24 +45,54 @@ def _floats(state: State) -> list[str]:
     return [k for k, t in state.items() if t.is_floating_point()]
 
 
-def _norm(tensors: Sequence[torch.Tensor]) -> float:
-    """The L2 norm of all `tensors` together, in float64 (finite for any finite float32)."""
-    if not tensors:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([t.double().norm() for t in tensors])))
+# Elements (float64) stacked at once when norms are computed together: a cohort of large models
+# goes through in slices of clients, so that a temporary never holds more than ~128 MiB.
+_STACK_ELEMENTS = 1 << 24
 
 
 def state_norm(state: State) -> float:
     """The L2 norm of a state's float tensors together."""
-    return _norm([state[k] for k in _floats(state)])
+    return update_norms([state], [None])[0]
 
 
-def update_norms(states: Sequence[State], starts: Sequence[State]) -> list[float]:
-    """‖state − start‖ over the float tensors of each state (the keys it carries)."""
-    return [
-        _norm([s[k].double() - start[k].double() for k in _floats(s)])
-        for s, start in zip(states, starts, strict=True)
-    ]
+def update_norms(states: Sequence[State], starts: Sequence[State | None]) -> list[float]:
+    """‖state − start‖ over the float tensors of each state (the keys it carries); a start of
+    None counts as zero (the state's own norm).
+
+    States of one architecture are stacked, a tensor name at a time (a start shared by all of
+    them, as a round's global model is, is broadcast), so that a cohort costs a few operator
+    calls per tensor name, not per client and tensor."""
+    out = [0.0] * len(states)
+    groups: dict[tuple[tuple[str, tuple[int, ...]], ...], list[int]] = {}
+    for i, s in enumerate(states):
+        groups.setdefault(tuple((k, tuple(s[k].shape)) for k in _floats(s)), []).append(i)
+    for layout, members in groups.items():
+        size = max(1, sum(math.prod(shape) for _, shape in layout))
+        step = max(1, _STACK_ELEMENTS // size)
+        for at in range(0, len(members), step):
+            rows = members[at : at + step]
+            norms = [
+                _key_norms([states[i] for i in rows], [starts[i] for i in rows], k)
+                for k, _ in layout
+            ]
+            if norms:
+                total = torch.linalg.vector_norm(torch.stack(norms), dim=0).tolist()
+                for i, value in zip(rows, total, strict=True):
+                    out[i] = value
+    return out
+
+
+def _key_norms(states: Sequence[State], starts: Sequence[State | None], key: str) -> torch.Tensor:
+    """Per state, ‖state[key] − start[key]‖ in float64 (finite for any finite float32)."""
+    values = torch.stack([s[key] for s in states]).double()
+    first = starts[0]
+    if all(s is first for s in starts):  # one start for all (or none)
+        if first is not None:
+            values -= first[key].double()
+    else:
+        zero = torch.zeros_like(states[0][key])
+        values -= torch.stack([zero if s is None else s[key] for s in starts]).double()
+    return torch.linalg.vector_norm(values.flatten(1), dim=1)
 
 
 def clip_scales(
