@@ -490,20 +490,31 @@ class Guard:
         self, teacher: Pick, start: Pick | None, distil: Distil | None, rounds: int
     ) -> Pick | None:
         """A student of the device's own architecture distilled from `teacher`, starting from
-        `start` where that is one plain model of that architecture; None without `distil`."""
+        `start` where that is one plain model of that architecture; None without `distil`.
+
+        With validation data, a second student starts afresh and the better of the two on
+        validation is returned: a start can be a model gradient descent no longer moves (a
+        FedeRiCo client's own model, trained by its peers' gradients to their labels, saturates:
+        its students from it kept its 0% on the device's labels, at the long size of
+        benchmarks/personalization.py)."""
         if distil is None or teacher.source is None:
             return None
         begin: Candidate | None = None
         if start is not None and start.spec == self.own:  # live, or a kept copy
             begin = start.source or (start.spec, _built(start))
-        made = distil(teacher.source, begin)
-        if made is None:
-            return None
-        if self.active:
-            pick = self._score(DISTILLED, made, rounds, final=True)
-        else:
-            pick = _unscored(DISTILLED, made, *self._fit(made))
-        return replace(pick, teacher=teacher.prose)
+        starts = [begin, None] if begin is not None and self.active else [begin]
+        best: Pick | None = None
+        for origin in starts:
+            made = distil(teacher.source, origin)
+            if made is None:
+                continue
+            if self.active:
+                pick = self._score(DISTILLED, made, rounds, final=True)
+            else:
+                pick = _unscored(DISTILLED, made, *self._fit(made))
+            if best is None or pick.beats(best):
+                best = pick
+        return None if best is None else replace(best, teacher=teacher.prose)
 
     def _deploy(self, chosen: Pick) -> None:
         if chosen.name != PERSONAL or not chosen.final:

@@ -116,7 +116,21 @@ class _Stuck(FML):
         return result
 
 
-def _client(budget, **cfg):
+class _Dead(_Stuck):
+    """The stuck client with a personalized model gradient descent cannot move either: every
+    hidden unit dead (its ReLU's input below zero everywhere), as a FedeRiCo client's own model,
+    trained by its peers to their labels, ended at the long size of the benchmark."""
+
+    def train_round(self, round_, rounds, models):
+        result = super().train_round(round_, rounds, models)
+        with torch.no_grad():
+            hidden = self.personal.layers[0]
+            hidden.weight.zero_()
+            hidden.bias.fill_(-1.0)
+        return result
+
+
+def _client(budget, kind=_Stuck, **cfg):
     cpu = torch.device("cpu")
     ctx = ClientContext("c0", MLP, _data(), cpu, 0, Trainer(cpu, seed=0), budget=budget)
     base = {
@@ -127,7 +141,7 @@ def _client(budget, **cfg):
         "alpha": 1.0,  # the personalized model learns from the labels alone
         "guard_ft_epochs": 4,
     }
-    return _Stuck(ctx, FMLConfig(**(base | cfg)))
+    return kind(ctx, FMLConfig(**(base | cfg)))
 
 
 def _trained_global(seed=5):
@@ -200,7 +214,27 @@ def test_a_better_model_outside_the_budget_is_distilled_into_its_own_architectur
     )
     cfg = client.config
     trained = 2 * cfg.local_epochs * 64 + cfg.guard_ft_epochs * 64  # rounds + fine-tuning
-    assert out.details["samples_processed"] == trained + cfg.guard_distill_epochs * 64
+    # two students: one from the stuck model, one afresh
+    assert out.details["samples_processed"] == trained + 2 * cfg.guard_distill_epochs * 64
+
+
+def test_a_student_starts_afresh_where_its_start_cannot_learn():
+    # Prepare: a client whose personalized model's hidden units are dead.
+    client = _client(OWN, kind=_Dead)
+
+    # Execute
+    out = _run(client)
+
+    # Assert: its own model predicts one class, and a student starting from it learns nothing
+    # more (distilled here from the same meme); the student deployed started afresh and knows
+    # the data.
+    d = client.ctx.data
+    assert _accuracy(client.personal, d.x_test, d.y_test) == 0.25
+    _, stuck = client.distil(2, (MLR, client.meme), (MLP, client.personal))
+    assert _accuracy(stuck, d.x_test, d.y_test) == 0.25
+    assert out.details["deployed"] == f"{DISTILLED} (final, mlp)"
+    spec, model = client.personalized_model()
+    assert spec == MLP and _accuracy(model, d.x_test, d.y_test) > 0.9
 
 
 def test_the_student_starts_from_its_best_model_of_its_architecture_and_keeps_the_budget():
