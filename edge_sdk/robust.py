@@ -149,10 +149,40 @@ def _sorted(
     return states[0], _floats(states[0]), w, len(states)
 
 
-def _ordered(states: Sequence[State], key: str, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per coordinate of tensor `key`: the states' values sorted, their weights in that order,
-    and the weight up to and including each."""
-    values, order = torch.stack([s[key].double() for s in states]).sort(dim=0)
+def _runs(first: State, keys: Sequence[str], n: int) -> list[list[str]]:
+    """`keys` in runs whose values over `n` states stay within _STACK_ELEMENTS together (a
+    tensor larger than that alone): the coordinates of a cohort of small models are ordered in
+    one sort, not in one per tensor name."""
+    out: list[list[str]] = [[]]
+    size = 0
+    for k in keys:
+        m = first[k].numel() * n
+        if out[-1] and size + m > _STACK_ELEMENTS:
+            out.append([])
+            size = 0
+        out[-1].append(k)
+        size += m
+    return [run for run in out if run]
+
+
+def _columns(states: Sequence[State], keys: Sequence[str]) -> torch.Tensor:
+    """The values of tensors `keys`, a row per state, in float64: (states, their elements)."""
+    n = len(states)
+    return torch.cat([torch.stack([s[k] for s in states]).reshape(n, -1) for k in keys], 1).double()
+
+
+def _split(row: torch.Tensor, first: State, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    """A row of `_columns` back into tensors shaped and typed as `first`'s."""
+    parts = row.split([first[k].numel() for k in keys])
+    return {
+        k: p.reshape(first[k].shape).to(first[k].dtype) for k, p in zip(keys, parts, strict=True)
+    }
+
+
+def _ordered(values: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per column of `values` (a row per state): the values sorted, their weights in that
+    order, and the weight up to and including each."""
+    values, order = values.sort(dim=0)
     ws = w[order]
     return values, ws, ws.cumsum(dim=0)
 
@@ -164,15 +194,15 @@ def coordinate_median(
     mean of the first value with half the weight at or below it and the first with more than
     half (with equal weights, the middle value, or the mean of the two middle ones). Fewer than
     half of them (by weight), however large, cannot move it past the honest values' range."""
-    first, keys, w, _ = _sorted(states, weights)
+    first, keys, w, n = _sorted(states, weights)
     half, tol = float(w.sum()) / 2, 1e-9 * float(w.sum())
     out = _integers(states)
-    for k in keys:
-        values, _, above = _ordered(states, k, w)
+    for run in _runs(first, keys, n):
+        values, _, above = _ordered(_columns(states, run), w)
         low = (above >= half - tol).to(torch.int8).argmax(dim=0, keepdim=True)
         high = (above > half + tol).to(torch.int8).argmax(dim=0, keepdim=True)
         mid = (values.gather(0, low) + values.gather(0, high)) / 2
-        out[k] = mid.squeeze(0).to(first[k].dtype)
+        out |= _split(mid.squeeze(0), first, run)
     return {k: out[k] for k in first}
 
 
@@ -189,10 +219,10 @@ def trimmed_mean(
     total = float(w.sum())
     lo, hi = cut / n * total, (n - cut) / n * total
     out = _integers(states)
-    for k in keys:
-        values, ws, above = _ordered(states, k, w)
+    for run in _runs(first, keys, n):
+        values, ws, above = _ordered(_columns(states, run), w)
         kept = (above.clamp(max=hi) - (above - ws).clamp(min=lo)).clamp(min=0)
-        out[k] = ((kept * values).sum(dim=0) / kept.sum(dim=0)).to(first[k].dtype)
+        out |= _split((kept * values).sum(dim=0) / kept.sum(dim=0), first, run)
     return {k: out[k] for k in first}
 
 
@@ -211,7 +241,7 @@ def krum(states: Sequence[State], f: int) -> tuple[int, dict[str, torch.Tensor]]
             f"this round has {n}"
         )
     keys = _floats(states[0])
-    flat = torch.stack([torch.cat([s[k].double().reshape(-1) for k in keys]) for s in states])
+    flat = _columns(states, keys)
     d2 = torch.cdist(flat, flat).pow(2)  # (n, n)
     nearest = n - f - 2
     scores = [float(d2[i][torch.arange(n) != i].sort().values[:nearest].sum()) for i in range(n)]

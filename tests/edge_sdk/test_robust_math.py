@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from edge_sdk import robust
 from edge_sdk.robust import (
     RobustError,
     clip_scales,
@@ -29,6 +30,43 @@ def test_update_norms_are_float64_l2_norms_of_the_float_tensors_and_do_not_overf
     (norm,) = update_norms([huge], [start])
     assert math.isfinite(norm) and norm == pytest.approx(3e38 * math.sqrt(2), rel=1e-6)
     assert state_norm(_s(6.0, 8.0)) == 10.0
+
+
+@pytest.mark.parametrize("limit", [1 << 24, 8, 1])  # all at once; a few elements at a time
+def test_stacked_norms_and_order_statistics_equal_them_tensor_by_tensor(monkeypatch, limit):
+    # Prepare: five states of one architecture (three starts, one of them None: zero) and two
+    # of another, interleaved; the expected values computed a state and a tensor at a time.
+    monkeypatch.setattr(robust, "_STACK_ELEMENTS", limit)
+    g = torch.Generator().manual_seed(0)
+
+    def state(*keys):
+        shapes = {"a": (3, 4), "b": (5,), "c": (7,)}
+        return {k: torch.randn(shapes[k], generator=g) for k in keys} | {"n": torch.tensor(2)}
+
+    ab = [state("a", "b") for _ in range(5)]
+    c = [state("c") for _ in range(2)]
+    start, other, c_start = state("a", "b"), state("a", "b"), state("c")
+    states = [ab[0], c[0], ab[1], ab[2], c[1], ab[3], ab[4]]
+    starts = [start, c_start, start, other, c_start, None, start]
+
+    def norm(s, st):
+        total = sum(
+            float(((s[k].double() - (0 if st is None else st[k].double())) ** 2).sum())
+            for k in s
+            if k != "n"
+        )
+        return math.sqrt(total)
+
+    # Execute / Assert
+    assert update_norms(states, starts) == pytest.approx(
+        [norm(s, st) for s, st in zip(states, starts, strict=True)], rel=1e-12
+    )
+    median, trimmed = coordinate_median(ab), trimmed_mean(ab, 0.2)  # five: cut one at each end
+    for k in "ab":
+        values = torch.stack([s[k] for s in ab]).sort(dim=0).values
+        torch.testing.assert_close(median[k], values[2])
+        torch.testing.assert_close(trimmed[k], values[1:4].mean(dim=0))
+    assert int(median["n"]) == int(trimmed["n"]) == 2
 
 
 def test_clip_scales_bound_each_norm_at_the_factor_times_the_median():
