@@ -3,8 +3,9 @@
 `robust.*` settings (`RobustConfig`), applied to every algorithm that aggregates (FedAvg and
 FedProx, FML's meme, PFML's global model, PersFL's teachers, FedMe's models; FedeRiCo's clients
 bound what their peers send them on the device):
-- a fit reply holding a non-finite value, or one larger than `max_abs`, is rejected with the
-  reason (`check_values`);
+- a reply holding a non-finite value, or one larger than `max_abs`, is rejected with the
+  reason (every fleet checks it as it takes the reply in: `edge_sdk.codec.check_weights`, given
+  `RunInfo.max_abs`);
 - sample weights are capped at `weight_cap` × the round's median, and at `max_samples`;
 - each update (the reply's state minus the state the round started from) is bounded at `clip` ×
   the cohort's median update norm, then pulled in to `center_clip` × the median distance from
@@ -20,7 +21,6 @@ as the plain weighted mean did: honest runs keep their results.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.config import RobustConfig
-from edge_sdk.codec import WireModel
 from edge_sdk.robust import (
     RobustError,
     clip_scales,
@@ -43,7 +42,6 @@ __all__ = [
     "Contribution",
     "RobustConfig",
     "cap_weights",
-    "check_values",
     "combine",
     "rolled_back",
     "suspects",
@@ -60,30 +58,6 @@ class Contribution:
     state: Mapping[str, torch.Tensor]
     start: Mapping[str, torch.Tensor]
     weight: float = 1.0
-
-
-def check_values(models: Mapping[str, WireModel], max_abs: float) -> None:
-    """Raise ValueError naming the first tensor holding a non-finite value or one above
-    `max_abs` in absolute value."""
-    tensors = [
-        (name, key, t)
-        for name, model in models.items()
-        for key, t in model.weights.items()
-        if t.is_floating_point() and t.numel() > 0
-    ]
-    if not tensors:
-        return
-    # Every tensor's largest magnitude in one call, then one comparison for the reply (a reply
-    # of a lenet5 took 30 operator calls tensor by tensor, a stacked round 20 such replies).
-    tops = torch._foreach_norm([t for _, _, t in tensors], math.inf)
-    if float(torch.stack(tops).max()) <= max_abs:  # (NaN compares false)
-        return
-    for (name, key, _), top in zip(tensors, tops, strict=True):
-        if not float(top) <= max_abs:
-            raise ValueError(
-                f"model {name!r} tensor {key!r} holds {float(top):.3g}, out of range "
-                f"(robust.max_abs = {max_abs:g})"
-            )
 
 
 def cap_weights(

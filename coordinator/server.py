@@ -34,7 +34,7 @@ from coordinator.fleet import (
     check_reply,
 )
 from coordinator.results import ClientResult, RoundRecord, RunResult
-from coordinator.robust import RobustConfig, check_values, rolled_back, suspects
+from coordinator.robust import RobustConfig, rolled_back, suspects
 from coordinator.strategies import (
     ClientInfo,
     FitReply,
@@ -126,6 +126,7 @@ class Coordinator:
             expected_clients=self.expected_clients,
             allow=allowed,
             max_blob_bytes=max_blob_bytes,
+            max_abs=self.robust.max_abs,
             reconnect_grace_s=self.rc.reconnect_grace_s,
         )
         self.strategy: Strategy | None = None
@@ -495,7 +496,6 @@ class Coordinator:
         def validate(cid: str, reply: FitReply) -> None:
             expected = strategy.expected_models(cid) if phase == "fit" else None
             check_reply(reply, self.clients[cid].capabilities, expected)
-            check_values(reply.models, self.robust.max_abs)
 
         return validate
 

@@ -231,15 +231,25 @@ def _entry(name: str, info: Any, size: int) -> tuple[str, torch.dtype, list[int]
     return name, dtype, shape, begin, end
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every value of these (non-empty, floating-point) tensors is finite, in a fixed
-    number of operator calls: the largest magnitude of each (one foreach call; NaN propagates),
-    then their largest. Checking tensor by tensor made six calls a tensor, which for a stack of
-    clients' replies was a tenth of a round's calls (benchmarks/gpu_round.py)."""
-    if not tensors:
-        return True
-    top = torch.stack(torch._foreach_norm(tensors, math.inf)).max()
-    return math.isfinite(float(top))
+def _largest(floats: Mapping[str, torch.Tensor], max_abs: float) -> tuple[str, float] | None:
+    """The first tensor holding a value not finite or above `max_abs` in magnitude, and that
+    magnitude; None where there is none. A fixed number of operator calls: the largest
+    magnitude of each tensor (one foreach call; NaN propagates), then their largest. Checking
+    tensor by tensor made six calls a tensor, which for a stack of clients' replies was a tenth
+    of a round's calls (benchmarks/gpu_round.py)."""
+    if not floats:
+        return None
+    tops = torch._foreach_norm(list(floats.values()), math.inf)
+
+    def within(top: torch.Tensor) -> bool:
+        value = float(top)
+        return math.isfinite(value) and value <= max_abs
+
+    if within(torch.stack(tops).max()):
+        return None
+    return next(
+        (name, float(top)) for name, top in zip(floats, tops, strict=True) if not within(top)
+    )
 
 
 def check_weights(
@@ -248,16 +258,22 @@ def check_weights(
     *,
     what: str = "model",
     partial: bool = False,
+    max_abs: float = math.inf,
 ) -> None:
-    """Refuse non-finite values and, given a reference state, missing/extra names, bad shapes
-    or dtypes.
+    """Refuse non-finite values, values above `max_abs` in magnitude (the coordinator's
+    `robust.max_abs`) and, given a reference state, missing/extra names, bad shapes or dtypes.
 
     With `partial=True` the weights may be a subset of the reference's names (shared backbone).
     """
     floats = {k: t for k, t in weights.items() if t.is_floating_point() and t.numel()}
-    if not _all_finite(list(floats.values())):
-        bad = next(k for k, t in floats.items() if not _all_finite([t]))
-        raise WeightsError(f"{what}: tensor {bad!r} contains NaN or inf")
+    bad = _largest(floats, max_abs)
+    if bad is not None:
+        name, top = bad
+        if not math.isfinite(top):
+            raise WeightsError(f"{what}: tensor {name!r} contains NaN or inf")
+        raise WeightsError(
+            f"{what}: tensor {name!r} holds {top:.3g}, out of range (robust.max_abs = {max_abs:g})"
+        )
     if reference is None:
         return
     extra = sorted(set(weights) - set(reference))

@@ -28,6 +28,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import queue
 import random
@@ -706,8 +707,10 @@ def unpack_models(
     *,
     max_bytes: int = DEFAULT_MAX_BLOB_BYTES,
     partial: frozenset[str] = frozenset(),
+    max_abs: float = math.inf,
 ) -> dict[str, WireModel]:
-    """Decode and validate models: finite values, names and shapes that fit their ArchSpec.
+    """Decode and validate models: finite values no larger than `max_abs` in magnitude, names
+    and shapes that fit their ArchSpec.
 
     Models named in `partial` may carry a subset of their architecture's tensors (a shared
     backbone).
@@ -717,7 +720,13 @@ def unpack_models(
         if ref.blob.id not in blobs:
             raise ValueError(f"model {name!r}: its blob {ref.blob.id} did not arrive")
         weights = decode_weights(blobs[ref.blob.id], max_bytes=max_bytes)
-        check_weights(weights, reference_shapes(ref.spec), what=name, partial=name in partial)
+        check_weights(
+            weights,
+            reference_shapes(ref.spec),
+            what=name,
+            partial=name in partial,
+            max_abs=max_abs,
+        )
         out[name] = WireModel(ref.spec, weights)
     return out
 

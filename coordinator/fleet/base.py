@@ -17,6 +17,7 @@ admit clients and check replies with the pure functions here, so they accept and
 
 from __future__ import annotations
 
+import math
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -62,6 +63,8 @@ class RunInfo:
     expected_clients: int
     allow: frozenset[str] | None = None  # the client ids admitted (None: any, up to expected)
     max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES
+    # A reply holding a weight larger than this in magnitude is refused (robust.max_abs)
+    max_abs: float = math.inf
     # How long a client whose connection dropped still counts as present (round.reconnect_grace_s)
     reconnect_grace_s: float = 10.0
 

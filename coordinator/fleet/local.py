@@ -214,7 +214,13 @@ class LocalFleet(Fleet):
                 k: v.to(torch.float16).to(torch.float32) if v.dtype == torch.float32 else v
                 for k, v in weights.items()
             }
-        check_weights(weights, reference_shapes(model.spec), what=name, partial=partial)
+        check_weights(
+            weights,
+            reference_shapes(model.spec),
+            what=name,
+            partial=partial,
+            max_abs=self.run.max_abs,
+        )
         return WireModel(model.spec, weights)
 
     def _failed(self, cid: str, request: PhaseRequest, exc: Exception) -> None:

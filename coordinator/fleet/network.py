@@ -340,7 +340,11 @@ class NetworkFleet(Fleet):
             if env.refused:  # e.g. a blob declaring 10**12 bytes: it fails its task at once
                 raise ValueError("its models were refused: " + "; ".join(env.refused.values()))
             models = unpack_models(
-                msg.models, env.blobs, max_bytes=self.run.max_blob_bytes, partial=request.partial
+                msg.models,
+                env.blobs,
+                max_bytes=self.run.max_blob_bytes,
+                partial=request.partial,
+                max_abs=self.run.max_abs,
             )
             reply = FitReply(cid, models, dict(msg.metrics), msg.n_samples, dict(msg.details))
             validate(cid, reply)

@@ -150,10 +150,10 @@ def test_check_reply_refuses_counts_and_models_the_client_cannot_have():
             check_reply(bad, caps, {"model": spec})
 
 
-def test_a_local_reply_with_a_non_finite_weight_or_metric_is_not_counted():
-    # Prepare: c0's model comes back with a NaN, c1's metrics with an infinity (one by one,
-    # so that each node's own execute runs)
-    cfg, fed, nodes = _nodes()
+def test_a_local_reply_with_a_non_finite_weight_or_metric_is_not_counted(caplog):
+    # Prepare: c0's model comes back with a NaN, c1's metrics with an infinity, c2's model with
+    # a finite weight beyond robust.max_abs (one by one, so that each node's own execute runs)
+    cfg, fed, nodes = _nodes(4)
     fleet = LocalFleet(nodes, parallel=1, stack=False)
     coordinator = build_coordinator(cfg, fleet, fed=fed)
     coordinator.open()
@@ -172,14 +172,21 @@ def test_a_local_reply_with_a_non_finite_weight_or_metric_is_not_counted():
         out.metrics["loss"] = float("inf")
         return out
 
-    nodes[0].execute, nodes[1].execute = nan_model, inf_metric
+    def huge(task, real=real[2]):
+        out = real(task)
+        w = next(iter(out.models.values())).weights
+        w[next(iter(w))][0] = 3e38
+        return out
+
+    nodes[0].execute, nodes[1].execute, nodes[2].execute = nan_model, inf_metric, huge
 
     # Execute
     replies = coordinator._run_phase(1, "fit", coordinator.strategy.configure_fit(1))
 
-    # Assert: only c2's reply counts
-    assert replies["c0"] is None and replies["c1"] is None and replies["c2"] is not None
-    assert fleet.rejected["invalid_reply"] == 1
+    # Assert: only c3's reply counts; c2's is refused with its reason
+    assert [cid for cid, r in replies.items() if r is not None] == ["c3"]
+    assert fleet.rejected["invalid_reply"] == 2
+    assert "holds 3e+38, out of range (robust.max_abs = 1e+06)" in caplog.text
 
 
 def test_a_phase_runs_every_begin_before_any_task_executes():

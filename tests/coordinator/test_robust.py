@@ -10,7 +10,7 @@ import pytest
 import torch
 from tests_helpers import small_federation
 
-from coordinator.robust import Contribution, RobustConfig, check_values, combine, suspects
+from coordinator.robust import Contribution, RobustConfig, combine, suspects
 from coordinator.strategies import (
     ClientInfo,
     FitReply,
@@ -20,7 +20,7 @@ from coordinator.strategies import (
 )
 from coordinator.strategies import weighted_mean as plain_mean
 from edge_sdk.algorithms import algorithm_class
-from edge_sdk.codec import WireModel
+from edge_sdk.codec import WeightsError, WireModel, check_weights
 from edge_sdk.protocol import Capabilities
 from edge_sdk.state import load_state
 from model_zoo import ArchSpec, build
@@ -169,13 +169,17 @@ def test_sample_weights_are_capped_at_one_and_a_half_times_the_median_and_at_a_m
 
 def test_values_out_of_range_or_not_finite_reject_the_reply_with_the_tensor_named():
     weights = {k: torch.zeros_like(v) for k, v in build(MLR).state_dict().items()}
-    check_values({"model": WireModel(MLR, weights)}, 1e6)
+    weights["linear.bias"][1] = 1e6  # at the bound: accepted
+    check_weights(weights, what="model", max_abs=1e6)
     weights["linear.bias"][1] = 3.0e38
-    with pytest.raises(ValueError, match=r"'model' tensor 'linear.bias' holds 3e\+38, out of"):
-        check_values({"model": WireModel(MLR, weights)}, 1e6)
-    weights["linear.bias"][1] = float("nan")
-    with pytest.raises(ValueError, match="holds nan"):
-        check_values({"model": WireModel(MLR, weights)}, 1e6)
+    check_weights(weights, what="model")  # no bound: finite is enough (a peer's model)
+    with pytest.raises(WeightsError, match=r"^model: tensor 'linear.bias' holds 3e\+38, out of"):
+        check_weights(weights, what="model", max_abs=1e6)
+    for bad in (float("nan"), float("-inf")):
+        weights["linear.bias"][1] = bad
+        with pytest.raises(WeightsError, match="'linear.bias' contains NaN or inf"):
+            check_weights(weights, what="model")
+
 
 
 @pytest.mark.parametrize(
