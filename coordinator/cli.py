@@ -256,9 +256,20 @@ def simulate(
     ] = None,
     deploy: Annotated[str | None, typer.Option(help=_DEPLOY_HELP)] = None,
     deploy_max_params: Annotated[int | None, typer.Option(help=_DEPLOY_MAX_PARAMS_HELP)] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help=(
+                "local processes (torch.distributed ranks) that share the clients, started by "
+                "torch's elastic launcher; across machines: torchrun ... -m coordinator simulate "
+                "(docs: Distributed simulation) [default: 1, this process]"
+            ),
+        ),
+    ] = 1,
     set_: SetOpt = None,
 ) -> None:
-    """Simulate a federation in one process.
+    """Simulate a federation in one process (or over --workers processes, or torchrun's ranks).
 
     A coordinator and N clients: in this process (--fleet local, the default), or each an
     EdgeClient over the in-memory transport (--fleet network) or --broker, the code a deployment
@@ -296,7 +307,21 @@ def simulate(
         stamp = time.strftime("%Y%m%d-%H%M%S")
         cfg = cfg.model_copy(update={"out": str(Path("runs") / f"{cfg.algorithm}-{stamp}")})
         typer.echo(f"results go to {cfg.out} (--out DIR to choose)")
-    results = guard(lambda: run_simulation(cfg, progress=not current().quiet))
+    from coordinator import distributed
+
+    opts = current()
+    if distributed.in_launch():  # one rank of torchrun's (or of --workers)
+        results = guard(lambda: distributed.run_rank(cfg, progress=not opts.quiet))
+        if results is None:  # rank 0 reports
+            return
+    elif workers > 1:
+        results = guard(
+            lambda: distributed.launch(
+                cfg, workers, level=opts.level, fmt=opts.log_format, progress=not opts.quiet
+            )
+        )
+    else:
+        results = guard(lambda: run_simulation(cfg, progress=not opts.quiet))
     _print_summary(results, cfg.out)
     if onnx_int8:
         _export_after_run(Path(cfg.out) / "state", cfg, onnx_int8, out=Path(cfg.out) / "onnx")
