@@ -78,7 +78,9 @@ def _projection(rows: list[dict[str, Any]], clients: int) -> dict[str, Any]:
     task and reply through rank 0's link, a fixed cost per rank and collective."""
     ref, two = rows[0], rows[-1]
     step_s = 1 / ref["client_steps_per_s"]  # one core, one rank
-    per_client = two["bytes_between_ranks_per_round"] / clients
+    # Only clients on other ranks than 0 cross: half of them with two ranks.
+    remote = clients * (two["ranks"] - 1) / two["ranks"]
+    per_client = two["bytes_between_ranks_per_round"] / remote
     steps_per_client = ref["client_steps"] / clients / ref["rounds"]
     model = {
         "assumptions": {
@@ -86,12 +88,12 @@ def _projection(rows: list[dict[str, Any]], clients: int) -> dict[str, Any]:
             "clients_per_round": 10_000,
             "rank0_link_bytes_per_s": 1.25e9,  # 10 Gb/s: every task and reply crosses it
             "seconds_per_rank_per_collective": 1e-3,
-            "collectives_per_round": 6,  # fit and evaluate: a scatter and a gather each, + ends
+            "collectives_per_round": 6,  # fit and evaluate: a scatter, a peer exchange, a gather
         },
         "measured": {
             "seconds_per_client_step_one_core": step_s,
             "client_steps_per_client_round": steps_per_client,
-            "bytes_between_ranks_per_client_round": per_client,
+            "bytes_between_ranks_per_remote_client_round": per_client,
         },
         "nodes": [],
     }
@@ -102,10 +104,10 @@ def _projection(rows: list[dict[str, Any]], clients: int) -> dict[str, Any]:
         compute = (
             math.ceil(k / r) * steps_per_client * step_s / a["gpu_speedup_over_one_measured_core"]
         )
-        comm = (k * per_client / a["rank0_link_bytes_per_s"] if r > 1 else 0.0) + (
-            r * a["collectives_per_round"] * a["seconds_per_rank_per_collective"] if r > 1 else 0.0
-        )
-        return compute, comm
+        if r == 1:
+            return compute, 0.0
+        link = k * (r - 1) / r * per_client / a["rank0_link_bytes_per_s"]
+        return compute, link + r * a["collectives_per_round"] * a["seconds_per_rank_per_collective"]
 
     one = sum(round_s(1))
     for n in (1, 2, 4, 8, 16):

@@ -24,7 +24,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from coordinator.config import RunConfig, run_config_model
-from coordinator.fleet.ranks import Ranks
+from coordinator.fleet.ranks import Ranks, check_ranks
 
 if TYPE_CHECKING:
     from coordinator.results_model import Results
@@ -127,11 +127,7 @@ def join(cfg: RunConfig) -> tuple[Ranks, RunConfig]:
     why = disagreement([p for p, _ in prints])
     if why is not None:
         raise ValueError(f"rank {rank}: {why}")
-    if world > cfg.clients:
-        raise ValueError(
-            f"{world} ranks for {cfg.clients} clients: every rank needs a client; "
-            f"use at most {cfg.clients} workers"
-        )
+    check_ranks(world, cfg.clients)
     _RANKS = ranks
     return ranks, cfg.model_copy(update={"out": prints[0][1]})
 
@@ -184,11 +180,7 @@ def launch(
 
     from coordinator.broker import free_port
 
-    if workers > cfg.clients:
-        raise ValueError(
-            f"--workers {workers} for {cfg.clients} clients: every rank needs a client; "
-            f"use at most {cfg.clients} workers"
-        )
+    check_ranks(workers, cfg.clients)
     settings = cfg.model_dump(mode="json")
     config = LaunchConfig(
         min_nodes=1,

@@ -59,6 +59,7 @@ __all__ = [
     "Ranks",
     "ShardFleet",
     "balance",
+    "check_ranks",
     "client_cost",
     "dumps",
     "serve",
@@ -88,17 +89,22 @@ def client_cost(spec: ArchSpec, n_train: int) -> int:
     return max(1, n_train) * params
 
 
+def check_ranks(ranks: int, clients: int) -> None:
+    """Raise ValueError when there are more ranks than clients (a rank needs a client)."""
+    if ranks > clients:
+        raise ValueError(
+            f"{ranks} ranks (--workers) for {clients} clients: every rank needs at least one "
+            f"client; use at most {clients} workers"
+        )
+
+
 def balance(costs: Sequence[int], ranks: int) -> list[list[int]]:
     """Client indices per rank: costliest first, each to the rank with the least work so far
     (ties: the earlier client first, then the lower rank). Every rank gets at least one client;
     each shard lists its clients in index order."""
     if ranks < 1:
         raise ValueError(f"need at least one rank, got {ranks}")
-    if ranks > len(costs):
-        raise ValueError(
-            f"{ranks} ranks for {len(costs)} clients: every rank needs at least one client; "
-            f"use at most {len(costs)} workers"
-        )
+    check_ranks(ranks, len(costs))
     load = [0] * ranks
     shards: list[list[int]] = [[] for _ in range(ranks)]
     order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))

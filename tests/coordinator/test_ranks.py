@@ -139,7 +139,7 @@ def test_a_rank_alone_at_the_rendezvous_times_out_with_a_message(tmp_path):
 def test_more_workers_than_clients_are_refused_before_any_start():
     res = CliRunner().invoke(app, ["simulate", "--clients", "2", "--workers", "3", "-q"])
     assert res.exit_code == 2
-    assert "--workers 3 for 2 clients" in res.output and "at most 2 workers" in res.output
+    assert "3 ranks (--workers) for 2 clients" in res.output and "at most 2 workers" in res.output
 
 
 def test_a_rank_that_dies_stops_the_run_and_is_named(tmp_path):
@@ -191,7 +191,7 @@ def test_shards_balance_work_not_client_count():
 
 def test_every_rank_gets_a_client_and_too_many_ranks_are_refused():
     assert balance([100, 1, 1], 3) == [[0], [1], [2]]
-    with pytest.raises(ValueError, match=r"3 ranks for 2 clients.*at most 2 workers"):
+    with pytest.raises(ValueError, match=r"3 ranks \(--workers\) for 2 clients.*at most 2 workers"):
         balance([1, 1], 3)
 
 
