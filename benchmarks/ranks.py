@@ -19,6 +19,7 @@ client-step and bytes per client and round, with its assumptions printed beside 
 measured).
 
     python benchmarks/ranks.py                       # ~1 min on 2 cores
+    python benchmarks/ranks.py --wait-policy unset   # OpenMP's default (threads spin a while)
     python benchmarks/ranks.py --clients 16 --rounds 10 --json-out benchmarks/results/ranks.json
 """
 
@@ -49,7 +50,12 @@ def _run(args: argparse.Namespace, ranks: int, threads: int, out: Path) -> dict[
     cmd += ["--threads", str(threads), "--workers", str(ranks), "--out", str(out), "-q"]
     # OMP_NUM_THREADS holds torch's intra-op pool to the threads asked (the simulator's --threads
     # shares threads among clients training at once but leaves one stacked job torch's pool).
+    # OMP_WAIT_POLICY: left to OpenMP, its threads spin while they wait; on cores other jobs
+    # share, that made a rank of 2 threads ~10x slower than one of 1 (results/ranks_omp_default).
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env.pop("OMP_WAIT_POLICY", None)
+    if args.wait_policy != "unset":
+        env["OMP_WAIT_POLICY"] = args.wait_policy
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -165,6 +171,8 @@ def main() -> None:
     ap.add_argument("--model", default="lenet5")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--wait-policy", choices=["active", "passive", "unset"], default="passive",
+                    help="OMP_WAIT_POLICY of every run")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=3, help="tries of each configuration")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()

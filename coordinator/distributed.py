@@ -145,8 +145,8 @@ def run_rank(cfg: RunConfig, *, progress: bool = True) -> Results | None:
     """This process's part of a simulation over ranks: rank 0's results, None elsewhere."""
     from coordinator.simulator import serve_runs, simulate
 
-    ranks, cfg = join(cfg)
     try:
+        ranks, cfg = join(cfg)
         if ranks.rank == 0:
             return simulate(cfg, progress=progress)
         serve_runs(cfg)
