@@ -269,12 +269,14 @@ def simulate(
     ] = 1,
     set_: SetOpt = None,
 ) -> None:
-    """Simulate a federation in one process (or over --workers processes, or torchrun's ranks).
+    """Simulate a federation.
 
     A coordinator and N clients: in this process (--fleet local, the default), or each an
     EdgeClient over the in-memory transport (--fleet network) or --broker, the code a deployment
-    runs. The algorithm and every baseline run on one split with the same local-training
-    budget. OUT gets results.json, report.md, report.html and the plots.
+    runs; or shared among --workers local processes (torch.distributed ranks), or the ranks
+    torchrun starts (torchrun ... -m coordinator simulate). The algorithm and every baseline run
+    on one split with the same local-training budget. OUT gets results.json, report.md,
+    report.html and the plots.
     """
     from coordinator.simulator import simulate as run_simulation
 

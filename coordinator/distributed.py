@@ -86,6 +86,15 @@ def disagreement(prints: Sequence[tuple[str, str, str]]) -> str | None:
     )
 
 
+def check_launch(cfg: RunConfig, ranks: int) -> None:
+    """Raise ValueError when `cfg` cannot run over `ranks` ranks."""
+    if cfg.fleet != "local" or cfg.broker.url is not None:
+        raise ValueError(
+            "a simulation over several ranks runs the local fleet: drop --fleet network / --broker"
+        )
+    check_ranks(ranks, cfg.clients)
+
+
 def rank_threads(cfg: RunConfig) -> int:
     """The CPU threads of one rank: `threads`, else its share of the cores (this machine's ranks
     share them: LOCAL_WORLD_SIZE)."""
@@ -102,11 +111,8 @@ def join(cfg: RunConfig) -> tuple[Ranks, RunConfig]:
     import torch.distributed as dist
 
     torch.set_num_threads(rank_threads(cfg))
-    if cfg.fleet != "local" or cfg.broker.url is not None:
-        raise ValueError(
-            "a simulation over several ranks runs the local fleet: drop --fleet network / --broker"
-        )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    check_launch(cfg, world)
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     wait = cfg.round.register_timeout_s
     try:
@@ -127,7 +133,6 @@ def join(cfg: RunConfig) -> tuple[Ranks, RunConfig]:
     why = disagreement([p for p, _ in prints])
     if why is not None:
         raise ValueError(f"rank {rank}: {why}")
-    check_ranks(world, cfg.clients)
     _RANKS = ranks
     return ranks, cfg.model_copy(update={"out": prints[0][1]})
 
@@ -180,7 +185,7 @@ def launch(
 
     from coordinator.broker import free_port
 
-    check_ranks(workers, cfg.clients)
+    check_launch(cfg, workers)
     settings = cfg.model_dump(mode="json")
     config = LaunchConfig(
         min_nodes=1,

@@ -136,10 +136,13 @@ def test_a_rank_alone_at_the_rendezvous_times_out_with_a_message(tmp_path):
     assert f"did not all meet at the rendezvous 127.0.0.1:{port} within 2 s" in proc.stderr
 
 
-def test_more_workers_than_clients_are_refused_before_any_start():
+def test_more_workers_than_clients_and_the_network_fleet_are_refused_before_any_start():
     res = CliRunner().invoke(app, ["simulate", "--clients", "2", "--workers", "3", "-q"])
     assert res.exit_code == 2
     assert "3 ranks (--workers) for 2 clients" in res.output and "at most 2 workers" in res.output
+    res = CliRunner().invoke(app, ["simulate", "--fleet", "network", "--workers", "2", "-q"])
+    assert res.exit_code == 2
+    assert "over several ranks runs the local fleet: drop --fleet network" in res.output
 
 
 def test_a_rank_that_dies_stops_the_run_and_is_named(tmp_path):
