@@ -97,6 +97,8 @@ def test_two_workers_give_one_process_per_client_results_for_every_algorithm(one
     for name, clients in one_process.items():
         assert sharded[name] == clients, name
     assert all(acc is not None for _, acc, _ in sharded["federico"])  # type: ignore[attr-defined]
+    summary = json.loads((tmp_path / "results.json").read_text())["summary"]
+    assert summary["coordinator_bytes_out"] > 0 and summary["coordinator_bytes_in"] > 0
 
 
 def test_two_nodes_meet_at_one_rendezvous_and_give_the_same_results(one_process, tmp_path):
