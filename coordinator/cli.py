@@ -256,14 +256,27 @@ def simulate(
     ] = None,
     deploy: Annotated[str | None, typer.Option(help=_DEPLOY_HELP)] = None,
     deploy_max_params: Annotated[int | None, typer.Option(help=_DEPLOY_MAX_PARAMS_HELP)] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help=(
+                "local processes (torch.distributed ranks) that share the clients, started by "
+                "torch's elastic launcher; across machines: torchrun ... -m coordinator simulate "
+                "(docs: Distributed simulation) [default: 1, this process]"
+            ),
+        ),
+    ] = 1,
     set_: SetOpt = None,
 ) -> None:
-    """Simulate a federation in one process.
+    """Simulate a federation.
 
     A coordinator and N clients: in this process (--fleet local, the default), or each an
     EdgeClient over the in-memory transport (--fleet network) or --broker, the code a deployment
-    runs. The algorithm and every baseline run on one split with the same local-training
-    budget. OUT gets results.json, report.md, report.html and the plots.
+    runs; or shared among --workers local processes (torch.distributed ranks), or the ranks
+    torchrun starts (torchrun ... -m coordinator simulate). The algorithm and every baseline run
+    on one split with the same local-training budget. OUT gets results.json, report.md,
+    report.html and the plots.
     """
     from coordinator.simulator import simulate as run_simulation
 
@@ -296,7 +309,21 @@ def simulate(
         stamp = time.strftime("%Y%m%d-%H%M%S")
         cfg = cfg.model_copy(update={"out": str(Path("runs") / f"{cfg.algorithm}-{stamp}")})
         typer.echo(f"results go to {cfg.out} (--out DIR to choose)")
-    results = guard(lambda: run_simulation(cfg, progress=not current().quiet))
+    from coordinator import distributed
+
+    opts = current()
+    if distributed.in_launch():  # one rank of torchrun's (or of --workers)
+        results = guard(lambda: distributed.run_rank(cfg, progress=not opts.quiet))
+        if results is None:  # rank 0 reports
+            return
+    elif workers > 1:
+        results = guard(
+            lambda: distributed.launch(
+                cfg, workers, level=opts.level, fmt=opts.log_format, progress=not opts.quiet
+            )
+        )
+    else:
+        results = guard(lambda: run_simulation(cfg, progress=not opts.quiet))
     _print_summary(results, cfg.out)
     if onnx_int8:
         _export_after_run(Path(cfg.out) / "state", cfg, onnx_int8, out=Path(cfg.out) / "onnx")

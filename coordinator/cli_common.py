@@ -279,6 +279,8 @@ def _setup(opts: CommonOptions, *, plugins: bool) -> None:
 def guard(call: Callable[[], Any]) -> Any:
     """Run a library call; its errors become a clean CLI error with a non-zero exit code."""
     from coordinator.config import ConfigError
+    from coordinator.distributed import RankFailed
+    from coordinator.fleet.ranks import RankLost
     from coordinator.plugins import PluginError
     from coordinator.server import CoordinatorError
     from edge_sdk.transport import TransportError
@@ -288,6 +290,8 @@ def guard(call: Callable[[], Any]) -> Any:
     except (
         ConfigError,
         CoordinatorError,
+        RankFailed,
+        RankLost,
         TransportError,
         PluginError,
         ValueError,

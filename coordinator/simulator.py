@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -22,16 +23,19 @@ from typing import Any
 
 import torch
 
+from coordinator import distributed
 from coordinator.config import RunConfig
 from coordinator.federation import (
     Federation,
     build_coordinator,
     build_node,
+    client_spec,
     prepare_federation,
     split_record,
     write_split,
 )
 from coordinator.fleet import LocalFleet, NetworkFleet
+from coordinator.fleet.ranks import RankFleet, Ranks, ShardFleet, balance, client_cost, serve
 from coordinator.results import (
     RoundRecord,
     RunResult,
@@ -51,7 +55,7 @@ from edge_sdk.node import ClientNode
 from edge_sdk.transport import InMemoryBroker, Transport
 from edge_sdk.transport.mqtt import MqttTransport
 
-__all__ = ["run_federation", "simulate", "transport_factory"]
+__all__ = ["run_federation", "serve_federation", "serve_runs", "simulate", "transport_factory"]
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +111,49 @@ def run_federation(
     """Run one algorithm on the federation: its clients in this process (`LocalFleet`, the
     default), or as EdgeClients over the in-memory transport (`fleet = "network"`) or over the
     broker `cfg.broker` names, the code path a deployment takes. `client_cls`: per client id,
-    the EdgeClient class that serves it over the network (a benchmark's attacker)."""
+    the EdgeClient class that serves it over the network (a benchmark's attacker).
+
+    In a simulation over ranks (`coordinator.distributed`), rank 0 runs this; the other ranks
+    run `serve_federation` with the same arguments."""
+    result = _run(cfg, fed, algorithm, models, export_dir, on_round, client_cls)
+    assert result is not None  # rank 0, or one process
+    return result
+
+
+def serve_federation(
+    cfg: RunConfig,
+    fed: Federation,
+    algorithm: str,
+    *,
+    models: list[str] | None = None,
+    export_dir: Path | None = None,
+) -> None:
+    """A rank other than 0: serve its shard of the clients for rank 0's `run_federation`."""
+    _run(cfg, fed, algorithm, models, export_dir, None, None)
+
+
+def _run(
+    cfg: RunConfig,
+    fed: Federation,
+    algorithm: str,
+    models: list[str] | None,
+    export_dir: Path | None,
+    on_round: Callable[[RoundRecord], None] | None,
+    client_cls: Mapping[str, type[EdgeClient]] | None,
+) -> RunResult | None:
     families = models or cfg.models
     run_id = f"{cfg.run_id}-{algorithm}"
+    ranks = distributed.current()
+    # Clients by rank: every client here in one process, else shards balanced by work.
+    shards = (
+        [list(range(len(fed.client_ids)))] if ranks is None else _shards(cfg, fed, families, ranks)
+    )
+    mine = shards[0 if ranks is None else ranks.rank]
     # With exports, each client's state is kept in OUT/state for `edgefl export`; a simulation
-    # starts from scratch, never from what an earlier run with the same OUT left there.
+    # starts from scratch, never from what an earlier run with the same OUT left there (rank 0
+    # clears it: every rank's clients save there).
     state_dir = export_dir.parent / "state" if export_dir else None
-    if state_dir is not None:
+    if state_dir is not None and (ranks is None or ranks.rank == 0):
         shutil.rmtree(state_dir, ignore_errors=True)
     nodes = [
         build_node(
@@ -122,11 +162,14 @@ def run_federation(
             i,
             run_id=run_id,
             family=families[i % len(families)],
-            onnx_path=export_dir / f"{cid}.onnx" if export_dir else None,
+            onnx_path=export_dir / f"{fed.client_ids[i]}.onnx" if export_dir else None,
             state_dir=state_dir,
         )
-        for i, cid in enumerate(fed.client_ids)
+        for i in mine
     ]
+    if ranks is not None:
+        owners = {fed.client_ids[i]: r for r, part in enumerate(shards) for i in part}
+        return _over_ranks(cfg, fed, algorithm, ranks, nodes, owners, run_id, on_round)
     threads = cfg.threads or cpu_threads()  # the CPU threads this run trains with
     parallel = cfg.parallel or threads
     release = _lean_heap(parallel)
@@ -151,6 +194,49 @@ def run_federation(
         return coordinator.run()
     classes = client_cls or {}
     return _over_network(cfg, fed, algorithm, nodes, run_id, threads, parallel, round_done, classes)
+
+
+def _shards(cfg: RunConfig, fed: Federation, families: list[str], ranks: Ranks) -> list[list[int]]:
+    """Client indices per rank, balanced by work (`coordinator.fleet.ranks.balance`): the same
+    on every rank."""
+    costs = [
+        client_cost(client_spec(cfg, families[i % len(families)], fed.dataset), d.n_train)
+        for i, d in enumerate(fed.client_data)
+    ]
+    return balance(costs, ranks.world)
+
+
+def _over_ranks(
+    cfg: RunConfig,
+    fed: Federation,
+    algorithm: str,
+    ranks: Ranks,
+    nodes: list[ClientNode],
+    owners: dict[str, int],
+    run_id: str,
+    on_round: Callable[[RoundRecord], None] | None,
+) -> RunResult | None:
+    """This rank's part of a run sharded over ranks: rank 0 coordinates (its result), the
+    others serve their shard's phases (None). A rank's threads: its share of the machine's."""
+    threads = distributed.rank_threads(cfg)
+    shard = ShardFleet(
+        nodes,
+        ranks,
+        parallel=cfg.parallel or threads,
+        threads=threads,
+        stack=cfg.cohort,
+        fp16_upload=cfg.fp16_upload,
+    )
+    log.info("rank %d of %d (pid %d): clients %s", ranks.rank, ranks.world, os.getpid(),
+             ", ".join(n.client_id for n in nodes))  # fmt: skip
+    if ranks.rank != 0:
+        serve(shard)
+        return None
+    fleet = RankFleet(shard, owners)
+    coordinator = build_coordinator(
+        cfg, fleet, algorithm=algorithm, fed=fed, run_id=run_id, on_round=on_round
+    )
+    return coordinator.run()
 
 
 def _over_network(
@@ -292,10 +378,7 @@ def simulate(
             if rec.mean_personal_acc is not None:
                 bar.set_postfix(personal=f"{rec.mean_personal_acc:.3f}")
 
-        is_main = name == cfg.algorithm
-        one_arch = strategy_class(name).one_architecture
-        models = [cfg.global_family] if (one_arch and not is_main) else None
-        export_dir = out / "onnx" if (out and cfg.export_onnx and is_main) else None
+        models, export_dir = _run_args(cfg, name)
         runs[name] = run_federation(
             cfg, fed, name, models=models, export_dir=export_dir, on_round=tick
         )
@@ -306,3 +389,23 @@ def simulate(
         write_results(results, out)
         write_split(fed, out)
     return results
+
+
+def _run_args(cfg: RunConfig, name: str) -> tuple[list[str] | None, Path | None]:
+    """The architectures of run `name` (None: the config's; a baseline that takes one
+    architecture: the global one) and where its clients export ONNX (the main run's, if asked)."""
+    is_main = name == cfg.algorithm
+    one_arch = strategy_class(name).one_architecture
+    models = [cfg.global_family] if (one_arch and not is_main) else None
+    out = Path(cfg.out) if cfg.out else None
+    export_dir = out / "onnx" if (out and cfg.export_onnx and is_main) else None
+    return models, export_dir
+
+
+def serve_runs(cfg: RunConfig) -> None:
+    """A rank other than 0 of a simulation over ranks: its shard of every run `simulate` makes
+    on rank 0, in the same order (rank 0 writes the results)."""
+    fed = prepare_federation(cfg)
+    for name in cfg.runs:
+        models, export_dir = _run_args(cfg, name)
+        serve_federation(cfg, fed, name, models=models, export_dir=export_dir)

@@ -278,4 +278,6 @@ class LocalPeers:
         missing = sorted(set(senders) - set(got))
         if missing:
             log.warning("%s: no %s of round %d from %s", self.me, name, round_, missing)
-        return got
+        # By sender, as PeerChannel returns them: a sum over them does not depend on the order
+        # in which the senders ran (or, over ranks, on which rank they ran on).
+        return {s: got[s] for s in sorted(got)}

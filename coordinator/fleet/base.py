@@ -17,11 +17,12 @@ admit clients and check replies with the pure functions here, so they accept and
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ from edge_sdk.protocol import Capabilities, Phase
 from edge_sdk.wire import reference_shapes
 from model_zoo import ArchSpec, ModelZooError
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "CoordinatorError",
     "Fleet",
@@ -38,6 +41,7 @@ __all__ = [
     "PhaseRequest",
     "RunInfo",
     "Validator",
+    "admit",
     "check_reply",
     "refusal",
 ]
@@ -160,6 +164,20 @@ class Fleet(ABC):
         if self._stop.is_set():
             raise Interrupted(f"stopped during round {round_}")
 
+    def accepted(
+        self, cid: str, request: PhaseRequest, reply: Callable[[], FitReply], validate: Validator
+    ) -> FitReply | None:
+        """The reply `reply()` makes, if it makes one (it may raise ValueError) and it validates;
+        else None, counted and logged as dropped."""
+        try:
+            got = reply()
+            validate(cid, got)
+        except (ValueError, KeyError) as exc:
+            self.rejected["invalid_reply"] += 1
+            log.warning("dropped (invalid_reply): %s reply from %s: %s", request.phase, cid, exc)
+            return None
+        return got
+
     def rejections(self) -> Counter[str]:
         """Everything dropped so far, by reason (the daemon's metrics)."""
         return Counter(self.rejected)
@@ -172,6 +190,31 @@ class Fleet(ABC):
     @property
     def bytes_in(self) -> int:
         return 0
+
+
+def admit(
+    fleet: Fleet,
+    infos: Iterable[tuple[str, ArchSpec, Capabilities]],
+    min_clients: int | None,
+) -> None:
+    """Admit the clients of an in-process fleet (id, architecture, capabilities, in order) by
+    `refusal`'s rules; raises CoordinatorError when fewer than expected (or than `min_clients`)
+    were admitted, naming those refused and why. Closes registrations."""
+    refused = {}
+    for cid, spec, caps in infos:
+        why = refusal(cid, spec, caps, run=fleet.run, clients=fleet.clients, started=False)
+        if why is None:
+            fleet.clients[cid] = ClientInfo(cid, spec, caps)
+        else:
+            refused[cid] = why
+            log.warning("refused registration of %s: %s", cid, why)
+    expected = fleet.run.expected_clients
+    admitted = len(fleet.clients)
+    if admitted < expected and (min_clients is None or admitted < min_clients):
+        raise CoordinatorError(
+            f"only {admitted} of {expected} clients registered; refused: {refused}"
+        )
+    fleet.started = True
 
 
 def refusal(

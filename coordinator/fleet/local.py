@@ -27,14 +27,13 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from coordinator.fleet.base import (
-    CoordinatorError,
     Fleet,
     PhaseRequest,
     RunInfo,
     Validator,
-    refusal,
+    admit,
 )
-from coordinator.strategies import ClientInfo, FitReply
+from coordinator.strategies import FitReply
 from edge_sdk.algorithms import FitResult
 from edge_sdk.codec import WireModel, check_weights
 from edge_sdk.device import cpu_threads
@@ -79,23 +78,7 @@ class LocalFleet(Fleet):
             node.peers = self.board.channel(cid)
 
     def gather(self, timeout_s: float, min_clients: int | None) -> None:
-        refused = {}
-        for cid, node in self.nodes.items():
-            caps = node.capabilities()
-            why = refusal(cid, node.spec, caps, run=self.run, clients=self.clients, started=False)
-            if why is None:
-                self.clients[cid] = ClientInfo(cid, node.spec, caps)
-            else:
-                refused[cid] = why
-                log.warning("refused registration of %s: %s", cid, why)
-        expected = self.run.expected_clients
-        if len(self.clients) < expected and (
-            min_clients is None or len(self.clients) < min_clients
-        ):
-            raise CoordinatorError(
-                f"only {len(self.clients)} of {expected} clients registered; refused: {refused}"
-            )
-        self.started = True
+        admit(self, [(c, n.spec, n.capabilities()) for c, n in self.nodes.items()], min_clients)
 
     def rejoin(self, run: RunInfo, timeout_s: float) -> None:
         self.open(run)
@@ -128,6 +111,7 @@ class LocalFleet(Fleet):
                 begun[cid] = task
             except Exception as exc:
                 self._failed(cid, request, exc)
+        self._begun()
         outcomes = self._execute(begun)
         for cid, task in begun.items():
             outcome = outcomes[cid]
@@ -141,6 +125,10 @@ class LocalFleet(Fleet):
             results[cid] = self._accept(cid, request, result, validate)
         self.check_stop(request.round)
         return results
+
+    def _begun(self) -> None:
+        """Between the begin and execute passes of a phase: what peers published is on the board
+        already, in one process (a fleet sharded over ranks exchanges it here)."""
 
     def _task(self, request: PhaseRequest, cid: str, models: Mapping[str, WireModel]) -> NodeTask:
         run = self.run
@@ -194,18 +182,21 @@ class LocalFleet(Fleet):
         if bad:
             self._failed(cid, request, ValueError(f"the reply does not validate: metrics {bad}"))
             return None
-        try:
-            models = {
-                name: self._uploaded(name, m, partial=name in request.partial)
-                for name, m in result.models.items()
-            }
-            reply = FitReply(cid, models, dict(result.metrics), result.n_samples, result.details)
-            validate(cid, reply)
-        except (ValueError, KeyError) as exc:
-            self.rejected["invalid_reply"] += 1
-            log.warning("dropped (invalid_reply): %s reply from %s: %s", request.phase, cid, exc)
-            return None
-        return reply
+        return self.accepted(
+            cid,
+            request,
+            lambda: FitReply(
+                cid,
+                {
+                    name: self._uploaded(name, m, partial=name in request.partial)
+                    for name, m in result.models.items()
+                },
+                dict(result.metrics),
+                result.n_samples,
+                result.details,
+            ),
+            validate,
+        )
 
     def _uploaded(self, name: str, model: WireModel, *, partial: bool) -> WireModel:
         weights = model.weights

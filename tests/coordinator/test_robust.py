@@ -177,9 +177,8 @@ def test_values_out_of_range_or_not_finite_reject_the_reply_with_the_tensor_name
         check_weights(weights, what="model", max_abs=1e6)
     for bad in (float("nan"), float("-inf")):
         weights["linear.bias"][1] = bad
-        with pytest.raises(WeightsError, match="'linear.bias' contains NaN or inf"):
+        with pytest.raises(WeightsError, match=r"'linear\.bias' contains NaN or inf"):
             check_weights(weights, what="model")
-
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,217 @@
+"""Simulations over several processes and machines: `torch.distributed` ranks (gloo).
+
+Two ways to start the ranks, one code path once they run (`run_rank`):
+- `edgefl simulate --workers N`: this process starts N local ranks with torch's elastic launcher
+  (`launch`), waits for them and prints rank 0's results; a rank that fails stops the others,
+  and the error names it (`RankFailed`).
+- `torchrun --nnodes M --nproc-per-node K -m coordinator simulate ...`: torchrun starts every
+  rank (its environment says RANK, WORLD_SIZE, MASTER_ADDR...), on every machine.
+
+At start (`join`) the ranks meet at the rendezvous within `round.register_timeout_s` and compare
+what they run: a hash of the config (less what may differ between machines: `out`, `threads`,
+`parallel`) and the edgefl and torch versions. Rank 0's `out` is every rank's (clients export
+there). The federation is sharded by `coordinator.fleet.ranks`; `coordinator.simulator` runs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+from coordinator.config import RunConfig, run_config_model
+from coordinator.fleet.ranks import Ranks, check_ranks
+
+if TYPE_CHECKING:
+    from coordinator.results_model import Results
+
+__all__ = ["RankFailed", "current", "fingerprint", "in_launch", "join", "launch", "run_rank"]
+
+log = logging.getLogger(__name__)
+
+_RANKS: Ranks | None = None
+# Settings that may differ between the ranks' machines without changing a result.
+_LOCAL_SETTINGS = ("out", "threads", "parallel")
+
+
+class RankFailed(RuntimeError):
+    """A rank of a launch stopped before the run's end (named, with its exit status)."""
+
+
+def current() -> Ranks | None:
+    """This process's rank among several (None: a simulation in one process)."""
+    return _RANKS
+
+
+def in_launch(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a launcher (torchrun, `--workers`) started this process as one of several ranks."""
+    env = os.environ if environ is None else environ
+    return int(env.get("WORLD_SIZE", "1")) > 1
+
+
+def fingerprint(cfg: RunConfig) -> tuple[str, str, str]:
+    """What every rank must agree on: the edgefl version, torch's, and a hash of the config
+    (less the settings of one machine)."""
+    import torch
+
+    try:
+        ours = version("edgefl")
+    except PackageNotFoundError:
+        ours = "not installed"
+    settings = cfg.model_dump_json(exclude=set(_LOCAL_SETTINGS))
+    return ours, torch.__version__, hashlib.sha256(settings.encode()).hexdigest()[:16]
+
+
+def disagreement(prints: Sequence[tuple[str, str, str]]) -> str | None:
+    """Why the ranks' fingerprints cannot run one federation, or None when they agree."""
+    odd = [r for r, p in enumerate(prints) if p != prints[0]]
+    if not odd:
+        return None
+    what = ["the edgefl version", "the torch version", "the config"]
+    lines = [
+        f"rank {r}: {what[k]} {prints[r][k]} where rank 0 has {prints[0][k]}"
+        for r in odd
+        for k in range(3)
+        if prints[r][k] != prints[0][k]
+    ]
+    return (
+        "the ranks disagree on what they run: "
+        + "; ".join(lines)
+        + ". Start every rank with the same command, config file, environment and edgefl "
+        "version (`edgefl settings` shows a config)"
+    )
+
+
+def check_launch(cfg: RunConfig, ranks: int) -> None:
+    """Raise ValueError when `cfg` cannot run over `ranks` ranks."""
+    if cfg.fleet != "local" or cfg.broker.url is not None:
+        raise ValueError(
+            "a simulation over several ranks runs the local fleet: drop --fleet network / --broker"
+        )
+    check_ranks(ranks, cfg.clients)
+
+
+def rank_threads(cfg: RunConfig) -> int:
+    """The CPU threads of one rank: `threads`, else its share of the cores (this machine's ranks
+    share them: LOCAL_WORLD_SIZE)."""
+    from edge_sdk.device import cpu_threads
+
+    return cfg.threads or max(1, cpu_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def join(cfg: RunConfig) -> tuple[Ranks, RunConfig]:
+    """Meet the other ranks (torch's env:// rendezvous, gloo) and check that they run the same;
+    returns this rank and the config with rank 0's `out`. Raises ValueError on a bad launch."""
+    global _RANKS
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(rank_threads(cfg))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    check_launch(cfg, world)
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    wait = cfg.round.register_timeout_s
+    try:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=wait))
+    except (RuntimeError, ValueError) as exc:  # torch's DistStoreError is a RuntimeError
+        raise ValueError(
+            f"rank {rank} of {world}: the ranks did not all meet at the rendezvous {where} "
+            f"within {wait:g} s (round.register_timeout_s): start every rank with the same "
+            f"MASTER_ADDR/MASTER_PORT (torchrun: --rdzv-endpoint) and --nnodes ({exc})"
+        ) from exc
+    # Collectives wait as long as the slowest rank's phase takes: torch's default of 30 minutes
+    # (a rank that dies is noticed at once: its connection closes).
+    group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
+    assert isinstance(group, dist.ProcessGroup)
+    ranks = Ranks(rank, world, group)
+    prints: list[Any] = [None] * world
+    dist.all_gather_object(prints, (fingerprint(cfg), cfg.out), group=group)
+    why = disagreement([p for p, _ in prints])
+    if why is not None:
+        raise ValueError(f"rank {rank}: {why}")
+    _RANKS = ranks
+    return ranks, cfg.model_copy(update={"out": prints[0][1]})
+
+
+def leave() -> None:
+    global _RANKS
+    import torch.distributed as dist
+
+    _RANKS = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_rank(cfg: RunConfig, *, progress: bool = True) -> Results | None:
+    """This process's part of a simulation over ranks: rank 0's results, None elsewhere."""
+    from coordinator.simulator import serve_runs, simulate
+
+    try:
+        ranks, cfg = join(cfg)
+        if ranks.rank == 0:
+            return simulate(cfg, progress=progress)
+        serve_runs(cfg)
+        return None
+    finally:
+        leave()
+
+
+# -- `--workers N`: local ranks through torch's elastic launcher --------------------------------
+def _entry(settings: dict[str, Any], level: int, fmt: str, progress: bool) -> Results | None:
+    """A launched rank: the config as its launcher validated it, logging as the launcher's."""
+    from edge_sdk.logs import configure_logging
+
+    configure_logging(level, fmt=fmt)  # type: ignore[arg-type]
+    cfg = run_config_model().model_validate(settings)
+    return run_rank(cfg, progress=progress)
+
+
+def launch(
+    cfg: RunConfig,
+    workers: int,
+    *,
+    level: int = logging.WARNING,
+    fmt: str = "text",
+    progress: bool = True,
+) -> Results:
+    """Run `cfg` on `workers` local ranks started by torch's elastic launcher; rank 0's results.
+    A rank that fails stops the run: RankFailed names it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from coordinator.broker import free_port
+
+    check_launch(cfg, workers)
+    settings = cfg.model_dump(mode="json")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=workers,
+        run_id=f"edgefl-{cfg.run_id}-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        start_method="spawn",
+    )
+    try:
+        results = elastic_launch(config, _entry)(settings, level, fmt, progress)
+    except ChildFailedError as exc:
+        raise RankFailed(_failure(exc)) from None
+    return results[0]
+
+
+def _failure(exc: Any) -> str:
+    """The first rank that failed, in words: its exit status and its error's last line."""
+    rank, failure = exc.get_first_failure()
+    code = failure.exitcode
+    how = f"exit code {code}" if code >= 0 else f"killed by signal {failure.signal_name()}"
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    last = str(message).strip().splitlines()[-1:] if message else []
+    said = f": {last[0]}" if last and "<N/A>" not in last[0] else ""
+    return f"rank {rank} stopped ({how}){said}; the run stopped with it"

@@ -1,0 +1,225 @@
+"""A simulation sharded over torch.distributed ranks (gloo, real processes) gives one process's
+results; shards are balanced by work; bad launches and a dead rank stop with clear errors.
+
+The launches are few and each runs every algorithm: the algorithm (FedMe, which needs its held-out
+set) and the eight others as its baselines, on one split, 4 clients of two architectures on 8×8
+digits, 2 rounds."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from coordinator.broker import free_port
+from coordinator.cli import app
+from coordinator.distributed import disagreement
+from coordinator.fleet.ranks import balance, client_cost, dumps
+from edge_sdk.algorithms import algorithm_names
+from model_zoo import ArchSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+OTHERS = [a for a in algorithm_names() if a != "fedme"]
+# Small enough for a test, with every algorithm's own machinery running (as in test_fleets).
+ARGS = [
+    "--dataset", "digits", "--set", "data.options.size=8", "--max-samples", "400",
+    "--clients", "4", "--rounds", "2", "--models", "mlr,mlp", "--global-model", "mlr",
+    "--algorithm", "fedme", "--baselines", ",".join(OTHERS), "--device", "cpu", "--lr", "0.05",
+    "--set", "fedme.unlabeled_size=60", "--set", "federico.neighbours=2",
+    "--set", "persfl.distill_epochs=1", "--set", "persfl.distill_lambdas=[0.0,0.5]",
+    "--set", "persfl.distill_temperatures=[2.0]",
+    "--set", "pfml.local_iterations=3", "--set", "pfml.lam=1.0", "--quiet",
+]  # fmt: skip
+
+
+def _edgefl(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _torchrun(node: int, port: int, *args: str) -> subprocess.Popen[str]:
+    """One "node" of a two-node launch: torchrun's static rendezvous at 127.0.0.1:port."""
+    launch = ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node)]
+    launch += ["--rdzv-endpoint", f"127.0.0.1:{port}"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "coordinator", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _per_client(out: Path) -> dict[str, object]:
+    """Each run's final per-client accuracies, and the algorithm's round by round."""
+    res = json.loads((out / "results.json").read_text())
+    runs = {"fedme": res, **res["baselines"]}
+    got: dict[str, object] = {
+        name: [(c["id"], c["personal_acc"], c["global_acc"]) for c in run["clients"]]
+        for name, run in runs.items()
+    }
+    got["rounds"] = [(r["round"], r["failed"], r["client_acc"]) for r in res["rounds"]]
+    return got
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The reference: the same simulation in this process, as today."""
+    out = tmp_path_factory.mktemp("one")
+    res = CliRunner().invoke(app, ["simulate", *ARGS, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    return _per_client(out)
+
+
+def test_two_workers_give_one_process_per_client_results_for_every_algorithm(one_process, tmp_path):
+    # Execute: `edgefl simulate --workers 2`, two ranks started by torch's elastic launcher
+    proc = _edgefl("simulate", *ARGS, "--workers", "2", "--out", str(tmp_path))
+
+    # Assert: every algorithm, every client, the same accuracies (rank 0 wrote the results)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fedme: per-client accuracy" in proc.stdout
+    sharded = _per_client(tmp_path)
+    assert sorted(sharded) == sorted([*algorithm_names(), "rounds"])
+    for name, clients in one_process.items():
+        assert sharded[name] == clients, name
+    assert all(acc is not None for _, acc, _ in sharded["federico"])  # type: ignore[attr-defined]
+    summary = json.loads((tmp_path / "results.json").read_text())["summary"]
+    assert summary["coordinator_bytes_out"] > 0 and summary["coordinator_bytes_in"] > 0
+
+
+def test_two_nodes_meet_at_one_rendezvous_and_give_the_same_results(one_process, tmp_path):
+    # Execute: two launches of torchrun, one "node" each, meeting at one endpoint
+    port = free_port()
+    nodes = [_torchrun(i, port, "simulate", *ARGS, "--out", str(tmp_path)) for i in (0, 1)]
+    outputs = [p.communicate(timeout=120)[0] for p in nodes]
+
+    # Assert
+    assert [p.returncode for p in nodes] == [0, 0], outputs
+    assert _per_client(tmp_path) == one_process
+
+
+def test_ranks_that_disagree_on_the_config_stop_with_a_clear_error(tmp_path):
+    # Execute: the second node was started with another round count
+    port = free_port()
+    base = ["--dataset", "digits", "--clients", "2", "--device", "cpu", "--out", str(tmp_path)]
+    nodes = [_torchrun(i, port, "simulate", *base, "--rounds", str(2 + i)) for i in (0, 1)]
+    outputs = [p.communicate(timeout=120)[0] for p in nodes]
+
+    # Assert: both stop, saying which rank differs in what; nothing was written
+    assert all(p.returncode != 0 for p in nodes)
+    for out in outputs:
+        assert "the ranks disagree on what they run: rank 1: the config" in out, out
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_a_rank_alone_at_the_rendezvous_times_out_with_a_message(tmp_path):
+    # Execute: rank 0 of 2, and no rank 1
+    port = free_port()
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    args = ["--dataset", "digits", "--clients", "2", "--device", "cpu", "--out", str(tmp_path)]
+    proc = _edgefl("simulate", *args, "--set", "round.register_timeout_s=2", env=env)
+
+    # Assert
+    assert proc.returncode == 2
+    assert f"did not all meet at the rendezvous 127.0.0.1:{port} within 2 s" in proc.stderr
+
+
+def test_more_workers_than_clients_and_the_network_fleet_are_refused_before_any_start():
+    res = CliRunner().invoke(app, ["simulate", "--clients", "2", "--workers", "3", "-q"])
+    assert res.exit_code == 2
+    assert "3 ranks (--workers) for 2 clients" in res.output and "at most 2 workers" in res.output
+    res = CliRunner().invoke(app, ["simulate", "--fleet", "network", "--workers", "2", "-q"])
+    assert res.exit_code == 2
+    assert "over several ranks runs the local fleet: drop --fleet network" in res.output
+
+
+def test_a_rank_that_dies_stops_the_run_and_is_named(tmp_path):
+    # Prepare: a long run over two ranks, each naming its pid as it starts
+    args = ["--dataset", "digits", "--set", "data.options.size=8", "--max-samples", "400"]
+    args += ["--clients", "4", "--rounds", "500", "--algorithm", "fedavg", "--models", "mlr"]
+    args += ["--device", "cpu", "--out", str(tmp_path)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "simulate", *args, "--workers", "2", "-v"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # rank 1 says its pid once it holds its shard
+        seen.append(line)
+        found = re.search(r"rank 1 of 2 \(pid (\d+)\)", line)
+        if found:
+            break
+    assert found, "".join(seen)
+
+    # Execute: rank 1 dies
+    os.kill(int(found.group(1)), signal.SIGKILL)
+    rest = proc.communicate(timeout=60)[0]
+
+    # Assert: the run stopped (well before its 500 rounds), naming the rank and how it died
+    assert proc.returncode == 2
+    assert "error: rank 1 stopped (killed by signal SIGKILL)" in rest, rest
+    assert not (tmp_path / "results.json").exists()
+
+
+# -- shards and what crosses ranks (in this process) ----------------------------------------------
+def test_shards_balance_work_not_client_count():
+    # Prepare: clients' costs (samples x parameters), two heavy among light ones
+    costs = [4, 1, 3, 1, 1, 3, 1, 6]
+
+    # Execute
+    shards = balance(costs, 2)
+
+    # Assert: costliest first, each to the least loaded rank (ties: the lower rank): 7 (6) to
+    # rank 0, 0 (4) and 2 (3) to rank 1 (7), 5 (3) to rank 0 (9), 1 and 3 to rank 1 (9), 4 to
+    # rank 0 (10), 6 to rank 1 (10): equal work, three clients against five
+    assert shards == [[4, 5, 7], [0, 1, 2, 3, 6]]
+    assert [sum(costs[i] for i in s) for s in shards] == [10, 10]
+    assert balance(costs, 2) == shards  # the same on every rank
+
+
+def test_every_rank_gets_a_client_and_too_many_ranks_are_refused():
+    assert balance([100, 1, 1], 3) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match=r"3 ranks \(--workers\) for 2 clients.*at most 2 workers"):
+        balance([1, 1], 3)
+
+
+def test_a_clients_cost_is_its_samples_times_its_parameters():
+    spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
+    assert client_cost(spec, 50) == 50 * (64 * 10 + 10)
+    mlp = spec.with_(family="mlp")
+    assert client_cost(mlp, 50) > client_cost(spec, 50)
+
+
+def test_a_view_crosses_as_its_own_elements():
+    import pickle
+
+    stack = torch.arange(4000, dtype=torch.float32).reshape(40, 100)
+    row = stack[3]
+    got = pickle.loads(dumps({"w": row}))["w"]
+    assert torch.equal(got, row)
+    assert len(dumps(row)) < 100 * 4 + 300 < len(pickle.dumps(row))
+
+
+def test_disagreement_names_the_rank_and_what_differs():
+    same = ("1.0", "2.14.1", "abc")
+    assert disagreement([same, same]) is None
+    why = disagreement([same, same, ("1.1", "2.14.1", "abc")])
+    assert why is not None and "rank 2: the edgefl version 1.1 where rank 0 has 1.0" in why
+    assert "rank 1" not in why
