@@ -291,7 +291,7 @@ def test_suspects_lie_farther_than_twice_the_typical_distance_relative_to_the_mo
     assert suspects({"global": []}, {"c1": "clipped"}) == ["c1"]  # no contributions: the flagged
 
 
-def test_sample_weights_capped_by_hand():
+def test_sample_weights_are_capped_above_the_bound_not_at_it_and_not_when_alone():
     flags: dict[str, str] = {}
     # of two, the median is their mean: 55, the cap 82.5
     assert cap_weights({"a": 10.0, "b": 100.0}, RobustConfig(), flags) == [10.0, 82.5]

@@ -75,6 +75,7 @@ def test_clip_scales_bound_each_norm_at_the_factor_times_the_median():
     assert clip_scales([1.0, 2.0, 6.0], 3.0) == [1.0, 1.0, 1.0]  # at the bound: kept
     assert clip_scales([1.0, 2.0, 60.0], 0.0) == [1.0, 1.0, 1.0]  # 0: off
     assert clip_scales([60.0], 3.0) == [1.0]  # alone: nothing to compare with
+    assert clip_scales([1.0, 3.0], 1.0) == [1.0, 2.0 / 3.0]  # two compare: median 2, bound 2
     # relative to each model's size: 6/3 = 2 and 1/1 = 1, 40/1 = 40; median 2, bound 6·size
     assert clip_scales([6.0, 1.0, 40.0], 3.0, sizes=[3.0, 1.0, 1.0]) == [1.0, 1.0, 6.0 / 40.0]
 
