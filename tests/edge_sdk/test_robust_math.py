@@ -32,6 +32,25 @@ def test_update_norms_are_float64_l2_norms_of_the_float_tensors_and_do_not_overf
     assert state_norm(_s(6.0, 8.0)) == 10.0
 
 
+def test_update_norms_stack_as_many_states_as_the_limit_holds_each_once(monkeypatch):
+    calls: list[int] = []
+    key_norms = robust._key_norms
+
+    def counted(states, starts, key):
+        calls.append(len(states))
+        return key_norms(states, starts, key)
+
+    monkeypatch.setattr(robust, "_key_norms", counted)
+    monkeypatch.setattr(robust, "_STACK_ELEMENTS", 4)
+    one = [_s(float(i)) for i in range(5)]  # an element each: four at a time, then the fifth
+    assert update_norms(one, [None] * 5) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert calls == [4, 1]
+    calls.clear()
+    three = [_s(0.0, 3.0, 4.0)] * 3  # three elements each: one at a time
+    assert update_norms(three, [None] * 3) == [5.0] * 3 and calls == [1, 1, 1]
+    assert update_norms([{"n": torch.tensor(3)}], [None]) == [0.0]  # no float tensor: no update
+
+
 @pytest.mark.parametrize("limit", [1 << 24, 8, 1])  # all at once; a few elements at a time
 def test_stacked_norms_and_order_statistics_equal_them_tensor_by_tensor(monkeypatch, limit):
     # Prepare: five states of one architecture (three starts, one of them None: zero) and two
@@ -76,6 +95,8 @@ def test_clip_scales_bound_each_norm_at_the_factor_times_the_median():
     assert clip_scales([1.0, 2.0, 60.0], 0.0) == [1.0, 1.0, 1.0]  # 0: off
     assert clip_scales([60.0], 3.0) == [1.0]  # alone: nothing to compare with
     assert clip_scales([1.0, 3.0], 1.0) == [1.0, 2.0 / 3.0]  # two compare: median 2, bound 2
+    with pytest.raises(ValueError, match="shorter"):  # a size for every norm, or none
+        clip_scales([1.0, 2.0, 60.0], 3.0, sizes=[1.0, 1.0])
     # relative to each model's size: 6/3 = 2 and 1/1 = 1, 40/1 = 40; median 2, bound 6·size
     assert clip_scales([6.0, 1.0, 40.0], 3.0, sizes=[3.0, 1.0, 1.0]) == [1.0, 1.0, 6.0 / 40.0]
 
