@@ -217,7 +217,10 @@ def trimmed_mean(
     if n - 2 * cut < 1:
         raise RobustError(f"trimmed_mean(β={beta}) leaves none of {n} updates")
     total = float(w.sum())
-    lo, hi = cut / n * total, (n - cut) / n * total
+    # (cut · total / n, not cut / n · total: with equal weights that is exactly `cut`, where
+    # 1/49 · 49 rounds below 1 and left a cut value 1e-16 of its weight: a cut -3e38 moved
+    # the mean of 49 by 7e20)
+    lo, hi = cut * total / n, (n - cut) * total / n
     out = _integers(states)
     for run in _runs(first, keys, n):
         values, ws, above = _ordered(_columns(states, run), w)

@@ -1,6 +1,7 @@
 """The two fleets: LocalFleet (ClientNodes in this process) and NetworkFleet (EdgeClients over the
 in-memory transport) run the same algorithms to the same results, and each fleet's own duties."""
 
+import logging
 import threading
 import time
 
@@ -152,7 +153,10 @@ def test_check_reply_refuses_counts_and_models_the_client_cannot_have():
 
 def test_a_local_reply_with_a_non_finite_weight_or_metric_is_not_counted(caplog):
     # Prepare: c0's model comes back with a NaN, c1's metrics with an infinity, c2's model with
-    # a finite weight beyond robust.max_abs (one by one, so that each node's own execute runs)
+    # a finite weight beyond robust.max_abs (one by one, so that each node's own execute runs).
+    # (The warning is asserted: a CLI test run earlier in this process may have left the root
+    # logger at ERROR.)
+    caplog.set_level(logging.WARNING, logger="coordinator.fleet.local")
     cfg, fed, nodes = _nodes(4)
     fleet = LocalFleet(nodes, parallel=1, stack=False)
     coordinator = build_coordinator(cfg, fleet, fed=fed)

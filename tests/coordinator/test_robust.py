@@ -10,7 +10,14 @@ import pytest
 import torch
 from tests_helpers import small_federation
 
-from coordinator.robust import Contribution, RobustConfig, combine, suspects
+from coordinator.robust import (
+    Contribution,
+    RobustConfig,
+    cap_weights,
+    combine,
+    rolled_back,
+    suspects,
+)
 from coordinator.strategies import (
     ClientInfo,
     FitReply,
@@ -201,7 +208,7 @@ def test_robust_aggregators_leave_the_outlier_out(robust, value):
     s.aggregate_fit(1, replies)
     assert all(torch.allclose(s.global_weights[k], start[k] + value) for k in start)
     if robust["aggregator"] == "krum":
-        assert sorted(s.flags) == ["c1", "c2"]  # not chosen
+        assert s.flags == {"c1": "not chosen by krum", "c2": "not chosen by krum"}
 
 
 def test_krum_with_too_few_replies_and_fedme_with_krum_are_refused_with_what_to_do():
@@ -254,6 +261,133 @@ def test_suspects_are_the_flagged_and_the_far_from_the_median():
 
 def _contribution(cid, start, step):
     return Contribution(cid, {"w": start["w"] + step}, start)
+
+
+def _spread(dists, sizes=None):
+    """Contributions c0, c1, ... at 10 + dists[i] on coordinate i and 10 elsewhere: the
+    coordinate-wise median is 10 everywhere, so c_i lies dists[i] from it; its start's norm is
+    sizes[i] (1 without `sizes`)."""
+    out = []
+    for i, d in enumerate(dists):
+        state, start = torch.full((len(dists),), 10.0), torch.zeros(len(dists))
+        state[i] += d
+        start[0] = 1.0 if sizes is None else sizes[i]
+        out.append(Contribution(f"c{i}", {"w": state}, {"w": start}))
+    return out
+
+
+def test_suspects_lie_farther_than_twice_the_typical_distance_relative_to_the_model_size():
+    spread = _spread([0.1, 0.1, 0.1, 0.25, 0.25])  # typical 0.1: both 0.25 stand out
+    assert suspects({"global": spread}, {}) == ["c3", "c4"]
+    assert suspects({"empty": [], "global": spread}, {}) == ["c3", "c4"]
+    at_twice = _spread([1.0, 1.0, 1.0, 2.0, 2.0])  # at twice: nobody stands out, the farthest
+    assert suspects({"global": at_twice}, {}) == ["c3"]
+    # c4's model is a tenth the size of the others': 0.1 from the center is 2 of its size
+    small = _spread([0.1] * 5, sizes=[0.5, 0.5, 0.5, 0.5, 0.05])
+    assert suspects({"global": small}, {}) == ["c4"]
+    # a client in two aggregates (FedMe's) is as far as its farthest contribution
+    far_once = {"a": _spread([0.1, 0.1, 0.1, 0.1, 1.0]), "b": _spread([0.1] * 5)}
+    assert suspects(far_once, {}) == ["c4"]
+    assert suspects({"global": []}, {"c1": "clipped"}) == ["c1"]  # no contributions: the flagged
+
+
+def test_sample_weights_are_capped_above_the_bound_not_at_it_and_not_when_alone():
+    flags: dict[str, str] = {}
+    # of two, the median is their mean: 55, the cap 82.5
+    assert cap_weights({"a": 10.0, "b": 100.0}, RobustConfig(), flags) == [10.0, 82.5]
+    assert list(flags) == ["b"]
+    flags.clear()
+    at_cap = {"a": 20.0, "b": 30.0, "c": 45.0}  # 1.5 × 30 = 45: kept, not flagged
+    assert cap_weights(at_cap, RobustConfig(), flags) == [20.0, 30.0, 45.0] and not flags
+    at_median = RobustConfig(weight_cap=1.0)
+    assert cap_weights({"a": 10.0, "b": 30.0, "c": 60.0}, at_median, flags) == [10.0, 30.0, 30.0]
+    flags.clear()
+    # alone, a client has no one to be compared with, even under a cap below its median
+    assert cap_weights({"a": 10.0}, RobustConfig(weight_cap=0.5), flags) == [10.0] and not flags
+
+
+def test_a_round_is_rolled_back_when_more_than_the_share_of_clients_drop_by_the_threshold():
+    cfg = RobustConfig(rollback_drop=0.25)
+    before = {"a": 0.5, "b": 0.5, "c": 0.5, "gone": 0.5}
+    # a and b down by exactly the drop, c by less; `gone` was not evaluated after, `new` not
+    # before: neither counts
+    after: dict[str, float | None] = {"a": 0.25, "b": 0.25, "c": 0.3, "new": None}
+    assert rolled_back(before, after, cfg) == ["a", "b"]  # 2 of 3
+    assert rolled_back(before, {**after, "b": 0.3}, cfg) is None  # 1 of 3: not more than half
+    assert rolled_back(before, {**after, "gone": 0.5}, cfg) is None  # 2 of 4: half, not more
+    assert rolled_back(before, {**after, "a": None, "b": None}, cfg) == ["a", "b"]  # no result
+    assert rolled_back(before, after, RobustConfig(rollback_drop=0.25, rollback=False)) is None
+
+
+def test_updates_compare_within_their_architecture_or_relative_to_their_models_size():
+    # four of architecture a move by 1, three of b by 10, one of c by 100 (each start of norm
+    # 1): a and b are bounded each against its own median (nothing above 3 × it), c alone is
+    # not bounded; taken together, c would be 100 against a median of 5.5
+    def moved(cid, key, step):
+        return Contribution(cid, {key: torch.tensor([1.0 + step])}, {key: torch.tensor([1.0])})
+
+    groups = {
+        "a": [moved(f"a{i}", "a", 1.0) for i in range(4)],
+        "b": [moved(f"b{i}", "b", 10.0) for i in range(3)],
+        "c": [moved("c0", "c", 100.0)],
+    }
+    flags: dict[str, str] = {}
+    out = combine(groups, RobustConfig(), flags)
+    assert {k: v[k].item() for k, v in out.items()} == {"a": 2.0, "b": 11.0, "c": 101.0}
+    assert not flags
+    # two of a start of norm 1 moved by 1, one of a start of norm 100 by 50: relative 1, 1, 0.5,
+    # none above 3 × the median, though 50 is 50 × the others' norms
+    small, big = {"w": torch.tensor([1.0])}, {"v": torch.tensor([100.0])}
+    mixed = {
+        "w": [
+            Contribution(c, {"w": torch.tensor([x])}, small) for c, x in (("c0", 2.0), ("c1", 0.0))
+        ],
+        "v": [Contribution("c2", {"v": torch.tensor([150.0])}, big)],
+    }
+    out = combine(mixed, RobustConfig(), flags)
+    assert out["w"]["w"].item() == 1.0 and out["v"]["v"].item() == 150.0 and not flags
+
+
+def test_a_contribution_both_clipped_and_pulled_in_is_flagged_for_both():
+    start = {"w": torch.zeros(1)}
+    group = [_contribution(f"c{i}", start, v) for i, v in enumerate((0.0, 1.0, 2.0, 3.0, 100.0))]
+    flags: dict[str, str] = {}
+    (out,) = combine({"global": group}, RobustConfig(), flags).values()
+    # norms: median 2, bound 6: 100 to 6 (by 0.06); from the center 2: 2, 1, 0, 1, 4, bound 2:
+    # 6 to 4 (by 0.5); it weighs 0.06² · 0.5²
+    t = 0.06**2 * 0.5**2
+    assert out["w"].item() == pytest.approx((0.0 + 1.0 + 2.0 + 3.0 + 4.0 * t) / (4 + t))
+    assert flags == {"c4": "update norm 100 clipped by 0.06; 4 from the median pulled in by 0.5"}
+    flags.clear()
+    # center_clip 1: the bound is the median distance itself (1): 0 to 1 (by 0.5) as well
+    (out,) = combine({"global": group}, RobustConfig(clip=0, center_clip=1.0), flags).values()
+    t0, t4 = 0.5**2, (1.0 / 98.0) ** 2
+    assert out["w"].item() == pytest.approx((t0 * 1.0 + 1.0 + 2.0 + 3.0 + t4 * 3.0) / (t0 + 3 + t4))
+    assert sorted(flags) == ["c0", "c4"]
+
+
+def test_the_median_and_trimmed_mean_weigh_a_clipped_contribution_by_its_scale():
+    start = {"w": torch.zeros(1)}
+    group = [_contribution(f"c{i}", start, v) for i, v in enumerate((1.0, 2.0, 3.0, 50.0, 60.0))]
+    cfg = RobustConfig(aggregator="median", center_clip=0)
+    (out,) = combine({"global": group}, cfg, {}).values()
+    # 50 and 60 go to 9 (3 × the median norm 3) and weigh 0.18² and 0.15²: half of the weight
+    # 3.0549 lies at 2 (unweighted, 1, 2, 3, 9, 9 have the median 3)
+    assert out["w"].item() == 2.0
+    # the trimmed mean (β = 0.2: a fifth of that weight, 0.61098, cut at each end) keeps
+    # 1 - 0.61098 of 1, all of 2 and 2.44392 - 2 of 3, nothing of either 9
+    trim = RobustConfig(aggregator="trimmed_mean", trim=0.2, center_clip=0)
+    (out,) = combine({"global": group}, trim, {}).values()
+    total = 3 + 0.18**2 + 0.15**2
+    kept = [1 - total / 5, 1.0, 4 * total / 5 - 2]
+    assert out["w"].item() == pytest.approx((kept[0] + 2 * kept[1] + 3 * kept[2]) / sum(kept))
+
+
+def test_an_aggregator_that_cannot_combine_a_group_names_it():
+    start = {"w": torch.zeros(1)}
+    group = [_contribution(f"c{i}", start, v) for i, v in enumerate((1.0, 2.0, 3.0))]
+    with pytest.raises(StrategyError, match=r"^meme: krum\(f=1\) chooses among at least 5"):
+        combine({"meme": group}, RobustConfig(aggregator="krum"), {})
 
 
 # -- over the network: attackers with valid keys -------------------------------------------------

@@ -32,6 +32,25 @@ def test_update_norms_are_float64_l2_norms_of_the_float_tensors_and_do_not_overf
     assert state_norm(_s(6.0, 8.0)) == 10.0
 
 
+def test_update_norms_stack_as_many_states_as_the_limit_holds_each_once(monkeypatch):
+    calls: list[int] = []
+    key_norms = robust._key_norms
+
+    def counted(states, starts, key):
+        calls.append(len(states))
+        return key_norms(states, starts, key)
+
+    monkeypatch.setattr(robust, "_key_norms", counted)
+    monkeypatch.setattr(robust, "_STACK_ELEMENTS", 4)
+    one = [_s(float(i)) for i in range(5)]  # an element each: four at a time, then the fifth
+    assert update_norms(one, [None] * 5) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert calls == [4, 1]
+    calls.clear()
+    three = [_s(0.0, 3.0, 4.0)] * 3  # three elements each: one at a time
+    assert update_norms(three, [None] * 3) == [5.0] * 3 and calls == [1, 1, 1]
+    assert update_norms([{"n": torch.tensor(3)}], [None]) == [0.0]  # no float tensor: no update
+
+
 @pytest.mark.parametrize("limit", [1 << 24, 8, 1])  # all at once; a few elements at a time
 def test_stacked_norms_and_order_statistics_equal_them_tensor_by_tensor(monkeypatch, limit):
     # Prepare: five states of one architecture (three starts, one of them None: zero) and two
@@ -75,6 +94,9 @@ def test_clip_scales_bound_each_norm_at_the_factor_times_the_median():
     assert clip_scales([1.0, 2.0, 6.0], 3.0) == [1.0, 1.0, 1.0]  # at the bound: kept
     assert clip_scales([1.0, 2.0, 60.0], 0.0) == [1.0, 1.0, 1.0]  # 0: off
     assert clip_scales([60.0], 3.0) == [1.0]  # alone: nothing to compare with
+    assert clip_scales([1.0, 3.0], 1.0) == [1.0, 2.0 / 3.0]  # two compare: median 2, bound 2
+    with pytest.raises(ValueError, match="shorter"):  # a size for every norm, or none
+        clip_scales([1.0, 2.0, 60.0], 3.0, sizes=[1.0, 1.0])
     # relative to each model's size: 6/3 = 2 and 1/1 = 1, 40/1 = 40; median 2, bound 6·size
     assert clip_scales([6.0, 1.0, 40.0], 3.0, sizes=[3.0, 1.0, 1.0]) == [1.0, 1.0, 6.0 / 40.0]
 
@@ -121,3 +143,61 @@ def test_krum_chooses_the_update_nearest_to_its_neighbours():
     assert krum_needs(1) == 5
     with pytest.raises(RobustError, match=r"at least 7 updates \(2f \+ 3\); this round has 5"):
         krum(states, 2)
+    # squared distances: of 0, 1, 5, 8, 11, 1 scores 1² + 4² = 17 and 8 scores 3² + 3² = 18
+    # (cubed, 8 would win: 27 + 27 = 54 against 1 + 64 = 65)
+    index, _ = krum([_s(float(v)) for v in (0, 1, 5, 8, 11)], 1)
+    assert index == 1
+
+
+def test_trimmed_mean_gives_a_cut_value_no_weight_at_all():
+    # 49 equal weights, β = 0.03: one cut at each end; 1/49 · 49 rounds below 1 in floating
+    # point, and a cut -3e38 weighing 1e-16 of a state would still move the mean by 7e20
+    states = [_s(1.0)] * 47 + [_s(-3e38), _s(3e38)]
+    assert trimmed_mean(states, 0.03)["w"].tolist() == [1.0]
+
+
+def test_a_single_state_is_its_own_median_and_trimmed_mean_and_none_is_refused():
+    only = _s(1.0, -2.0, steps=3)
+    for out in (coordinate_median([only]), trimmed_mean([only], 0.2)):
+        assert out["w"].tolist() == [1.0, -2.0] and out["n"].item() == 3
+    for aggregate in (coordinate_median, lambda states: trimmed_mean(states, 0.2)):
+        with pytest.raises(RobustError, match=r"^no updates to aggregate$"):
+            aggregate([])
+
+
+def test_weights_count_in_float64_and_a_zero_weight_counts_nothing():
+    four = [{"w": torch.tensor([v], dtype=torch.float64)} for v in (1.0, 2.0, 3.0, 1000.0)]
+    got = trimmed_mean(four, 0.25, [1.0, 1.0, 1.0, 0.1])["w"].item()
+    assert got == pytest.approx((0.225 * 1 + 2 + 0.325 * 3) / 1.55, rel=1e-12)  # 0.1 as float64
+    assert coordinate_median(four, [1.0, 1.0, 1.0, 0.0])["w"].item() == 2.0  # half of 3 at 2
+    # 1 is cut (a quarter of the weight 3: 0.75 of it), 1000 weighs nothing: (0.25 + 2 + 0.75)/1.5
+    assert trimmed_mean(four, 0.25, [1.0, 1.0, 1.0, 0.0])["w"].item() == 2.0
+    assert coordinate_median(four, [0.25] * 4)["w"].item() == 2.5  # weights of sum 1 are weights
+
+
+def test_a_cumulative_weight_within_a_billionth_of_half_counts_as_half():
+    # weights 1 ∓ 2e-9 and the rest of 2: the weight at or below 1 is half, within the
+    # tolerance (1e-9 of the total) at either end, so the median is the mean of 1 and 3
+    for first in (1.0 - 2e-9, 1.0 + 2e-9):
+        weights = [first, 2.0 - first]
+        assert sum(weights) == 2.0
+        assert coordinate_median([_s(1.0), _s(3.0)], weights)["w"].tolist() == [2.0]
+    # beyond it, one value has more than half the weight
+    assert coordinate_median([_s(1.0), _s(3.0)], [1.0 + 4e-9, 1.0 - 4e-9])["w"].tolist() == [1.0]
+
+
+@pytest.mark.parametrize(
+    ("limit", "runs"),
+    [
+        (34, [["a", "b"], ["c", "d"]]),  # 24 + 10 = 34 fits; 34 + 14 does not
+        (30, [["a"], ["b", "c", "d"]]),  # 10 + 14 + 6 = 30 fits
+        (10, [["a"], ["b"], ["c"], ["d"]]),  # each larger than the limit alone
+    ],
+)
+def test_the_order_statistics_sort_runs_of_tensors_of_at_most_the_stack_limit(
+    monkeypatch, limit, runs
+):
+    # over two states, tensors of 12, 5, 7 and 3 elements hold 24, 10, 14 and 6 values
+    monkeypatch.setattr(robust, "_STACK_ELEMENTS", limit)
+    first = {k: torch.zeros(m) for k, m in zip("abcd", (12, 5, 7, 3), strict=True)}
+    assert robust._runs(first, list("abcd"), 2) == runs
