@@ -92,7 +92,7 @@ def _key_norms(states: Sequence[State], starts: Sequence[State | None], key: str
     else:
         zero = torch.zeros_like(states[0][key])
         values -= torch.stack([zero if s is None else s[key] for s in starts]).double()
-    return torch.linalg.vector_norm(values.flatten(1), dim=1)
+    return torch.linalg.vector_norm(values.reshape(len(states), -1), dim=1)  # (0-d tensors too)
 
 
 def clip_scales(

@@ -59,12 +59,12 @@ def test_stacked_norms_and_order_statistics_equal_them_tensor_by_tensor(monkeypa
     g = torch.Generator().manual_seed(0)
 
     def state(*keys):
-        shapes = {"a": (3, 4), "b": (5,), "c": (7,)}
+        shapes = {"a": (3, 4), "b": (5,), "c": (7,), "t": ()}  # t: a scalar parameter
         return {k: torch.randn(shapes[k], generator=g) for k in keys} | {"n": torch.tensor(2)}
 
     ab = [state("a", "b") for _ in range(5)]
-    c = [state("c") for _ in range(2)]
-    start, other, c_start = state("a", "b"), state("a", "b"), state("c")
+    c = [state("c", "t") for _ in range(2)]
+    start, other, c_start = state("a", "b"), state("a", "b"), state("c", "t")
     states = [ab[0], c[0], ab[1], ab[2], c[1], ab[3], ab[4]]
     starts = [start, c_start, start, other, c_start, None, start]
 
