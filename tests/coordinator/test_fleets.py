@@ -155,8 +155,8 @@ def test_a_local_reply_with_a_non_finite_weight_or_metric_is_not_counted(caplog)
     # Prepare: c0's model comes back with a NaN, c1's metrics with an infinity, c2's model with
     # a finite weight beyond robust.max_abs (one by one, so that each node's own execute runs).
     # (The warning is asserted: a CLI test run earlier in this process may have left the root
-    # logger at ERROR.)
-    caplog.set_level(logging.WARNING, logger="coordinator.fleet.local")
+    # logger at ERROR. The fleet's loggers, base's and local's, are set back to WARNING.)
+    caplog.set_level(logging.WARNING, logger="coordinator.fleet")
     cfg, fed, nodes = _nodes(4)
     fleet = LocalFleet(nodes, parallel=1, stack=False)
     coordinator = build_coordinator(cfg, fleet, fed=fed)
