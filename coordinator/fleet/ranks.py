@@ -142,6 +142,45 @@ def dumps(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+# What a blob from another rank may name when it is unpickled: classes of this project (a
+# phase request, a reply, a model and its spec...), torch's dtypes, a few containers, and the
+# tensor rebuilder above. A blob that names anything else (os.system, say, sent by a process
+# that reached the rendezvous without being a rank of this launch) is refused, not run. The
+# rendezvous endpoint should still sit on a trusted network: torch.distributed authenticates no
+# one (docs/reference/distributed.md).
+_PACKAGES = ("coordinator", "edge_sdk", "model_zoo")
+_NAMES = {
+    "builtins": {"set", "frozenset", "bytearray", "complex", "slice", "range"},
+    "collections": {"Counter", "OrderedDict", "defaultdict", "deque"},
+}
+
+
+def _admitted(module: str, name: str, found: Any) -> bool:
+    if found is _tensor or name in _NAMES.get(module, ()):
+        return True
+    if module == "torch":
+        return isinstance(found, torch.dtype)
+    return module.split(".")[0] in _PACKAGES and isinstance(found, type)
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        # (no module outside these is even imported)
+        if module in _NAMES or module == "torch" or module.split(".")[0] in _PACKAGES:
+            found = super().find_class(module, name)
+            if _admitted(module, name, found):
+                return found
+        raise pickle.UnpicklingError(
+            f"a blob from another rank names {module}.{name}, which nothing that crosses ranks "
+            "holds: refused"
+        )
+
+
+def loads(blob: bytes) -> Any:
+    """What `dumps` made, from another rank (see _Unpickler)."""
+    return _Unpickler(io.BytesIO(blob)).load()
+
+
 def _lost(ranks: Ranks, what: str, exc: Exception) -> RankLost:
     return RankLost(
         f"rank {ranks.rank}: lost contact with the other ranks during {what} (a rank's process "
@@ -212,7 +251,7 @@ class ShardFleet(LocalFleet):
             for r, blob in enumerate(blobs):
                 if r == self.ranks.rank:
                     continue
-                theirs, messages = pickle.loads(blob)
+                theirs, messages = loads(blob)
                 board.publications.update(theirs)
                 board.messages.update({k: v for k, v in messages.items() if k[0] in self.nodes})
             self._known = dict(board.publications)
@@ -230,7 +269,7 @@ def serve(shard: ShardFleet) -> None:
     stopped (raises CoordinatorError)."""
     ranks = shard.ranks
     while True:
-        op, arg = pickle.loads(_scatter(ranks, None, "a wait for rank 0"))
+        op, arg = loads(_scatter(ranks, None, "a wait for rank 0"))
         if op == "open":
             shard.open(arg)
         elif op == "register":
@@ -289,7 +328,7 @@ class RankFleet(Fleet):
         with self._exchange():
             blobs = _gather(self.ranks, b"", what)
         self._in += sum(len(b) for b in blobs)
-        return [mine, *(pickle.loads(b) for b in blobs[1:])]
+        return [mine, *(loads(b) for b in blobs[1:])]
 
     def open(self, run: RunInfo) -> None:
         self._run = run

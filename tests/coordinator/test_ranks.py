@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from typer.testing import CliRunner
 from coordinator.broker import free_port
 from coordinator.cli import app
 from coordinator.distributed import disagreement
-from coordinator.fleet.ranks import balance, client_cost, dumps
+from coordinator.fleet.ranks import balance, client_cost, dumps, loads
 from edge_sdk.algorithms import algorithm_names
 from model_zoo import ArchSpec
 
@@ -208,13 +210,36 @@ def test_a_clients_cost_is_its_samples_times_its_parameters():
 
 
 def test_a_view_crosses_as_its_own_elements():
-    import pickle
-
     stack = torch.arange(4000, dtype=torch.float32).reshape(40, 100)
     row = stack[3]
-    got = pickle.loads(dumps({"w": row}))["w"]
+    got = loads(dumps({"w": row}))["w"]
     assert torch.equal(got, row)
     assert len(dumps(row)) < 100 * 4 + 300 < len(pickle.dumps(row))
+
+
+class _Shell:
+    def __reduce__(self):
+        return os.system, ("echo pwned",)
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        pytest.param(pickle.dumps(_Shell()), id="os.system"),
+        pytest.param(pickle.dumps(torch.load), id="a torch function"),
+        pytest.param(pickle.dumps(balance), id="a function of ours"),
+        pytest.param(pickle.dumps(getattr), id="a builtin"),
+    ],
+)
+def test_a_blob_naming_anything_but_what_crosses_ranks_is_refused(blob):
+    with pytest.raises(pickle.UnpicklingError, match="which nothing that crosses ranks holds"):
+        loads(blob)
+
+
+def test_what_crosses_ranks_loads_as_it_was():
+    spec = ArchSpec(family="mlr", num_classes=3, input_shape=(4,))
+    sent = {"spec": spec, "n": Counter(a=2), "ids": frozenset({"c0"}), "dtype": torch.int64}
+    assert loads(dumps(sent)) == sent
 
 
 def test_disagreement_names_the_rank_and_what_differs():
