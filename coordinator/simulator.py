@@ -55,7 +55,7 @@ from edge_sdk.node import ClientNode
 from edge_sdk.transport import InMemoryBroker, Transport
 from edge_sdk.transport.mqtt import MqttTransport
 
-__all__ = ["run_federation", "serve_federation", "serve_runs", "simulate", "transport_factory"]
+__all__ = ["run_federation", "serve_runs", "simulate", "transport_factory"]
 
 log = logging.getLogger(__name__)
 
@@ -114,22 +114,10 @@ def run_federation(
     the EdgeClient class that serves it over the network (a benchmark's attacker).
 
     In a simulation over ranks (`coordinator.distributed`), rank 0 runs this; the other ranks
-    run `serve_federation` with the same arguments."""
+    serve their shards of it (`serve_runs`)."""
     result = _run(cfg, fed, algorithm, models, export_dir, on_round, client_cls)
     assert result is not None  # rank 0, or one process
     return result
-
-
-def serve_federation(
-    cfg: RunConfig,
-    fed: Federation,
-    algorithm: str,
-    *,
-    models: list[str] | None = None,
-    export_dir: Path | None = None,
-) -> None:
-    """A rank other than 0: serve its shard of the clients for rank 0's `run_federation`."""
-    _run(cfg, fed, algorithm, models, export_dir, None, None)
 
 
 def _run(
@@ -408,4 +396,4 @@ def serve_runs(cfg: RunConfig) -> None:
     fed = prepare_federation(cfg)
     for name in cfg.runs:
         models, export_dir = _run_args(cfg, name)
-        serve_federation(cfg, fed, name, models=models, export_dir=export_dir)
+        _run(cfg, fed, name, models, export_dir, None, None)  # this rank's shard
