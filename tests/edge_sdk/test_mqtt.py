@@ -1,6 +1,7 @@
 """What only the MQTT transport does: URLs, protocol fallback, typed refusals, TLS, reconnects."""
 
 import itertools
+import logging
 import threading
 import uuid
 
@@ -88,6 +89,8 @@ def test_a_device_that_boots_before_its_broker_waits_for_it_until_its_limit(monk
     from coordinator.broker import free_port
 
     monkeypatch.setattr(random, "uniform", lambda a, b: 1.0)
+    # (another test in the same worker may have left the logger's level above WARNING)
+    caplog.set_level(logging.WARNING, logger="edge_sdk.transport.mqtt")
     port = free_port()
     broker = EmbeddedBroker(port=port)
     late = threading.Timer(2.0, broker.start)
