@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 import time
 from collections import deque
@@ -74,6 +75,7 @@ if TYPE_CHECKING:
 from edge_sdk.wire import (
     DEFAULT_CHUNK_BYTES,
     Endpoint,
+    Envelope,
     pack_models,
     read_retained,
     unique_id,
@@ -85,7 +87,13 @@ __all__ = ["Deployed", "EdgeClient", "FinalMetrics", "RegistrationRefused", "Tas
 
 log = logging.getLogger(__name__)
 
+# An unanswered registration is sent again after about REGISTER_RETRY_S, then twice as long
+# each time up to REGISTER_RETRY_MAX_S, with ±50% jitter: a coordinator admitting thousands of
+# devices at once is not flooded with retries (before, every unanswered device registered again
+# every 2 s, and again on every status the coordinator published: at 10,000 devices the
+# retries outran what the coordinator could answer).
 REGISTER_RETRY_S = 2.0
+REGISTER_RETRY_MAX_S = 30.0
 # How long an idle client waits for a message before looking at its flags again. stop() and a
 # reconnection wake it at once; request_stop() (signal-safe: it only sets a flag) within this.
 # Every wake-up costs CPU: with 0.2 s, 200 simulated clients spent ~7 % of a round waking.
@@ -317,7 +325,8 @@ class EdgeClient:
         self._epoch_base = time.time_ns() // 1_000_000 * 1000  # a restart starts higher
         self._thread: threading.Thread | None = None
         self._seen: deque[str] = deque(maxlen=_SEEN_TASKS)
-        self._last_register = 0.0
+        self._register_due = 0.0  # when an unanswered registration is sent again (monotonic)
+        self._register_every = REGISTER_RETRY_S  # ... after this long (doubling)
         self._last_reply: tuple[str, Reply, dict[str, bytes]] | None = None  # sent again if asked
         self.accepted: bool | None = None
         self.refused: str | None = None  # why the coordinator refused this process
@@ -428,6 +437,17 @@ class EdgeClient:
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> EdgeClient:
         """Connect, subscribe, register, and serve tasks on a worker thread until the run ends."""
+        self.open()
+        self._thread = threading.Thread(
+            target=self._serve, name=f"edgefl-client-{self.client_id}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def open(self) -> EdgeClient:
+        """Connect and subscribe, without a serving thread: whoever opens the client serves it,
+        calling `step()` with what its endpoint receives (`start()` does both, on a thread of
+        its own; the fleet benchmark serves thousands of clients from one thread this way)."""
         if self.node.algorithm is None:
             self.node.restore()
         self.transport.set_will(
@@ -438,10 +458,6 @@ class EdgeClient:
         self.endpoint.open()
         self.peers.open()
         self._stop.clear()
-        self._thread = threading.Thread(
-            target=self._serve, name=f"edgefl-client-{self.client_id}", daemon=True
-        )
-        self._thread.start()
         return self
 
     def run(self, timeout: float | None = None) -> FinalMetrics:
@@ -493,6 +509,10 @@ class EdgeClient:
         for one; the status topic is retained, so it comes as soon as there is a coordinator)."""
         if self.status is None or self.status.phase == "finished":
             return
+        if self._registering == self.status.incarnation:  # again, unanswered: back off
+            self._register_every = min(2 * self._register_every, REGISTER_RETRY_MAX_S)
+        else:
+            self._register_every = REGISTER_RETRY_S
         self._registering = self.status.incarnation
         msg = Register(
             run=self.run_id,
@@ -504,7 +524,7 @@ class EdgeClient:
             incarnation=self.status.incarnation,
         )
         self._try_send(msg)
-        self._last_register = time.monotonic()
+        self._register_due = _now() + self._register_every * random.uniform(0.5, 1.5)
 
     def request_stop(self) -> None:
         """Stop after the task in progress (safe from a signal handler); `run()` then returns."""
@@ -539,42 +559,52 @@ class EdgeClient:
 
     # -- serving ---------------------------------------------------------------------------
     def _serve(self) -> None:
+        while not self._stop.is_set():
+            if self.step(self.endpoint.receive(timeout=self.idle_wait())):
+                return
+
+    def idle_wait(self) -> float:
+        """How long the client may wait for a message before `step(None)` is due (a
+        registration retry, or a look at its flags)."""
+        wait = IDLE_WAIT_S
+        if self.accepted is None and self.status is not None:  # a registration is due
+            wait = min(wait, max(0.0, self._register_due - _now()))
+        return wait
+
+    def step(self, env: Envelope | None) -> bool:
+        """Handle one received envelope, or (None) nothing within `idle_wait()`: announce a
+        connection that came back, retry the registration, act on the message. True once the
+        client is done (the run finished, or its registration was refused): stop serving it."""
+        if self._back.is_set():  # our will may have marked us offline meanwhile
+            self._back.clear()
+            self._try_send(self._presence(self.transport.connection, online=True))
+        if self._believe_finished():
+            return True
+        if env is None:
+            # Until the coordinator answers, say hello again, less and less often.
+            if self.accepted is None and _now() >= self._register_due:
+                self.register()
+            return self._stop.is_set()
+        self._save_replay_record()  # before acting on it: a new process will not again
+        msg = env.message
         handlers: dict[type, Callable[[Any, Mapping[str, Buffer]], bool]] = {
             Shutdown: self._on_shutdown,
             Registered: self._on_registered,
             Task: self._on_task,
         }
-        while not self._stop.is_set():
-            if self._back.is_set():  # our will may have marked us offline meanwhile
-                self._back.clear()
-                self._try_send(self._presence(self.transport.connection, online=True))
-            wait = IDLE_WAIT_S
-            if self.accepted is None and self.status is not None:  # a registration is due
-                wait = min(wait, max(0.0, self._last_register + REGISTER_RETRY_S - _now()))
-            env = self.endpoint.receive(timeout=wait)
-            if self._believe_finished():
-                return
-            if env is None:
-                # Until the coordinator answers, say hello again every few seconds.
-                if self.accepted is None and _now() - self._last_register >= REGISTER_RETRY_S:
-                    self.register()
-                continue
-            self._save_replay_record()  # before acting on it: a new process will not again
-            msg = env.message
-            if msg.run != self.run_id or msg.sender != topics.COORDINATOR:
-                log.warning(
-                    "%s: ignoring %s from %s/%s", self.client_id, msg.kind, msg.run, msg.sender
-                )
-            elif env.topic == self._status_topic:
-                if isinstance(msg, Status):
-                    self._on_status(msg)
-            elif env.topic != self._down:
-                log.warning("%s: ignoring a %s message on %s", self.client_id, msg.kind, env.topic)
-            elif type(msg) in handlers:
-                if handlers[type(msg)](msg, env.blobs):
-                    return  # the run is over
-            else:
-                log.warning("%s: ignoring unexpected %s message", self.client_id, msg.kind)
+        if msg.run != self.run_id or msg.sender != topics.COORDINATOR:
+            log.warning("%s: ignoring %s from %s/%s", self.client_id, msg.kind, msg.run, msg.sender)
+        elif env.topic == self._status_topic:
+            if isinstance(msg, Status):
+                self._on_status(msg)
+        elif env.topic != self._down:
+            log.warning("%s: ignoring a %s message on %s", self.client_id, msg.kind, env.topic)
+        elif type(msg) in handlers:
+            if handlers[type(msg)](msg, env.blobs):
+                return True  # the run is over
+        else:
+            log.warning("%s: ignoring unexpected %s message", self.client_id, msg.kind)
+        return self._stop.is_set()
 
     def _believe_finished(self) -> bool:
         """Whether a "finished" status seen before registering has stood for FINISHED_GRACE_S
@@ -685,7 +715,8 @@ class EdgeClient:
                 self._finished_since = _now()
         elif self.accepted is None:
             self._finished_since = None
-            self.register()
+            if self._registering != status.incarnation:  # else the retry timer sends it again
+                self.register()
         elif self.accepted and _now() - self._back_at < REANNOUNCE_S:
             self._try_send(self._presence(self.transport.connection, online=True))
 
