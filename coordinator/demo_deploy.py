@@ -151,7 +151,7 @@ def _round_line(rec: dict[str, Any], cfg: RunConfig, arch: dict[str, str]) -> st
     per_client = "  ".join(f"{cid} {pct(accs.get(cid))}" for cid in arch)
     state = " FAILED" if rec.get("failed") else ""
     return (
-        f"round {rec['round']:>2}/{cfg.rounds}{state} | online {len(rec.get('online', []))}/"
+        f"round {rec['round']:>2}/{cfg.rounds}{state} | online {rec.get('online', 0)}/"
         f"{len(arch)} | mean {pct(rec.get('mean_personal_acc'))}% | {per_client} | "
         f"{rec['seconds']:.1f} s"
     )

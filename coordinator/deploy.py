@@ -89,6 +89,7 @@ def _line(rec: RoundRecord) -> dict[str, Any]:
         "trained": rec.trained,
         "replied": rec.replied,
         "online": rec.online,
+        "offline": rec.offline,
         "client_acc": rec.client_acc,  # each client's personalized accuracy after the round
     }
 

@@ -65,7 +65,10 @@ class RoundRecord:
     client_details: dict[str, dict[str, Detail]] = field(default_factory=dict)  # from fit replies
     # each client's personalized accuracy (evaluate phase; {} when the round did not evaluate)
     client_acc: dict[str, float | None] = field(default_factory=dict)
-    online: list[str] = field(default_factory=list)  # registered clients online at the round's end
+    # Registered clients online at the round's end: how many, and which were not (a fleet of
+    # thousands writes a record a round: the few offline, not the thousands online).
+    online: int = 0
+    offline: list[str] = field(default_factory=list)
     # Clients whose contribution aggregation bounded (clipped, weight capped), with why
     flagged: dict[str, str] = field(default_factory=dict)
     # Undone after its evaluation left most clients much worse (coordinator.robust); the

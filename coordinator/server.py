@@ -285,7 +285,7 @@ class Coordinator:
             spec = ArchSpec.from_json(c["spec"])
             caps = Capabilities.model_validate_json(c["capabilities"])
             self.clients[c["id"]] = ClientInfo(c["id"], spec, caps)
-        self.records = [RoundRecord(**rec) for rec in state["records"]]
+        self.records = [RoundRecord(**_record_fields(rec)) for rec in state["records"]]
         self._kept = max((rec.round for rec in self.records if not rec.failed), default=0)
         self._scores = {str(k): float(v) for k, v in state.get("scores", {}).items()}
         self._scored_after = state.get("scored_after")
@@ -403,6 +403,7 @@ class Coordinator:
                 self._scores = {cid: v for cid, v in now.items() if v is not None}
                 self._scored_after = self._kept
         strategy.cohort = {}
+        online = self.fleet.online()
         seconds = time.perf_counter() - t0
         self.stats.round_seconds.append(seconds)
         if failed:
@@ -420,7 +421,8 @@ class Coordinator:
             train_metrics=_mean_metrics(valid),
             client_details={cid: v.details for cid, v in valid.items() if v.details},
             client_acc={cid: p for cid, (p, _) in sorted(per_client.items())},
-            online=sorted(self.fleet.online()),
+            online=len(online),
+            offline=sorted(set(self.clients) - online),
             flagged=flagged,
             rolled_back=back,
             suspects=blamed,
@@ -516,6 +518,14 @@ def _accuracies(
     ps = [p for p, _ in per_client.values() if p is not None]
     gs = [g for _, g in per_client.values() if g is not None]
     return (sum(ps) / len(ps) if ps else None, sum(gs) / len(gs) if gs else None, per_client)
+
+
+def _record_fields(rec: dict[str, Any]) -> dict[str, Any]:
+    """A checkpointed round record's fields; a checkpoint written before records counted the
+    online clients listed them all."""
+    if isinstance(rec.get("online"), list):
+        rec = {**rec, "online": len(rec["online"])}
+    return rec
 
 
 def new_incarnation() -> int:

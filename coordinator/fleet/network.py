@@ -39,7 +39,7 @@ from coordinator.strategies import FitReply
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
 from edge_sdk.codec import WireModel
-from edge_sdk.protocol import Archive, Registered, Reply, Shutdown, Status, Task
+from edge_sdk.protocol import Archive, Register, Registered, Reply, Shutdown, Status, Task
 from edge_sdk.ratelog import RateLimitedLog
 from edge_sdk.transport.base import Delivery, Transport, TransportError
 from edge_sdk.wire import (
@@ -201,14 +201,11 @@ class NetworkFleet(Fleet):
 
     def finish(self, reason: str) -> None:
         run = self.run
-        for cid in self.clients:
-            bye = Shutdown(
-                run=run.run_id,
-                sender=topics.COORDINATOR,
-                reason=reason,
-                incarnation=run.incarnation,
-            )
-            self._send(cid, bye)
+        bye = Shutdown(
+            run=run.run_id, sender=topics.COORDINATOR, reason=reason, incarnation=run.incarnation
+        )
+        sent = [d for cid in self.clients for d in self._send(cid, bye, wait=False)]
+        self._wait(sent, "shutdown")  # acks come back while the others are still sent
         self._publish_status("finished")
         self._endpoint.close()
 
@@ -267,8 +264,8 @@ class NetworkFleet(Fleet):
         results: dict[str, FitReply | None] = {cid: None for cid in request.plan}
         deadline = time.monotonic() + request.deadline_s
         try:
-            while waiting := set(self._tasks) & self.members.present():
-                until = min(deadline, self.members.grace_ends(waiting))
+            while self._waiting():
+                until = min(deadline, self.members.grace_ends(self._tasks, time.monotonic()))
                 env = self._receive(until - time.monotonic())
                 if env is None:
                     if time.monotonic() < deadline:
@@ -311,6 +308,12 @@ class NetworkFleet(Fleet):
         finally:
             self._tasks, self._shared, self._due = {}, {}, set()
         return results
+
+    def _waiting(self) -> bool:
+        """Whether a task is still open for a client that is present (the first one found
+        usually is: this runs once per message, so it must not walk every client)."""
+        now = time.monotonic()
+        return any(self.members.is_present(cid, now) for cid in self._tasks)
 
     def _from_registered(self, env: Envelope, cid: str) -> bool:
         """Whether a reply to `cid`'s task came from `cid`'s registered process."""
@@ -364,12 +367,17 @@ class NetworkFleet(Fleet):
 
     def _deliver(self, cids: list[str]) -> None:
         """Send these clients their tasks (acks come back while the others are still sent)."""
-        sent = {cid: self._send(cid, *self._tasks[cid], wait=False) for cid in cids}
-        for cid, deliveries in sent.items():
+        sent = [d for cid in cids for d in self._send(cid, *self._tasks[cid], wait=False)]
+        self._wait(sent, f"{self._phase} task")
+
+    def _wait(self, deliveries: list[Delivery], what: str) -> None:
+        """Wait for the broker's acks of `deliveries`; a refused one is logged, by topic."""
+        deadline = time.monotonic() + self._endpoint.ack_timeout_s
+        for d in deliveries:
             try:
-                self._endpoint.wait(deliveries)
+                d.wait(max(0.0, deadline - time.monotonic()))
             except TransportError as exc:
-                log.error("the %s task to %s was not delivered: %s", self._phase, cid, exc)
+                log.error("the %s on %s was not delivered: %s", what, d.topic, exc)
 
     def _come_back(self, cid: str) -> None:
         """`cid` has a new connection or process: it may have missed its task."""
@@ -512,11 +520,13 @@ class NetworkFleet(Fleet):
             return
         if self.members.handle(cid, env.message):
             self._come_back(cid)
-        if cid in self.clients:
-            self._resize()
+        if isinstance(env.message, Register) and cid in self.clients:
+            self._grow(2 * model_bytes(self.clients[cid].spec))  # its own and the global
 
     def _answer(self, cid: str, answer: Registered) -> None:
-        self._send(cid, answer)
+        # Not waited for: thousands register at once, and a round trip each made admitting
+        # them serial. A lost answer costs the client a registration retry.
+        self._send(cid, answer, wait=False)
 
     def _send(
         self,
