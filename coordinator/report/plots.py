@@ -38,6 +38,10 @@ SERIES: Final[tuple[tuple[str, str], ...]] = (
     ("fedavg_ft_acc", "FedAvg+FT"),
     ("global_acc", "this run's global model"),
 )
+# Above this many clients the figures show the spread over clients (percentiles, sorted
+# curves) instead of a line, a bar and a legend entry per client: a run of thousands of
+# devices drew for minutes, and no one can read a legend of thousands.
+MANY_CLIENTS: Final[int] = 40
 _BASELINE_LINES: Final[tuple[tuple[str, str, str], ...]] = (
     ("local", "local only (final mean)", "tab:gray"),
     ("fedavg", "FedAvg (final mean)", "tab:red"),
@@ -73,8 +77,16 @@ def round_figure(
         for cid, acc in r.client_acc.items():
             line = per_client.setdefault(cid, [np.nan] * len(rounds))
             line[i] = np.nan if acc is None else acc * 100
-    for cid, values in per_client.items():
-        axes.plot(x, values, linewidth=0.9, alpha=0.55, label=f"{cid}")
+    if len(per_client) > MANY_CLIENTS:
+        grid = np.array(list(per_client.values()))
+        cols = np.isfinite(grid).any(axis=0)  # rounds that evaluated
+        if cols.any():
+            low, high = np.nanpercentile(grid[:, cols], [10, 90], axis=0)
+            label = f"{len(per_client)} clients, 10th-90th percentile"
+            axes.fill_between(np.array(x)[cols], low, high, alpha=0.25, label=label)
+    else:
+        for cid, values in per_client.items():
+            axes.plot(x, values, linewidth=0.9, alpha=0.55, label=f"{cid}")
     for means, label, style in (
         ([r.mean_personal_acc for r in rounds], "mean personalized", "-"),
         ([r.global_acc for r in rounds], "mean global model", "--"),
@@ -97,7 +109,10 @@ def round_figure(
 
 
 def client_figure(clients: Sequence[ClientEntry]) -> Figure:
-    """Grouped bars per client: personalized, local-only, the baselines' and global accuracy."""
+    """Grouped bars per client: personalized, local-only, the baselines' and global accuracy;
+    above `MANY_CLIENTS`, each of those as a curve over the clients sorted by it."""
+    if len(clients) > MANY_CLIENTS:
+        return _sorted_clients_figure(clients)
     width = min(max(7.0, 0.45 * len(clients) + 2.0), 40.0)
     figure = Figure(figsize=(width, 4.5), layout="constrained")
     axes = figure.add_subplot()
@@ -105,13 +120,7 @@ def client_figure(clients: Sequence[ClientEntry]) -> Figure:
     axes.set_ylabel("accuracy (%)")
     if not clients:
         return _empty(figure, "no clients recorded")
-    present = [
-        (key, label, values)
-        for key, label in SERIES
-        if np.isfinite(values := _percent([getattr(c, key) for c in clients])).any()
-    ]
-    if any(key == "fedavg_acc" for key, _, _ in present):  # the global model PersFL compares with
-        present = [p for p in present if p[0] != "global_acc"]
+    present = _series(clients)
     positions = np.arange(len(clients))
     bar_width = 0.8 / max(len(present), 1)
     for offset, (_, label, values) in enumerate(present):
@@ -121,6 +130,35 @@ def client_figure(clients: Sequence[ClientEntry]) -> Figure:
     axes.set_xticks(positions, labels, rotation=90 if len(clients) > 12 else 0)
     axes.set_ylim(0, 100)
     axes.grid(axis="y", alpha=0.3)
+    if present:
+        figure.legend(loc="outside right upper")
+    return figure
+
+
+def _series(clients: Sequence[ClientEntry]) -> list[tuple[str, str, np.ndarray]]:
+    """The accuracies the client figure compares, each (field, label, values) with a value."""
+    present = [
+        (key, label, values)
+        for key, label in SERIES
+        if np.isfinite(values := _percent([getattr(c, key) for c in clients])).any()
+    ]
+    if any(key == "fedavg_acc" for key, _, _ in present):  # the global model PersFL compares with
+        present = [p for p in present if p[0] != "global_acc"]
+    return present
+
+
+def _sorted_clients_figure(clients: Sequence[ClientEntry]) -> Figure:
+    figure = Figure(figsize=(8, 4.5), layout="constrained")
+    axes = figure.add_subplot()
+    axes.set_title(f"Accuracy per client (own test split), {len(clients)} clients")
+    axes.set_xlabel("share of clients (each curve sorted by its own accuracy)")
+    axes.set_ylabel("accuracy (%)")
+    present = _series(clients)
+    for _, label, values in present:
+        y = np.sort(values[np.isfinite(values)])
+        axes.plot(np.linspace(0, 100, len(y)), y, linewidth=1.5, label=label)
+    axes.set_ylim(0, 100)
+    axes.grid(alpha=0.3)
     if present:
         figure.legend(loc="outside right upper")
     return figure

@@ -259,3 +259,37 @@ def test_collaboration_says_what_its_diagonal_is_and_why_it_is_often_zero(tmp_pa
         collaboration_matrices(Results.parse(results)), ["c0", "c1", "c2"]
     )
     assert len(figure.axes[0].patches) == 3  # the diagonal's cells are outlined
+
+
+def test_plots_of_many_clients_show_their_spread_not_a_line_and_a_legend_entry_each() -> None:
+    # 100 clients (in round r, client i scores i % 50 + 20 r percent; finally 99 - i): the
+    # round plot shades the 10th-90th percentile of each round; the client plot draws one
+    # curve per series over the clients sorted by it. Before: 100 lines, 100 legend entries.
+    from coordinator.report.plots import client_figure, round_figure
+
+    results = _results()
+    ids = [f"d{i}" for i in range(100)]
+    for r, entry in enumerate(results["rounds"]):
+        entry["client_acc"] = {cid: (i % 50 + 20 * r) / 100 for i, cid in enumerate(ids)}
+    results["clients"] = [
+        {**results["clients"][0], "id": cid, "personal_acc": (99 - i) / 100}
+        for i, cid in enumerate(ids)
+    ]
+    parsed = Results.parse(results)
+
+    axes = round_figure(parsed.rounds, parsed.baselines).axes[0]
+    labels = [line.get_label() for line in axes.get_lines()]
+    assert not set(labels) & set(ids)
+    (band,) = axes.collections
+    assert band.get_label() == "100 clients, 10th-90th percentile"
+    spread = [i % 50 for i in range(100)]
+    low, high = np.percentile(spread, 10), np.percentile(spread, 90)
+    ys = band.get_paths()[0].vertices[:, 1]
+    assert np.isclose(ys.min(), low) and np.isclose(
+        ys.max(), high + 20 * (len(results["rounds"]) - 1)
+    )
+
+    axes = client_figure(parsed.clients).axes[0]
+    curves = {line.get_label(): line.get_ydata() for line in axes.get_lines()}
+    np.testing.assert_allclose(curves["personalized"], np.arange(100))
+    assert not axes.patches  # no bars
