@@ -105,8 +105,8 @@ IDLE_WAIT_S = 1.0
 REANNOUNCE_S = 60.0
 _SEEN_TASKS = 256  # task ids remembered to ignore QoS 1 redeliveries
 # A "finished" status seen before registering is believed after this long without a newer one:
-# the coordinator of a run that goes on publishes its status again every 2 s
-# (coordinator.fleet.network.STATUS_REFRESH_S), over an old run's replayed on an open broker.
+# the coordinator of a run that goes on publishes its own again as soon as another replaced it
+# on the broker (an old run's, replayed on an open broker; coordinator.fleet.network).
 FINISHED_GRACE_S = 6.0
 # What reassembly may hold per topic before the coordinator's status says how large the run's
 # models are (then twice that, plus a chunk): a flood before it costs at most this much.

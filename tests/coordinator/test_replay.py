@@ -63,3 +63,29 @@ def test_a_previous_runs_shutdown_and_finished_status_replayed_into_a_new_run_ar
     assert all(c.personal_acc is not None for c in result.clients)
     assert all(r.replied == ["c0", "c1", "c2"] for r in result.rounds)
     assert not any(c.refused for c in clients)
+
+
+def test_a_finished_status_replayed_over_the_current_one_is_replaced_at_once():
+    # An old run's "finished" status is replayed, retained, over the running coordinator's.
+    # The fleet reads its status topic back and publishes its own again within STATUS_AGAIN_S,
+    # so a device that starts now reads the current one; its periodic refresh (every 30 s, for
+    # brokers that lose retained messages) would come after such a device gave up (6 s).
+    keys = Keyring.ephemeral([topics.COORDINATOR, "c0", "c1", "c2"])
+    first = InMemoryBroker()
+    frames = _recorder(first)
+    _run(*small_federation(broker=first, rounds=1, keys=keys))
+    finished = next(
+        p for t, p in frames if isinstance(m := _signed(p), Status) and m.phase == "finished"
+    )
+    second = InMemoryBroker()
+    coordinator, _ = small_federation(broker=second, rounds=1, keys=keys)
+    fleet = coordinator.fleet
+    fleet._receive(0.3)  # (what the fleet's first wait does: it republishes once connected)
+    retained = []
+    second.connect("mallory").publish(topics.status("default"), finished, retain=True)
+    fleet._receive(1.0)
+    second.connect("late").subscribe(topics.status("default"), lambda t, p: retained.append(p))
+    status = _signed(retained[-1])
+    assert (status.phase, status.incarnation) == ("registering", coordinator.incarnation)
+    assert fleet.rejections() == {}
+    fleet.pause()
