@@ -102,7 +102,10 @@ class PeerChannel:
         self._stash: dict[tuple[str, int, str], WireModel] = {}  # (name, round, sender)
         self._chunks: dict[str, int] = {}  # chunk topics of each publication, to clear stale ones
         self._current: dict[str, tuple[WireModel, int]] = {}  # each publication and its version
-        self._retained_seen = False  # our own first publication came back to a new subscription
+        # Whether our own first publication came back to a new subscription (None: not tried
+        # yet; False: it did not, and every later publish fails at once for the same reason).
+        self._retained_seen: bool | None = None
+        self._retained_missing = ""
         # The coordinator incarnation this client registered with (None: not yet; nothing
         # checked then).
         self.incarnation: int | None = None
@@ -130,6 +133,8 @@ class PeerChannel:
 
     def publish(self, name: str, model: WireModel, version: int) -> None:
         """Make `model` this client's current `name`, retained, for round `version`."""
+        if self._retained_seen is False:
+            raise RetainedNotDelivered(self._retained_missing)
         self._current[name] = (model, version)
         self._chunks[name] = publish_retained(
             self.inbox,
@@ -138,7 +143,7 @@ class PeerChannel:
             lambda refs: Published(**self._signed_as(), name=name, version=version, models=refs),
             previous_chunks=self._chunks.get(name, 0),
         )
-        if not self._retained_seen:
+        if self._retained_seen is None:
             self._check_retained(name, version)
 
     def _check_retained(self, name: str, version: int) -> None:
@@ -154,7 +159,8 @@ class PeerChannel:
             keyring=self.keyring,
         )
         if got is None:
-            raise RetainedNotDelivered(
+            self._retained_seen = False
+            self._retained_missing = (
                 f"{self.me}: the broker did not deliver this client's own retained publication "
                 f"on {topic} (and {topic}/+) to a new subscription within {RETAINED_CHECK_S:g} "
                 "s, so no peer could read it. Decentralized algorithms (FedeRiCo) need retained "
@@ -163,6 +169,7 @@ class PeerChannel:
                 "RabbitMQ's MQTT plugin (3.x) keeps retained messages per node and sends none "
                 "to wildcard filters"
             )
+            raise RetainedNotDelivered(self._retained_missing)
         self._retained_seen = True
 
     def fetch(

@@ -69,11 +69,16 @@ def test_a_broker_that_keeps_no_retained_publication_is_named_at_the_first_publi
     monkeypatch.setattr(peers, "RETAINED_CHECK_S", 0.3)
     broker = InMemoryBroker()
     lost = PeerChannel(_forgetting_retained(broker.connect("a")), "run", "a").open()
-    with pytest.raises(RetainedNotDelivered, match="RabbitMQ.*per node") as err:
+    with pytest.raises(RetainedNotDelivered, match=r"RabbitMQ.*per node") as err:
         lost.publish("model", _model(1), version=1)
     assert "peer/a/pub/model" in str(err.value) and "EMQX" in str(err.value)
+    # Every later round fails at once for the same reason, without waiting again.
+    monkeypatch.setattr(peers, "read_retained", lambda *a, **k: pytest.fail("read again"))
+    with pytest.raises(RetainedNotDelivered, match="RabbitMQ"):
+        lost.publish("model", _model(1), version=2)
     # On a broker that keeps it, the publication is read back once, then never again.
     kept = PeerChannel(broker.connect("b"), "run", "b").open()
+    monkeypatch.undo()
     kept.publish("model", _model(2), version=1)
     reads = []
     monkeypatch.setattr(peers, "read_retained", lambda *a, **k: reads.append(a) or None)
