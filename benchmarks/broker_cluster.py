@@ -24,6 +24,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -64,10 +65,14 @@ class Probe:
             clean_session=clean,
         )
         self.client.on_message = lambda c, u, m: self.got.append((m.topic, m.payload, m.retain))
+        connected = threading.Event()
+        self.client.on_connect = lambda c, u, f, reason, p: connected.set()
         if will is not None:
             self.client.will_set(will, b"gone", qos=1)
         self.client.connect("127.0.0.1", port)
         self.client.loop_start()
+        if not connected.wait(10):  # the will counts once the broker accepted the CONNECT
+            raise RuntimeError(f"no CONNACK from 127.0.0.1:{port}")
 
     def sub(self, flt: str, wait: float = 1.5) -> list[tuple[str, bytes, bool]]:
         self.client.subscribe(flt, qos=1)

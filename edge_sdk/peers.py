@@ -301,16 +301,7 @@ class LocalPeers:
         with self.board._lock:
             got = self.board.publications.get((owner, name))
         if got is None or got[0] < min_version:
-            log.warning(
-                "%s: no %s of version >= %d from %s in %g s (it is offline, or the broker did "
-                "not deliver its retained publication: in a cluster, every node must serve every "
-                "retained message)",
-                self.me,
-                name,
-                min_version,
-                owner,
-                timeout,
-            )
+            log.warning("%s: no %s of version >= %d from %s", self.me, name, min_version, owner)
             return None
         try:
             return _checked(got[1], f"{owner}'s {name}")

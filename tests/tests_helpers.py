@@ -198,6 +198,19 @@ def simulated_federico() -> Any:
     return simulate(cfg, progress=False)
 
 
+def load_benchmark(name: str, as_module: str) -> Any:
+    """benchmarks/NAME.py imported as module `as_module` (benchmarks/ is not a package)."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(as_module, script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[as_module] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def exit_codes(procs, deadline):
     """Each process's exit code by name, waiting for each until `deadline` (time.monotonic(); at
     least a second each); None for one still running then."""

@@ -3,13 +3,11 @@ benchmarks/rabbitmq_cluster.py: what works, and the clear error where it lacks w
 Skipped where rabbitmq-server is not installed (CI does not install it; the broker-cluster
 benchmark runs three nodes)."""
 
-import importlib.util
-import sys
 import threading
 import uuid
-from pathlib import Path
 
 import pytest
+from tests_helpers import load_benchmark
 
 from edge_sdk import peers
 from edge_sdk.codec import WireModel
@@ -17,12 +15,7 @@ from edge_sdk.peers import PeerChannel, RetainedNotDelivered
 from edge_sdk.transport.mqtt import MqttTransport
 from model_zoo import ArchSpec, build
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "rabbitmq_cluster.py"
-_spec = importlib.util.spec_from_file_location("rabbitmq_cluster", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-rabbitmq = importlib.util.module_from_spec(_spec)
-sys.modules["rabbitmq_cluster"] = rabbitmq
-_spec.loader.exec_module(rabbitmq)
+rabbitmq = load_benchmark("rabbitmq_cluster", "rabbitmq_cluster")
 
 pytestmark = pytest.mark.skipif(
     rabbitmq.rabbitmq_missing() is not None, reason=str(rabbitmq.rabbitmq_missing())
