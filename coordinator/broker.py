@@ -4,6 +4,7 @@ Production points the SDK at any MQTT 3.1.1/5 broker by URL. These two exist for
 tests and the benchmarks: `MosquittoBroker` (Debian's `mosquitto`, MQTT 5, ACLs, persistence)
 and `EmbeddedBroker` (amqtt, pure Python, MQTT 3.1.1 only, when mosquitto is not installed).
 Both bind 127.0.0.1 on a free port and are ready only once a real CONNACK came back.
+`bridge_config` writes the section that bridges a site mosquitto to a central broker.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "BrokerStartError",
     "EmbeddedBroker",
     "MosquittoBroker",
+    "bridge_config",
     "free_port",
     "mosquitto_path",
     "start_broker",
@@ -54,6 +56,44 @@ def mosquitto_path() -> str | None:
     if found:
         return found
     return "/usr/sbin/mosquitto" if os.access("/usr/sbin/mosquitto", os.X_OK) else None
+
+
+def bridge_config(
+    name: str,
+    central: str,
+    topics: str | Sequence[str] = "edgefl/#",
+    *,
+    username: str | None = None,
+    password: str | None = None,
+    cafile: str | Path | None = None,
+) -> str:
+    """The `connection` section that bridges a site mosquitto to the `central` broker
+    ("host:port"), for the site broker's config (`MosquittoBroker(extra_config=...)` appends it).
+
+    Each topic pattern (default: every run's, `edgefl/#`) is carried both ways at QoS 1. The
+    bridge speaks MQTT 5, whose subscription options keep a message's retained flag as published
+    (so the status, archive and peer publications stay retained on every site: a reader that
+    subscribes later still gets them) and keep a site's own messages from coming back to it.
+    Its session on the central broker is persistent, so what is published while the link is down
+    is delivered when it comes back. A client's will is a message like any other: the site
+    broker publishes it and the bridge forwards it. `username`/`password` log the bridge into
+    the central broker; `cafile` makes the link TLS.
+    """
+    lines = [
+        f"connection {name}",
+        f"address {central}",
+        "bridge_protocol_version mqttv50",
+        "cleansession false",
+        "restart_timeout 1 10",
+    ]
+    lines += [f"topic {t} both 1" for t in ([topics] if isinstance(topics, str) else topics)]
+    if username is not None:
+        lines.append(f"remote_username {username}")
+        if password is not None:
+            lines.append(f"remote_password {password}")
+    if cafile is not None:
+        lines.append(f"bridge_cafile {cafile}")
+    return "\n".join(lines) + "\n"
 
 
 def wait_for_connack(host: str, port: int, timeout: float = 10.0) -> None:

@@ -495,7 +495,10 @@ class EdgeClient:
         if got is None:
             raise TimeoutError(
                 f"{self.client_id}: run {self.run_id!r} has published no archive in {timeout} s "
-                "(it is not finished, or its algorithm keeps none: PersFL does)"
+                "(it is not finished, or its algorithm keeps none: PersFL does; or the broker "
+                "did not deliver the retained archive: it must deliver retained messages to "
+                "wildcard subscriptions and, in a cluster, from every node, which RabbitMQ's "
+                "MQTT plugin does not: use mosquitto, EMQX or VerneMQ)"
             )
         archive, models = got
         assert isinstance(archive, Archive)

@@ -9,6 +9,11 @@ Nothing here passes through the coordinator:
 - `send(to, name, round, model)` / `receive(name, round, senders)`: messages on
   `peer/TO/from/ME`, the topic that names both (only ME may write it under the broker ACL).
 
+A client's first publication is read back once: a broker that does not deliver retained messages
+to a new subscription (RabbitMQ's MQTT plugin does not under a wildcard filter, which the chunks
+are read with) would leave every peer waiting out its timeout for models that never come, so
+the channel raises `RetainedNotDelivered` at once instead, naming the cause.
+
 It works the same over the in-memory transport and MQTT. Models are checked like any received
 model (architecture, shapes, finite values) and the sender is taken from the topic; with a
 keyring (edge_sdk.auth) publications and messages are signed, and only those signed by the
@@ -44,9 +49,16 @@ from edge_sdk.wire import (
     unpack_models,
 )
 
-__all__ = ["LocalPeers", "PeerBoard", "PeerChannel", "Peers"]
+__all__ = ["LocalPeers", "PeerBoard", "PeerChannel", "Peers", "RetainedNotDelivered"]
 
 log = logging.getLogger(__name__)
+
+RETAINED_CHECK_S = 10.0  # how long a client waits for its own first publication to come back
+
+
+class RetainedNotDelivered(RuntimeError):
+    """The broker did not deliver a retained publication to a new subscription: peers could
+    never read each other's models."""
 
 
 class Peers(Protocol):
@@ -90,6 +102,10 @@ class PeerChannel:
         self._stash: dict[tuple[str, int, str], WireModel] = {}  # (name, round, sender)
         self._chunks: dict[str, int] = {}  # chunk topics of each publication, to clear stale ones
         self._current: dict[str, tuple[WireModel, int]] = {}  # each publication and its version
+        # Whether our own first publication came back to a new subscription (None: not tried
+        # yet; False: it did not, and every later publish fails at once for the same reason).
+        self._retained_seen: bool | None = None
+        self._retained_missing = ""
         # The coordinator incarnation this client registered with (None: not yet; nothing
         # checked then).
         self.incarnation: int | None = None
@@ -117,6 +133,8 @@ class PeerChannel:
 
     def publish(self, name: str, model: WireModel, version: int) -> None:
         """Make `model` this client's current `name`, retained, for round `version`."""
+        if self._retained_seen is False:
+            raise RetainedNotDelivered(self._retained_missing)
         self._current[name] = (model, version)
         self._chunks[name] = publish_retained(
             self.inbox,
@@ -125,6 +143,34 @@ class PeerChannel:
             lambda refs: Published(**self._signed_as(), name=name, version=version, models=refs),
             previous_chunks=self._chunks.get(name, 0),
         )
+        if self._retained_seen is None:
+            self._check_retained(name, version)
+
+    def _check_retained(self, name: str, version: int) -> None:
+        """Read our own publication back, as a peer would; raise `RetainedNotDelivered` when
+        the broker does not deliver it."""
+        topic = topics.peer_publication(self.run_id, self.me, name)
+        got = read_retained(
+            self.transport,
+            topic,
+            lambda msg: isinstance(msg, Published) and msg.version == version,
+            timeout=RETAINED_CHECK_S,
+            max_blob_bytes=self.max_blob_bytes,
+            keyring=self.keyring,
+        )
+        if got is None:
+            self._retained_seen = False
+            self._retained_missing = (
+                f"{self.me}: the broker did not deliver this client's own retained publication "
+                f"on {topic} (and {topic}/+) to a new subscription within {RETAINED_CHECK_S:g} "
+                "s, so no peer could read it. Decentralized algorithms (FedeRiCo) need retained "
+                "messages delivered to every new subscription, wildcard filters included, from "
+                "every node of a cluster: use mosquitto (bridged sites work), EMQX or VerneMQ; "
+                "RabbitMQ's MQTT plugin (3.x) keeps retained messages per node and sends none "
+                "to wildcard filters"
+            )
+            raise RetainedNotDelivered(self._retained_missing)
+        self._retained_seen = True
 
     def fetch(
         self, owner: str, name: str, min_version: int = 0, timeout: float = 60.0
@@ -151,7 +197,16 @@ class PeerChannel:
                 keyring=self.keyring,
             )
         if got is None or name not in got[1]:
-            log.warning("%s: no %s of version >= %d from %s", self.me, name, min_version, owner)
+            log.warning(
+                "%s: no %s of version >= %d from %s in %g s (it is offline, or the broker did "
+                "not deliver its retained publication: in a cluster, every node must serve every "
+                "retained message)",
+                self.me,
+                name,
+                min_version,
+                owner,
+                timeout,
+            )
             return None
         return got[1][name]
 

@@ -26,6 +26,7 @@ needs_mosquitto = pytest.mark.skipif(
 # runs, with no deadline to meet, share the cores with them on the other worker.)
 PROCESS_MODULES = {
     "test_attacks.py",
+    "test_bridges.py",
     "test_demo.py",
     "test_deploy.py",
     "test_faults.py",

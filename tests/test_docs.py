@@ -190,3 +190,22 @@ def test_every_edgefl_command_line_in_the_docs_parses() -> None:
             raise AssertionError(f"{where}: {exc}") from exc
         checked += 1
     assert checked >= 15
+
+
+def test_the_bridge_config_shown_is_the_one_bridge_config_writes() -> None:
+    # What tests/coordinator/test_bridges.py runs, with the docs' address and credentials.
+    from coordinator.broker import bridge_config
+
+    tested = bridge_config("site-a", "central.lan:8883")
+    full = bridge_config(
+        "site-a",
+        "central.lan:8883",
+        username="site-a",
+        password="<the bridge user's password>",
+        cafile="/etc/mosquitto/certs/ca.pem",
+    )
+    shown = {
+        path.name: [body for _, body in _fences(path) if body.startswith("connection ")]
+        for path in (README, DOCS / "tutorials" / "deploy.md")
+    }
+    assert shown == {"README.md": [tested], "deploy.md": [full]}

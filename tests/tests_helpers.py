@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -121,6 +123,92 @@ def simulated_fml_accuracies(rounds, models=("mlr", "mlp", "cnn1")):
         parallel=2,
     )
     return [c.personal_acc for c in simulate(cfg, progress=False).clients]
+
+
+EDGEFL = str(Path(sys.executable).parent / "edgefl")
+# The deployment tests' small federation: 3 clients on 8×8 digits, FML, 2 rounds.
+DATA = ["--dataset", "digits", "--max-samples", "800", "--partition", "iid", "--clients", "3"]
+SETS = ["--set", 'data.options={"size": 8}', "--set", "device=cpu"]
+ARCHS = ["mlr", "mlp", "cnn1"]
+FML = ["--algorithm", "fml", "--global-model", "mlr", "--local-epochs", "2", "--lr", "0.1"]
+FEDERICO = ["--algorithm", "federico", "--set", "federico.lr=0.01"]
+
+
+def deploy(
+    urls: str | Sequence[str],
+    tmp_path: Path,
+    run_id: str,
+    algorithm: Sequence[str] = FML,
+    coordinator_sets: Sequence[str] = (),
+    client_flags: Sequence[str] = (),
+    timeout: float = 240,
+) -> tuple[Path, list[str]]:
+    """`edgefl coordinator` and three `edgefl client` processes (with `client_flags`), signed,
+    each on its broker: `urls` is one URL for all, or the coordinator's then each client's.
+    Returns the coordinator's output folder and every process's log; asserts they all exited
+    with 0 within `timeout` s."""
+    urls = [urls] * (1 + len(ARCHS)) if isinstance(urls, str) else list(urls)
+    out = tmp_path / "out"
+    keys = key_flags(tmp_path / "keys", [f"c{i}" for i in range(len(ARCHS))])
+    run = ["--clients", "3", "--rounds", "2", "--batch-size", "32", *algorithm]
+    sets = [*SETS, *(x for s in coordinator_sets for x in ("--set", s))]
+    on = [["--broker", url, "--run-id", run_id] for url in urls]
+    commands = [
+        [EDGEFL, "coordinator", *on[0], *run, "--out", str(out), *sets, *keys["coordinator"]]
+    ]
+    for i, arch in enumerate(ARCHS):
+        me = ["--id", f"c{i}", "--model", arch, "--index", str(i), "--seed", "0", "--threads", "1"]
+        state = ["--state-dir", str(tmp_path / f"state{i}"), *SETS, *client_flags]
+        commands.append([EDGEFL, "client", *on[1 + i], *me, *DATA, *state, *keys[f"c{i}"]])
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd in commands
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        logs = []
+        for p in procs:
+            try:
+                logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                p.kill()
+                logs.append(p.communicate()[0] + f"\n(killed after {timeout} s)")
+    finally:
+        for p in procs:
+            p.kill()
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * len(procs), "\n\n".join(logs)
+    return out, logs
+
+
+def simulated_federico() -> Any:
+    """The deployment tests' FedeRiCo federation (`deploy` with `FEDERICO`, clients that may
+    deploy any model), simulated in one process: the results a deployment of it must end with
+    (the two are shown equal in test_deploy)."""
+    from coordinator.simulator import simulate
+
+    cfg = tiny_config(
+        algorithm="federico",
+        models=ARCHS,
+        clients=3,
+        rounds=2,
+        parallel=2,
+        overrides={"federico": {"lr": 0.01, "batch_size": 32}, "deploy": {"allow": ["any"]}},
+    )
+    return simulate(cfg, progress=False)
+
+
+def load_benchmark(name: str, as_module: str) -> Any:
+    """benchmarks/NAME.py imported as module `as_module` (benchmarks/ is not a package)."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(as_module, script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[as_module] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def exit_codes(procs, deadline):

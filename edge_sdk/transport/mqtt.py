@@ -226,7 +226,9 @@ class MqttTransport(Transport):
 
         A throwaway connection (its own client id, no credentials, no session): amqtt answers
         a bare v5 CONNECT with reason 132 but hangs on one that carries a user name or the
-        session-expiry property our real CONNECT needs, so ask first. Cached per address.
+        session-expiry property our real CONNECT needs, so ask first. A broker that closes the
+        connection without answering (RabbitMQ 3.x's MQTT plugin) speaks 3.1.1 only too. An
+        answer is cached per address.
         """
         key = (self.address.host, self.address.port)
         if key in _PROTOCOLS:
@@ -237,14 +239,19 @@ class MqttTransport(Transport):
         self._open_until(deadline, delay, client=probe)
         try:
             end = time.monotonic() + _CONNACK_GRACE_S  # a broker reached has this to answer
-            while not answer and time.monotonic() < end and probe.loop(0.05) == 0:
-                pass
+            closed = False
+            while not answer and time.monotonic() < end:
+                closed = probe.loop(0.05) != mqtt.MQTT_ERR_SUCCESS
+                if closed:
+                    break
             if answer and answer[0] == 0:
                 probe.disconnect()
         finally:
             sock = probe.socket()
             if sock is not None:
                 sock.close()
+        if closed and not answer:  # hung up on MQTT 5 without a word: not cached (a glitch?)
+            return "3.1.1"
         version = "3.1.1" if answer and answer[0] == _UNSUPPORTED_PROTOCOL else "5"
         if answer:
             _PROTOCOLS[key] = version

@@ -2,13 +2,11 @@
 
 import json
 import subprocess
-import sys
 import threading
 import urllib.request
-from pathlib import Path
 
 import pytest
-from tests_helpers import key_flags, tiny_config
+from tests_helpers import ARCHS, EDGEFL, FEDERICO, deploy, simulated_federico, tiny_config
 
 from coordinator.broker import free_port
 from coordinator.deploy import run_coordinator
@@ -17,46 +15,6 @@ from coordinator.simulator import simulate
 from edge_sdk.auth import AuthSettings, Keyring, issue_keys
 from edge_sdk.budget import arch_name
 from edge_sdk.inference import OnnxPredictor
-
-EDGEFL = str(Path(sys.executable).parent / "edgefl")
-# The same small federation for every test: 3 clients on 8×8 digits, FML, 2 rounds.
-DATA = ["--dataset", "digits", "--max-samples", "800", "--partition", "iid", "--clients", "3"]
-SETS = ["--set", 'data.options={"size": 8}', "--set", "device=cpu"]
-ARCHS = ["mlr", "mlp", "cnn1"]
-
-
-FML = ["--algorithm", "fml", "--global-model", "mlr", "--local-epochs", "2", "--lr", "0.1"]
-
-
-def _deploy(url, tmp_path, run_id, algorithm=FML, coordinator_sets=(), client_flags=()):
-    """`edgefl coordinator` and three `edgefl client` processes (with `client_flags`); returns
-    their outcomes."""
-    common = ["--broker", url, "--run-id", run_id]
-    out = tmp_path / "out"
-    keys = key_flags(tmp_path / "keys", [f"c{i}" for i in range(len(ARCHS))])
-    run = ["--clients", "3", "--rounds", "2", "--batch-size", "32", *algorithm]
-    sets = [*SETS, *(x for s in coordinator_sets for x in ("--set", s))]
-    commands = [
-        [EDGEFL, "coordinator", *common, *run, "--out", str(out), *sets, *keys["coordinator"]]
-    ]
-    for i, arch in enumerate(ARCHS):
-        me = ["--id", f"c{i}", "--model", arch, "--index", str(i), "--seed", "0", "--threads", "1"]
-        state = ["--state-dir", str(tmp_path / f"state{i}")]
-        commands.append(
-            [EDGEFL, "client", *common, *me, *DATA, *state, *SETS, *client_flags, *keys[f"c{i}"]]
-        )
-    procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for cmd in commands
-    ]
-    try:
-        logs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0, 0, 0], "\n\n".join(logs)
-    return out, logs
 
 
 def _check_deployment(out, tmp_path, families=ARCHS):
@@ -78,7 +36,7 @@ def test_coordinator_and_three_client_processes_run_fml_over_mosquitto(mosquitto
     # The daemon's own data and model settings (which it does not use) disagree with what its
     # clients run: Fashion-MNIST and lenet5 there, 8×8 digits on mlr, mlp and cnn1 here.
     unused = ["data.dataset=fashion_mnist", 'models=["lenet5"]']
-    out, logs = _deploy(mosquitto.url, tmp_path, "e2e-mosquitto", coordinator_sets=unused)
+    out, logs = deploy(mosquitto.url, tmp_path, "e2e-mosquitto", coordinator_sets=unused)
     results = _check_deployment(out, tmp_path)
     assert [c.arch for c in results.clients] == ARCHS
     assert results.summary.mean_personal_acc > 0.5
@@ -114,7 +72,7 @@ def test_coordinator_and_three_client_processes_run_fml_over_mosquitto(mosquitto
 
 
 def test_the_same_deployment_runs_over_the_embedded_amqtt_broker(amqtt_broker, tmp_path):
-    out, _ = _deploy(amqtt_broker.url, tmp_path, "e2e-amqtt")
+    out, _ = deploy(amqtt_broker.url, tmp_path, "e2e-amqtt")
     _check_deployment(out, tmp_path)
 
 
@@ -124,11 +82,14 @@ def test_federico_clients_as_processes_collaborate_over_mosquitto_and_export_mix
     # Models and gradients go from client to client over peer topics; the coordinator only
     # keeps the round clock, and each client (which may deploy any model) exports what its
     # guard chose: by default the mixture predictor with its fine-tuned model.
-    federico = ["--algorithm", "federico", "--set", "federico.lr=0.01"]
-    out, logs = _deploy(
-        mosquitto.url, tmp_path, "e2e-federico", federico, client_flags=["--deploy", "any"]
+    out, logs = deploy(
+        mosquitto.url, tmp_path, "e2e-federico", FEDERICO, client_flags=["--deploy", "any"]
     )
     results = _check_deployment(out, tmp_path, families=None)
+    # Deployed over processes and simulated in one process: the same results.
+    simulated = simulated_federico()
+    assert [c.personal_acc for c in results.clients] == [c.personal_acc for c in simulated.clients]
+    assert results.collaboration == simulated.collaboration
     assert results.collaboration_clients == ["c0", "c1", "c2"]
     assert results.collaboration is not None and results.collaboration_history is not None
     for row in results.collaboration:

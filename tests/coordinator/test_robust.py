@@ -2,13 +2,9 @@
 updates, capped sample weights, values in range, robust aggregators), a round that makes most
 clients much worse is rolled back, and honest runs keep their results."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from tests_helpers import small_federation
+from tests_helpers import load_benchmark, small_federation
 
 from coordinator.robust import (
     Contribution,
@@ -32,12 +28,7 @@ from edge_sdk.protocol import Capabilities
 from edge_sdk.state import load_state
 from model_zoo import ArchSpec, build
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "attacks.py"
-_spec = importlib.util.spec_from_file_location("attacks_bench", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["attacks_bench"] = bench
-_spec.loader.exec_module(bench)
+bench = load_benchmark("attacks", "attacks_bench")
 
 MLR = ArchSpec(family="mlr", num_classes=2, input_shape=(4,))
 MLP = ArchSpec(family="mlp", num_classes=2, input_shape=(4,))

@@ -1,7 +1,9 @@
 """What only the MQTT transport does: URLs, protocol fallback, typed refusals, TLS, reconnects."""
 
+import contextlib
 import itertools
 import logging
+import socket
 import threading
 import uuid
 
@@ -65,6 +67,59 @@ def test_mqtt5_with_mosquitto_and_311_with_amqtt(mosquitto, amqtt_broker):
     finally:
         five.close()
         three.close()
+
+
+class _HangsUpOnMqtt5:
+    """A TCP proxy to `port` that closes any connection whose CONNECT asks for MQTT 5 without
+    answering it, as RabbitMQ 3.x's MQTT plugin does; 3.1.1 connections pass through."""
+
+    def __init__(self, port: int) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.target = port
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            head = conn.recv(64)  # CONNECT: type, length, "\0\4MQTT", protocol level
+            if head[8:9] == b"\x05":
+                conn.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            upstream.sendall(head)
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := a.recv(65536):
+                b.sendall(data)
+        for s in (a, b):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_broker_that_hangs_up_on_mqtt5_is_spoken_to_in_311(mosquitto):
+    proxy = _HangsUpOnMqtt5(mosquitto.port)
+    try:
+        url = f"mqtt://127.0.0.1:{proxy.port}"
+        a = MqttTransport(url, f"old-{uuid.uuid4().hex[:6]}").connect(10)
+        b = MqttTransport(url, f"old-{uuid.uuid4().hex[:6]}").connect(10)
+        got = threading.Event()
+        topic = f"t/{uuid.uuid4().hex[:6]}"
+        b.subscribe(topic, lambda t, payload: got.set())
+        a.publish(topic, b"x").wait(10)
+        assert (a.protocol_version, b.protocol_version) == ("3.1.1", "3.1.1")
+        assert got.wait(10)
+        a.close()
+        b.close()
+    finally:
+        proxy.server.close()
 
 
 def test_an_unreachable_broker_fails_connect_with_a_clear_error():
