@@ -215,6 +215,34 @@ def test_sampling_is_seeded_and_without_replacement():
     assert all(len(set(p)) == 2 for p in plan(0))
 
 
+def test_sampling_from_a_large_fleet_is_fair_and_only_draws_reachable_clients():
+    # 1,000 registered clients, 10 a round, 500 rounds: each is drawn Binomial(500, 1/100)
+    # times (mean 5, variance 4.95), computed here independently of the strategy; clients that
+    # are not reachable (`available`) are never drawn, the others at their fair share.
+    clients = _clients(*[MLR] * 1000, n=[10] * 1000)
+    s = strategy_class("fedavg")(
+        algorithm_class("fedavg").config_cls(),
+        clients=clients,
+        global_spec=MLR,
+        rounds=500,
+        clients_per_round=10,
+        seed=3,
+    )
+    s.setup()
+    counts = dict.fromkeys(clients, 0)
+    for r in range(1, 501):
+        for cid in s.sample(r):
+            counts[cid] += 1
+    drawn = torch.tensor(list(counts.values()), dtype=torch.float64)
+    assert drawn.sum() == 5000 and drawn.min() >= 0
+    assert abs(drawn.mean() - 5.0) < 1e-9 and 4.0 < drawn.var() < 6.0
+    assert (drawn == 0).sum() < 20  # P(never drawn) = 0.99**500 = 0.66%: about 7 of 1,000
+    s.available = {f"c{i}" for i in range(0, 1000, 2)}  # half of them offline
+    seen = [cid for r in range(100) for cid in s.sample(r)]
+    assert set(seen) <= s.available and len(seen) == 1000
+    assert len(set(seen)) > 400  # 1 - (1 - 1/50)**100 = 87% of the 500 reachable ones
+
+
 def test_strategy_state_round_trips():
     clients = _clients(MLR, MLR, MLR)
     s = _strategy("fedavg", clients)
