@@ -30,6 +30,7 @@ PROCESS_MODULES = {
     "test_demo.py",
     "test_deploy.py",
     "test_faults.py",
+    "test_fleet_scale.py",
     "test_ranks.py",
     "test_secure_setup.py",
 }
