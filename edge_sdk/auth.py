@@ -231,7 +231,7 @@ class ReplayGuard:
                     return "replayed"
                 if mark < last:  # the same coordinator's, out of order: its will, published late
                     return "duplicate"
-                # Saved when the incarnation changes, not every status (one every 2 s): a
+                # Saved when the incarnation changes, not every status (one a phase): a
                 # new process needs only to know the incarnations it must not go back to.
                 self._dirty |= incarnation != last[0]
                 self._status[topic] = mark
