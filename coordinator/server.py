@@ -25,6 +25,7 @@ from typing import Any
 
 from coordinator.config import RoundConfig
 from coordinator.fleet import (
+    BrokerUnfit,
     CoordinatorError,
     Fleet,
     Interrupted,
@@ -173,7 +174,7 @@ class Coordinator:
         remaining rounds, finalize. Raises `Interrupted` after `stop()`."""
         self.open()
         t0 = time.perf_counter()
-        finished = False
+        finished: bool | None = False  # None: ended for good, the clients already told
         try:
             if self.checkpoint_path is not None and not self._restored:
                 self.restore()
@@ -206,11 +207,15 @@ class Coordinator:
                 bytes_in=self._bytes_before[1] + self.fleet.bytes_in,
                 extra=strategy.results(),
             )
+        except BrokerUnfit as exc:  # no coordinator coming back would fix it: tell them why
+            self.fleet.finish(f"run stopped: {exc}")
+            finished = None
+            raise
         finally:
             if finished:
                 self.fleet.finish("run finished")
-            else:  # interrupted or failed: the clients wait for a coordinator to come back
-                self.fleet.pause()
+            elif finished is not None:  # interrupted or failed: the clients wait for a
+                self.fleet.pause()  # coordinator to come back
 
     def stop(self) -> None:
         """Abandon the current phase and return from `run()` by raising `Interrupted`; the

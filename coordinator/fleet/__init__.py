@@ -1,6 +1,7 @@
 """The seam between the round loop and the clients (see `coordinator.fleet.base`)."""
 
 from coordinator.fleet.base import (
+    BrokerUnfit,
     CoordinatorError,
     Fleet,
     Interrupted,
@@ -14,6 +15,7 @@ from coordinator.fleet.local import LocalFleet
 from coordinator.fleet.network import NetworkFleet
 
 __all__ = [
+    "BrokerUnfit",
     "CoordinatorError",
     "Fleet",
     "Interrupted",

@@ -35,6 +35,7 @@ from model_zoo import ArchSpec, ModelZooError
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "BrokerUnfit",
     "CoordinatorError",
     "Fleet",
     "Interrupted",
@@ -49,6 +50,12 @@ __all__ = [
 
 class CoordinatorError(RuntimeError):
     """The run cannot go on (too few clients registered, incompatible federation)."""
+
+
+class BrokerUnfit(CoordinatorError):
+    """Most of a phase's clients reported that the broker lacks what the run needs (e.g. it
+    does not deliver retained publications, which decentralized algorithms read): no round
+    can succeed, so the run ends at once and its clients are told why."""
 
 
 class Interrupted(RuntimeError):

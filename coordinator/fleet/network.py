@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 from coordinator.fleet.base import (
+    BrokerUnfit,
     CoordinatorError,
     Fleet,
     PhaseRequest,
@@ -39,6 +40,7 @@ from coordinator.strategies import FitReply
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
 from edge_sdk.codec import WireModel
+from edge_sdk.peers import RetainedNotDelivered
 from edge_sdk.protocol import Archive, Register, Registered, Reply, Shutdown, Status, Task
 from edge_sdk.ratelog import RateLimitedLog
 from edge_sdk.transport.base import Delivery, Transport, TransportError
@@ -274,6 +276,7 @@ class NetworkFleet(Fleet):
         owner = {task.task_id: cid for cid, (task, _) in self._tasks.items()}
         self._deliver(list(self._tasks))
         results: dict[str, FitReply | None] = {cid: None for cid in request.plan}
+        unfit: dict[str, str] = {}  # clients that found the broker lacking, and what they said
         deadline = time.monotonic() + request.deadline_s
         try:
             while self._waiting():
@@ -306,6 +309,8 @@ class NetworkFleet(Fleet):
                     continue  # counted; the task stays open for the registered process
                 if not msg.ok:
                     log.error("%s failed its %s task: %s", to, phase, msg.error)
+                    if (msg.error or "").startswith(f"{RetainedNotDelivered.__name__}:"):
+                        unfit[to] = msg.error or ""
                     del self._tasks[to]
                     continue
                 reply = self._accept(to, request, msg, env, validate)
@@ -317,6 +322,12 @@ class NetworkFleet(Fleet):
             gone = sorted(set(self._tasks) - self.members.online)
             if gone:
                 log.warning("round %d %s: no reply from %s: offline", r, phase, gone)
+            if 2 * len(unfit) > len(request.plan):  # not one client's word: most of them
+                first = unfit[min(unfit)]
+                raise BrokerUnfit(
+                    f"{len(unfit)} of {len(request.plan)} clients found that the broker does "
+                    f"not deliver what this run needs, so no round can succeed: {first}"
+                )
         finally:
             self._tasks, self._shared, self._due = {}, {}, set()
         return results

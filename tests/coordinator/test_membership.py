@@ -293,3 +293,36 @@ def test_scraping_the_daemons_metrics_during_the_rounds_loses_no_reply():
     assert scrapes[-1]["edgefl_clients_online"][0].value == 3
     for c in clients:
         c.stop()
+
+
+@pytest.mark.parametrize("unfit", [["c0"], ["c0", "c1"]], ids=["one-client", "most-clients"])
+def test_a_broker_most_clients_find_lacking_ends_the_run_at_once_and_tells_them(monkeypatch, unfit):
+    # Clients whose peers cannot read retained publications (RabbitMQ's cluster) fail their fit
+    # tasks with RetainedNotDelivered. When most of a phase's clients say so, no round can
+    # succeed: the run stops in round 1 with that reason, and the clients are told (shut down),
+    # instead of every round failing in turn. One client saying so (it may lie) changes nothing.
+    from coordinator.fleet import BrokerUnfit
+    from edge_sdk.peers import RetainedNotDelivered
+
+    said = "the broker did not deliver this client's own retained publication"
+    run_task = EdgeClient.run_task
+
+    def lacking(self, task, blobs):
+        if task.phase == "fit" and self.client_id in unfit:
+            raise RetainedNotDelivered(f"{self.client_id}: {said}")
+        return run_task(self, task, blobs)
+
+    monkeypatch.setattr(EdgeClient, "run_task", lacking)
+    coordinator, clients = small_federation(rounds=2)
+    if len(unfit) == 1:
+        result = coordinator.run() if _started(clients) else None
+        assert [r.replied for r in result.rounds] == [["c1", "c2"]] * 2
+    else:
+        with pytest.raises(
+            BrokerUnfit, match=f"2 of 3 clients .*: RetainedNotDelivered: c0: {said}"
+        ):
+            coordinator.run() if _started(clients) else None
+        assert coordinator.records == []  # it stopped in round 1
+    for c in clients:
+        assert c.wait(10) and c.finished  # told to stop, not left waiting
+        c.stop()
