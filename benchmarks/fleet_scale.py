@@ -51,6 +51,9 @@ from typing import Any
 import numpy as np
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import emit
+
 RUN = "fleet"
 EDGEFL = str(Path(sys.executable).parent / "edgefl")
 TRAIN, VAL, TEST = 40, 10, 10  # digits per device
@@ -674,11 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         "slopes": {k: _slope(rows, k) for k, _, _ in COLUMNS[2:]},
         "work": str(base) if args.keep else None,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
-    print(table(rows))
+    emit(result, Path(args.json_out) if args.json_out else None, lambda out: table(out["rows"]))
     if not args.keep:
         import shutil
 
