@@ -80,8 +80,7 @@ class Members:
         """Online, or dropped less than `grace_s` ago (it may be back any moment). Read from
         copies, so another thread (the daemon's metrics) may ask while the round loop updates."""
         now = time.monotonic()
-        dropped = dict(self._dropped)
-        return set(self.online) | {c for c, t in dropped.items() if now - t < self.grace_s}
+        return set(self.online) | {c for c in list(self._dropped) if self.is_present(c, now)}
 
     def is_present(self, cid: str, now: float) -> bool:
         """`present()` of one client, without copying the registry (the round loop asks for
