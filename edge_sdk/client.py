@@ -568,7 +568,9 @@ class EdgeClient:
 
     def idle_wait(self) -> float:
         """How long the client may wait for a message before `step(None)` is due (a
-        registration retry, or a look at its flags)."""
+        registration retry, a connection that came back to announce, or a look at its flags)."""
+        if self._back.is_set():
+            return 0.0
         wait = IDLE_WAIT_S
         if self.accepted is None and self.status is not None:  # a registration is due
             wait = min(wait, max(0.0, self._register_due - _now()))

@@ -77,6 +77,31 @@ def test_an_unanswered_registration_is_sent_again_less_and_less_often(monkeypatc
     client.stop()
 
 
+def test_a_connection_that_came_back_makes_the_next_step_due_at_once_and_it_says_online():
+    # A host serving thousands with step() calls it for an idle client only once idle_wait()
+    # runs out: a client whose connection dropped (its will said offline) and came back must
+    # be due at once, or the coordinator counts it gone for up to a second more.
+    broker = InMemoryBroker()
+    keys = Keyring.ephemeral([topics.COORDINATOR, "c0"])
+    said = []
+    broker.connect("spy").subscribe(
+        topics.up("default", "c0"), lambda topic, payload: said.append(decode(payload[68:]))
+    )
+    spec = ArchSpec(family="mlr", input_shape=(1, 8, 8), num_classes=10)
+    client = EdgeClient("c0", spec, _data(), broker.connect("c0"), keyring=keys["c0"]).open()
+    client.step(None)  # (its first connection, announced)
+    assert client.idle_wait() > 0
+
+    client.transport.abort()  # no DISCONNECT: its will fires
+    client.transport.connect()
+    assert [m.online for m in said[1:]] == [False]
+    assert client.idle_wait() == 0
+    client.step(None)
+    assert [m.online for m in said[1:]] == [False, True]
+    assert client.idle_wait() > 0  # announced: idle again
+    client.stop()
+
+
 def test_one_thread_serves_many_clients_with_open_and_step_and_ends_like_threads_do():
     # The same federation twice: each client on a thread of its own (start), then all three
     # served in turn by this test's thread (open, then step with what each received).
