@@ -537,7 +537,7 @@ def coordinator(
         acc = "—" if rec.mean_personal_acc is None else f"{100 * rec.mean_personal_acc:.2f}%"
         state = "FAILED" if rec.failed else "ok"
         typer.echo(
-            f"round {rec.round}/{cfg.rounds} {state}: {len(rec.replied)}/{len(rec.trained)} "
+            f"round {rec.round}/{cfg.rounds} {state}: {rec.n_replied}/{rec.n_trained} "
             f"replied, mean personalized accuracy {acc}, {rec.seconds:.1f} s"
         )
 

@@ -93,6 +93,12 @@ class RoundConfig(BaseModel):
     # were before it) up to this many times; then it is recorded as failed, state unchanged on
     # both sides (clients that trained in it go back to the state before it).
     retries: int = Field(1, ge=0)
+    # The most client-rounds (registered clients × rounds) whose per-client parts the run keeps
+    # in memory, in its checkpoint and in results.json (each client's accuracy and fit details
+    # per round). A larger fleet keeps, per round, counts, means and the accuracies' spread:
+    # its memory does not grow with rounds × clients. The daemon's rounds.jsonl always has
+    # every client's line.
+    client_history: int = Field(100_000, ge=0)
 
 
 Aggregator = Literal["mean", "median", "trimmed_mean", "krum"]

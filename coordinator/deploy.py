@@ -40,7 +40,7 @@ from edge_sdk import topics
 from edge_sdk.auth import Keyring
 from edge_sdk.client import EdgeClient, TaskOutcome
 from edge_sdk.transport.mqtt import MqttTransport
-from model_zoo.files import write_atomic
+from model_zoo.files import atomic_open, write_atomic
 
 __all__ = [
     "RUN_RECORD",
@@ -68,9 +68,30 @@ class RoundsLog:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
 
-    def rewrite(self, records: list[RoundRecord]) -> None:
-        """Replace the file with exactly these rounds (atomically)."""
-        write_atomic(self.path, "".join(json.dumps(_line(rec)) + "\n" for rec in records))
+    def keep(self, records: list[RoundRecord]) -> None:
+        """Make the file list exactly these rounds, in order, each once (atomically): a round's
+        line already there is kept as written (whole, where the record may be compact); one
+        that is missing (the coordinator stopped between its checkpoint and its line) is
+        written from its record; lines of rounds the records lack are dropped."""
+        wanted = {rec.round for rec in records}
+        done: set[int] = set()
+        with atomic_open(self.path, text=True) as out:
+            for line in self._lines():  # streamed: a large fleet's lines are long
+                try:
+                    round_ = json.loads(line)["round"]
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by a crash
+                if round_ in wanted and round_ not in done:
+                    out.write(line if line.endswith("\n") else line + "\n")
+                    done.add(round_)
+            for rec in records:
+                if rec.round not in done:
+                    out.write(json.dumps(_line(rec)) + "\n")
+
+    def _lines(self) -> Iterator[str]:
+        if self.path.exists():
+            with self.path.open() as f:
+                yield from f
 
     def append(self, rec: RoundRecord) -> None:
         with self.path.open("a") as f:
@@ -88,9 +109,15 @@ def _line(rec: RoundRecord) -> dict[str, Any]:
         "failed": rec.failed,
         "trained": rec.trained,
         "replied": rec.replied,
+        "n_trained": rec.n_trained,
+        "n_replied": rec.n_replied,
         "online": rec.online,
         "offline": rec.offline,
         "client_acc": rec.client_acc,  # each client's personalized accuracy after the round
+        "acc_spread": rec.acc_spread,
+        "flagged": rec.flagged,
+        "rolled_back": rec.rolled_back,
+        "suspects": rec.suspects,
     }
 
 
@@ -206,7 +233,7 @@ def run_coordinator(
     coordinator = build_coordinator(cfg, fleet, on_round=record, checkpoint_path=ckpt)
     # The checkpoint is the truth: rounds.jsonl lists its rounds, each exactly once.
     resumed = coordinator.restore()
-    rounds_log.rewrite(coordinator.records)
+    rounds_log.keep(coordinator.records)
     if resumed and on_resume is not None:
         on_resume(len(coordinator.records))
     server = None

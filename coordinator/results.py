@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -19,6 +19,7 @@ import numpy as np
 
 from coordinator.metrics import personalization_metrics
 from coordinator.results_model import (
+    AccSpread,
     Baseline,
     BaselineClient,
     BaselineSummary,
@@ -28,6 +29,7 @@ from coordinator.results_model import (
     Results,
     RoundEntry,
     Summary,
+    spread,
 )
 from edge_sdk.algorithms import Detail
 from model_zoo.files import write_atomic
@@ -54,6 +56,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RoundRecord:
+    """One round as the coordinator saw it. A run keeps one a round (in memory, in its
+    checkpoint and in results.json); the per-client parts (`trained`, `replied`,
+    `client_details`, `client_acc`, `offline`) only while the fleet is small enough
+    (`round.client_history`): beyond that, the kept record is `compact()`, its counts and the
+    accuracies' spread, and every client's line is in the coordinator's rounds.jsonl only."""
+
     round: int
     seconds: float
     mean_personal_acc: float | None
@@ -65,6 +73,12 @@ class RoundRecord:
     client_details: dict[str, dict[str, Detail]] = field(default_factory=dict)  # from fit replies
     # each client's personalized accuracy (evaluate phase; {} when the round did not evaluate)
     client_acc: dict[str, float | None] = field(default_factory=dict)
+    # How many clients were asked to train and replied validly (len of the lists above, kept
+    # when a compact record drops them); -1: counted from the lists.
+    n_trained: int = -1
+    n_replied: int = -1
+    # The personalized accuracies' spread over the clients evaluated (`spread`); {}: none.
+    acc_spread: dict[str, float] = field(default_factory=dict)
     # Registered clients online at the round's end: how many, and which were not (a fleet of
     # thousands writes a record a round: the few offline, not the thousands online).
     online: int = 0
@@ -75,6 +89,19 @@ class RoundRecord:
     # clients that most likely poisoned it
     rolled_back: bool = False
     suspects: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.n_trained < 0:
+            self.n_trained = len(self.trained)
+        if self.n_replied < 0:
+            self.n_replied = len(self.replied)
+        if not self.acc_spread and self.client_acc:
+            self.acc_spread = spread(self.client_acc.values())
+
+    def compact(self) -> RoundRecord:
+        """This round without its per-client parts: counts, means, the accuracies' spread, and
+        the clients flagged or suspected (a few, and what a security review looks for)."""
+        return replace(self, trained=[], replied=[], client_details={}, client_acc={}, offline=[])
 
 
 @dataclass
@@ -238,10 +265,11 @@ def _round_entry(r: RoundRecord) -> RoundEntry:
         mean_personal_acc=r.mean_personal_acc,
         global_acc=r.global_acc,
         failed=r.failed,
-        replied=len(r.replied),
-        trained=len(r.trained),
+        replied=r.n_replied,
+        trained=r.n_trained,
         clients=dict(r.client_details),  # per client, what its fit reply reported
         client_acc=dict(r.client_acc),  # per client, its personalized accuracy (when evaluated)
+        acc_spread=AccSpread.model_validate(r.acc_spread) if r.acc_spread else None,
         flagged=dict(r.flagged),
         rolled_back=r.rolled_back or None,
         suspects=list(r.suspects),

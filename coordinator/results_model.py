@@ -16,7 +16,7 @@ import json
 import math
 import os
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Protocol, Self
 
@@ -34,6 +34,7 @@ from edge_sdk.algorithms import Detail
 
 __all__ = [
     "EXIT_CODES",
+    "AccSpread",
     "Accuracy",
     "Baseline",
     "BaselineClient",
@@ -51,6 +52,7 @@ __all__ = [
     "SplitClient",
     "Summary",
     "deployment_summary",
+    "spread",
 ]
 
 Accuracy = Annotated[float, Field(ge=0.0, le=1.0)] | None
@@ -84,10 +86,36 @@ class _Doc(BaseModel):
         return data
 
 
-class RoundEntry(_Doc):
-    """One round of the run: means over the clients evaluated after it."""
+class AccSpread(_Doc):
+    """How the personalized accuracies of a round's evaluated clients spread: how many had
+    one, the lowest, the 10th, 50th and 90th percentile (linear interpolation) and the
+    highest."""
 
-    _omit_empty = ("clients", "client_acc", "flagged", "rolled_back", "suspects")
+    n: int = Field(ge=1)
+    min: Annotated[float, Field(ge=0.0, le=1.0)]
+    p10: Annotated[float, Field(ge=0.0, le=1.0)]
+    p50: Annotated[float, Field(ge=0.0, le=1.0)]
+    p90: Annotated[float, Field(ge=0.0, le=1.0)]
+    max: Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+def spread(accs: Iterable[float | None]) -> dict[str, float]:
+    """How accuracies spread over clients (`AccSpread`'s fields); {} when none has one."""
+    import numpy as np  # here: reading results needs no numpy
+
+    values = np.array([v for v in accs if v is not None], dtype=float)
+    if values.size == 0:
+        return {}
+    points = np.percentile(values, [0, 10, 50, 90, 100])
+    keys = ("min", "p10", "p50", "p90", "max")
+    return {"n": values.size} | {k: float(v) for k, v in zip(keys, points, strict=True)}
+
+
+class RoundEntry(_Doc):
+    """One round of the run: means over the clients evaluated after it, their spread, and
+    (while the fleet is small, `round.client_history`) each client's part."""
+
+    _omit_empty = ("clients", "client_acc", "acc_spread", "flagged", "rolled_back", "suspects")
 
     round: int = Field(ge=0)
     seconds: float = Field(0.0, ge=0.0)
@@ -98,11 +126,20 @@ class RoundEntry(_Doc):
     trained: int = Field(0, ge=0)
     clients: dict[str, dict[str, Detail]] = {}  # per client, what its fit reply reported
     client_acc: dict[str, Accuracy] = {}  # per client, its personalized accuracy
+    acc_spread: AccSpread | None = None
     # Clients whose contribution aggregation bounded, with why (docs/security.md); a round
     # undone after its evaluation, and the clients that most likely poisoned it
     flagged: dict[str, str] = {}
     rolled_back: bool | None = None
     suspects: list[str] = []
+
+    @model_validator(mode="after")
+    def _spread_from_clients(self) -> Self:
+        """Results written before rounds carried a spread: it follows from `client_acc`."""
+        if self.acc_spread is None and self.client_acc:
+            found = spread(self.client_acc.values())
+            self.acc_spread = AccSpread.model_validate(found) if found else None
+        return self
 
 
 class ClientEntry(_Doc):

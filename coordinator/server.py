@@ -140,6 +140,7 @@ class Coordinator:
         self._scores: dict[str, float] = {}
         self._scored_after: int | None = None
         self.records: list[RoundRecord] = []
+        self._detailed = True  # the records keep their per-client parts (`_keep`)
         self._restored = False
         # Bytes moved by earlier incarnations of this run (from the checkpoint): the run's
         # totals are these plus this fleet's.
@@ -187,7 +188,7 @@ class Coordinator:
             strategy = self._strategy()
             for r in range(len(self.records) + 1, self.rounds + 1):
                 rec = self._run_round(r)
-                self.records.append(rec)
+                self._keep(rec)
                 self._save_checkpoint()
                 if self.on_round is not None:
                     self.on_round(rec)
@@ -217,6 +218,23 @@ class Coordinator:
             elif finished is not None:  # interrupted or failed: the clients wait for a
                 self.fleet.pause()  # coordinator to come back
 
+    def _keep(self, rec: RoundRecord) -> None:
+        """Record a round: whole while the fleet's per-client history stays within
+        `round.client_history` client-rounds, compact beyond (the earlier rounds too, once)."""
+        if len(self.clients) * self.rounds > self.rc.client_history:
+            if self._detailed:
+                log.info(
+                    "%d clients × %d rounds exceed round.client_history (%d): rounds keep "
+                    "counts and accuracy percentiles, not each client's part",
+                    len(self.clients),
+                    self.rounds,
+                    self.rc.client_history,
+                )
+                self.records = [r.compact() for r in self.records]
+                self._detailed = False
+            rec = rec.compact()
+        self.records.append(rec)
+
     def stop(self) -> None:
         """Abandon the current phase and return from `run()` by raising `Interrupted`; the
         last checkpoint holds every completed round (call from a signal handler or a thread)."""
@@ -233,6 +251,7 @@ class Coordinator:
             server_data=self.server_data,
             robust=self.robust,
         )
+        self.strategy.history_limit = self.rc.client_history
         return self.strategy
 
     # -- checkpoints -----------------------------------------------------------------------

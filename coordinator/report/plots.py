@@ -63,7 +63,8 @@ def round_figure(
     rounds: Sequence[RoundEntry], baselines: Mapping[str, Baseline] | None = None
 ) -> Figure:
     """Mean personalized and global-model accuracy per round; each client's own line when the
-    rounds carry `client_acc`; the baselines' final means as horizontal lines."""
+    rounds carry `client_acc` for a few clients, else the band between their 10th and 90th
+    percentile (`acc_spread`); the baselines' final means as horizontal lines."""
     figure = Figure(figsize=(8, 4.5), layout="constrained")
     axes = figure.add_subplot()
     axes.set_title("Accuracy per round")
@@ -77,14 +78,17 @@ def round_figure(
         for cid, acc in r.client_acc.items():
             line = per_client.setdefault(cid, [np.nan] * len(rounds))
             line[i] = np.nan if acc is None else acc * 100
-    if len(per_client) > MANY_CLIENTS:
-        grid = np.array(list(per_client.values()))
-        cols = np.isfinite(grid).any(axis=0)  # rounds that evaluated
-        if cols.any():
-            low, high = np.nanpercentile(grid[:, cols], [10, 90], axis=0)
-            label = f"{len(per_client)} clients, 10th-90th percentile"
-            axes.fill_between(np.array(x)[cols], low, high, alpha=0.25, label=label)
-    else:
+    spreads = [(r.round, r.acc_spread) for r in rounds if r.acc_spread is not None]
+    if spreads and (len(per_client) > MANY_CLIENTS or not per_client):
+        most = max(s.n for _, s in spreads)
+        axes.fill_between(
+            [float(x) for x, _ in spreads],
+            [s.p10 * 100 for _, s in spreads],
+            [s.p90 * 100 for _, s in spreads],
+            alpha=0.25,
+            label=f"{most} clients, 10th-90th percentile",
+        )
+    elif len(per_client) <= MANY_CLIENTS:
         for cid, values in per_client.items():
             axes.plot(x, values, linewidth=0.9, alpha=0.55, label=f"{cid}")
     for means, label, style in (

@@ -168,17 +168,34 @@ def rounds_section(rounds: Sequence[RoundEntry]) -> list[str]:
     lines = ["## Rounds", ""]
     if not rounds:
         return [*lines, "No rounds were recorded.", ""]
+    spread = any(r.acc_spread is not None for r in rounds)
     rows = [
         [
             str(r.round),
             f"{r.seconds:.2f}",
             pct(r.mean_personal_acc),
+            *([_spread_cell(r)] if spread else []),
             pct(r.global_acc),
         ]
         for r in rounds
     ]
-    header = ["Round", "Seconds", "Mean personalized acc", "Mean global-model acc"]
-    return [*lines, *table(header, rows), ""]
+    header = ["Round", "Seconds", "Mean personalized acc"]
+    header += ["Personalized acc, 10th–90th percentile"] if spread else []
+    header += ["Mean global-model acc"]
+    lines += table(header, rows)
+    if any(r.acc_spread is not None and not r.client_acc for r in rounds):
+        lines += [
+            "",
+            "The rounds keep the spread of the clients' accuracies, not each client's: the "
+            "fleet's clients × rounds exceed `round.client_history`. The coordinator's "
+            "rounds.jsonl has every client's line.",
+        ]
+    return [*lines, ""]
+
+
+def _spread_cell(r: RoundEntry) -> str:
+    s = r.acc_spread
+    return MISSING if s is None else f"{pct(s.p10)}–{pct(s.p90)} ({s.n} clients)"
 
 
 def details_section(clients: Sequence[ClientEntry]) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from coordinator.config import RoundConfig
 from coordinator.robust import Contribution, RobustConfig, cap_weights, combine
 from coordinator.server_data import ServerData
 from edge_sdk.algorithms import BaseAlgorithmConfig, Detail, algorithm_class
@@ -125,6 +126,9 @@ class Strategy(ABC):
         self.rng = np.random.default_rng(seed)
         # The clients the coordinator can reach now (None: all); offline ones are not sampled.
         self.available: set[str] | None = None
+        # The most per-client entries a strategy keeps of its own history for results.json
+        # (the run's `round.client_history`; the coordinator sets it).
+        self.history_limit = RoundConfig().client_history
 
     @classmethod
     def unlabeled_holdout(cls, config: BaseAlgorithmConfig) -> int:

@@ -10,12 +10,15 @@ results.json as `collaboration` (rows: clients, columns: the models they weigh) 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from coordinator.strategies.base import FitReply, Strategy, StrategyError, register_strategy
 from edge_sdk.algorithms.federico import FedeRiCoConfig
 from edge_sdk.codec import WireModel
+
+log = logging.getLogger(__name__)
 
 
 @register_strategy
@@ -34,7 +37,10 @@ class FedeRiCoStrategy(Strategy):
         self._members: list[str] = []
         self._exchanged: list[str] = []
         self._senders: dict[str, list[str]] = {}
-        self.history: list[dict[str, Any]] = []
+        # Each client's latest row of weights, and every round's rows while the matrices fit
+        # `history_limit` entries (clients² a round): a large fleet keeps only the latest.
+        self.latest: dict[str, dict[str, float]] = {}
+        self.history: list[dict[str, Any]] | None = []
 
     def configure_step(self, round_: int, step: str) -> dict[str, dict[str, WireModel]]:
         if step == "exchange":
@@ -66,6 +72,20 @@ class FedeRiCoStrategy(Strategy):
             }
             for cid, reply in replies.items()
         }
+        self.latest |= row  # a client that missed this round keeps its last row
+        if self.history is None:
+            return
+        if (len(self.history) + 1) * len(self.clients) ** 2 > self.history_limit:
+            log.info(
+                "federico: %d rounds of %d×%d collaboration matrices exceed "
+                "round.client_history (%d): results keep the latest matrix only",
+                len(self.history) + 1,
+                len(self.clients),
+                len(self.clients),
+                self.history_limit,
+            )
+            self.history = None
+            return
         self.history.append({"round": round_, "weights": row})
 
     def aggregate_fit(self, round_: int, replies: Mapping[str, FitReply]) -> None:
@@ -76,20 +96,27 @@ class FedeRiCoStrategy(Strategy):
         return [[float(weights.get(i, {}).get(j, 0.0)) for j in ids] for i in ids]
 
     def results(self) -> dict[str, Any]:
-        latest: dict[str, Mapping[str, float]] = {}
-        for entry in self.history:  # a client that missed the last round keeps its last row
-            latest |= entry["weights"]
-        return {
+        found: dict[str, Any] = {
             "collaboration_clients": list(self.clients),
-            "collaboration": self._matrix(latest),
-            "collaboration_history": [
-                {"round": e["round"], "matrix": self._matrix(e["weights"])} for e in self.history
-            ],
+            "collaboration": self._matrix(self.latest),
         }
+        if self.history is not None:
+            found["collaboration_history"] = [
+                {"round": e["round"], "matrix": self._matrix(e["weights"])} for e in self.history
+            ]
+        return found
 
     def state_dict(self) -> dict[str, Any]:
-        return super().state_dict() | {"history": list(self.history)}
+        history = None if self.history is None else list(self.history)
+        return super().state_dict() | {"history": history, "latest": dict(self.latest)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        self.history = list(state["history"])
+        history = state["history"]
+        self.history = None if history is None else list(history)
+        if "latest" in state:
+            self.latest = {cid: dict(row) for cid, row in state["latest"].items()}
+        else:  # a checkpoint from before the latest rows were kept apart
+            self.latest = {}
+            for entry in self.history or []:
+                self.latest |= entry["weights"]

@@ -9,7 +9,8 @@ import pytest
 from tests_helpers import ARCHS, EDGEFL, FEDERICO, deploy, simulated_federico, tiny_config
 
 from coordinator.broker import free_port
-from coordinator.deploy import run_coordinator
+from coordinator.deploy import RoundsLog, run_coordinator
+from coordinator.results import RoundRecord
 from coordinator.results_model import Results
 from coordinator.simulator import simulate
 from edge_sdk.auth import AuthSettings, Keyring, issue_keys
@@ -171,6 +172,40 @@ def test_the_daemon_logs_rounds_and_serves_prometheus_metrics(mosquitto, tmp_pat
     lines = (tmp_path / "rounds.jsonl").read_text().splitlines()
     assert [json.loads(x)["round"] for x in lines] == [1, 2]
     assert results.summary.mean_personal_acc is not None
+
+
+def test_rounds_log_lists_the_checkpoints_rounds_once_keeping_lines_the_records_lost(tmp_path):
+    # Prepare: the checkpoint's records are compact (a large fleet); rounds.jsonl has every
+    # client's line for rounds 1 and 2, round 2 twice, a round after the checkpoint (4) and a
+    # line cut short; round 3's line was never written (the coordinator stopped in between).
+    def record(r, **kw):
+        return RoundRecord(r, 1.0, 0.5, None, ["c0", "c1"], ["c0"], client_acc={"c0": 0.5}, **kw)
+
+    path = tmp_path / "rounds.jsonl"
+    log = RoundsLog(path)
+    for r in (1, 2, 2, 4):
+        log.append(record(r, online=r))
+    with path.open("a") as f:
+        f.write('{"round": 5, "seconds"')
+    before = path.read_text().splitlines()
+    records = [record(r).compact() for r in (1, 2, 3)]
+
+    # Execute
+    log.keep(records)
+
+    # Assert: 1 and 2 as first written, whole; 3 from its compact record, counts and spread.
+    lines = path.read_text().splitlines()
+    assert lines[:2] == [before[0], before[1]]
+    assert json.loads(lines[0])["client_acc"] == {"c0": 0.5}
+    third = json.loads(lines[2])
+    assert (third["round"], third["trained"], third["n_trained"], third["n_replied"]) == (
+        3,
+        [],
+        2,
+        1,
+    )
+    assert third["acc_spread"]["n"] == 1 and third["acc_spread"]["p50"] == 0.5
+    assert len(lines) == 3
 
 
 def test_a_password_on_the_command_line_is_refused():

@@ -2,6 +2,7 @@
 
 import threading
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -288,6 +289,36 @@ def test_a_coordinator_stopped_mid_run_resumes_from_its_checkpoint_and_ends_the_
     assert second.incarnation > first.incarnation
     for c in clients:
         c.stop()
+
+
+def test_a_fleet_past_client_history_checkpoints_compact_rounds_and_reports_them_whole(
+    tmp_path,
+):
+    # Prepare: 3 clients × 3 rounds = 9 client-rounds, over a limit of 8.
+    ckpt = tmp_path / "checkpoint.state"
+    coordinator, clients = small_federation(n=3, rounds=3, checkpoint_path=ckpt, client_history=8)
+    seen = []
+    coordinator.on_round = seen.append
+    for c in clients:
+        c.start()
+
+    # Execute
+    result = coordinator.run()
+
+    # Assert: each round was reported whole as it ended (the daemon's rounds.jsonl line)...
+    assert [(r.trained, r.replied, len(r.client_acc)) for r in seen] == [(IDS3, IDS3, 3)] * 3
+    # ...but the run kept, and checkpointed, each without its clients' parts: a record a round
+    # of the same size whatever the fleet's.
+    kept = load_state(ckpt)["records"]
+    for rec in [*kept, *map(asdict, result.rounds)]:
+        assert rec["trained"] == rec["replied"] == rec["offline"] == []
+        assert rec["client_acc"] == rec["client_details"] == {}
+        assert (rec["n_trained"], rec["n_replied"], rec["acc_spread"]["n"]) == (3, 3, 3)
+    for c in clients:
+        c.stop()
+
+
+IDS3 = ["c0", "c1", "c2"]
 
 
 def test_a_client_with_an_unknown_architecture_is_refused_and_told_why():

@@ -118,6 +118,41 @@ def test_federico_history_survives_a_checkpoint():
     assert fresh.results() == s.results() and len(fresh.results()["collaboration_history"]) == 2
 
 
+def test_federico_history_stops_at_the_client_history_limit_and_keeps_the_latest_rows():
+    # Prepare: 3 clients, so a round's matrix is 9 entries; room for two rounds, not three.
+    s = _strategy()
+    s.history_limit = 2 * 9
+    s.aggregate_step(1, "update", {"c0": _weights("c0", c0=0.5, c1=0.5)})
+    s.aggregate_step(2, "update", {"c1": _weights("c1", c1=1.0)})
+    assert len(s.results()["collaboration_history"]) == 2
+
+    # Execute: the third round would hold 27 entries.
+    s.aggregate_step(3, "update", {"c2": _weights("c2", c0=0.25, c2=0.75)})
+    s.aggregate_step(4, "update", {"c0": _weights("c0", c0=1.0)})
+
+    # Assert: no history any more (not a partial one), and still every client's latest row,
+    # through a checkpoint too.
+    want = {
+        "collaboration_clients": IDS,
+        "collaboration": [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.25, 0.0, 0.75]],
+    }
+    assert s.results() == want
+    fresh = _strategy()
+    fresh.load_state_dict(s.state_dict())
+    assert fresh.results() == want
+
+
+def test_federico_latest_rows_come_back_from_a_checkpoint_that_kept_only_the_history():
+    s = _strategy()
+    s.aggregate_step(1, "update", {"c0": _weights("c0", c0=0.5, c1=0.5)})
+    s.aggregate_step(2, "update", {"c1": _weights("c1", c1=1.0)})
+    old = s.state_dict()
+    del old["latest"]  # written before the latest rows were kept apart
+    fresh = _strategy()
+    fresh.load_state_dict(old)
+    assert fresh.results() == s.results()
+
+
 def test_federico_needs_two_clients_of_the_same_classes():
     msg = "federico needs at least two clients to collaborate"
     with raises_exactly(StrategyError, msg):

@@ -117,6 +117,68 @@ def test_a_results_file_from_before_the_typed_results_reads_and_keeps_its_keys()
     assert results.clients[0].details == {"teacher_round": 2, "student_init": "teacher"}
     assert "error" not in again["clients"][0]  # still left out when there is none
     assert "clients" not in again["rounds"][0]  # no fit details: no key, as before
+    # The round's spread follows from its two clients (linear interpolation, by hand).
+    low, high = 0.217, 0.652
+    assert again["rounds"][0]["acc_spread"] == pytest.approx(
+        {
+            "n": 2,
+            "min": low,
+            "p10": low + 0.1 * (high - low),
+            "p50": (low + high) / 2,
+            "p90": low + 0.9 * (high - low),
+            "max": high,
+        }
+    )
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """numpy's default (linear) percentile, written out."""
+    v = sorted(values)
+    at = q / 100 * (len(v) - 1)
+    below = int(at)
+    above = min(below + 1, len(v) - 1)
+    return v[below] + (at - below) * (v[above] - v[below])
+
+
+def test_past_client_history_rounds_keep_counts_and_spread_and_the_results_stay_the_same(
+    tmp_path,
+):
+    # Prepare: 5 clients × 3 rounds are 15 client-rounds; the second run keeps at most 14.
+    def run(out, **round_):
+        cfg = tiny_config(
+            algorithm="fedme",
+            clients=5,
+            models=["mlr", "mlp"],
+            out=str(tmp_path / out),
+            baselines=[],
+            overrides={"fedme.unlabeled_size": 100, "round": round_},
+        )
+        return simulate(cfg, progress=False)
+
+    # Execute
+    full = run("full")
+    compact = run("compact", client_history=14)
+
+    # Assert: the same run (the history is what it keeps, not what it does)...
+    assert [c.personal_acc for c in compact.clients] == [c.personal_acc for c in full.clients]
+    same = {"wall_seconds": compact.summary.wall_seconds}
+    assert compact.summary == full.summary.model_copy(update=same)
+    for f, c in zip(full.rounds, compact.rounds, strict=True):
+        # ...whose rounds keep their counts and means but no client's part...
+        assert f.client_acc and f.clients and not c.client_acc and not c.clients
+        assert (c.trained, c.replied, c.mean_personal_acc) == (5, 5, f.mean_personal_acc)
+        # ...and the spread of the clients' accuracies, computed here from the full run's.
+        accs = list(f.client_acc.values())
+        assert c.acc_spread is not None and c.acc_spread.n == 5
+        assert c.acc_spread.min == min(accs) and c.acc_spread.max == max(accs)
+        for q in (10, 50, 90):
+            assert getattr(c.acc_spread, f"p{q}") == pytest.approx(_percentile(accs, q))
+    # The report says why the rounds have no per-client parts, and draws the band.
+    text = (tmp_path / "compact" / "report.md").read_text()
+    assert "exceed `round.client_history`" in text
+    assert "exceed `round.client_history`" not in (tmp_path / "full" / "report.md").read_text()
+    a = compact.rounds[-1].acc_spread
+    assert f"| {100 * a.p10:.2f}%–{100 * a.p90:.2f}% (5 clients) |" in text
 
 
 def test_results_json_is_the_document_simulate_returns(tmp_path):
