@@ -307,8 +307,7 @@ def worker(args: argparse.Namespace) -> int:
         if now - idle_at >= 0.5:  # registration retries, connections that came back
             idle_at = now
             for client in list(active):
-                due = client.idle_wait() <= 0.5 or client._back.is_set()
-                if due and client.step(None):
+                if client.idle_wait() <= 0.5 and client.step(None):
                     active.discard(client)
         if drop.is_set():
             drop.clear()
@@ -332,11 +331,13 @@ class Monitor:
     """Follows the coordinator's retained status and mosquitto's $SYS counters; samples both
     processes at each change of phase."""
 
-    def __init__(self, port: int, coordinator: psutil.Process, broker: psutil.Process) -> None:
+    def __init__(
+        self, port: int, coordinator: psutil.Process, broker: psutil.Process, checkpoint: Path
+    ) -> None:
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
 
-        self.coordinator, self.broker = coordinator, broker
+        self.coordinator, self.broker, self.checkpoint = coordinator, broker, checkpoint
         self.sys: dict[str, float] = {}
         self.samples: list[dict[str, Any]] = []
         self._last: tuple[str, int] | None = None
@@ -356,6 +357,8 @@ class Monitor:
             row["coord_rss"] = self.coordinator.memory_info().rss
         except psutil.Error:
             pass
+        with contextlib.suppress(OSError):
+            row["ckpt_bytes"] = self.checkpoint.stat().st_size
         with contextlib.suppress(psutil.Error):
             row["broker_rss"] = self.broker.memory_info().rss
             cpu = self.broker.cpu_times()
@@ -431,6 +434,7 @@ def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "--set", f"round.reconnect_grace_s={args.down_s + 20}",
         "--set", f"auth.key_file={keys['coordinator']}",
         "--set", f"auth.roster={keys['roster']}", "--log-level", "WARNING",
+        *(x for setting in args.set for x in ("--set", setting)),
     ]
     # fmt: on
     coordinator = subprocess.Popen(
@@ -448,7 +452,12 @@ def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     try:
         while not (work / "broker" / "mosquitto.log").exists():
             time.sleep(0.1)
-        monitor = Monitor(broker.port, coord, psutil.Process(broker.proc.pid))  # type: ignore[union-attr]
+        monitor = Monitor(
+            broker.port,
+            coord,
+            psutil.Process(broker.proc.pid),  # type: ignore[union-attr]
+            out / f"checkpoint-{RUN}.state",
+        )
         # The coordinator is up once it published its status: its RSS then is its baseline.
         while not any(s["phase"] == "registering" for s in monitor.samples):
             if coordinator.poll() is not None:
@@ -535,6 +544,14 @@ def _figures(
         if r + 1 in fits and r not in evals and r != args.drop and r + 1 != args.drop
     ]
 
+    # What the coordinator keeps grows by this much a round (fitted from each fit status on,
+    # after the first round's checkpoint): its checkpoint file and its RSS.
+    def growth(key: str) -> float | None:
+        pts = [(r, s[key]) for r, s in sorted(fits.items()) if r >= 2 and key in s]
+        if len(pts) < 3:
+            return None
+        return float(np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)[0])
+
     def delta(key: str) -> float | None:
         if key in rounds_end and key in first_fit:
             return (rounds_end[key] - first_fit[key]) / device_rounds
@@ -562,6 +579,9 @@ def _figures(
         + (delta("publish/messages/sent") or 0.0),
         "bytes_per_device_round": (delta("bytes/received") or 0.0) + (delta("bytes/sent") or 0.0),
         "replied_per_round": [len(r["replied"]) for r in rounds],
+        "ckpt_kb_end": (last[0] if last else end).get("ckpt_bytes", 0) / 1024,
+        "ckpt_bytes_per_round": growth("ckpt_bytes"),
+        "coord_rss_kb_per_round": (g / 1024) if (g := growth("coord_rss")) is not None else None,
         "keygen_s": keygen_s,
         "train_ms": args.train_ms,
     }
@@ -603,6 +623,8 @@ COLUMNS = [
     ("coord_rss_kb_per_device", "coord RSS/device (KiB)", "{:.1f}"),
     ("coord_rss_mb_end", "coord RSS (MiB)", "{:.0f}"),
     ("broker_rss_mb", "broker RSS (MiB)", "{:.0f}"),
+    ("ckpt_bytes_per_round", "checkpoint growth/round (B)", "{:.0f}"),
+    ("coord_rss_kb_per_round", "coord RSS growth/round (KiB)", "{:.0f}"),
     ("broker_cpu_ms_per_device_round", "broker CPU/dev-round (ms)", "{:.2f}"),
     ("publishes_per_device_round", "publishes/dev-round", "{:.1f}"),
     ("bytes_per_device_round", "bytes/dev-round", "{:.0f}"),
@@ -644,6 +666,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drop", type=int, help="drop 10%% of the devices in this round")
     p.add_argument("--down-s", type=float, default=3.0)
     p.add_argument("--deadline", type=float, default=600.0)
+    p.add_argument(
+        "--set", action="append", default=[], help="a coordinator setting KEY=VALUE (repeat)"
+    )
     p.add_argument("--json-out")
     p.add_argument("--profile", action="store_true", help="the coordinator under py-spy")
     p.add_argument("--keep", action="store_true", help="keep the work directory")

@@ -7,6 +7,7 @@ import pytest
 from tests_helpers import load_benchmark
 
 from coordinator.broker import mosquitto_path
+from edge_sdk.state import load_state
 
 bench = load_benchmark("fleet_scale", "fleet_scale_bench")
 
@@ -18,7 +19,7 @@ def test_a_dozen_emulated_devices_on_one_thread_register_train_and_survive_a_dro
     # its 6 replies, the drop round included, and the figures are per device and per round.
     args = argparse.Namespace(
         per_round=6, rounds=3, eval_every=None, procs=1, train_ms=0.0, drop=2, down_s=1.0,
-        deadline=120.0, profile=False,
+        deadline=120.0, profile=False, set=["round.client_history=24"],
     )  # fmt: skip
     row = bench.run_one(12, args, tmp_path)
     assert row["replied_per_round"] == [6, 6, 6] and row["rounds_failed"] == 0
@@ -31,4 +32,9 @@ def test_a_dozen_emulated_devices_on_one_thread_register_train_and_survive_a_dro
     assert row["device_rounds"] == 6 * 3 + 12
     assert 0 < row["coord_cpu_ms_per_device_round"] < 1000
     assert row["register_s"] > 0 and row["coord_rss_mb"] > 0
+    # A setting passed through (12 devices × 3 rounds over 24): rounds.jsonl still has every
+    # client's line, the checkpoint compact rounds.
+    assert row["ckpt_kb_end"] > 0
+    kept = load_state(tmp_path / "out" / f"checkpoint-{bench.RUN}.state")["records"]
+    assert [(r["n_replied"], r["replied"]) for r in kept] == [(6, [])] * 3
     assert "| 12 | 6 |" in bench.table([row])
