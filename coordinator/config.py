@@ -222,6 +222,13 @@ class RunConfig(BaseModel):
     # FedAvg+FT, FML, PFML) train each phase together as one stacked model (edge_sdk.cohort);
     # False: one by one.
     cohort: bool = True
+    # Where a simulated client's state waits between its tasks (the local fleet): "memory", its
+    # live models; "host" or "disk", as the bytes of a state file in host memory or in a file
+    # under `idle_dir` (default: a temporary folder). With "host" or "disk", a phase runs
+    # `clients_per_round` clients at a time: memory is bounded by the cohort, not the
+    # population.
+    idle_state: Literal["memory", "host", "disk"] = "memory"
+    idle_dir: str | None = None
     run_id: str = "sim"
 
     @model_validator(mode="after")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from coordinator import distributed
-from coordinator.config import RunConfig
+from coordinator.config import ConfigError, RunConfig
 from coordinator.federation import (
     Federation,
     build_coordinator,
@@ -169,19 +169,30 @@ def _run(
             on_round(rec)
 
     if cfg.fleet == "local" and cfg.broker.url is None and not client_cls:
-        fleet = LocalFleet(
-            nodes,
-            parallel=parallel,
-            threads=threads,
-            stack=cfg.cohort,
-            fp16_upload=cfg.fp16_upload,
-        )
+        fleet = LocalFleet(nodes, parallel=parallel, threads=threads, **_local_options(cfg))
         coordinator = build_coordinator(
             cfg, fleet, algorithm=algorithm, fed=fed, run_id=run_id, on_round=round_done
         )
         return coordinator.run()
+    if cfg.idle_state != "memory":
+        raise ConfigError(
+            f"idle_state = {cfg.idle_state!r} parks the clients of the local fleet between "
+            "their tasks; clients over a transport keep their own state: set fleet = local "
+            "and no broker, or idle_state = memory"
+        )
     classes = client_cls or {}
     return _over_network(cfg, fed, algorithm, nodes, run_id, threads, parallel, round_done, classes)
+
+
+def _local_options(cfg: RunConfig) -> dict[str, Any]:
+    """The settings of a fleet of in-process clients (one process, or one rank's shard)."""
+    return {
+        "stack": cfg.cohort,
+        "fp16_upload": cfg.fp16_upload,
+        "idle": cfg.idle_state,
+        "idle_dir": cfg.idle_dir,
+        "chunk": cfg.clients_per_round,
+    }
 
 
 def _shards(cfg: RunConfig, fed: Federation, families: list[str], ranks: Ranks) -> list[list[int]]:
@@ -208,12 +219,7 @@ def _over_ranks(
     others serve their shard's phases (None). A rank's threads: its share of the machine's."""
     threads = distributed.rank_threads(cfg)
     shard = ShardFleet(
-        nodes,
-        ranks,
-        parallel=cfg.parallel or threads,
-        threads=threads,
-        stack=cfg.cohort,
-        fp16_upload=cfg.fp16_upload,
+        nodes, ranks, parallel=cfg.parallel or threads, threads=threads, **_local_options(cfg)
     )
     log.info("rank %d of %d (pid %d): clients %s", ranks.rank, ranks.world, os.getpid(),
              ", ".join(n.client_id for n in nodes))  # fmt: skip

@@ -43,7 +43,7 @@ from edge_sdk.cohort import CohortUnsupported, release_kept_stacks, run_stacked
 from edge_sdk.device import exclusive, precision
 from edge_sdk.peers import Peers
 from edge_sdk.protocol import Capabilities, Phase
-from edge_sdk.state import StateError, load_state, save_state
+from edge_sdk.state import StateError, load_state, save_state, state_bytes, state_from_bytes
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec
 
@@ -138,6 +138,8 @@ class ClientNode:
         # `_before_fit` holds the algorithm's own tensors, not copies, until a task runs here
         # (`execute` copies them first; a stacked round leaves them as they are).
         self._before_fit_shared = False
+        # Its state between tasks while parked (`park`): the bytes, or the file holding them.
+        self._parked: bytes | Path | None = None
 
     @property
     def trained_round(self) -> int:
@@ -249,6 +251,8 @@ class ClientNode:
         cls = algorithm_class(name)
         cfg: BaseAlgorithmConfig = cls.config_cls.model_validate(dict(config))
         key = (name, cfg.model_dump_json())
+        if self.algorithm is None and self._parked is not None:
+            self._unpark()
         if self.algorithm is None:
             return self._new_algorithm(name, cfg)
         if key != self._algo_key:
@@ -280,23 +284,61 @@ class ClientNode:
         return self.algorithm
 
     # -- persistence -------------------------------------------------------------------------
+    def _snapshot(self) -> dict[str, Any]:
+        """Everything this node keeps between tasks, as a state file holds it."""
+        assert self.algorithm is not None and self._algo_key is not None
+        return {
+            "run": self.run_id,
+            "client": self.client_id,
+            "algorithm": self._algo_key[0],
+            "config": self._algo_key[1],
+            "fit_round": self._fit_round,
+            "fit_steps": list(self._fit_steps),
+            "before_fit": self._before_fit,
+            "state": self.algorithm.state_dict(),
+        }
+
+    def _resume(self, saved: Mapping[str, Any]) -> None:
+        """Rebuild the algorithm and the round bookkeeping from a `_snapshot`."""
+        cls = algorithm_class(saved["algorithm"])
+        algo = self._new_algorithm(
+            saved["algorithm"], cls.config_cls.model_validate(json.loads(saved["config"]))
+        )
+        algo.load_state_dict(saved["state"])
+        self._fit_round, self._before_fit = int(saved["fit_round"]), saved["before_fit"]
+        self._before_fit_shared = False  # read back: its own tensors
+        self._fit_steps = [str(s) for s in saved.get("fit_steps", [""])]
+
     def _save(self) -> None:
         """Write the algorithm's whole state (atomically) before the reply goes out."""
         if self.state_path is None or self.algorithm is None or self._algo_key is None:
             return
-        save_state(
-            self.state_path,
-            {
-                "run": self.run_id,
-                "client": self.client_id,
-                "algorithm": self._algo_key[0],
-                "config": self._algo_key[1],
-                "fit_round": self._fit_round,
-                "fit_steps": list(self._fit_steps),
-                "before_fit": self._before_fit,
-                "state": self.algorithm.state_dict(),
-            },
-        )
+        save_state(self.state_path, self._snapshot())
+
+    def park(self, where: Path | None = None, *, changed: bool = True) -> None:
+        """Between its tasks, keep this node's state as the bytes of a state file, in host
+        memory (`where` None) or in the file `where`, and let go of its models, optimizers and
+        the state before its round (a simulation of many more clients than a round trains
+        holds only those a phase runs). `changed` False: nothing changed since the last park
+        (an evaluation that keeps nothing), whose bytes stay. The next task brings it back."""
+        if self.algorithm is None:
+            return
+        if changed or self._parked is None:
+            data = state_bytes(self._snapshot())
+            if where is None:
+                self._parked = data
+            else:
+                where.write_bytes(data)  # scratch: a lost file is a lost simulation, no fsync
+                self._parked = where
+        self.algorithm = None
+        self._before_fit = None
+        self._before_fit_shared = False
+
+    def _unpark(self) -> None:
+        parked, self._parked = self._parked, None
+        assert parked is not None
+        data = parked.read_bytes() if isinstance(parked, Path) else parked
+        self._resume(state_from_bytes(data, f"{self.client_id}'s parked state"))
 
     def restore(self) -> bool:
         """Continue from a state this client saved in this run (a restarted device); True when
@@ -314,18 +356,11 @@ class ClientNode:
                     saved["client"],
                 )
                 return False
-            cls = algorithm_class(saved["algorithm"])
-            algo = self._new_algorithm(
-                saved["algorithm"], cls.config_cls.model_validate(json.loads(saved["config"]))
-            )
-            algo.load_state_dict(saved["state"])
+            self._resume(saved)
         except (StateError, KeyError, ValueError) as exc:
             raise StateError(
                 f"{self.client_id}: cannot resume from {self.state_path}: {exc}"
             ) from exc
-        self._fit_round, self._before_fit = int(saved["fit_round"]), saved["before_fit"]
-        self._before_fit_shared = False  # read from the file: its own tensors
-        self._fit_steps = [str(s) for s in saved.get("fit_steps", [""])]
         self.resumed_after = self._fit_round
         log.info(
             "%s: resumed from %s (trained up to round %d)",
@@ -340,6 +375,8 @@ class ClientNode:
         """Export the personalized model to ONNX (verified against PyTorch)."""
         from edge_sdk.export import export_onnx
 
+        if self.algorithm is None and self._parked is not None:
+            self._unpark()
         if self.algorithm is None:
             raise RuntimeError(f"{self.client_id}: nothing trained yet, no model to export")
         target = Path(path) if path else self.onnx_path

@@ -23,7 +23,7 @@ from safetensors.torch import save as st_save
 
 from model_zoo.files import write_atomic
 
-__all__ = ["StateError", "load_state", "save_state"]
+__all__ = ["StateError", "load_state", "save_state", "state_bytes", "state_from_bytes"]
 
 _TREE = "edgefl.state"
 _TENSOR = "__tensor__"
@@ -68,26 +68,35 @@ def _unflatten(node: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return node
 
 
-def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> Path:
-    """Write `state` to `path` atomically (temp file, fsync, rename, fsync of the folder), mode
-    0o600: a model trained on a device's data is that device's owner's alone."""
+def state_bytes(state: Mapping[str, Any]) -> bytes:
+    """`state` as the bytes of a state file (safetensors; its tensors copied to the host)."""
     tensors: dict[str, torch.Tensor] = {}
     tree = _flatten(state, "state", tensors)
-    data = st_save(tensors, metadata={_TREE: json.dumps(tree)})
-    return write_atomic(path, data, mode=0o600)
+    return st_save(tensors, metadata={_TREE: json.dumps(tree)})
 
 
-def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a file `save_state` wrote; `StateError` when it is not one."""
-    data = Path(path).read_bytes()
+def state_from_bytes(data: bytes, what: str = "the state") -> dict[str, Any]:
+    """The state `state_bytes` wrote (its tensors on the host); `StateError` naming `what`
+    when the bytes are not one."""
     try:
         tensors = st_load(data)
         n = int.from_bytes(data[:8], "little")
         meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
         tree = json.loads(meta[_TREE])
     except (SafetensorError, ValueError, KeyError, RuntimeError) as exc:
-        raise StateError(f"{path} is not an edgefl state file: {exc}") from exc
+        raise StateError(f"{what} is not an edgefl state file: {exc}") from exc
     state = _unflatten(tree, tensors)
     if not isinstance(state, dict):
-        raise StateError(f"{path} holds no state mapping")
+        raise StateError(f"{what} holds no state mapping")
     return state
+
+
+def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> Path:
+    """Write `state` to `path` atomically (temp file, fsync, rename, fsync of the folder), mode
+    0o600: a model trained on a device's data is that device's owner's alone."""
+    return write_atomic(path, state_bytes(state), mode=0o600)
+
+
+def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a file `save_state` wrote; `StateError` when it is not one."""
+    return state_from_bytes(Path(path).read_bytes(), str(path))

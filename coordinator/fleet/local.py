@@ -21,8 +21,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -34,14 +37,16 @@ from coordinator.fleet.base import (
     admit,
 )
 from coordinator.strategies import FitReply
-from edge_sdk.algorithms import FitResult
+from edge_sdk.algorithms import FitResult, algorithm_class
 from edge_sdk.codec import WireModel, check_weights
 from edge_sdk.device import cpu_threads
 from edge_sdk.node import ClientNode, NodeTask, execute_together
 from edge_sdk.peers import PeerBoard
 from edge_sdk.wire import reference_shapes
 
-__all__ = ["LocalFleet"]
+__all__ = ["IdleState", "LocalFleet"]
+
+IdleState = Literal["memory", "host", "disk"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +56,14 @@ class LocalFleet(Fleet):
     (default: those this process may use, `edge_sdk.device.cpu_threads`). `parallel`: how many
     groups train at once, each with an equal share of the threads (default: one per thread).
     `stack`: compatible tasks run as one stacked model (False: one by one). `fp16_upload`:
-    replies are rounded through fp16, as a client uploading in fp16 would send them."""
+    replies are rounded through fp16, as a client uploading in fp16 would send them.
+
+    `idle`: where a client's state waits between its tasks. "memory": its live models, as a
+    device holds them. "host" or "disk": as the bytes of a state file, in host memory or in a
+    file under `idle_dir` (default: a temporary folder), its models and optimizers let go
+    (`ClientNode.park`); a phase then runs its tasks `chunk` at a time (the round's cohort),
+    so that memory is bounded by the cohort, not the population. Algorithms whose clients
+    exchange models with each other (FedeRiCo) run a phase's tasks all at once."""
 
     def __init__(
         self,
@@ -61,6 +73,9 @@ class LocalFleet(Fleet):
         threads: int | None = None,
         stack: bool = True,
         fp16_upload: bool = False,
+        idle: IdleState = "memory",
+        idle_dir: str | Path | None = None,
+        chunk: int | None = None,
     ) -> None:
         super().__init__()
         self.nodes = {n.client_id: n for n in nodes}
@@ -71,6 +86,16 @@ class LocalFleet(Fleet):
         self.stack = stack
         self.fp16_upload = fp16_upload
         self.board = PeerBoard()
+        self.idle = idle
+        self.chunk = chunk
+        self._idle_dir: Path | None = None
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
+        if idle == "disk":
+            if idle_dir is None:
+                self._scratch = tempfile.TemporaryDirectory(prefix="edgefl-idle-")
+                idle_dir = self._scratch.name
+            self._idle_dir = Path(idle_dir)
+            self._idle_dir.mkdir(parents=True, exist_ok=True)
 
     def open(self, run: RunInfo) -> None:
         self._run = run
@@ -104,6 +129,31 @@ class LocalFleet(Fleet):
         self.check_stop(request.round)
         tasks = {cid: self._task(request, cid, models) for cid, models in request.plan.items()}
         results: dict[str, FitReply | None] = {cid: None for cid in tasks}
+        ids = list(tasks)
+        size = len(ids)
+        if (
+            self.idle != "memory"
+            and self.chunk
+            and not algorithm_class(self.run.algorithm).exchanges_models
+        ):
+            size = self.chunk
+        for first in range(0, max(len(ids), 1), max(size, 1)):
+            part = {cid: tasks[cid] for cid in ids[first : first + size]}
+            self._run_part(request, part, results, validate, exchange=first == 0)
+        self.check_stop(request.round)
+        return results
+
+    def _run_part(
+        self,
+        request: PhaseRequest,
+        tasks: Mapping[str, NodeTask],
+        results: dict[str, FitReply | None],
+        validate: Validator,
+        *,
+        exchange: bool,
+    ) -> None:
+        """Begin, execute and end `tasks` (all of a phase's, or a chunk of them: `exchange`
+        on the first, the only one that passes the peer board on), then park their nodes."""
         begun: dict[str, NodeTask] = {}
         for cid, task in tasks.items():  # everyone begins before anyone executes
             try:
@@ -111,7 +161,8 @@ class LocalFleet(Fleet):
                 begun[cid] = task
             except Exception as exc:
                 self._failed(cid, request, exc)
-        self._begun()
+        if exchange:
+            self._begun()
         outcomes = self._execute(begun)
         for cid, task in begun.items():
             outcome = outcomes[cid]
@@ -123,8 +174,18 @@ class LocalFleet(Fleet):
                 self._failed(cid, request, exc)
                 continue
             results[cid] = self._accept(cid, request, result, validate)
-        self.check_stop(request.round)
-        return results
+        if self.idle != "memory":
+            for cid in tasks:
+                self._park(self.nodes[cid], request.phase)
+
+    def _park(self, node: ClientNode, phase: str) -> None:
+        algo = node.algorithm
+        if algo is None:
+            return
+        # An evaluation changes nothing but the attributes its algorithm names.
+        changed = phase != "evaluate" or bool(type(algo).evaluation_keeps)
+        where = None if self._idle_dir is None else self._idle_dir / f"{node.client_id}.state"
+        node.park(where, changed=changed)
 
     def _begun(self) -> None:
         """Between the begin and execute passes of a phase: what peers published is on the board

@@ -172,6 +172,9 @@ class ClientAlgorithm(ABC):
     # teacher's round and loss): a stacked phase holds each as a PerMember list, one value per
     # member, and every member gets its own back. Any other plain value must be equal.
     per_member: ClassVar[tuple[str, ...]] = ()
+    # Its clients exchange models with each other through `ctx.peers` (decentralized): a host
+    # of many clients begins every task of a phase before any executes.
+    exchanges_models: ClassVar[bool] = False
 
     def __init__(self, ctx: ClientContext, config: BaseAlgorithmConfig) -> None:
         self.ctx = ctx

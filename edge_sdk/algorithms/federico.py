@@ -105,6 +105,7 @@ def posterior_weights(losses: Mapping[str, float], temperature: float) -> dict[s
 @register_algorithm
 class FedeRiCo(ClientAlgorithm):
     name = "federico"
+    exchanges_models = True
     config_cls = FedeRiCoConfig
     config: FedeRiCoConfig
     persistent = ("model", "optimizer", "losses", "peer_models", "published")

@@ -39,7 +39,10 @@ def test_a_mistyped_set_names_the_nearest_keys():
 def test_a_key_far_from_any_lists_the_keys_valid_there():
     res = runner.invoke(app, [*SPLIT, "--set", "round.zzzzzz=1"])
     assert res.exit_code == 2
-    assert "round.zzzzzz: unknown setting; valid keys in round: client_history, deadline_s, " in res.output
+    assert (
+        "round.zzzzzz: unknown setting; valid keys in round: client_history, deadline_s, "
+        in res.output
+    )
 
 
 def test_a_setting_in_the_wrong_section_is_pointed_to_its_own():

@@ -1,0 +1,125 @@
+"""A simulated population far larger than a round's cohort: clients parked between their tasks
+(`idle_state = "host"` or `"disk"`, `ClientNode.park`) and phases run a cohort at a time end
+exactly as clients kept live, for every algorithm; memory holds the cohort, not the population."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests_helpers import tiny_config
+from typer.testing import CliRunner
+
+from coordinator.cli import app
+from coordinator.config import ConfigError
+from coordinator.simulator import simulate
+from edge_sdk.algorithms import algorithm_names
+from edge_sdk.node import ClientNode
+
+ROOT = Path(__file__).resolve().parents[2]
+OTHERS = [a for a in algorithm_names() if a != "fedme"]
+# Every algorithm's own machinery (FedMe as the run, the eight others as its baselines), 6
+# clients of two architectures, 2 trained a round, every round evaluated.
+ARGS = [
+    "--dataset", "digits", "--set", "data.options.size=8", "--max-samples", "500",
+    "--clients", "6", "--clients-per-round", "2", "--rounds", "2", "--models", "mlr,mlp",
+    "--global-model", "mlr", "--algorithm", "fedme", "--baselines", ",".join(OTHERS),
+    "--device", "cpu", "--lr", "0.05", "--set", "fedme.unlabeled_size=60",
+    "--set", "federico.neighbours=2", "--set", "persfl.distill_epochs=1",
+    "--set", "persfl.distill_lambdas=[0.0,0.5]", "--set", "persfl.distill_temperatures=[2.0]",
+    "--set", "pfml.local_iterations=3", "--set", "pfml.lam=1.0", "--quiet",
+]  # fmt: skip
+
+
+def _simulate(out: Path, *extra: str) -> dict[str, object]:
+    res = CliRunner().invoke(app, ["simulate", *ARGS, *extra, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    return _results(out)
+
+
+def _results(out: Path) -> dict[str, object]:
+    """Each run's final per-client accuracies, and the algorithm's round by round."""
+    doc = json.loads((out / "results.json").read_text())
+    runs = {"fedme": doc, **doc["baselines"]}
+    got: dict[str, object] = {
+        name: [(c["id"], c["personal_acc"], c["global_acc"]) for c in run["clients"]]
+        for name, run in runs.items()
+    }
+    got["rounds"] = [(r["round"], r["failed"], r["client_acc"]) for r in doc["rounds"]]
+    return got
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    return _simulate(tmp_path_factory.mktemp("live"))
+
+
+@pytest.mark.parametrize("where", ["disk"])
+def test_parked_clients_end_exactly_as_live_ones_for_every_algorithm(live, where, tmp_path):
+    # Execute
+    parked = _simulate(
+        tmp_path / "out", "--set", f"idle_state={where}", "--set", f"idle_dir={tmp_path / 'idle'}"
+    )
+
+    # Assert: every run, every client, every round's accuracies
+    assert sorted(parked) == sorted([*algorithm_names(), "rounds"])
+    for name, clients in live.items():
+        assert parked[name] == clients, name
+    files = sorted(p.name for p in (tmp_path / "idle").glob("*.state"))
+    assert files == ([f"c{i}.state" for i in range(6)] if where == "disk" else [])
+
+
+@pytest.mark.parametrize(("where", "most"), [("memory", 6), ("host", 2), ("disk", 2)])
+def test_a_phase_holds_at_most_a_cohort_of_live_clients(where, most, monkeypatch, tmp_path):
+    # Prepare: watch every node: how many hold a live algorithm whenever one executes.
+    nodes: list[ClientNode] = []
+    live: list[int] = []
+    init, execute = ClientNode.__init__, ClientNode.execute
+
+    def watched_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        nodes.append(self)
+
+    def watched_execute(self, task):
+        live.append(sum(n.algorithm is not None for n in nodes))
+        return execute(self, task)
+
+    monkeypatch.setattr(ClientNode, "__init__", watched_init)
+    monkeypatch.setattr(ClientNode, "execute", watched_execute)
+    cfg = tiny_config(
+        clients=6, clients_per_round=2, rounds=3, cohort=False, idle_state=where,
+        idle_dir=str(tmp_path / "idle"), baselines=[],
+    )  # fmt: skip
+
+    # Execute
+    results = simulate(cfg, progress=False)
+
+    # Assert: parked, never more than the cohort at once (the 6 evaluations run 2 by 2); live,
+    # the whole population once everyone was evaluated.
+    assert max(live) == most
+    assert all(c.personal_acc is not None for c in results.clients)
+
+
+def test_two_workers_with_parked_clients_give_one_process_results(live, tmp_path):
+    # Execute: two ranks (gloo), each parking its shard on disk between tasks; a rank's phase
+    # in chunks still meets the other rank once per phase.
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator", "simulate", *ARGS, "--workers", "2",
+         "--set", "idle_state=disk", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+    # Assert
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _results(tmp_path) == live
+
+
+def test_parking_clients_of_the_network_fleet_is_refused_with_what_to_do():
+    cfg = tiny_config(clients=2, rounds=1, fleet="network", idle_state="host", baselines=[])
+    with pytest.raises(
+        ConfigError, match="set fleet = local and no broker, or idle_state = memory"
+    ):
+        simulate(cfg, progress=False)
