@@ -229,6 +229,10 @@ class RunConfig(BaseModel):
     # population.
     idle_state: Literal["memory", "host", "disk"] = "memory"
     idle_dir: str | None = None
+    # simulate: keep a checkpoint in OUT/checkpoint (the coordinator's after every round, each
+    # client's state after each of its tasks, each finished run whole); started again with the
+    # same settings, the simulation continues from it and ends as it would have.
+    checkpoint: bool = False
     run_id: str = "sim"
 
     @model_validator(mode="after")

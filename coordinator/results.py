@@ -134,6 +134,17 @@ class RunResult:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunResult:
+        """What `to_dict` gave (a checkpointed simulation's finished run)."""
+        return cls(
+            **{
+                **data,
+                "rounds": [RoundRecord(**r) for r in data["rounds"]],
+                "clients": [ClientResult(**c) for c in data["clients"]],
+            }
+        )
+
 
 def _metrics_missing(
     cfg: RunConfig,

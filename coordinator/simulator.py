@@ -12,6 +12,7 @@ metrics.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -35,7 +36,15 @@ from coordinator.federation import (
     write_split,
 )
 from coordinator.fleet import LocalFleet, NetworkFleet
-from coordinator.fleet.ranks import RankFleet, Ranks, ShardFleet, balance, client_cost, serve
+from coordinator.fleet.ranks import (
+    RankFleet,
+    Ranks,
+    ShardFleet,
+    balance,
+    client_cost,
+    from_rank0,
+    serve,
+)
 from coordinator.results import (
     RoundRecord,
     RunResult,
@@ -54,6 +63,7 @@ from edge_sdk.malloc import M_ARENA_MAX, glibc
 from edge_sdk.node import ClientNode
 from edge_sdk.transport import InMemoryBroker, Transport
 from edge_sdk.transport.mqtt import MqttTransport
+from model_zoo.files import write_atomic
 
 __all__ = ["run_federation", "serve_runs", "simulate", "transport_factory"]
 
@@ -137,11 +147,15 @@ def _run(
         [list(range(len(fed.client_ids)))] if ranks is None else _shards(cfg, fed, families, ranks)
     )
     mine = shards[0 if ranks is None else ranks.rank]
-    # With exports, each client's state is kept in OUT/state for `edgefl export`; a simulation
-    # starts from scratch, never from what an earlier run with the same OUT left there (rank 0
-    # clears it: every rank's clients save there).
-    state_dir = export_dir.parent / "state" if export_dir else None
-    if state_dir is not None and (ranks is None or ranks.rank == 0):
+    # With exports, each client's state is kept in OUT/state for `edgefl export`; with
+    # checkpoints, in OUT/checkpoint/<algorithm>. A simulation starts from scratch, never from
+    # what an earlier run with the same OUT left there (rank 0 clears it: every rank's clients
+    # save there), unless it resumes from the coordinator's checkpoint.
+    kept = checkpoint_dir(cfg)
+    ckpt = kept / f"{algorithm}.state" if kept else None
+    state_dir = export_dir.parent / "state" if export_dir else (kept / algorithm if kept else None)
+    resuming = ckpt is not None and ckpt.exists()
+    if state_dir is not None and not resuming and (ranks is None or ranks.rank == 0):
         shutil.rmtree(state_dir, ignore_errors=True)
     nodes = [
         build_node(
@@ -157,7 +171,7 @@ def _run(
     ]
     if ranks is not None:
         owners = {fed.client_ids[i]: r for r, part in enumerate(shards) for i in part}
-        return _over_ranks(cfg, fed, algorithm, ranks, nodes, owners, run_id, on_round)
+        return _over_ranks(cfg, fed, algorithm, ranks, nodes, owners, run_id, on_round, ckpt)
     threads = cfg.threads or cpu_threads()  # the CPU threads this run trains with
     parallel = cfg.parallel or threads
     release = _lean_heap(parallel)
@@ -171,9 +185,21 @@ def _run(
     if cfg.fleet == "local" and cfg.broker.url is None and not client_cls:
         fleet = LocalFleet(nodes, parallel=parallel, threads=threads, **_local_options(cfg))
         coordinator = build_coordinator(
-            cfg, fleet, algorithm=algorithm, fed=fed, run_id=run_id, on_round=round_done
+            cfg,
+            fleet,
+            algorithm=algorithm,
+            fed=fed,
+            run_id=run_id,
+            on_round=round_done,
+            checkpoint_path=ckpt,
         )
         return coordinator.run()
+    if cfg.checkpoint:
+        raise ConfigError(
+            "checkpoint = true resumes the clients of the local fleet; clients over a "
+            "transport keep their own state (edgefl client --state-dir): set fleet = local "
+            "and no broker, or checkpoint = false"
+        )
     if cfg.idle_state != "memory":
         raise ConfigError(
             f"idle_state = {cfg.idle_state!r} parks the clients of the local fleet between "
@@ -214,6 +240,7 @@ def _over_ranks(
     owners: dict[str, int],
     run_id: str,
     on_round: Callable[[RoundRecord], None] | None,
+    checkpoint_path: Path | None,
 ) -> RunResult | None:
     """This rank's part of a run sharded over ranks: rank 0 coordinates (its result), the
     others serve their shard's phases (None). A rank's threads: its share of the machine's."""
@@ -228,7 +255,13 @@ def _over_ranks(
         return None
     fleet = RankFleet(shard, owners)
     coordinator = build_coordinator(
-        cfg, fleet, algorithm=algorithm, fed=fed, run_id=run_id, on_round=on_round
+        cfg,
+        fleet,
+        algorithm=algorithm,
+        fed=fed,
+        run_id=run_id,
+        on_round=on_round,
+        checkpoint_path=checkpoint_path,
     )
     return coordinator.run()
 
@@ -363,8 +396,15 @@ def simulate(
     )
     _federico_budget(cfg, fed)
     _batch_budget(cfg, fed)
-    runs: dict[str, RunResult] = {}
+    finished = _finished_runs(cfg)
+    ranks = distributed.current()
+    if ranks is not None:  # the other ranks skip what is finished too
+        from_rank0(ranks, sorted(finished), "the finished runs")
+    runs: dict[str, RunResult] = dict(finished)
     for name in cfg.runs:
+        if name in runs:
+            log.info("%s: finished before (%s); not run again", name, _finished_path(cfg, name))
+            continue
         bar = tqdm(total=cfg.rounds, desc=name, unit="round", disable=not progress, leave=True)
 
         def tick(rec: RoundRecord, bar: Any = bar) -> None:
@@ -377,6 +417,8 @@ def simulate(
             cfg, fed, name, models=models, export_dir=export_dir, on_round=tick
         )
         bar.close()
+        if (path := _finished_path(cfg, name)) is not None:
+            write_atomic(path, json.dumps(runs[name].to_dict()))
     results = build_results(cfg, runs, device=device_record(choose_device(cfg.device)))
     results.split = split_record(fed)
     if out is not None:
@@ -396,10 +438,51 @@ def _run_args(cfg: RunConfig, name: str) -> tuple[list[str] | None, Path | None]
     return models, export_dir
 
 
+def checkpoint_dir(cfg: RunConfig) -> Path | None:
+    """Where a simulation keeps its checkpoint (`checkpoint = true`): OUT/checkpoint."""
+    if not cfg.checkpoint:
+        return None
+    if not cfg.out:
+        raise ConfigError("checkpoint = true keeps the checkpoint in OUT/checkpoint: set --out")
+    return Path(cfg.out) / "checkpoint"
+
+
+def _finished_path(cfg: RunConfig, name: str) -> Path | None:
+    kept = checkpoint_dir(cfg)
+    return kept / f"{name}.finished.json" if kept else None
+
+
+def _finished_runs(cfg: RunConfig) -> dict[str, RunResult]:
+    """The runs (the algorithm, baselines) an earlier start of this simulation finished, read
+    back from its checkpoint; none without one. A checkpoint of other settings is refused."""
+    kept = checkpoint_dir(cfg)
+    if kept is None:
+        return {}
+    kept.mkdir(parents=True, exist_ok=True)
+    settings = kept / "settings.json"
+    ours = cfg.model_dump_json(exclude={"out", "threads", "parallel", "idle_dir"})
+    if settings.exists() and settings.read_text() != ours:
+        raise ConfigError(
+            f"{kept} was written by a simulation with other settings: remove it (or choose "
+            "another --out) to start over, or run with the settings that wrote it"
+        )
+    write_atomic(settings, ours)
+    done = {}
+    for name in cfg.runs:
+        path = _finished_path(cfg, name)
+        if path is not None and path.exists():
+            done[name] = RunResult.from_dict(json.loads(path.read_text()))
+    return done
+
+
 def serve_runs(cfg: RunConfig) -> None:
     """A rank other than 0 of a simulation over ranks: its shard of every run `simulate` makes
-    on rank 0, in the same order (rank 0 writes the results)."""
+    on rank 0, in the same order (rank 0 writes the results), less those it finished before."""
     fed = prepare_federation(cfg)
+    ranks = distributed.current()
+    finished = from_rank0(ranks, None, "the finished runs") if ranks is not None else []
     for name in cfg.runs:
+        if name in finished:
+            continue
         models, export_dir = _run_args(cfg, name)
         _run(cfg, fed, name, models, export_dir, None, None)  # this rank's shard

@@ -220,8 +220,12 @@ class ClientNode:
         return algo.finalize(task.round, task.rounds, task.models)
 
     def end(self, task: NodeTask, result: FitResult) -> FitResult:
-        """After the phase: persist what changed; after finalize, export the model if asked."""
-        if task.phase == "fit":
+        """After the phase: persist what changed (a fit's training; an evaluation's only where
+        its algorithm keeps something of it); after finalize, export the model if asked."""
+        algo = self.algorithm
+        if task.phase == "fit" or (
+            task.phase == "evaluate" and algo is not None and type(algo).evaluation_keeps
+        ):
             self._save()
         elif task.phase == "finalize":
             self._finalized()

@@ -106,7 +106,11 @@ class LocalFleet(Fleet):
         admit(self, [(c, n.spec, n.capabilities()) for c, n in self.nodes.items()], min_clients)
 
     def rejoin(self, run: RunInfo, timeout_s: float) -> None:
+        """After the coordinator resumed from its checkpoint: each node continues from the
+        state it saved (a node that never trained has none and starts as it would have)."""
         self.open(run)
+        for node in self.nodes.values():
+            node.restore()
         self.started = True
 
     def online(self) -> set[str]:

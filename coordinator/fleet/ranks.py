@@ -62,6 +62,7 @@ __all__ = [
     "check_ranks",
     "client_cost",
     "dumps",
+    "from_rank0",
     "serve",
 ]
 
@@ -218,6 +219,12 @@ def _all_gather(ranks: Ranks, item: bytes, what: str) -> list[bytes]:
     return out
 
 
+def from_rank0(ranks: Ranks, value: Any, what: str) -> Any:
+    """Rank 0's `value` on every rank (what the others pass is ignored)."""
+    blobs = [dumps(value)] * ranks.world if ranks.rank == 0 else None
+    return loads(_scatter(ranks, blobs, what))
+
+
 # -- every rank: a shard -----------------------------------------------------------------------
 def _given(reply: FitReply) -> Callable[[], FitReply]:
     return lambda: reply
@@ -272,6 +279,8 @@ def serve(shard: ShardFleet) -> None:
         op, arg = loads(_scatter(ranks, None, "a wait for rank 0"))
         if op == "open":
             shard.open(arg)
+        elif op == "rejoin":
+            shard.rejoin(arg, 0.0)
         elif op == "register":
             infos = [(cid, n.spec, n.capabilities()) for cid, n in shard.nodes.items()]
             _gather(ranks, dumps(infos), "registration")
@@ -346,9 +355,11 @@ class RankFleet(Fleet):
         admit(self, ordered, min_clients)
 
     def rejoin(self, run: RunInfo, timeout_s: float) -> None:
-        raise CoordinatorError(
-            "resuming a simulation sharded over ranks is not supported yet: start it again"
-        )
+        """Every rank's nodes continue from the states they saved (`LocalFleet.rejoin`)."""
+        self._run = run
+        self._send([("rejoin", run)] * self.ranks.world, "the run's resumption")
+        self.shard.rejoin(run, timeout_s)
+        self.started = True
 
     def online(self) -> set[str]:
         return set(self.clients)

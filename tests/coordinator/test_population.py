@@ -5,8 +5,11 @@ exactly as clients kept live, for every algorithm; memory holds the cohort, not 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from typer.testing import CliRunner
 
 from coordinator.cli import app
 from coordinator.config import ConfigError
+from coordinator.server import Coordinator
 from coordinator.simulator import simulate
 from edge_sdk.algorithms import algorithm_names
 from edge_sdk.node import ClientNode
@@ -123,3 +127,69 @@ def test_parking_clients_of_the_network_fleet_is_refused_with_what_to_do():
         ConfigError, match="set fleet = local and no broker, or idle_state = memory"
     ):
         simulate(cfg, progress=False)
+
+
+class _Stopped(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("idle", ["memory", "disk"])
+def test_a_checkpointed_simulation_stopped_mid_run_resumes_and_ends_the_same(
+    live, idle, monkeypatch, tmp_path
+):
+    # Prepare: the first start stops (as a killed process would) after the main run's round-1
+    # checkpoint, so FedMe resumes at round 2 and every baseline runs in the second start.
+    out = tmp_path / "out"
+    extra = ("--set", "checkpoint=true", "--set", f"idle_state={idle}")
+    save = Coordinator._save_checkpoint
+
+    def stop_after_round_1(self):
+        save(self)
+        if self.algorithm == "fedme" and len(self.records) == 1:
+            raise _Stopped("stopped")
+
+    monkeypatch.setattr(Coordinator, "_save_checkpoint", stop_after_round_1)
+    first = CliRunner().invoke(app, ["simulate", *ARGS, *extra, "--out", str(out)])
+    assert isinstance(first.exception, _Stopped), first.output
+    assert not (out / "results.json").exists()
+    monkeypatch.setattr(Coordinator, "_save_checkpoint", save)
+
+    # Execute: the same command again
+    assert _simulate(out, *extra) == live
+
+    # Assert: and a third start finds every run finished (no coordinator runs again) and
+    # writes the same results; other settings are refused.
+    def never(self):
+        raise AssertionError(f"{self.algorithm} ran again")
+
+    monkeypatch.setattr(Coordinator, "run", never)
+    (out / "results.json").unlink()
+    assert _simulate(out, *extra) == live
+    res = CliRunner().invoke(app, ["simulate", *ARGS, *extra, "--lr", "0.1", "--out", str(out)])
+    assert res.exit_code == 2 and "was written by a simulation with other settings" in res.output
+
+
+def test_a_checkpointed_simulation_over_two_ranks_killed_mid_run_resumes_and_ends_the_same(
+    tmp_path,
+):
+    # Prepare: FedMe and the local baseline, 4 rounds; the reference in one process.
+    args = [*ARGS, "--rounds", "4", "--baselines", "local", "--set", "checkpoint=true"]
+    reference = _simulate(tmp_path / "one", *args[len(ARGS) :])
+    out = tmp_path / "ranks"
+    command = [sys.executable, "-m", "coordinator", "simulate", *args, "--workers", "2"]
+    command += ["--out", str(out)]
+
+    # Execute: killed (every rank, at once) once FedMe's first round is checkpointed...
+    first = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
+    ckpt = out / "checkpoint" / "fedme.state"
+    while not ckpt.exists() and first.poll() is None:
+        time.sleep(0.02)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(30)
+    assert not (out / "checkpoint" / "fedme.finished.json").exists()
+    # ...and started again.
+    second = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    # Assert
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert _results(out) == reference
