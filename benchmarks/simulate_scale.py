@@ -23,12 +23,19 @@ Three measurements (pick with `--parts`):
    the median round time (rounds 2..), time per client (goal: flat, i.e. linear growth), the
    same for the process's CPU seconds (what other jobs on the machine stretch less) and RSS
    after each round; `--rss-rounds` runs one configuration longer to show RSS stays flat.
+4. **population** — FML on all of Fashion-MNIST (iid) cut into 1,000 and 10,000 clients,
+   `mlp` and `lenet5`, 100 trained a round (`--cohort`), the last round evaluating every client,
+   then every client finalized; once per `idle_state` (`--idle`: where clients wait between
+   their tasks). Reports RSS after the data and at its peak (the high-water mark: the last
+   phases, every client's state at once when they are kept live), and the peak over the data
+   per client.
 
     python benchmarks/simulate_scale.py --parts pfml --rounds 100      # ~2 min on 2 cores
     python benchmarks/simulate_scale.py --parts pfml --fleets local local-one-by-one network
     python benchmarks/simulate_scale.py --parts scale --fleet network   # the other runtime
     python benchmarks/simulate_scale.py                                 # everything, ~10 min
     python benchmarks/simulate_scale.py --json-out simulate_scale.json
+    python benchmarks/simulate_scale.py --parts population --scale-rounds 3   # ~45 min
 
 Prints one JSON object, then tables. The 2 cores of the machine this was written on were shared
 with other jobs, so absolute seconds are noisy: compare the ratios taken in one run.
@@ -291,6 +298,49 @@ def run_scale(
     return rows
 
 
+def run_population(
+    families: list[str], sizes: list[int], idles: list[str], rounds: int, cohort: int
+) -> list[dict[str, Any]]:
+    """FML on all of Fashion-MNIST (iid) cut into `sizes` clients, `cohort` trained a round,
+    evaluated once (the last round: every client), finalized (every client), once per way of
+    keeping idle clients (`idle_state`)."""
+    rows = []
+    for family in families:
+        for n in sizes:
+            for idle in idles:
+                overrides = _scale_overrides(family, n, rounds, "local") | {
+                    "clients_per_round": cohort,
+                    "data.max_samples": None,
+                    "round.eval_every": rounds,
+                    "idle_state": idle,
+                }
+                res = in_child(overrides)
+                res |= {"family": family, "clients": n, "cohort": cohort, "idle_state": idle}
+                # At its peak (the last phases, every client evaluated and finalized), what the
+                # run held beyond the data, per client: live, every client's state at once.
+                res["peak_kib_per_client"] = round(
+                    1024 * (res["peak_rss_mb"] - res["rss_after_data_mb"]) / n, 1
+                )
+                rows.append(res)
+                print(_population_lines(rows[-1:])[-1], file=sys.stderr, flush=True)
+    return rows
+
+
+def _population_lines(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        f"{'model':>7}{'clients':>9}{'idle':>8}{'after data':>12}{'peak':>8}"
+        f"{'peak KiB/client':>17}{'wall s':>8}{'acc':>8}"
+    ]
+    for r in rows:
+        acc = r["mean_personal_acc"]
+        lines.append(
+            f"{r['family']:>7}{r['clients']:>9}{r['idle_state']:>8}{r['rss_after_data_mb']:>12}"
+            f"{r['peak_rss_mb']:>8}{r['peak_kib_per_client']:>17}"
+            f"{r['wall_s']:>8.0f}{'-' if acc is None else f'{acc:.4f}':>8}"
+        )
+    return lines
+
+
 # -- output ------------------------------------------------------------------------------------
 def tables(out: dict[str, Any]) -> str:
     lines = []
@@ -332,6 +382,9 @@ def tables(out: dict[str, Any]) -> str:
                 + " ".join(map(str, shown))
                 + (f"  ({len(rss)} rounds)" if r.get("long") else "")
             )
+    if "population" in out:
+        lines += ["", "Populations (RSS in MB; peak KiB/client: peak minus after the data)"]
+        lines += _population_lines(out["population"])
     return "\n".join(lines)
 
 
@@ -357,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--families", nargs="+", default=["mlr", "lenet5"])
     ap.add_argument("--sizes", nargs="+", type=int, default=[10, 50, 100, 200])
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    ap.add_argument("--population-families", nargs="+", default=["mlp", "lenet5"])
+    ap.add_argument("--population-sizes", nargs="+", type=int, default=[1000, 10000])
+    ap.add_argument("--idle", nargs="+", default=["memory", "disk"], help="idle_state values")
+    ap.add_argument("--cohort", type=int, default=100, help="population: clients_per_round")
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args(argv)
     if a.threads:
@@ -376,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         out["fml"] = run_fml(a.fml_rounds, a.fleet)
     if "scale" in a.parts:
         out["scale"] = run_scale(a.families, a.sizes, a.scale_rounds, a.rss_rounds, a.fleet)
+    if "population" in a.parts:
+        out["population"] = run_population(
+            a.population_families, a.population_sizes, a.idle, a.scale_rounds, a.cohort
+        )
     emit(out, a.json_out, tables)
     return 0
 
