@@ -339,7 +339,9 @@ class ClientNode:
         self._before_fit_shared = False
 
     def _unpark(self) -> None:
-        parked, self._parked = self._parked, None
+        """Back from `park`. The bytes stay: parked again after a task that changed nothing,
+        they still hold its state."""
+        parked = self._parked
         assert parked is not None
         data = parked.read_bytes() if isinstance(parked, Path) else parked
         self._resume(state_from_bytes(data, f"{self.client_id}'s parked state"))

@@ -193,3 +193,29 @@ def test_a_checkpointed_simulation_over_two_ranks_killed_mid_run_resumes_and_end
     # Assert
     assert second.returncode == 0, second.stdout + second.stderr
     assert _results(out) == reference
+
+
+def test_a_parked_client_is_written_again_only_after_a_task_that_changed_it(monkeypatch, tmp_path):
+    # Prepare: count the state files parking writes, per phase.
+    writes: list[str] = []
+    park = ClientNode.park
+
+    def counted(self, where=None, *, changed=True):
+        before = where.stat().st_mtime_ns if where is not None and where.exists() else None
+        park(self, where, changed=changed)
+        if where is not None and where.stat().st_mtime_ns != before:
+            writes.append("changed" if changed else "unchanged")
+
+    monkeypatch.setattr(ClientNode, "park", counted)
+    cfg = tiny_config(
+        clients=4, rounds=2, idle_state="disk", idle_dir=str(tmp_path / "idle"), baselines=[]
+    )
+
+    # Execute: FedAvg, every client trains and is evaluated every round, then finalized.
+    simulate(cfg, progress=False)
+
+    # Assert: the evaluation of the initial models (round 0, before the rollback can judge
+    # round 1) parks each client a first time; then 4 fits × 2 rounds and 4 finalizes are
+    # written, and the 8 evaluations after a fit are not (the fit's bytes stay).
+    assert writes[:4] == ["unchanged"] * 4
+    assert writes[4:] == ["changed"] * (4 * 2 + 4)
