@@ -31,7 +31,6 @@ PROCESS_MODULES = {
     "test_deploy.py",
     "test_faults.py",
     "test_fleet_scale.py",
-    "test_population.py",
     "test_ranks.py",
     "test_secure_setup.py",
 }

@@ -5,11 +5,6 @@ exactly as clients kept live, for every algorithm; memory holds the cohort, not 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +18,6 @@ from coordinator.simulator import simulate
 from edge_sdk.algorithms import algorithm_names
 from edge_sdk.node import ClientNode
 
-ROOT = Path(__file__).resolve().parents[2]
 OTHERS = [a for a in algorithm_names() if a != "fedme"]
 # Every algorithm's own machinery (FedMe as the run, the eight others as its baselines), 6
 # clients of two architectures, 2 trained a round, every round evaluated.
@@ -107,20 +101,6 @@ def test_a_phase_holds_at_most_a_cohort_of_live_clients(where, most, monkeypatch
     assert all(c.personal_acc is not None for c in results.clients)
 
 
-def test_two_workers_with_parked_clients_give_one_process_results(live, tmp_path):
-    # Execute: two ranks (gloo), each parking its shard on disk between tasks; a rank's phase
-    # in chunks still meets the other rank once per phase.
-    proc = subprocess.run(
-        [sys.executable, "-m", "coordinator", "simulate", *ARGS, "--workers", "2",
-         "--set", "idle_state=disk", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-
-    # Assert
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert _results(tmp_path) == live
-
-
 def test_parking_clients_of_the_network_fleet_is_refused_with_what_to_do():
     cfg = tiny_config(clients=2, rounds=1, fleet="network", idle_state="host", baselines=[])
     with pytest.raises(
@@ -167,32 +147,6 @@ def test_a_checkpointed_simulation_stopped_mid_run_resumes_and_ends_the_same(
     assert _simulate(out, *extra) == live
     res = CliRunner().invoke(app, ["simulate", *ARGS, *extra, "--lr", "0.1", "--out", str(out)])
     assert res.exit_code == 2 and "was written by a simulation with other settings" in res.output
-
-
-def test_a_checkpointed_simulation_over_two_ranks_killed_mid_run_resumes_and_ends_the_same(
-    tmp_path,
-):
-    # Prepare: FedMe and the local baseline, 4 rounds; the reference in one process.
-    args = [*ARGS, "--rounds", "4", "--baselines", "local", "--set", "checkpoint=true"]
-    reference = _simulate(tmp_path / "one", *args[len(ARGS) :])
-    out = tmp_path / "ranks"
-    command = [sys.executable, "-m", "coordinator", "simulate", *args, "--workers", "2"]
-    command += ["--out", str(out)]
-
-    # Execute: killed (every rank, at once) once FedMe's first round is checkpointed...
-    first = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
-    ckpt = out / "checkpoint" / "fedme.state"
-    while not ckpt.exists() and first.poll() is None:
-        time.sleep(0.02)
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait(30)
-    assert not (out / "checkpoint" / "fedme.finished.json").exists()
-    # ...and started again.
-    second = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-
-    # Assert
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert _results(out) == reference
 
 
 def test_a_parked_client_is_written_again_only_after_a_task_that_changed_it(monkeypatch, tmp_path):

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -112,6 +113,33 @@ def test_two_nodes_meet_at_one_rendezvous_and_give_the_same_results(one_process,
     # Assert
     assert [p.returncode for p in nodes] == [0, 0], outputs
     assert _per_client(tmp_path) == one_process
+
+
+def test_two_ranks_parking_their_clients_killed_mid_run_resume_and_end_as_one_process(tmp_path):
+    # Prepare: FedMe (and the local baseline), 6 clients, 2 a round, 4 rounds, each rank's idle
+    # clients parked on disk, a checkpoint kept; the reference in this process, all live.
+    args = [*ARGS, "--clients", "6", "--clients-per-round", "2", "--rounds", "4"]
+    args += ["--baselines", "local", "--set", "checkpoint=true"]
+    res = CliRunner().invoke(app, ["simulate", *args, "--out", str(tmp_path / "one")])
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "ranks"
+    command = [sys.executable, "-m", "coordinator", "simulate", *args, "--workers", "2"]
+    command += ["--set", "idle_state=disk", "--out", str(out)]
+
+    # Execute: every rank killed at once when FedMe's first round is checkpointed...
+    first = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
+    ckpt = out / "checkpoint" / "fedme.state"
+    while not ckpt.exists() and first.poll() is None:
+        time.sleep(0.02)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(30)
+    assert not (out / "checkpoint" / "fedme.finished.json").exists()
+    # ...and started again.
+    second = _edgefl(*command[3:], timeout=300)
+
+    # Assert
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert _per_client(out) == _per_client(tmp_path / "one")
 
 
 def test_ranks_that_disagree_on_the_config_stop_with_a_clear_error(tmp_path):
