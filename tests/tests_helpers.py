@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -297,3 +298,16 @@ def to_rounding(value: Any, rel: float = 1e-5) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(to_rounding(v, rel) for v in value)
     return value
+
+
+def per_client_results(out: Path, main: str = "fedme") -> dict[str, object]:
+    """What OUT/results.json says of each run (`main` and its baselines): every client's final
+    personalized and global accuracy, and the main run's accuracies round by round."""
+    doc = json.loads((Path(out) / "results.json").read_text())
+    runs = {main: doc, **doc["baselines"]}
+    got: dict[str, object] = {
+        name: [(c["id"], c["personal_acc"], c["global_acc"]) for c in run["clients"]]
+        for name, run in runs.items()
+    }
+    got["rounds"] = [(r["round"], r["failed"], r["client_acc"]) for r in doc["rounds"]]
+    return got

@@ -4,11 +4,10 @@ exactly as clients kept live, for every algorithm; memory holds the cohort, not 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from tests_helpers import tiny_config
+from tests_helpers import per_client_results, tiny_config
 from typer.testing import CliRunner
 
 from coordinator.cli import app
@@ -35,19 +34,7 @@ ARGS = [
 def _simulate(out: Path, *extra: str) -> dict[str, object]:
     res = CliRunner().invoke(app, ["simulate", *ARGS, *extra, "--out", str(out)])
     assert res.exit_code == 0, res.output
-    return _results(out)
-
-
-def _results(out: Path) -> dict[str, object]:
-    """Each run's final per-client accuracies, and the algorithm's round by round."""
-    doc = json.loads((out / "results.json").read_text())
-    runs = {"fedme": doc, **doc["baselines"]}
-    got: dict[str, object] = {
-        name: [(c["id"], c["personal_acc"], c["global_acc"]) for c in run["clients"]]
-        for name, run in runs.items()
-    }
-    got["rounds"] = [(r["round"], r["failed"], r["client_acc"]) for r in doc["rounds"]]
-    return got
+    return per_client_results(out)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests_helpers import per_client_results
 from typer.testing import CliRunner
 
 from coordinator.broker import free_port
@@ -67,25 +68,13 @@ def _torchrun(node: int, port: int, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def _per_client(out: Path) -> dict[str, object]:
-    """Each run's final per-client accuracies, and the algorithm's round by round."""
-    res = json.loads((out / "results.json").read_text())
-    runs = {"fedme": res, **res["baselines"]}
-    got: dict[str, object] = {
-        name: [(c["id"], c["personal_acc"], c["global_acc"]) for c in run["clients"]]
-        for name, run in runs.items()
-    }
-    got["rounds"] = [(r["round"], r["failed"], r["client_acc"]) for r in res["rounds"]]
-    return got
-
-
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """The reference: the same simulation in this process, as today."""
     out = tmp_path_factory.mktemp("one")
     res = CliRunner().invoke(app, ["simulate", *ARGS, "--out", str(out)])
     assert res.exit_code == 0, res.output
-    return _per_client(out)
+    return per_client_results(out)
 
 
 def test_two_workers_give_one_process_per_client_results_for_every_algorithm(one_process, tmp_path):
@@ -95,7 +84,7 @@ def test_two_workers_give_one_process_per_client_results_for_every_algorithm(one
     # Assert: every algorithm, every client, the same accuracies (rank 0 wrote the results)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fedme: per-client accuracy" in proc.stdout
-    sharded = _per_client(tmp_path)
+    sharded = per_client_results(tmp_path)
     assert sorted(sharded) == sorted([*algorithm_names(), "rounds"])
     for name, clients in one_process.items():
         assert sharded[name] == clients, name
@@ -112,7 +101,7 @@ def test_two_nodes_meet_at_one_rendezvous_and_give_the_same_results(one_process,
 
     # Assert
     assert [p.returncode for p in nodes] == [0, 0], outputs
-    assert _per_client(tmp_path) == one_process
+    assert per_client_results(tmp_path) == one_process
 
 
 def test_two_ranks_parking_their_clients_killed_mid_run_resume_and_end_as_one_process(tmp_path):
@@ -139,7 +128,7 @@ def test_two_ranks_parking_their_clients_killed_mid_run_resume_and_end_as_one_pr
 
     # Assert
     assert second.returncode == 0, second.stdout + second.stderr
-    assert _per_client(out) == _per_client(tmp_path / "one")
+    assert per_client_results(out) == per_client_results(tmp_path / "one")
 
 
 def test_ranks_that_disagree_on_the_config_stop_with_a_clear_error(tmp_path):
