@@ -34,8 +34,9 @@ __all__ = ["RankFailed", "current", "fingerprint", "in_launch", "join", "launch"
 log = logging.getLogger(__name__)
 
 _RANKS: Ranks | None = None
-# Settings that may differ between the ranks' machines without changing a result.
-_LOCAL_SETTINGS = ("out", "threads", "parallel")
+# Settings that may differ between machines, or between starts of one simulation, without
+# changing a result (what the ranks compare, and what a checkpoint must match, leave them out).
+LOCAL_SETTINGS = ("out", "threads", "parallel", "idle_dir")
 
 
 class RankFailed(RuntimeError):
@@ -62,7 +63,7 @@ def fingerprint(cfg: RunConfig) -> tuple[str, str, str]:
         ours = version("edgefl")
     except PackageNotFoundError:
         ours = "not installed"
-    settings = cfg.model_dump_json(exclude=set(_LOCAL_SETTINGS))
+    settings = cfg.model_dump_json(exclude=set(LOCAL_SETTINGS))
     return ours, torch.__version__, hashlib.sha256(settings.encode()).hexdigest()[:16]
 
 

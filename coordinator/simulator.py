@@ -460,7 +460,7 @@ def _finished_runs(cfg: RunConfig) -> dict[str, RunResult]:
         return {}
     kept.mkdir(parents=True, exist_ok=True)
     settings = kept / "settings.json"
-    ours = cfg.model_dump_json(exclude={"out", "threads", "parallel", "idle_dir"})
+    ours = cfg.model_dump_json(exclude=set(distributed.LOCAL_SETTINGS))
     if settings.exists() and settings.read_text() != ours:
         raise ConfigError(
             f"{kept} was written by a simulation with other settings: remove it (or choose "
