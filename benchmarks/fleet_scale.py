@@ -548,9 +548,7 @@ def _figures(
     # after the first round's checkpoint): its checkpoint file and its RSS.
     def growth(key: str) -> float | None:
         pts = [(r, s[key]) for r, s in sorted(fits.items()) if r >= 2 and key in s]
-        if len(pts) < 3:
-            return None
-        return float(np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)[0])
+        return _line(pts)[0] if len(pts) >= 3 else None
 
     def delta(key: str) -> float | None:
         if key in rounds_end and key in first_fit:
@@ -603,13 +601,16 @@ def _shares(n: int, procs: int) -> list[int]:
     return [min(share, n - first) for first in range(0, n, share)]
 
 
+def _line(pts: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares fit y = a + b·x through the points: (b, a)."""
+    b, a = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)
+    return float(b), float(a)
+
+
 def _slope(rows: list[dict[str, Any]], key: str) -> tuple[float, float] | None:
     """Least-squares fit key = a + b·N over the rows: (b, a)."""
     pts = [(r["devices"], r[key]) for r in rows if r.get(key) is not None]
-    if len(pts) < 2:
-        return None
-    b, a = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)
-    return float(b), float(a)
+    return _line(pts) if len(pts) >= 2 else None
 
 
 COLUMNS = [
