@@ -226,7 +226,8 @@ class LocalFleet(Fleet):
             return execute_together([self.nodes[c] for c in ids], [begun[c] for c in ids])
 
         if self.parallel == 1 or len(jobs) == 1:
-            done = [run(ids) for ids in jobs]
+            with _threads_each(self.threads, 1):  # one job at a time: all of `threads`
+                done = [run(ids) for ids in jobs]
         else:
             with (
                 _threads_each(self.threads, self.parallel),

@@ -293,6 +293,34 @@ def test_tasks_on_a_gpu_take_turns_and_on_the_cpu_run_side_by_side(fleet, gpu, m
     assert seen.most == 1 if gpu else seen.most >= 2
 
 
+@pytest.mark.parametrize(("threads", "parallel", "each"), [(1, 1, 1), (3, 1, 3), (4, 2, 2)])
+def test_clients_train_on_the_threads_the_run_was_given(threads, parallel, each, monkeypatch):
+    # Prepare: record torch's intra-op threads while each client trains (before, clients trained
+    # one at a time on torch's default pool, whatever --threads said)
+    import coordinator.fleet.local
+
+    seen: list[int] = []
+    execute = coordinator.fleet.local.execute_together
+
+    def counted(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(coordinator.fleet.local, "execute_together", counted)
+    torch.set_num_threads(2)
+    cfg = tiny_config(
+        algorithm="local", clients=2, rounds=1, threads=threads, parallel=parallel, cohort=False
+    )
+
+    # Execute
+    run_federation(cfg, prepare_federation(cfg), "local")
+
+    # Assert: each client (two jobs: unstacked) on its share of the run's threads; torch's own
+    # setting restored
+    assert seen and set(seen) == {each}
+    assert torch.get_num_threads() == 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("algorithm", ["fml", "federico"])
 def test_clients_training_at_once_on_cuda_all_finish(algorithm):
