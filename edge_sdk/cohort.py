@@ -793,6 +793,10 @@ def _take_kept(members: Sequence[ClientAlgorithm]) -> ClientAlgorithm | None:
 
 def _put_kept(members: Sequence[ClientAlgorithm], stacked: ClientAlgorithm) -> None:
     with _kept_lock:
+        # A stack one of whose members is gone (a client parked between its tasks: a population
+        # larger than a round's cohort) is never taken again: let its memory go now.
+        for gone in [k for k, v in _kept_stacks.items() if any(r() is None for r in v.members)]:
+            del _kept_stacks[gone]
         key = _stack_key(members)
         _kept_stacks[key] = _KeptStack([weakref.ref(a) for a in members], stacked)
         _kept_stacks.move_to_end(key)

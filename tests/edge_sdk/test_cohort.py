@@ -3,8 +3,10 @@ and each gets what its own fit would have given it (to float rounding: a batched
 rounding is not a single one's), whatever the sizes of their data."""
 
 import copy
+import gc
 import math
 import threading
+import weakref
 from collections import OrderedDict
 
 import pytest
@@ -476,6 +478,26 @@ def test_a_kept_stack_of_adam_clients_counts_steps_from_a_restored_state(monkeyp
     # Assert: the stack was kept, and counts from the restored state
     assert len(cohort._kept_stacks) == 1
     assert stacked[0].optimizer.state_dict()["state"][0]["step"] == 8
+
+
+def test_a_stack_whose_members_are_gone_is_let_go_when_the_next_is_kept(monkeypatch):
+    # Prepare: two cohorts of clients, each trained in a kept stack (as on CUDA)
+    monkeypatch.setattr(cohort, "_kept_stacks", OrderedDict())
+    spec, first = _clients("fml")
+    _, second = _clients("fml")
+    run_stacked(first, "fit", 1, 2, _models("fml", spec, 3), masked=True, keep=True)
+    (gone,) = [weakref.ref(k.stacked) for k in cohort._kept_stacks.values()]
+
+    # Execute: the first cohort's clients let go (parked), the second cohort trains
+    del first
+    gc.collect()
+    run_stacked(second, "fit", 1, 2, _models("fml", spec, 3), masked=True, keep=True)
+    gc.collect()
+
+    # Assert: only the second cohort's stack is kept; the first one's memory is free
+    assert len(cohort._kept_stacks) == 1 and gone() is None
+    (kept,) = cohort._kept_stacks.values()
+    assert {id(m()) for m in kept.members} == {id(c) for c in second}
 
 
 def test_a_new_stacks_optimizer_state_is_laid_out_as_its_parameters(monkeypatch):
