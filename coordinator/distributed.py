@@ -11,6 +11,12 @@ At start (`join`) the ranks meet at the rendezvous within `round.register_timeou
 what they run: a hash of the config (less what may differ between machines: `out`, `threads`,
 `parallel`) and the edgefl and torch versions. Rank 0's `out` is every rank's (clients export
 there). The federation is sharded by `coordinator.fleet.ranks`; `coordinator.simulator` runs it.
+
+On GPUs (`--device auto|cuda` where CUDA is available), each rank trains on one GPU of its
+machine: its LOCAL_RANK modulo the machine's GPUs (`rank_gpu`), so one rank per GPU, and ranks
+beyond the GPUs share them. The ranks still exchange through gloo: what crosses is pickled
+host memory (a phase's tasks and replies, see `coordinator.fleet.ranks`), and NCCL refuses two
+ranks on one GPU, which is how a single GPU is shared.
 """
 
 from __future__ import annotations
@@ -104,6 +110,28 @@ def rank_threads(cfg: RunConfig) -> int:
     return cfg.threads or max(1, cpu_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+def rank_gpu(local_rank: int, gpus: int) -> int:
+    """The GPU of the `local_rank`-th rank of a machine with `gpus` GPUs: one rank per GPU, and
+    ranks beyond them share the GPUs in turn."""
+    if gpus < 1:
+        raise ValueError(f"no GPU to place rank {local_rank} on")
+    return local_rank % gpus
+
+
+def place(cfg: RunConfig) -> str:
+    """Make this rank's GPU (`rank_gpu` of LOCAL_RANK) torch's current device when the run
+    trains on CUDA; the device this rank trains on, as results name it (`cpu`, `cuda:N`)."""
+    import torch
+
+    from edge_sdk.device import choose_device
+
+    if choose_device(cfg.device).device.type != "cuda":
+        return "cpu"
+    index = rank_gpu(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
 def join(cfg: RunConfig) -> tuple[Ranks, RunConfig]:
     """Meet the other ranks (torch's env:// rendezvous, gloo) and check that they run the same;
     returns this rank and the config with rank 0's `out`. Raises ValueError on a bad launch."""
@@ -114,6 +142,7 @@ def join(cfg: RunConfig) -> tuple[Ranks, RunConfig]:
     torch.set_num_threads(rank_threads(cfg))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     check_launch(cfg, world)
+    device = place(cfg)
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     wait = cfg.round.register_timeout_s
     try:
@@ -128,12 +157,12 @@ def join(cfg: RunConfig) -> tuple[Ranks, RunConfig]:
     # (a rank that dies is noticed at once: its connection closes).
     group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
     assert isinstance(group, dist.ProcessGroup)
-    ranks = Ranks(rank, world, group)
     prints: list[Any] = [None] * world
-    dist.all_gather_object(prints, (fingerprint(cfg), cfg.out), group=group)
-    why = disagreement([p for p, _ in prints])
+    dist.all_gather_object(prints, (fingerprint(cfg), cfg.out, device), group=group)
+    why = disagreement([p for p, _, _ in prints])
     if why is not None:
         raise ValueError(f"rank {rank}: {why}")
+    ranks = Ranks(rank, world, group, devices=tuple(d for _, _, d in prints))
     _RANKS = ranks
     return ranks, cfg.model_copy(update={"out": prints[0][1]})
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -324,12 +324,22 @@ def _registered_devices(clients: list[ClientResult]) -> DeviceRecord | None:
     )
 
 
-def device_record(choice: DeviceChoice) -> DeviceRecord:
-    """The results' record of the device a simulation chose."""
+def device_record(choice: DeviceChoice, ranks: Sequence[str] = ()) -> DeviceRecord:
+    """The results' record of the device a simulation chose; over several ranks, what each
+    rank trained on (`ranks`, by rank)."""
+    if len(ranks) < 2:
+        return DeviceRecord(
+            requested=choice.requested,
+            used=str(choice.device),
+            reason=choice.reason,
+            precision=choice.precision,
+        )
+    used = ", ".join(f"{d} ×{n}" for d, n in sorted(Counter(ranks).items()))
+    how = "a rank per GPU of its machine (LOCAL_RANK mod its GPUs)" if "cuda" in used else ""
     return DeviceRecord(
         requested=choice.requested,
-        used=str(choice.device),
-        reason=choice.reason,
+        used=f"{used} ({len(ranks)} ranks)",
+        reason="; ".join(filter(None, [choice.reason, how])),
         precision=choice.precision,
     )
 

@@ -419,7 +419,8 @@ def simulate(
         bar.close()
         if (path := _finished_path(cfg, name)) is not None:
             write_atomic(path, json.dumps(runs[name].to_dict()))
-    results = build_results(cfg, runs, device=device_record(choose_device(cfg.device)))
+    devices = ranks.devices if ranks is not None else ()
+    results = build_results(cfg, runs, device=device_record(choose_device(cfg.device), devices))
     results.split = split_record(fed)
     if out is not None:
         write_results(results, out)

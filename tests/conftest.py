@@ -36,6 +36,7 @@ PROCESS_MODULES = {
 }
 
 
+@pytest.hookimpl(optionalhook=True)  # (a GPU machine may have no xdist)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """One unit of work for all of PROCESS_MODULES, one per test for the rest. (xdist's own
     `--dist loadgroup` marks do not take under pytest 9: it renames node ids pytest no longer
@@ -47,6 +48,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return "processes" if Path(nodeid.split("::")[0]).name in PROCESS_MODULES else nodeid
 
     return ProcessesTogether(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `cuda` every test skipped where there is no CUDA device: on a GPU machine,
+    `pytest -m cuda` runs them alone."""
+    for item in items:
+        if any("CUDA device" in m.kwargs.get("reason", "") for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.cuda)
 
 
 @pytest.fixture

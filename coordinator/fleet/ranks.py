@@ -80,6 +80,7 @@ class Ranks:
     rank: int
     world: int
     group: Any = None  # the process group (None: the default one)
+    devices: tuple[str, ...] = ()  # what each rank trains on (cpu, cuda:N), by rank
 
 
 # -- shards ------------------------------------------------------------------------------------

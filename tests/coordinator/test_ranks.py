@@ -25,9 +25,11 @@ from typer.testing import CliRunner
 
 from coordinator.broker import free_port
 from coordinator.cli import app
-from coordinator.distributed import disagreement
+from coordinator.distributed import disagreement, rank_gpu
 from coordinator.fleet.ranks import balance, client_cost, dumps, loads
+from coordinator.results import device_record
 from edge_sdk.algorithms import algorithm_names
+from edge_sdk.device import DeviceChoice
 from model_zoo import ArchSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,8 +91,11 @@ def test_two_workers_give_one_process_per_client_results_for_every_algorithm(one
     for name, clients in one_process.items():
         assert sharded[name] == clients, name
     assert all(acc is not None for _, acc, _ in sharded["federico"])  # type: ignore[attr-defined]
-    summary = json.loads((tmp_path / "results.json").read_text())["summary"]
-    assert summary["coordinator_bytes_out"] > 0 and summary["coordinator_bytes_in"] > 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert (
+        doc["summary"]["coordinator_bytes_out"] > 0 and doc["summary"]["coordinator_bytes_in"] > 0
+    )
+    assert doc["device"]["used"] == "cpu ×2 (2 ranks)"
 
 
 def test_two_nodes_meet_at_one_rendezvous_and_give_the_same_results(one_process, tmp_path):
@@ -129,6 +134,35 @@ def test_two_ranks_parking_their_clients_killed_mid_run_resume_and_end_as_one_pr
     # Assert
     assert second.returncode == 0, second.stdout + second.stderr
     assert per_client_results(out) == per_client_results(tmp_path / "one")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ranks_on_cuda_take_a_gpu_each_in_turn_and_agree_with_one_process(tmp_path):
+    # Prepare: FML with FedAvg and FedeRiCo beside it, on CUDA, in one process
+    args = [a if a != "cpu" else "cuda" for a in ARGS]
+    args += ["--algorithm", "fml", "--baselines", "fedavg,federico"]
+    one = _edgefl("simulate", *args, "--out", str(tmp_path / "one"), timeout=300)
+    assert one.returncode == 0, one.stdout + one.stderr
+
+    # Execute: 3 ranks (more than one GPU machine has: they share the GPUs in turn)
+    three = _edgefl("simulate", *args, "--workers", "3", "--out", str(tmp_path / "3"), timeout=300)
+
+    # Assert: each rank on its GPU (LOCAL_RANK mod GPUs), and the results of one process, up to
+    # what other stack sizes change in a GPU's reduced-precision sums (a test image or two)
+    assert three.returncode == 0, three.stdout + three.stderr
+    doc = json.loads((tmp_path / "3" / "results.json").read_text())
+    gpus = Counter(f"cuda:{r % torch.cuda.device_count()}" for r in range(3))
+    assert doc["device"]["used"] == ", ".join(f"{d} ×{n}" for d, n in sorted(gpus.items())) + (
+        " (3 ranks)"
+    )
+    ranks, alone = (
+        per_client_results(tmp_path / "3", "fml"),
+        per_client_results(tmp_path / "one", "fml"),
+    )
+    for name in ("fml", "fedavg", "federico"):
+        for (cid, pa, ga), (cid1, pa1, ga1) in zip(ranks[name], alone[name], strict=True):  # type: ignore[call-overload]
+            assert cid == cid1
+            assert abs(pa - pa1) <= 0.05 and (ga is None) == (ga1 is None), (name, cid, pa, pa1)
 
 
 def test_ranks_that_disagree_on_the_config_stop_with_a_clear_error(tmp_path):
@@ -211,6 +245,26 @@ def test_shards_balance_work_not_client_count():
     assert shards == [[4, 5, 7], [0, 1, 2, 3, 6]]
     assert [sum(costs[i] for i in s) for s in shards] == [10, 10]
     assert balance(costs, 2) == shards  # the same on every rank
+
+
+def test_a_rank_takes_its_machines_gpu_in_turn():
+    assert [rank_gpu(r, 1) for r in range(4)] == [0, 0, 0, 0]  # four ranks share one GPU
+    assert [rank_gpu(r, 4) for r in range(4)] == [0, 1, 2, 3]  # one rank per GPU
+    assert [rank_gpu(r, 2) for r in range(5)] == [0, 1, 0, 1, 0]
+    with pytest.raises(ValueError, match="no GPU to place rank 1 on"):
+        rank_gpu(1, 0)
+
+
+def test_the_results_name_each_ranks_device():
+    cpu = DeviceChoice("auto", torch.device("cpu"), "auto: CUDA is not available")
+    assert device_record(cpu).used == "cpu"
+    assert device_record(cpu, ["cpu"]).used == "cpu"  # one rank: as one process
+    two = device_record(cpu, ["cuda:1", "cuda:0", "cuda:1", "cpu"])
+    assert two.used == "cpu ×1, cuda:0 ×1, cuda:1 ×2 (4 ranks)"
+    assert two.reason == (
+        "auto: CUDA is not available; a rank per GPU of its machine (LOCAL_RANK mod its GPUs)"
+    )
+    assert device_record(cpu, ["cpu", "cpu"]).reason == "auto: CUDA is not available"
 
 
 def test_every_rank_gets_a_client_and_too_many_ranks_are_refused():
