@@ -28,7 +28,8 @@ Three measurements (pick with `--parts`):
    then every client finalized; once per `idle_state` (`--idle`: where clients wait between
    their tasks). Reports RSS after the data and at its peak (the high-water mark: the last
    phases, every client's state at once when they are kept live), and the peak over the data
-   per client.
+   per client. With `--device cuda`, also the GPU's high-water marks (allocated tensors and
+   torch's cache); there `idle_state = host` keeps idle clients' state in host memory.
 
     python benchmarks/simulate_scale.py --parts pfml --rounds 100      # ~2 min on 2 cores
     python benchmarks/simulate_scale.py --parts pfml --fleets local local-one-by-one network
@@ -202,6 +203,13 @@ def _child(overrides: dict[str, Any], conn: Any) -> None:
     accs = [c.personal_acc for c in out.clients if c.personal_acc is not None]
     # ru_maxrss is in KiB on Linux: the high-water mark, which polling would miss.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    gpu = {}
+    if torch.cuda.is_initialized():  # the GPU's high-water marks: tensors, and torch's cache
+        gpu = {
+            "gpu_peak_allocated_mb": torch.cuda.max_memory_allocated() >> 20,
+            "gpu_peak_reserved_mb": torch.cuda.max_memory_reserved() >> 20,
+            "gpu": torch.cuda.get_device_name(),
+        }
     conn.send(
         {
             "rss_after_data_mb": after_data >> 20,
@@ -209,6 +217,7 @@ def _child(overrides: dict[str, Any], conn: Any) -> None:
             "rounds": rounds,
             "mean_personal_acc": round(sum(accs) / len(accs), 4) if accs else None,
             "deployed": deployment_summary(out.clients),
+            **gpu,
         }
     )
 
@@ -256,14 +265,17 @@ def run_fml(rounds: int, fleet: str) -> dict[str, Any]:
     return res
 
 
-def _scale_overrides(family: str, clients: int, rounds: int, fleet: str) -> dict[str, Any]:
+def _scale_overrides(
+    family: str, clients: int, rounds: int, fleet: str, device: str = "cpu"
+) -> dict[str, Any]:
     return {
         **FLEETS[fleet],
         "algorithm": "fml",
         "rounds": rounds,
         "clients": clients,
         "models": [family],
-        "device": "cpu",
+        "threads": 1,  # as the child process: one thread (a single job gets the run's threads)
+        "device": device,
         "data.dataset": "fashion_mnist",
         "data.root": FMNIST,
         "data.max_samples": 100 * clients,
@@ -299,16 +311,21 @@ def run_scale(
 
 
 def run_population(
-    families: list[str], sizes: list[int], idles: list[str], rounds: int, cohort: int
+    families: list[str],
+    sizes: list[int],
+    idles: list[str],
+    rounds: int,
+    cohort: int,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """FML on all of Fashion-MNIST (iid) cut into `sizes` clients, `cohort` trained a round,
     evaluated once (the last round: every client), finalized (every client), once per way of
-    keeping idle clients (`idle_state`)."""
+    keeping idle clients (`idle_state`), on `device`."""
     rows = []
     for family in families:
         for n in sizes:
             for idle in idles:
-                overrides = _scale_overrides(family, n, rounds, "local") | {
+                overrides = _scale_overrides(family, n, rounds, "local", device) | {
                     "clients_per_round": cohort,
                     "data.max_samples": None,
                     "round.eval_every": rounds,
@@ -329,13 +346,14 @@ def run_population(
 def _population_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         f"{'model':>7}{'clients':>9}{'idle':>8}{'after data':>12}{'peak':>8}"
-        f"{'peak KiB/client':>17}{'wall s':>8}{'acc':>8}"
+        f"{'peak KiB/client':>17}{'GPU peak':>10}{'wall s':>8}{'acc':>8}"
     ]
     for r in rows:
         acc = r["mean_personal_acc"]
         lines.append(
             f"{r['family']:>7}{r['clients']:>9}{r['idle_state']:>8}{r['rss_after_data_mb']:>12}"
             f"{r['peak_rss_mb']:>8}{r['peak_kib_per_client']:>17}"
+            f"{r.get('gpu_peak_allocated_mb', '-'):>10}"
             f"{r['wall_s']:>8.0f}{'-' if acc is None else f'{acc:.4f}':>8}"
         )
     return lines
@@ -389,6 +407,7 @@ def tables(out: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global FMNIST
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="+", default=["pfml", "fml", "scale"])
     ap.add_argument("--rounds", type=int, default=20, help="PFML rounds (the paper: 800)")
@@ -414,8 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--population-sizes", nargs="+", type=int, default=[1000, 10000])
     ap.add_argument("--idle", nargs="+", default=["memory", "disk"], help="idle_state values")
     ap.add_argument("--cohort", type=int, default=100, help="population: clients_per_round")
+    ap.add_argument("--device", default="cpu", help="population: where the clients train")
+    ap.add_argument("--data-root", default=FMNIST, help="Fashion-MNIST's files")
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args(argv)
+    FMNIST = a.data_root  # (read where the parent builds each child's config)
     if a.threads:
         torch.set_num_threads(a.threads)
     out: dict[str, Any] = {
@@ -435,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         out["scale"] = run_scale(a.families, a.sizes, a.scale_rounds, a.rss_rounds, a.fleet)
     if "population" in a.parts:
         out["population"] = run_population(
-            a.population_families, a.population_sizes, a.idle, a.scale_rounds, a.cohort
+            a.population_families, a.population_sizes, a.idle, a.scale_rounds, a.cohort, a.device
         )
     emit(out, a.json_out, tables)
     return 0
