@@ -14,7 +14,9 @@ bound what their peers send them on the device):
 - the clipped updates are combined by `aggregator`: `mean` (weighted, as before), `median`,
   `trimmed_mean` (cutting `trim` of them at each end) or `krum` (tolerating `krum_f`);
 - a round whose evaluation shows most clients much worse than the last evaluation is rolled
-  back (`rolled_back`, in `coordinator.server`).
+  back (`rolled_back`, in `coordinator.server`), when some client's update stands out from the
+  others' (`standing_out`); a drop nobody's update explains (training itself, a learning rate
+  too large for the data) would only repeat if undone, and stands.
 With the defaults, a round in which no update is clipped and no weight capped aggregates exactly
 as the plain weighted mean did: honest runs keep their results.
 """
@@ -44,6 +46,7 @@ __all__ = [
     "cap_weights",
     "combine",
     "rolled_back",
+    "standing_out",
     "suspects",
 ]
 
@@ -201,10 +204,9 @@ def rolled_back(
     return worse if len(worse) > cfg.rollback_share * len(both) else None
 
 
-def suspects(groups: Mapping[str, Sequence[Contribution]], flags: Mapping[str, str]) -> list[str]:
-    """Who most likely poisoned a round: the clients flagged in it, and those whose
-    contribution lies farther from its group's coordinate-wise median than twice the typical
-    distance (relative to the model's size); the farthest one when nobody stands out."""
+def _distances(groups: Mapping[str, Sequence[Contribution]]) -> dict[str, float]:
+    """Each client's farthest contribution from its group's coordinate-wise median, relative to
+    the model's size."""
     far: dict[str, float] = {}
     for group in groups.values():
         if not group:
@@ -214,8 +216,24 @@ def suspects(groups: Mapping[str, Sequence[Contribution]], flags: Mapping[str, s
         dist = update_norms([c.state for c in group], [center] * len(group))
         for c, d, size in zip(group, dist, sizes, strict=True):
             far[c.client] = max(far.get(c.client, 0.0), d / size)
+    return far
+
+
+def standing_out(groups: Mapping[str, Sequence[Contribution]]) -> list[str]:
+    """The clients whose contribution lies farther from its group's coordinate-wise median than
+    twice the typical distance: an update unlike the others'."""
+    far = _distances(groups)
     if not far:
-        return sorted(flags)
+        return []
     typical = statistics.median(far.values())
-    out = set(flags) | {c for c, d in far.items() if d > 2 * typical}
-    return sorted(out) or [max(far, key=far.__getitem__)]
+    return sorted(c for c, d in far.items() if d > 2 * typical)
+
+
+def suspects(groups: Mapping[str, Sequence[Contribution]], flags: Mapping[str, str]) -> list[str]:
+    """Who most likely poisoned a round: the clients flagged in it, and those whose update
+    stands out (`standing_out`); the farthest one when nobody does."""
+    out = set(flags) | set(standing_out(groups))
+    if out:
+        return sorted(out)
+    far = _distances(groups)
+    return [max(far, key=far.__getitem__)] if far else []

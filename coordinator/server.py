@@ -35,7 +35,7 @@ from coordinator.fleet import (
     check_reply,
 )
 from coordinator.results import ClientResult, RoundRecord, RunResult
-from coordinator.robust import RobustConfig, rolled_back, suspects
+from coordinator.robust import RobustConfig, rolled_back, standing_out, suspects
 from coordinator.strategies import (
     ClientInfo,
     FitReply,
@@ -407,6 +407,18 @@ class Coordinator:
             personal, glob, per_client = _accuracies(scores)
             now = {cid: _score(per_client.get(cid)) for cid in scores}
             worse = rolled_back(self._scores, now, self.robust) if undo is not None else None
+            if worse is not None and not failed and not standing_out(strategy.cohort):
+                log.warning(
+                    "round %d left %d of %d clients much worse than the last evaluation (%s), "
+                    "but no client's update stands out from the others': kept, since undoing it "
+                    "would only repeat it. Training itself dropped: a learning rate or local "
+                    "epochs too large for this data do this",
+                    r,
+                    len(worse),
+                    len(set(self._scores) & set(now)),
+                    ", ".join(worse),
+                )
+                worse = None
             if worse is not None and not failed:
                 assert undo is not None
                 drawn = strategy.rng.bit_generator.state  # the next round samples anew

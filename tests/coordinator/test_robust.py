@@ -2,16 +2,22 @@
 updates, capped sample weights, values in range, robust aggregators), a round that makes most
 clients much worse is rolled back, and honest runs keep their results."""
 
+import json
+import logging
+
 import pytest
 import torch
 from tests_helpers import load_benchmark, small_federation
+from typer.testing import CliRunner
 
+from coordinator.cli import app
 from coordinator.robust import (
     Contribution,
     RobustConfig,
     cap_weights,
     combine,
     rolled_back,
+    standing_out,
     suspects,
 )
 from coordinator.strategies import (
@@ -248,6 +254,8 @@ def test_suspects_are_the_flagged_and_the_far_from_the_median():
     assert suspects({"global": group}, {"c1": "clipped"}) == ["c1", "c3"]
     near = group[:3]
     assert suspects({"global": near}, {}) == ["c1"]  # nobody stands out: the farthest
+    assert standing_out({"global": group}) == ["c3"] and standing_out({"global": near}) == []
+    assert standing_out({"global": []}) == [] and suspects({"global": []}, {}) == []
 
 
 def _contribution(cid, start, step):
@@ -422,6 +430,30 @@ def test_a_reply_of_huge_finite_weights_is_rejected_and_the_run_ends_well():
     assert all(r.replied == ["c1", "c2"] and not r.failed for r in result.rounds)
     assert coordinator.fleet.rejected["invalid_reply"] == 3  # each round's fit reply
     assert all(c.error is None and c.personal_acc > 0.5 for c in result.clients)
+
+
+def test_an_honest_round_that_drops_with_no_update_standing_out_is_kept(tmp_path, caplog):
+    # Prepare: honest FedAvg whose second round's training drops every client (LeNet-5, 16
+    # clients, 5 local epochs at lr 0.05): undone, the same cohort from the same state dropped
+    # again every round, and the run never went past its first round
+    args = ["--algorithm", "fedavg", "--dataset", "digits", "--partition", "iid", "--models"]
+    args += ["lenet5", "--clients", "16", "--rounds", "4", "--batch-size", "16"]
+    args += ["--local-epochs", "5", "--lr", "0.05", "--device", "cpu", "-q"]
+
+    # Execute
+    with caplog.at_level(logging.WARNING, logger="coordinator.server"):
+        res = CliRunner().invoke(app, ["simulate", *args, "--out", str(tmp_path)])
+
+    # Assert: round 2 left most clients 10 points worse, nobody's update stood out: it was kept,
+    # said so, and the run went on to recover
+    assert res.exit_code == 0, res.output
+    rounds = json.loads((tmp_path / "results.json").read_text())["rounds"]
+    first, second = rounds[0]["client_acc"], rounds[1]["client_acc"]
+    assert sum(first[c] - second[c] >= 0.1 for c in first) > len(first) / 2
+    assert not any(r["failed"] or r.get("rolled_back") for r in rounds)
+    assert "round 2 left 16 of 16 clients much worse" in caplog.text
+    assert "but no client's update stands out from the others': kept" in caplog.text
+    assert rounds[-1]["mean_personal_acc"] > rounds[1]["mean_personal_acc"] + 0.3
 
 
 def test_a_poisoned_round_is_rolled_back_and_the_checkpoint_holds_the_last_good_model(tmp_path):
