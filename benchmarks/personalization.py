@@ -22,6 +22,7 @@ fine-tuning are extra passes).
     python benchmarks/personalization.py                          # the full size
     python benchmarks/personalization.py --size long              # 20 clients, 20 rounds
     python benchmarks/personalization.py --quick --splits lg-fmnist --algorithms fml,persfl
+    python benchmarks/personalization.py --quick --algorithms fedavg_ft --set robust.weight_cap=0
 
 Every run's per-client results are kept under `--out` (default runs/personalization/<size>),
 one JSON file per run with its config, and a finished run is not run again while its config is
@@ -483,17 +484,21 @@ def summarize(
     local_pc, ft_pc = _per_client(local), _per_client(fts[best])
     floor = min(a - b for a, b in zip(_per_client(reseeded), local_pc, strict=True))
     rows = []
-    for name in ["local", RESEEDED, "fedavg_ft", *algorithms]:
-        runs = baselines.get(name) or [
+    # `fedavg_ft` among `algorithms`: FedAvg+FT again, on the best architecture, with the
+    # overrides (what a setting does to the baseline), beside the baseline itself
+    for i, name in enumerate(["local", RESEEDED, "fedavg_ft", *algorithms]):
+        runs = baselines[name] if i < 3 else [
             run_one(split, s, name, size, out, best, overrides, variant) for s in seeds
-        ]
+        ]  # fmt: skip
         means = [_mean_acc(r) for r in runs]
         pc = _per_client(runs)
         gaps = [a - b for a, b in zip(pc, local_pc, strict=True)]
         worst = min(range(len(gaps)), key=gaps.__getitem__)
         row: dict[str, Any] = {
             "split": split.name,
-            "algorithm": name,
+            "algorithm": f"{name} ({variant or 'again'})"
+            if i >= 3 and name == "fedavg_ft"
+            else name,
             # FedAvg+FT's one architecture; the personalized algorithms' global one
             "architecture": ",".join(split.models) if name in ("local", RESEEDED) else best,
             "mean": statistics.mean(means),
