@@ -327,20 +327,14 @@ def _registered_devices(clients: list[ClientResult]) -> DeviceRecord | None:
 def device_record(choice: DeviceChoice, ranks: Sequence[str] = ()) -> DeviceRecord:
     """The results' record of the device a simulation chose; over several ranks, what each
     rank trained on (`ranks`, by rank)."""
-    if len(ranks) < 2:
-        return DeviceRecord(
-            requested=choice.requested,
-            used=str(choice.device),
-            reason=choice.reason,
-            precision=choice.precision,
-        )
-    used = ", ".join(f"{d} ×{n}" for d, n in sorted(Counter(ranks).items()))
-    how = "a rank per GPU of its machine (LOCAL_RANK mod its GPUs)" if "cuda" in used else ""
+    used, reason = str(choice.device), choice.reason
+    if len(ranks) >= 2:
+        each = ", ".join(f"{d} ×{n}" for d, n in sorted(Counter(ranks).items()))
+        used = f"{each} ({len(ranks)} ranks)"
+        if "cuda" in each:
+            reason += "; a rank per GPU of its machine (LOCAL_RANK mod its GPUs)"
     return DeviceRecord(
-        requested=choice.requested,
-        used=f"{used} ({len(ranks)} ranks)",
-        reason="; ".join(filter(None, [choice.reason, how])),
-        precision=choice.precision,
+        requested=choice.requested, used=used, reason=reason, precision=choice.precision
     )
 
 
