@@ -881,18 +881,18 @@ def run_stacked(
         _put_kept(members, stacked)
     rows = _split_result(result, len(members))
     tuned: list[Candidate | None] = [None] * len(members)
-    if phase == "finalize" and all(a.finetunes for a in members):
+    if phase == "finalize" and all(a.deployment.finetunes for a in members):
         tuned = _finetuned_rows(stacked, members, rounds, incoming)
     scores: list[dict[str, Score] | None] = [None] * len(members)
-    if phase == "fit" and all(a.guarded and a.guard.active for a in members):
+    if phase == "fit" and all(a.deployment.guarded and a.deployment.guard.active for a in members):
         scores = _guard_scores(stacked)
     out: list[FitResult] = [rows[0]] * len(algos)
     for a, row, i, t, sc in zip(members, rows, order, tuned, scores, strict=True):
         # What `fit` and `finalize` do after the stacked part, member by member (the guard).
         if phase == "fit":
-            a.after_fit(round_, sc)
+            a.deployment.after_fit(round_, sc)
         elif phase == "finalize":
-            row = a.after_finish(rounds, models[i], row, tuned=t)
+            row = a.deployment.after_finish(rounds, models[i], row, tuned=t)
         out[i] = row
     return out
 
@@ -933,7 +933,7 @@ def _finetuned_rows(
     none: list[Candidate | None] = [None] * len(members)
     positions = _positions(members)
     try:
-        tuned = stacked.finetune(rounds, models)
+        tuned = stacked.deployment.finetune(rounds, models)
     except (CohortUnsupported, FloatingPointError) as exc:
         _rewind(members, positions)
         log.info("the guards' fine-tuning runs client by client: %s", exc)

@@ -64,7 +64,7 @@ def scoped_registrations() -> Iterator[None]:
     a class it defines) are unregistered after it: a later test's run config would otherwise
     carry their sections, which that test's child processes (the demo's) do not know."""
     from coordinator.strategies import base as strategies
-    from edge_sdk.algorithms import base as algorithms
+    from edge_sdk.algorithms import registry as algorithms
 
     saved = dict(algorithms._REGISTRY), dict(strategies._REGISTRY)
     try:

@@ -181,7 +181,7 @@ class FedMe(ClientAlgorithm):
         # One decision per member on a stack: an adopting member takes the exchanged rows. A
         # device adopts only a model its deployment budget admits (edge_sdk.budget; a stack's
         # exchanged models are of the architecture its members hold already).
-        allowed = stacked or self.guard.admits((ex_wire.spec, exchanged))
+        allowed = stacked or self.ctx.budget.admits(ex_wire.spec, self.ctx.spec, exchanged)
         pairs = zip(self._each(val_ex), self._each(val_p), strict=True)
         adopted: Any = [float(e < p and allowed) for e, p in pairs]
         if stacked:

@@ -396,7 +396,7 @@ def test_pfml_aux_init_error_names_the_remedy():
 
 def test_algorithm_registry_refuses_duplicates_and_names_the_known_ones():
     from edge_sdk.algorithms import algorithm_names, register_algorithm
-    from edge_sdk.algorithms import base as algo_base
+    from edge_sdk.algorithms import registry as algo_base
 
     known = ", ".join(algorithm_names())
     with pytest.raises(AlgorithmError, match=rf"^unknown algorithm 'nope'; known: {known}$"):

@@ -28,6 +28,7 @@ from edge_sdk.algorithms.base import (
     ClientContext,
     FitResult,
 )
+from edge_sdk.algorithms.deployment import Deployment
 from edge_sdk.algorithms.persfl import PersFL
 from edge_sdk.algorithms.pfml import PFML, PFMLConfig
 from edge_sdk.budget import DeployBudget
@@ -547,9 +548,9 @@ def test_the_guards_fine_tune_the_final_model_stacked_as_each_would_alone(
     budget = DeployBudget(allow="own,mixture")
     alone, stacked = _fits_alike(algorithm, guard_ft_epochs=3, budget=budget, **mix)
     calls = []
-    real = ClientAlgorithm.finetune
+    real = Deployment.finetune
     monkeypatch.setattr(
-        ClientAlgorithm, "finetune", lambda self, *a: calls.append(self) or real(self, *a)
+        Deployment, "finetune", lambda self, *a: calls.append(self.algorithm) or real(self, *a)
     )
     spec = alone[0].ctx.spec
     models = _models(algorithm, spec, len(alone))
@@ -955,7 +956,8 @@ def test_a_stacked_fit_scores_the_guards_candidates_once_for_the_stack(monkeypat
     # Assert: the personalized model and the meme, once each; no client scored on its own,
     # and every guard kept a model
     assert len(per_stack) == 2 and per_client == []
-    assert all(a.guard.best is not None and a.guard.best.model is not None for a in stacked)
+    guards = [a.deployment.guard for a in stacked]
+    assert all(g.best is not None and g.best.model is not None for g in guards)
 
 
 def test_a_decision_on_a_per_client_value_is_refused():

@@ -230,7 +230,7 @@ def test_a_student_starts_afresh_where_its_start_cannot_learn():
     # the data.
     d = client.ctx.data
     assert _accuracy(client.personal, d.x_test, d.y_test) == 0.25
-    _, stuck = client.distil(2, (MLR, client.meme), (MLP, client.personal))
+    _, stuck = client.deployment.distil(2, (MLR, client.meme), (MLP, client.personal))
     assert _accuracy(stuck, d.x_test, d.y_test) == 0.25
     assert out.details["deployed"] == f"{DISTILLED} (final, mlp)"
     spec, model = client.personalized_model()
@@ -244,8 +244,8 @@ def test_the_student_starts_from_its_best_model_of_its_architecture_and_keeps_th
     assert DISTILLED not in allowed.details["deployed"]
     # A budget bounded in parameters refuses the BIG global model, admits the MLR.
     client = _client(DeployBudget(allow="any", max_params=_params(MLR)))
-    assert client.guard.admits((MLR, build(MLR)))
-    assert not client.guard.admits((BIG, build(BIG)))
+    assert client.deployment.guard.admits((MLR, build(MLR)))
+    assert not client.deployment.guard.admits((BIG, build(BIG)))
 
 
 def test_guard_off_deploys_the_algorithms_model_and_records_it():
@@ -269,4 +269,4 @@ def test_a_device_without_any_model_in_its_budget_is_refused_clearly():
         "model, it is a mixture of 2 models (mlr, mlr) and this device runs one"
     )
     with raises_exactly(RuntimeError, message):
-        client.guard.deploy_first({"mix": mix}, None, "the guard is off")
+        client.deployment.guard.deploy_first({"mix": mix}, None, "the guard is off")

@@ -217,13 +217,13 @@ def test_guard_switches_only_on_clear_paired_evidence(b, c, z, switch):
     hits[torch.nonzero(y == 1).flatten()[:b]] = True
     hits[torch.nonzero(y == 0).flatten()[:c]] = False
     rival = Pick("meme", 2, False, hits, 0.1, WireModel.of(MLR, build(MLR, seed=2)))
-    client.guard.best = rival
+    client.deployment.guard.best = rival
 
     # Execute
-    d = client.guard.decide(3, {"personal": (MLP, personal)})
+    d = client.deployment.guard.decide(3, {"personal": (MLP, personal)})
 
     # Assert
-    assert (client.guard.deployed is rival) == switch
+    assert (client.deployment.guard.deployed is rival) == switch
     assert d["deployed"] == ("meme (round 2, mlr)" if switch else "personal (final, mlp)")
     if switch:
         assert (
@@ -248,8 +248,8 @@ def test_guard_keeps_the_best_copy_by_accuracy_then_loss():
         n: _hand_scores(MLP, _copy(m), d.x_val, d.y_val)[1]
         for n, m in (("plain", plain), ("surer", surer))
     }
-    client.guard.observe(1, {"plain": (MLP, plain), "surer": (MLP, surer)})
-    best = client.guard.best
+    client.deployment.guard.observe(1, {"plain": (MLP, plain), "surer": (MLP, surer)})
+    best = client.deployment.guard.best
     assert best is not None and best.name == min(loss, key=loss.get)
     assert best.loss == pytest.approx(min(loss.values()), rel=1e-6)
     assert best.correct == int((d.y_val == 1).sum())
@@ -264,7 +264,7 @@ def test_guard_without_validation_data_deploys_the_final_model_and_says_why():
     for round_ in (1, 2):
         client.fit(round_, 2, _glob(round_))
     out = client.finalize(2, 2, _glob(9))
-    assert client.guard.best is None
+    assert client.deployment.guard.best is None
     assert client.personalized_model()[1] is client.personal
     assert out.details["deployed"] == "personal (final, mlp)"
     assert out.details["deployed_reason"] == (
@@ -389,7 +389,8 @@ def test_on_equal_validation_losses_the_first_weight_wins():
     twin = build(MLP)
     twin.load_state_dict(model.state_dict())
     for weights, name in (([1.0, 0.5, 0.0], "personal"), ([0.0, 0.5, 1.0], "finetuned")):
-        w, chosen, (spec, deployed) = client.guard.weigh((MLP, model), (MLP, twin), weights)
+        guard = client.deployment.guard
+        w, chosen, (spec, deployed) = guard.weigh((MLP, model), (MLP, twin), weights)
         assert (w, chosen, spec) == (weights[0], name, MLP)
         assert deployed is (model if name == "personal" else twin)
 
@@ -501,7 +502,8 @@ def test_a_deployed_mixture_survives_a_restart(tmp_path):
     assert spec_a == spec_b and spec_a.family == "mixture"
     assert spec_a.kwargs["weights"] not in ([0.5, 0.5], [1.0, 0.0], [0.0, 1.0])  # weighed
     label = "personal+finetuned (final, mixture)"
-    assert restored.guard.deployed.label == client.guard.deployed.label == label
+    picks = restored.deployment.guard.deployed, client.deployment.guard.deployed
+    assert picks[0].label == picks[1].label == label
     assert restored.personalized_model()[1] is b  # built once, then the same module
     x = client.ctx.data.x_test
     assert torch.equal(_probs(a, x), _probs(b, x))
@@ -595,7 +597,7 @@ def test_each_algorithm_fine_tunes_its_federations_final_model_with_its_own_opti
     before = _copy(client.trained_model()[1]) if name != "federico" else _copy(client.model)
 
     # Execute
-    spec, tuned = client.finetune(1, models)
+    spec, tuned = client.deployment.finetune(1, models)
 
     # Assert: the hand-made weights; the model it started from is unchanged.
     want = _hand_tuned(start, client.ctx.data, 3, opt)
@@ -644,7 +646,7 @@ def test_an_algorithm_without_optimizer_settings_gets_no_fine_tuned_candidate():
 
     cpu = torch.device("cpu")
     client = Plain(ClientContext("c0", MLP, _data(), cpu, 0, Trainer(cpu, seed=0)), Config())
-    assert not client.finetunes
+    assert not client.deployment.finetunes
     out = client.finalize(1, 1, _glob(9))
     assert out.details["samples_processed"] == 0
     assert "finetuned" not in out.details["deployed_reason"]
@@ -692,11 +694,11 @@ def test_no_fine_tuned_candidate_from_a_partial_or_foreign_global_model():
     # A global model that carries only a shared backbone (FML's shared_prefixes), or one that
     # predicts other classes than this client's, is no model to fine-tune and deploy.
     whole = _client(guard_ft_epochs=2, **FT_CFG)
-    assert whole.finetune(1, _glob(9)) is not None
+    assert whole.deployment.finetune(1, _glob(9)) is not None
     partial = _client(guard_ft_epochs=2, shared_prefixes=["linear."], **FT_CFG)
-    assert partial.finetune(1, _glob(9)) is None
+    assert partial.deployment.finetune(1, _glob(9)) is None
     other = ArchSpec(family="mlr", num_classes=CLASSES + 1, input_shape=(FEATURES,))
-    assert whole.finetune(1, {"global": WireModel.of(other, build(other))}) is None
+    assert whole.deployment.finetune(1, {"global": WireModel.of(other, build(other))}) is None
 
 
 def test_a_single_candidate_is_deployed_and_the_reason_says_so():
@@ -705,7 +707,7 @@ def test_a_single_candidate_is_deployed_and_the_reason_says_so():
     model = build(MLP, seed=1)
     correct, _ = _hand_scores(MLP, _copy(model), d.x_val, d.y_val)
 
-    details = client.guard.decide(1, {"personal": (MLP, model)})
+    details = client.deployment.guard.decide(1, {"personal": (MLP, model)})
 
     assert details["deployed_reason"] == (
         f"Its personalized model (mlp) had {correct}/{len(d.y_val)} right on validation; it was "

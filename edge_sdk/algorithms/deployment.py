@@ -1,0 +1,210 @@
+"""What a client deploys: the guard around its algorithm.
+
+An algorithm trains (`train_round`, `finish`) and names the models it could deploy
+(`guard_candidates`, `finetune_base`, `finetune_optim`); it knows nothing of the guard. A
+`Deployment` wraps it: after every round it shows the guard those candidates; after the last it
+adds the federation's final model, fine-tuned and mixed, and a student of the device's own
+architecture distilled from a model outside its budget, and deploys the guard's choice (or, with
+the guard off, the algorithm's final model) within the device's budget. The reply's details say
+what was deployed, its size and why, and how many training samples the client processed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from edge_sdk.algorithms.context import FitResult
+from edge_sdk.algorithms.guard import FINETUNED, PERSONAL, Candidate, Distil, Guard, GuardConfig
+from edge_sdk.budget import arch_name, footprint
+from edge_sdk.codec import WireModel
+from edge_sdk.losses import distillation_loss
+from edge_sdk.trainer import Score
+from model_zoo import ArchSpec
+
+if TYPE_CHECKING:
+    from edge_sdk.algorithms.base import ClientAlgorithm
+
+__all__ = ["Deployment"]
+
+log = logging.getLogger(__name__)
+
+
+class Deployment:
+    """The guard around one client's `algorithm` (edge_sdk.algorithms.guard), and the model the
+    client deploys. An algorithm whose config lacks the guard's fields deploys its own final
+    model, within the budget all the same."""
+
+    def __init__(self, algorithm: ClientAlgorithm) -> None:
+        self.algorithm = algorithm
+        ctx, config = algorithm.ctx, algorithm.config
+        # (an algorithm without the guard's fields never consults it: its z is the default)
+        settings = config if isinstance(config, GuardConfig) else GuardConfig()
+        self.guard = Guard(ctx.trainer, ctx.data, settings.guard_z, ctx.budget, ctx.spec)
+        self._built: tuple[Any, nn.Module] | None = None  # the guard's pick, built once
+
+    @property
+    def guarded(self) -> bool:
+        config = self.algorithm.config
+        return isinstance(config, GuardConfig) and config.guard
+
+    def after_fit(self, round_: int, scores: Mapping[str, Score] | None = None) -> None:
+        """The guard keeps the best candidate so far (a cohort calls it per member, with the
+        `scores` it computed for the whole stack)."""
+        if self.guarded:
+            self.guard.observe(round_, self.algorithm.guard_candidates(), scores)
+
+    def after_finish(
+        self,
+        rounds: int,
+        models: Mapping[str, WireModel],
+        result: FitResult,
+        tuned: Candidate | None = None,
+    ) -> FitResult:
+        """The choice of the model to deploy, after the algorithm's `finish` (a cohort calls it
+        per member): the guard's where the config has it on, else the algorithm's final model,
+        within the device's budget either way. The reply's details say what it deployed
+        (architecture, parameters, size) and why, and how many training samples this client
+        processed. `tuned`: this client's fine-tuned final model when a stack of clients trained
+        theirs at once (edge_sdk.cohort); otherwise it is trained here."""
+        algo = self.algorithm
+        final = algo.guard_candidates()
+        distil = self._distiller(rounds)
+        if self.guarded:
+            glob = algo._full_global(models)
+            if glob is not None:
+                final.setdefault("global", (glob.spec, algo.ctx.materialize(glob)))
+            if tuned is None and self.finetunes:
+                try:
+                    tuned = self.finetune(rounds, models)
+                except FloatingPointError as exc:  # not a candidate; the others remain
+                    log.warning(
+                        "%s: the guard's fine-tuning diverged (%s)", algo.ctx.client_id, exc
+                    )
+            if tuned is not None:
+                final[FINETUNED] = tuned
+                assert isinstance(algo.config, GuardConfig)
+                if algo.config.guard_default == "mixture" and PERSONAL in final:
+                    w, name, mixed = self.guard.weigh(
+                        final[PERSONAL], tuned, algo.config.guard_mix_weights
+                    )
+                    final = {name: mixed, **final}  # first: the default
+                    result.details["guard_mix_weight"] = w
+            result.details |= self.guard.decide(rounds, final, distil)
+            m = result.metrics
+            if m.get("personal_total"):  # the algorithm's own model on the test split, for reports
+                result.details["guard_unguarded_acc"] = m["personal_correct"] / m["personal_total"]
+        else:
+            why = "the guard is off" if isinstance(algo.config, GuardConfig) else "no guard"
+            result.details |= self.guard.deploy_first(final, distil, why)
+        if self.guard.deployed is not None:
+            result.metrics |= algo._scores("personal", self.model()[1])
+        result.details |= self.details()
+        result.details["samples_processed"] = algo.ctx.trainer.samples
+        return result
+
+    def model(self) -> tuple[ArchSpec, nn.Module]:
+        """The model this client deploys (and exports to ONNX): the guard's choice after the
+        last round, else the algorithm's own (`trained_model`)."""
+        pick = self.guard.deployed
+        if pick is None:
+            return self.algorithm.trained_model()
+        if self._built is None or self._built[0] is not pick:
+            assert pick.model is not None  # a deployed pick is kept
+            self._built = (pick, self.algorithm.ctx.materialize(pick.model))
+        return pick.spec, self._built[1]
+
+    def details(self) -> dict[str, Any]:
+        """The deployed model's architecture ("mixture of mlr+mlp" for several), parameters and
+        size (KiB of its weights), beside the device's own architecture's parameters."""
+        spec, model = self.model()
+        ctx = self.algorithm.ctx
+        own = ctx.build_model(ctx.spec, salt=0) if spec != ctx.spec else model
+        size = footprint(model)
+        return {
+            "deployed_arch": arch_name(spec),
+            "deployed_params": size.params,
+            "deployed_kib": round(size.kib, 1),
+            "own_params": footprint(own).params,
+        }
+
+    @property
+    def finetunes(self) -> bool:
+        """Whether the guard fine-tunes the federation's final model after the last round: it is
+        on, `guard_ft_epochs` > 0, and the client has validation data to judge the result by."""
+        cfg = self.algorithm.config
+        return (
+            isinstance(cfg, GuardConfig)
+            and cfg.guard
+            and cfg.guard_ft_epochs > 0
+            and self.guard.active
+            and self.algorithm.finetune_optim() is not None
+        )
+
+    def finetune(self, rounds: int, models: Mapping[str, WireModel]) -> Candidate | None:
+        """The guard's candidate: the algorithm's `finetune_base` trained for `guard_ft_epochs`
+        on the training split (its samples count as processed); None without a base or optimizer
+        settings. FloatingPointError when the training diverges."""
+        algo = self.algorithm
+        assert isinstance(algo.config, GuardConfig)
+        base = algo.finetune_base(models)
+        if base is None:
+            return None
+        spec, model = base
+        cfg = algo.finetune_optim()
+        if cfg is None:
+            return None
+        trainer = algo.ctx.trainer
+        opt = trainer.optimizer(model.parameters(), cfg, lr=cfg.lr_at(rounds, rounds))
+        trainer.train_epochs(
+            model, algo.ctx.data, cfg, optimizer=opt, epochs=algo.config.guard_ft_epochs
+        )
+        return spec, model
+
+    def _distiller(self, rounds: int) -> Distil | None:
+        """What the guard distils a model outside the device's budget with (`distil`, at the
+        last round's rate); None where the config makes no student."""
+        cfg = self.algorithm.config
+        if not isinstance(cfg, GuardConfig) or cfg.guard_distill_epochs == 0:
+            return None
+        if self.algorithm.finetune_optim() is None:
+            return None
+        return lambda teacher, start: self.distil(rounds, teacher, start)
+
+    def distil(self, rounds: int, teacher: Candidate, start: Candidate | None) -> Candidate | None:
+        """A student of this device's own architecture, starting from `start`'s weights (a
+        fresh one without), trained for `guard_distill_epochs` on the training split with
+        (1 − λ)·CE + λ·T²·KL(teacher ‖ student) and the algorithm's optimizer settings at the
+        last round's rate (`finetune_optim`); None where its training diverges. Its samples
+        count as processed."""
+        algo = self.algorithm
+        cfg, optim = algo.config, algo.finetune_optim()
+        assert isinstance(cfg, GuardConfig) and optim is not None
+        trainer, d = algo.ctx.trainer, algo.ctx.data
+        student = algo.ctx.build_model(algo.ctx.spec, salt=3)
+        if start is not None:
+            student.load_state_dict(start[1].state_dict())
+        z_teacher = trainer.logits(teacher[1], d.x_train)  # the teacher is fixed: once
+        opt = trainer.optimizer(student.parameters(), optim, lr=optim.lr_at(rounds, rounds))
+        lam, temperature = cfg.guard_distill_lambda, cfg.guard_distill_temperature
+        student.train()
+
+        def step(x: torch.Tensor, y: torch.Tensor, z_t: torch.Tensor) -> tuple[torch.Tensor]:
+            with trainer.autocast():
+                z_s = student(x)
+            loss = distillation_loss("kl", z_s, z_t, y, lam, temperature)
+            return (trainer.step(loss, [opt]),)
+
+        batches = trainer.epochs(
+            d.x_train, d.y_train, optim.batch_size, cfg.guard_distill_epochs, z_teacher
+        )
+        try:
+            trainer.run(step, batches)
+        except FloatingPointError as exc:
+            log.warning("%s: the guard's distillation diverged (%s)", algo.ctx.client_id, exc)
+            return None
+        return algo.ctx.spec, student
