@@ -251,7 +251,7 @@ def count_ops(overrides: dict[str, Any], cohort: bool, rounds: int) -> int:
 def round_ops(overrides: dict[str, Any], cohort: bool) -> int:
     """Operator calls of a round before the last: a two-round run's minus a one-round run's.
     Batched, a one-round run first, uncounted: a process's first stack of an architecture
-    reads its chain of layers once (`edge_sdk.cohort`), a cost of no round but the first."""
+    reads its chain of layers once (`coordinator.stacking`), a cost of no round but the first."""
     if cohort:
         count_ops(overrides, cohort, 1)
     return count_ops(overrides, cohort, 2) - count_ops(overrides, cohort, 1)

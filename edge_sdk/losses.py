@@ -4,7 +4,7 @@ KL distillation is always KL(teacher.detach() || student) with `reduction="batch
 T² (see algorithms.md, "Common conventions"): `reduction="mean"` would divide by the class count,
 a known bug in reimplementations.
 
-On a stack of clients (edge_sdk.cohort) the logits carry a leading dimension of clients,
+On a stack of clients (coordinator.stacking) the logits carry a leading dimension of clients,
 (N, B, C), and every loss gives one value per client, (N,). The trainer that drew such a batch
 says, for the time of one step (`stacked_batch`), how many clients of the stack take it (a
 prefix of the stack: those whose epoch has not ended) and, when their batches are padded to one
@@ -84,7 +84,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of logits (B, C) against class ids (B,).
 
     With a leading dimension of clients, logits (N, B, C) and ids (N, B) (a cohort's stacked
-    batch, edge_sdk.cohort; ids (B,) when every client has the same batch), one mean per
+    batch, coordinator.stacking; ids (B,) when every client has the same batch), one mean per
     client, shape (N,). For one client it is what F.cross_entropy computes (log-softmax, then
     NLL), to the bit.
     """

@@ -11,7 +11,8 @@ client over the network) and the simulator's `LocalFleet` (many nodes in one pro
 serialisation). A phase runs in three parts, so that a runtime holding many nodes can do each for
 all of them before the next: `begin` (pick the algorithm, roll back, `before_fit`: FedeRiCo
 publishes its model here, so every peer's model is out before any node reads one), `execute` (the
-algorithm's phase; `execute_together` runs compatible fit tasks as one stacked model) and `end`
+algorithm's phase; the simulator runs compatible tasks as one stacked model:
+`coordinator.stacking`) and `end`
 (persist; export after the finalize phase). `run` is the three in a row.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,6 @@ from edge_sdk.algorithms import (
 )
 from edge_sdk.budget import DeployBudget
 from edge_sdk.codec import WireModel
-from edge_sdk.cohort import CohortUnsupported, release_kept_stacks, run_stacked
 from edge_sdk.device import exclusive, precision
 from edge_sdk.peers import Peers
 from edge_sdk.protocol import Capabilities, Phase
@@ -47,7 +47,7 @@ from edge_sdk.state import StateError, load_state, save_state, state_bytes, stat
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec
 
-__all__ = ["ClientNode", "NodeTask", "execute_together"]
+__all__ = ["ClientNode", "NodeTask"]
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class ClientNode:
             # The next step of the same round (multi-step rounds) goes on from here.
             if task.round != self._fit_round or self._before_fit is None:
                 # Not copied yet: a stacked round gives the members new tensors and leaves these
-                # as they were (edge_sdk.cohort), and `execute` copies them before it trains.
+                # as they were (coordinator.stacking), and `execute` copies them before it trains.
                 self._before_fit, self._fit_steps = algo.shared_state(), []
                 self._before_fit_shared = True
             elif task.step in self._fit_steps:
@@ -209,7 +209,7 @@ class ClientNode:
 
     def execute(self, task: NodeTask) -> FitResult:
         """The algorithm's phase (after `begin`)."""
-        algo = self._current()
+        algo = self.current()
         if self._before_fit_shared and self._before_fit is not None:  # it trains in place
             self._before_fit = algo.copied_state(self._before_fit)
         self._before_fit_shared = False
@@ -282,7 +282,8 @@ class ClientNode:
         self._algo_key = (name, cfg.model_dump_json())
         return self.algorithm
 
-    def _current(self) -> ClientAlgorithm:
+    def current(self) -> ClientAlgorithm:
+        """The algorithm of the task begun (`begin`)."""
         if self.algorithm is None:
             raise RuntimeError(f"{self.client_id}: no task has begun")
         return self.algorithm
@@ -397,88 +398,3 @@ class ClientNode:
             normalization=self.normalization,
             sample_inputs=self.data.x_test[:8].cpu() if len(self.data.x_test) else None,
         )
-
-
-def execute_together(
-    nodes: Sequence[ClientNode], tasks: Sequence[NodeTask]
-) -> list[FitResult | Exception]:
-    """Execute begun tasks of one group (equal `group_key`) as one call: the tasks of an
-    algorithm that can run stacked (`ClientAlgorithm.stackable`: its fit, evaluation and
-    finalize) run once on models with a leading client dimension (`edge_sdk.cohort`), in stacks
-    small enough for the device's memory; whatever cannot stack runs node by node, from the
-    same state and random generators. Each node gets its own result, or the exception its task
-    raised. A GPU they run on is held meanwhile (`device.exclusive`)."""
-    with exclusive(nodes[0].device):
-        return _execute_together(nodes, tasks)
-
-
-def _execute_together(
-    nodes: Sequence[ClientNode], tasks: Sequence[NodeTask]
-) -> list[FitResult | Exception]:
-    out: list[FitResult | Exception | None] = [None] * len(nodes)
-    same_params = all(t.params == tasks[0].params for t in tasks)
-    if len(nodes) > 1 and same_params:
-        algos = [n._current() for n in nodes]
-        if type(algos[0]).stackable:
-            for chunk, results in _stacked(algos, tasks):
-                for i, result in zip(chunk, results, strict=True):
-                    out[i] = result
-    for i, (node, task) in enumerate(zip(nodes, tasks, strict=True)):
-        if out[i] is None:
-            try:
-                out[i] = node.execute(task)
-            except Exception as exc:  # that client's error
-                out[i] = exc
-    return [r for r in out if r is not None]
-
-
-# The largest stack that fitted in memory, per (algorithm, architecture, device): a stack that
-# ran out of GPU memory is halved, and later rounds start from the half.
-_STACK_LIMIT: dict[tuple[str, str, str], int] = {}
-
-
-def _stacked(
-    algos: Sequence[ClientAlgorithm], tasks: Sequence[NodeTask]
-) -> Iterator[tuple[list[int], list[FitResult]]]:
-    """(members, their results) of each stack that trained; members of a stack that could not
-    are left out (they train one by one)."""
-    first, task = algos[0], tasks[0]
-    key = (first.name, first.ctx.spec.to_json(), str(first.ctx.device))
-    limit = _STACK_LIMIT.get(key, len(algos))
-    # Members whose tasks carry models of other architectures (FedMe's exchanged models) stack
-    # apart: a stack's incoming models are one architecture each.
-    kinds: dict[tuple[tuple[str, str], ...], list[int]] = {}
-    for i, t in enumerate(tasks):
-        kind = tuple(sorted((name, m.spec.to_json()) for name, m in t.models.items()))
-        kinds.setdefault(kind, []).append(i)
-    pending = [
-        group[i : i + limit] for group in kinds.values() for i in range(0, len(group), limit)
-    ]
-    while pending:
-        chunk = pending.pop(0)
-        if len(chunk) < 2:
-            continue  # a stack of one is that client alone
-        try:
-            results = run_stacked(
-                [algos[i] for i in chunk],
-                task.phase,
-                task.round,
-                task.rounds,
-                [tasks[i].models for i in chunk],
-            )
-        except torch.OutOfMemoryError:
-            half = len(chunk) // 2
-            _STACK_LIMIT[key] = half
-            log.info("a stack of %d clients ran out of memory; stacks of %d", len(chunk), half)
-            release_kept_stacks()
-            if first.ctx.device.type == "cuda":
-                torch.cuda.empty_cache()
-            pending[:0] = [chunk[:half], chunk[half:]]
-            continue
-        except CohortUnsupported as exc:
-            log.info("%d clients train one by one: %s", len(chunk), exc)
-            continue
-        except Exception as exc:  # each member gets its own error one by one
-            log.info("stacked %s failed (%s); %d clients one by one", task.phase, exc, len(chunk))
-            continue
-        yield chunk, results

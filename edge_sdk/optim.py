@@ -11,7 +11,7 @@ use torch's classes.
 
 SGD on the CPU runs torch's fused kernel (`fused=True`) unless told otherwise: one pass over
 each parameter, its gradient and momentum where the single-tensor loop makes four (weight
-decay, momentum scale, momentum add, update). For a stack of 100 mlps (edge_sdk.cohort) that
+decay, momentum scale, momentum add, update). For a stack of 100 mlps (coordinator.stacking) that
 halves the update's time. Its values can differ from the loop's in the last bit (its vector
 code fuses a multiply and an add that the loop rounds apart), and so from one position of a
 value in memory to another: a client trained stacked and alone agree to float rounding.
@@ -20,7 +20,7 @@ Elsewhere, one difference in how, not what: SGD adds the weight decay into the g
 (`grad += wd·param`, the very operation torch's SGD computes into a new tensor) and then steps
 without it. The parameters come out the same, bit for bit; the gradients hold the decayed value
 after the step. A fresh tensor per parameter per step costs little for one small model, but a
-stack of 100 clients' models (edge_sdk.cohort) allocates and page-faults 30 MB per step for it.
+stack of 100 clients' models (coordinator.stacking) allocates and page-faults 30 MB per step for it.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class SGD(_SGD):
         """torch's fused step (`torch.optim.sgd.sgd`), with each parameter, its gradient and
         its momentum buffer given as flat runs of their memory (`_flat`). The kernel is
         elementwise; given tensors as they are, it copies one that is not contiguous (a stacked
-        linear weight, held transposed: edge_sdk.cohort) in and out, slower than the loop it
+        linear weight, held transposed: coordinator.stacking) in and out, slower than the loop it
         replaces, and it computes wrong values for a gradient laid out unlike its parameter
         (torch 2.14, CPU). Tensors that cannot run flat step by the single-tensor loop. (On
         the CPU without a gradient scaler: `step` decides.)"""

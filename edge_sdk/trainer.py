@@ -6,8 +6,9 @@ learning-rate schedules come from config; mixed precision (bf16 autocast) on CUD
 
 A training loop is a step function run over batches (`Trainer.run`): the losses it returns stay
 on the device and are read once, when the loop ends, so no step waits for the host; on CUDA the
-step is captured in a CUDA graph and replayed (`edge_sdk.graphs`). A cohort's trainer
-(`edge_sdk.cohort.CohortTrainer`) runs the same step function once for a whole stack of clients.
+step is captured in a CUDA graph and replayed (`edge_sdk.graphs`). The simulator's trainer of
+a stack of clients (`coordinator.stacking.CohortTrainer`) runs the same step function once for
+all of them.
 """
 
 from __future__ import annotations
@@ -270,7 +271,7 @@ class LoopStats:
     """How a client's training steps ran (`Trainer.run`), for the record of a run."""
 
     steps: int = 0  # training steps taken
-    stacked: int = 0  # of which in a stack of clients (edge_sdk.cohort)
+    stacked: int = 0  # of which in a stack of clients (coordinator.stacking)
     replayed: int = 0  # of which replayed from a captured CUDA graph
     graphs: int = 0  # CUDA graphs captured (one per loop and batch shape)
 
@@ -455,7 +456,7 @@ class Trainer:
         """The gradient of `objective(model(x), *args)` with respect to the model's trainable
         parameters, and its value (detached).
 
-        On a cohort's stacked model (edge_sdk.cohort) the objective gives one value per client
+        On a cohort's stacked model (coordinator.stacking) the objective gives one value per client
         (the shared losses do for stacked logits); their sum's gradient is each client's own
         gradient in its row, since no client's loss depends on another's parameters.
         """

@@ -4,9 +4,9 @@ No transport, no serialisation, no thread per client, no timers. A phase runs in
 over its tasks (see `edge_sdk.node`): every node `begin`s (so what peers must see is out before
 any node reads it: FedeRiCo's exchange needs no waiting), then the tasks execute group by group,
 then every node `end`s (persistence, export). A group is the tasks of one deterministic key
-(architecture, algorithm, config, round, phase, step) and runs through one call,
-`execute_together`: the tasks of an algorithm that runs stacked (its fit, evaluation and
-finalize) run as one stacked model.
+(architecture, algorithm, config, round, phase, step) and runs through one call of the fleet's
+`Stacking` (coordinator.stacking): the tasks of an algorithm that runs stacked (its fit,
+evaluation and finalize) run as one stacked model.
 Up to `parallel` groups (or single clients, for what does not stack) run at once on a small
 pool of worker threads.
 
@@ -36,11 +36,12 @@ from coordinator.fleet.base import (
     Validator,
     admit,
 )
+from coordinator.stacking import Stacking
 from coordinator.strategies import FitReply
 from edge_sdk.algorithms import FitResult, algorithm_class
 from edge_sdk.codec import WireModel, check_weights
 from edge_sdk.device import cpu_threads
-from edge_sdk.node import ClientNode, NodeTask, execute_together
+from edge_sdk.node import ClientNode, NodeTask
 from edge_sdk.peers import PeerBoard
 from edge_sdk.wire import reference_shapes
 
@@ -84,6 +85,7 @@ class LocalFleet(Fleet):
         self.threads = max(1, threads or cpu_threads())
         self.parallel = max(1, parallel or self.threads)
         self.stack = stack
+        self.stacking = Stacking()  # what its stacking learns, for this fleet alone
         self.fp16_upload = fp16_upload
         self.board = PeerBoard()
         self.idle = idle
@@ -223,7 +225,9 @@ class LocalFleet(Fleet):
             jobs.extend([ids] if stacks else [[cid] for cid in ids])
 
         def run(ids: list[str]) -> list[FitResult | Exception]:
-            return execute_together([self.nodes[c] for c in ids], [begun[c] for c in ids])
+            return self.stacking.execute_together(
+                [self.nodes[c] for c in ids], [begun[c] for c in ids]
+            )
 
         if self.parallel == 1 or len(jobs) == 1:
             with _threads_each(self.threads, 1):  # one job at a time: all of `threads`

@@ -2,7 +2,7 @@
 
 A simulation runs many clients in one process. Each would run its algorithm's ~100 tiny torch
 ops per step on its own; here the clients of one task group (the simulator's LocalFleet groups a
-phase's tasks, `edge_sdk.node.execute_together`) run their algorithm's `fit` **once**, on models
+phase's tasks, `coordinator.stacking.Stacking`) run their algorithm's `fit` **once**, on models
 whose parameters carry a leading client dimension (`torch.func.vmap` over `functional_call`), so
 every op runs once for all of them. The shared losses give one value per client for stacked
 logits; no client's loss depends on another's parameters, so the gradient of their sum holds each
@@ -11,7 +11,7 @@ row. Optimizers step stacked parameters and their stacked state (momentum) eleme
 would each client's.
 
 Nothing is forked: the algorithm's own `fit` runs, on a `CohortContext` whose trainer
-(`edge_sdk.cohort_trainer.CohortTrainer`) draws each client's batches from that client's own
+(`coordinator.stacking.CohortTrainer`) draws each client's batches from that client's own
 generator and data, gives each client its own number of steps, and whose `build_model` builds
 each client's model with its own seed. Before the stacked fit each member's persistent state is
 stacked (modules, optimizers, equal plain values), after it each member gets its row back, so
@@ -35,9 +35,6 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-import threading
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -48,6 +45,8 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.overrides import TorchFunctionMode
 
+from coordinator.stacking.kept import KeptStacks
+from coordinator.stacking.trainer import CohortTrainer, StackedData
 from edge_sdk.algorithms.base import (
     SPEC_ATTR,
     Candidate,
@@ -56,8 +55,8 @@ from edge_sdk.algorithms.base import (
     FitResult,
     TaskInfo,
 )
+from edge_sdk.algorithms.members import CohortUnsupported, PerMember
 from edge_sdk.codec import WireModel, clones
-from edge_sdk.cohort_trainer import CohortTrainer, CohortUnsupported, PerMember, StackedData
 from edge_sdk.trainer import Score
 from model_zoo import ArchSpec, build
 
@@ -66,7 +65,6 @@ __all__ = [
     "CohortTrainer",
     "CohortUnsupported",
     "PerMember",
-    "release_kept_stacks",
     "run_stacked",
     "stack_modules",
     "unstack_module",
@@ -318,30 +316,6 @@ def _stacked_class(cls: type[nn.Module]) -> type[nn.Module]:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Stacked{cls.__name__}", (_Stacked, cls), {})
     return _CLASSES[cls]
-
-
-_SAID: set[type] = set()
-
-
-def _say_stacked(cls: type[ClientAlgorithm], members: int) -> None:
-    """Once per algorithm class: that its clients train stacked. An algorithm from outside the
-    SDK (a plugin) is told at WARNING: it may have inherited `stackable` without knowing."""
-    if cls in _SAID:
-        return
-    _SAID.add(cls)
-    own = cls.__module__.startswith("edge_sdk.algorithms.")
-    origin = next(c for c in cls.__mro__ if "stackable" in vars(c))
-    inherited = "" if origin is cls else f", inherited from {origin.__name__}"
-    log.log(
-        logging.INFO if own else logging.WARNING,
-        "%s: %d clients of one architecture train stacked, as one model whose parameters carry "
-        "a leading client dimension (stackable = True%s): train_round runs once for all of "
-        "them, so it may use only the context's trainer, model builders and losses. Set "
-        "stackable = False on the class, or --set cohort=false, to train client by client",
-        cls.name,
-        members,
-        inherited,
-    )
 
 
 def _check_stackable(model: nn.Module) -> None:
@@ -751,59 +725,6 @@ def _split_result(result: FitResult, n: int) -> list[FitResult]:
     ]
 
 
-# -- stacks kept from round to round ----------------------------------------------------------
-# A stack built anew every round has new tensors, so its captured step (CUDA) was warmed up and
-# captured again every round. Where the trainer captures, a fit's stack is kept for the same
-# members' next fit instead, and its tensors are refilled in place from the members' state: the
-# step, kept by the stack's trainer (Trainer.run's keep), then replays from its first batch.
-# Each kept stack holds a copy of its members' state and its graphs' memory: a few per process.
-_KEPT_STACKS = 8
-
-
-@dataclass
-class _KeptStack:
-    members: list[weakref.ref[ClientAlgorithm]]
-    stacked: ClientAlgorithm
-
-
-_kept_stacks: OrderedDict[tuple[Any, ...], _KeptStack] = OrderedDict()
-_kept_lock = threading.Lock()
-
-
-def release_kept_stacks() -> None:
-    """Let go of every kept stack (and the memory of its captured steps): after a stack ran
-    out of GPU memory."""
-    with _kept_lock:
-        _kept_stacks.clear()
-
-
-def _stack_key(members: Sequence[ClientAlgorithm]) -> tuple[Any, ...]:
-    return (type(members[0]), *map(id, members))
-
-
-def _take_kept(members: Sequence[ClientAlgorithm]) -> ClientAlgorithm | None:
-    """The stack these very members (in this order) trained in last, taken out of the keep
-    while it is in use; None if there is none."""
-    with _kept_lock:
-        kept = _kept_stacks.pop(_stack_key(members), None)
-    if kept is None or any(r() is not a for r, a in zip(kept.members, members, strict=True)):
-        return None  # (an id reused by another object)
-    return kept.stacked
-
-
-def _put_kept(members: Sequence[ClientAlgorithm], stacked: ClientAlgorithm) -> None:
-    with _kept_lock:
-        # A stack one of whose members is gone (a client parked between its tasks: a population
-        # larger than a round's cohort) is never taken again: let its memory go now.
-        for gone in [k for k, v in _kept_stacks.items() if any(r() is None for r in v.members)]:
-            del _kept_stacks[gone]
-        key = _stack_key(members)
-        _kept_stacks[key] = _KeptStack([weakref.ref(a) for a in members], stacked)
-        _kept_stacks.move_to_end(key)
-        while len(_kept_stacks) > _KEPT_STACKS:
-            _kept_stacks.popitem(last=False)
-
-
 def _refill(
     stacked: ClientAlgorithm, members: Sequence[ClientAlgorithm], masked: bool | None
 ) -> bool:
@@ -838,24 +759,24 @@ def run_stacked(
     models: Sequence[Mapping[str, WireModel]],
     *,
     masked: bool | None = None,
-    keep: bool | None = None,
+    kept: KeptStacks | None = None,
 ) -> list[FitResult]:
     """Run the `phase` ("fit", "evaluate" or "finalize") of all `algos` (same class, config and
     architecture) once, on stacked state, then give every member its row back (results in the
     order of `algos`). Raises CohortUnsupported, or the stacked phase's error, with every member
-    as it was. `masked`: see CohortTrainer (default: on CUDA). `keep`: keep a fit's stack for
-    the same members' next fit, refilled in place (default: where the trainer captures CUDA
-    graphs, whose captured step it keeps too)."""
+    as it was. `masked`: see CohortTrainer (default: on CUDA). `kept`: where a fit's stack is
+    kept for the same members' next fit, and taken from, refilled in place (a fleet keeps its
+    stacks where its trainer captures CUDA graphs, whose captured step the stack keeps too);
+    None: a stack built for this call alone."""
     first = algos[0]
     cls = type(first)
     if not cls.stackable:
         raise CohortUnsupported(f"{cls.name} does not train stacked")
-    _say_stacked(cls, len(algos))
     # Longest epochs first: then the members still training at any step are a prefix.
     order = sorted(range(len(algos)), key=lambda i: -algos[i].ctx.data.n_train)
     members = [algos[i] for i in order]
-    keep = phase == "fit" and (first.ctx.trainer.graphs if keep is None else keep)
-    stacked = _take_kept(members) if keep else None
+    keep = kept if phase == "fit" else None
+    stacked = keep.take(members) if keep is not None else None
     if stacked is None or not _refill(stacked, members, masked):
         ctx = _cohort_context([a.ctx for a in members], first.ctx.task, masked)
         stacked = cls.__new__(cls)
@@ -877,8 +798,8 @@ def run_stacked(
     # Evaluation changes no state but what the algorithm says it keeps.
     for name in cls.evaluation_keeps if phase == "evaluate" else cls.persistent:
         _unstack_state(name, stacked, members)
-    if keep:
-        _put_kept(members, stacked)
+    if keep is not None:
+        keep.put(members, stacked)
     rows = _split_result(result, len(members))
     tuned: list[Candidate | None] = [None] * len(members)
     if phase == "finalize" and all(a.deployment.finetunes for a in members):

@@ -1,5 +1,6 @@
-"""The Trainer of a stack of clients (edge_sdk.cohort): each client's batches from its own
-generator and data, one step for all of them, and each client only the steps it takes alone.
+"""The Trainer of a stack of clients (coordinator.stacking.cohort): each client's batches from
+its own generator and data, one step for all of them, and each client only the steps it takes
+alone.
 
 Clients of a stack hold different amounts of data (a Dirichlet split differs 10× and more), so
 their epochs have different numbers of batches, and the last batch of each is short. A stacked
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edge_sdk.algorithms.members import CohortUnsupported, PerMember
 from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.losses import StackedBatch, stacked_batch
 from edge_sdk.trainer import (
@@ -49,40 +51,7 @@ from edge_sdk.trainer import (
     _row_range,
 )
 
-__all__ = [
-    "CohortTrainer",
-    "CohortUnsupported",
-    "PerMember",
-    "StackedData",
-    "StackedEval",
-    "take_rows",
-]
-
-
-class CohortUnsupported(ValueError):
-    """This group cannot train stacked (its members then train one by one)."""
-
-
-class PerMember(list[Any]):
-    """One value per member of a stack (a stacked fit's per-client results). A stacked fit
-    cannot take a different branch per member, so deciding on one is refused: the group then
-    trains one by one."""
-
-    def _decide(self, *_: object) -> bool:
-        raise CohortUnsupported("the algorithm takes a decision per client on a stacked value")
-
-    __lt__ = __le__ = __gt__ = __ge__ = __bool__ = _decide
-
-
-def take_rows(into: nn.Module, source: nn.Module, which: Sequence[bool | float]) -> None:
-    """Stacked modules of one architecture: `into`'s rows become `source`'s for the members
-    `which` marks, in place (a decision per member applied row by row)."""
-    rows = [i for i, w in enumerate(which) if w]
-    if not rows:
-        return
-    with torch.no_grad():
-        for p, q in zip(into.parameters(), source.parameters(), strict=True):
-            p[rows] = q[rows]
+__all__ = ["CohortTrainer", "StackedData", "StackedEval"]
 
 
 # -- the members' data side by side -----------------------------------------------------------
@@ -385,7 +354,7 @@ class CohortTrainer(Trainer):
         """`Trainer.run` for the stack: the step runs once per stacked batch for the members
         taking it; each value's mean is per member, over the steps it took. A captured step
         is kept as `Trainer.run` keeps it, for a stack kept from round to round
-        (`edge_sdk.cohort.run_stacked`), whose tensors stay where they are."""
+        (`coordinator.stacking.run_stacked`), whose tensors stay where they are."""
         n = self.size
         runner, key = self._runner(self._stepper(step), keep)
         graphs = runner.graphs
@@ -464,8 +433,8 @@ class CohortTrainer(Trainer):
             if not grads:
                 continue
             # Each row's norm over the row's own dimensions: `flatten(1)` would copy the
-            # gradients held transposed (a linear layer's, see edge_sdk.cohort._transposed),
-            # 6x the time of the norms for a stack of 100 mlps.
+            # gradients held transposed (a linear layer's, see cohort._transposed), 6x the time
+            # of the norms for a stack of 100 mlps.
             norms = torch.stack(
                 [torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim()))) for g in grads]
             )  # (params, N)

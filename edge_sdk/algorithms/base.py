@@ -34,10 +34,10 @@ from edge_sdk.algorithms.context import (
 )
 from edge_sdk.algorithms.deployment import Deployment
 from edge_sdk.algorithms.guard import PERSONAL, Candidate
+from edge_sdk.algorithms.members import PerMember
 from edge_sdk.algorithms.persistence import BASE_STATE, copied, decode, encode
 from edge_sdk.algorithms.registry import algorithm_class, algorithm_names, register_algorithm
 from edge_sdk.codec import WireModel
-from edge_sdk.cohort_trainer import PerMember
 from edge_sdk.trainer import EvalResult, OptimConfig
 from model_zoo import ArchSpec
 
@@ -75,13 +75,13 @@ class ClientAlgorithm(ABC):
     # tensors, ArchSpecs, WireModels, plain values, and dicts of any of these.
     persistent: ClassVar[tuple[str, ...]] = ()
     # True when `train_round` can run once for many clients on stacked models
-    # (edge_sdk.cohort): it builds models through ctx, draws batches with
+    # (coordinator.stacking): it builds models through ctx, draws batches with
     # trainer.sample_batch, takes gradients with trainer.value_and_grad, averages with
     # trainer.average and updates elementwise.
     stackable: ClassVar[bool] = False
     # Per-round attributes (not persistent) that `train_round` restarts in place rather than
     # builds anew (Trainer.fresh_optimizer's optimizers): a stack of clients kept from round to
-    # round (edge_sdk.cohort) carries them into its next round, so that their tensors, and the
+    # round (coordinator.stacking) carries them into its next round, so that their tensors, and the
     # captured step that reads them, stay. Every other per-round attribute starts afresh.
     restarted: ClassVar[tuple[str, ...]] = ()
     # The persistent attributes `evaluate` changes (FedMe keeps the model its task carries): a
@@ -198,7 +198,7 @@ class ClientAlgorithm(ABC):
         """`state_dict()` with its models' and optimizers' tensors as they are, not copied.
 
         That is the state of this moment only while nothing changes those tensors in place (a
-        stacked round gives its members new ones, `edge_sdk.cohort`); `copied_state` turns it
+        stacked round gives its members new ones, `coordinator.stacking`); `copied_state` turns it
         into what `state_dict()` gives. A subclass's `state_dict` that extends the base's gets
         this for free."""
         self._sharing = True
@@ -245,7 +245,7 @@ class ClientAlgorithm(ABC):
 
     @property
     def _stacked(self) -> bool:
-        """Whether this runs for a stack of clients (edge_sdk.cohort)."""
+        """Whether this runs for a stack of clients (coordinator.stacking)."""
         return isinstance(self.ctx.data.n_train, list)
 
     def _each(self, value: Any) -> list[Any]:
@@ -265,7 +265,7 @@ class ClientAlgorithm(ABC):
         `gate` "validation": 1.0 when the teacher's is lower, else 0.0; "soft": min(1, L_s/L_t),
         so that a teacher no better learns in proportion, and the weight grows as it improves;
         either way 1.0 without validation data (nothing says otherwise). On a stack of clients
-        (edge_sdk.cohort), a tensor of one weight per member: a step's loss takes its rows with
+        (coordinator.stacking), a tensor of one weight per member: a step's loss takes its rows with
         `edge_sdk.losses.rows_of`."""
         d, trainer = self.ctx.data, self.ctx.trainer
         t = trainer.evaluate(teacher, d.x_val, d.y_val)

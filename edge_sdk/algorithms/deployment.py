@@ -70,7 +70,7 @@ class Deployment:
         within the device's budget either way. The reply's details say what it deployed
         (architecture, parameters, size) and why, and how many training samples this client
         processed. `tuned`: this client's fine-tuned final model when a stack of clients trained
-        theirs at once (edge_sdk.cohort); otherwise it is trained here."""
+        theirs at once (coordinator.stacking); otherwise it is trained here."""
         algo = self.algorithm
         final = algo.guard_candidates()
         distil = self._distiller(rounds)

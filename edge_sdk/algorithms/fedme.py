@@ -19,7 +19,7 @@ of models with similar outputs. The client then:
 Privacy: FedMe ships personalized models through the coordinator to other clients by design.
 
 In a simulation, the clients whose personal and exchanged models are of one architecture train
-as one stack (edge_sdk.cohort): the gate and the model tuning are decided per member, and a
+as one stack (coordinator.stacking): the gate and the model tuning are decided per member, and a
 member that adopts its exchanged model takes its rows.
 """
 
@@ -42,8 +42,8 @@ from edge_sdk.algorithms.base import (
     register_algorithm,
 )
 from edge_sdk.algorithms.guard import Candidate, GuardConfig
+from edge_sdk.algorithms.members import CohortUnsupported, take_rows
 from edge_sdk.codec import WireModel
-from edge_sdk.cohort_trainer import CohortUnsupported, take_rows
 from edge_sdk.losses import cross_entropy, kl_distill, rows_of
 from model_zoo import ArchSpec
 
@@ -134,7 +134,7 @@ class FedMe(ClientAlgorithm):
 
     def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         cfg, trainer, d = self.config, self.ctx.trainer, self.ctx.data
-        stacked = self._stacked  # a stack of clients (edge_sdk.cohort)
+        stacked = self._stacked  # a stack of clients (coordinator.stacking)
         if 0 in self._each(d.n_val):  # one count per member on a stack
             raise AlgorithmError(
                 "fedme tunes its model on the validation split and this client has none; give "

@@ -348,7 +348,7 @@ class Guard:
     ) -> None:
         """After a round's training: keep a copy of any candidate the budget admits that is
         better than the best so far. `scores`: a candidate's score when a stack of clients
-        scored theirs at once (edge_sdk.cohort); the others are scored here."""
+        scored theirs at once (coordinator.stacking); the others are scored here."""
         if not self.active:
             return
         for name, cand in candidates.items():

@@ -22,7 +22,7 @@ New participants (thesis, section 7.1): a client that joins after training recei
 models the coordinator archived, named `archive_name(round)`, in its finalize task, and runs
 stage 2 against them (`personalize`).
 
-In a simulation, clients of one architecture run both stages as one stack (edge_sdk.cohort):
+In a simulation, clients of one architecture run both stages as one stack (coordinator.stacking):
 each member keeps its own teacher (the rows of the global model it chose, with their round and
 loss), distils from that teacher's logits over its own training split, and keeps its own best
 grid point. A member whose distillation diverges at a grid point sends the whole stack back to
@@ -52,8 +52,8 @@ from edge_sdk.algorithms.base import (
 )
 from edge_sdk.algorithms.fedavg import FedAvgConfig
 from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
+from edge_sdk.algorithms.members import CohortUnsupported, take_rows
 from edge_sdk.codec import WireModel, state_of
-from edge_sdk.cohort_trainer import CohortUnsupported, take_rows
 from edge_sdk.losses import distillation_loss
 from model_zoo import ArchSpec
 

@@ -34,6 +34,7 @@ from edge_sdk.algorithms.base import (
     register_algorithm,
 )
 from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
+from edge_sdk.algorithms.members import CohortUnsupported
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import DistillTarget, ce_plus_kl, distill_target
 from edge_sdk.trainer import OptimConfig
@@ -285,8 +286,6 @@ class PFML(ClientAlgorithm):
         counts = n if isinstance(n, list) else [n]  # a cohort's members, one count each
         its = {math.ceil(cfg.local_epochs * k / cfg.batch_size) for k in counts}
         if len(its) > 1:
-            from edge_sdk.cohort import CohortUnsupported  # (the cohort imports this package)
-
             raise CohortUnsupported(f"pfml: the members' epochs differ in iterations ({its})")
         return its.pop()
 

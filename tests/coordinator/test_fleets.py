@@ -297,16 +297,16 @@ def test_tasks_on_a_gpu_take_turns_and_on_the_cpu_run_side_by_side(fleet, gpu, m
 def test_clients_train_on_the_threads_the_run_was_given(threads, parallel, each, monkeypatch):
     # Prepare: record torch's intra-op threads while each client trains (before, clients trained
     # one at a time on torch's default pool, whatever --threads said)
-    import coordinator.fleet.local
+    from coordinator.stacking import Stacking
 
     seen: list[int] = []
-    execute = coordinator.fleet.local.execute_together
+    execute = Stacking.execute_together
 
     def counted(*args, **kwargs):
         seen.append(torch.get_num_threads())
         return execute(*args, **kwargs)
 
-    monkeypatch.setattr(coordinator.fleet.local, "execute_together", counted)
+    monkeypatch.setattr(Stacking, "execute_together", counted)
     torch.set_num_threads(2)
     cfg = tiny_config(
         algorithm="local", clients=2, rounds=1, threads=threads, parallel=parallel, cohort=False

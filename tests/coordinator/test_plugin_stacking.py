@@ -33,7 +33,7 @@ def test_a_plugin_that_inherits_stackable_is_told_it_trains_stacked(caplog):
 
     cfg = tiny_config(algorithm="inheriting_stackable", rounds=1, local_epochs=1)
 
-    with caplog.at_level(logging.WARNING, logger="edge_sdk.cohort"):
+    with caplog.at_level(logging.WARNING, logger="coordinator.stacking"):
         simulate(cfg, progress=False)
 
     said = [r for r in caplog.records if "train stacked" in r.getMessage()]

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
+from coordinator.stacking.cohort import CohortUnsupported, run_stacked
 from edge_sdk.algorithms import ClientContext, algorithm_class
 from edge_sdk.algorithms.pfml import PFMLConfig
 from edge_sdk.codec import WireModel
-from edge_sdk.cohort import CohortUnsupported, run_stacked
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec, build
 

@@ -7,7 +7,6 @@ import gc
 import math
 import threading
 import weakref
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -15,11 +14,21 @@ from tests_helpers import tiny_config
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import edge_sdk.cohort as cohort
-import edge_sdk.cohort_trainer as cohort_trainer
-import edge_sdk.node as node_mod
+import coordinator.stacking.cohort as cohort
+import coordinator.stacking.groups as groups
+import coordinator.stacking.trainer as cohort_trainer
 from coordinator.federation import prepare_federation
 from coordinator.simulator import run_federation
+from coordinator.stacking import KeptStacks, Stacking
+from coordinator.stacking.cohort import (
+    CohortContext,
+    CohortTrainer,
+    CohortUnsupported,
+    PerMember,
+    run_stacked,
+    stack_modules,
+)
+from coordinator.stacking.trainer import StackedData
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.algorithms.base import (
     SPEC_ATTR,
@@ -33,16 +42,7 @@ from edge_sdk.algorithms.persfl import PersFL
 from edge_sdk.algorithms.pfml import PFML, PFMLConfig
 from edge_sdk.budget import DeployBudget
 from edge_sdk.codec import WireModel
-from edge_sdk.cohort import (
-    CohortContext,
-    CohortTrainer,
-    CohortUnsupported,
-    PerMember,
-    run_stacked,
-    stack_modules,
-)
-from edge_sdk.cohort_trainer import StackedData
-from edge_sdk.node import ClientNode, NodeTask, execute_together
+from edge_sdk.node import ClientNode, NodeTask
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec, build
 
@@ -373,12 +373,12 @@ def test_a_stacked_persfl_member_without_validation_data_stops_the_stack_with_it
         run_stacked(stacked, "fit", 2, 2, models)
 
 
-def _kept_tensors():
+def _kept_tensors(store):
     """The kept stacks, each with the addresses of its models' parameters and its optimizers'
     state tensors."""
     out = []
-    for kept in cohort._kept_stacks.values():
-        s, ptrs = kept.stacked, []
+    for s in store:
+        ptrs = []
         for name in type(s).persistent:
             value = getattr(s, name)
             if isinstance(value, nn.Module):
@@ -426,7 +426,7 @@ def _halve(value):
 @pytest.mark.parametrize("algorithm", sorted(SETTINGS))
 def test_a_stack_kept_from_round_to_round_trains_each_client_as_alone(algorithm, monkeypatch):
     # Prepare: the same clients alone and stacked, the stack masked and kept (as on CUDA)
-    monkeypatch.setattr(cohort, "_kept_stacks", OrderedDict())
+    store = KeptStacks()
     spec, alone = _clients(algorithm)
     _, stacked = _clients(algorithm)
     kept = []
@@ -440,8 +440,8 @@ def test_a_stack_kept_from_round_to_round_trains_each_client_as_alone(algorithm,
                     _halve(getattr(clients[0], name))
         models = _models(algorithm, spec, len(alone), round_)
         expected = [a.fit(round_, 3, m) for a, m in zip(alone, models, strict=True)]
-        got = run_stacked(stacked, "fit", round_, 3, models, masked=True, keep=True)
-        kept.append(_kept_tensors())
+        got = run_stacked(stacked, "fit", round_, 3, models, masked=True, kept=store)
+        kept.append(_kept_tensors(store))
 
         # Assert: every round as client by client
         _assert_alike(expected, got, alone, stacked)
@@ -455,7 +455,7 @@ def test_a_stack_kept_from_round_to_round_trains_each_client_as_alone(algorithm,
 
 def test_a_kept_stack_of_adam_clients_counts_steps_from_a_restored_state(monkeypatch):
     # Prepare: Adam clients taking equal steps (4 a round), alone and in a kept stack
-    monkeypatch.setattr(cohort, "_kept_stacks", OrderedDict())
+    store = KeptStacks()
     kw = {"sizes": (16, 16, 15), "optimizer": "adam", "weight_decay": 0.0, "momentum": 0.8}
     spec, alone = _clients("local", **kw)
     _, stacked = _clients("local", **kw)
@@ -469,7 +469,7 @@ def test_a_kept_stack_of_adam_clients_counts_steps_from_a_restored_state(monkeyp
                 c.optimizer.load_state_dict(saved[id(c)])
         models = _models("local", spec, len(alone))
         expected = [a.fit(round_, 3, m) for a, m in zip(alone, models, strict=True)]
-        got = run_stacked(stacked, "fit", round_, 3, models, masked=True, keep=True)
+        got = run_stacked(stacked, "fit", round_, 3, models, masked=True, kept=store)
         if round_ == 1:
             saved = {id(c): copy.deepcopy(c.optimizer.state_dict()) for c in (*alone, *stacked)}
 
@@ -477,47 +477,47 @@ def test_a_kept_stack_of_adam_clients_counts_steps_from_a_restored_state(monkeyp
         _assert_alike(expected, got, alone, stacked)
 
     # Assert: the stack was kept, and counts from the restored state
-    assert len(cohort._kept_stacks) == 1
+    assert len(store) == 1
     assert stacked[0].optimizer.state_dict()["state"][0]["step"] == 8
 
 
 def test_a_stack_whose_members_are_gone_is_let_go_when_the_next_is_kept(monkeypatch):
     # Prepare: two cohorts of clients, each trained in a kept stack (as on CUDA)
-    monkeypatch.setattr(cohort, "_kept_stacks", OrderedDict())
+    store = KeptStacks()
     spec, first = _clients("fml")
     _, second = _clients("fml")
-    run_stacked(first, "fit", 1, 2, _models("fml", spec, 3), masked=True, keep=True)
-    (gone,) = [weakref.ref(k.stacked) for k in cohort._kept_stacks.values()]
+    run_stacked(first, "fit", 1, 2, _models("fml", spec, 3), masked=True, kept=store)
+    (gone,) = [weakref.ref(s) for s in store]
 
     # Execute: the first cohort's clients let go (parked), the second cohort trains
     del first
     gc.collect()
-    run_stacked(second, "fit", 1, 2, _models("fml", spec, 3), masked=True, keep=True)
+    run_stacked(second, "fit", 1, 2, _models("fml", spec, 3), masked=True, kept=store)
     gc.collect()
 
     # Assert: only the second cohort's stack is kept; the first one's memory is free
-    assert len(cohort._kept_stacks) == 1 and gone() is None
-    (kept,) = cohort._kept_stacks.values()
-    assert {id(m()) for m in kept.members} == {id(c) for c in second}
+    assert len(store) == 1 and gone() is None
+    (kept,) = store
+    assert {id(m) for m in store.members(kept)} == {id(c) for c in second}
 
 
 def test_a_new_stacks_optimizer_state_is_laid_out_as_its_parameters(monkeypatch):
     # Prepare: FML clients with momentum after a stacked round; the next round's stack is
     # built anew from their state (nothing was kept) and kept to be looked at
-    monkeypatch.setattr(cohort, "_kept_stacks", OrderedDict())
+    store = KeptStacks()
     spec, clients = _clients("fml")
-    run_stacked(clients, "fit", 1, 2, _models("fml", spec, 3), keep=False)
+    run_stacked(clients, "fit", 1, 2, _models("fml", spec, 3))
 
     # Execute
-    run_stacked(clients, "fit", 2, 2, _models("fml", spec, 3), keep=True)
+    run_stacked(clients, "fit", 2, 2, _models("fml", spec, 3), kept=store)
 
     # Assert: every momentum buffer in its parameter's memory layout (a linear layer's weight
     # is held transposed: see _transposed), not a contiguous stack
-    (kept,) = cohort._kept_stacks.values()
+    (kept,) = store
     buffers = [
         (p, t)
-        for name in type(kept.stacked).persistent
-        if isinstance(opt := getattr(kept.stacked, name), torch.optim.Optimizer)
+        for name in type(kept).persistent
+        if isinstance(opt := getattr(kept, name), torch.optim.Optimizer)
         for p, st in opt.state.items()
         for t in st.values()
         if t.dim()
@@ -1183,7 +1183,7 @@ def stacked_fits(monkeypatch):
     """How each stacked fit the nodes tried ended: its size, or the error that stopped it
     (`stacked_fits.phases`: the phase of every stacked run, fit or not)."""
     log = _Log()
-    real = node_mod.run_stacked
+    real = groups.run_stacked
 
     def spy(algos, phase, *args, **kw):
         try:
@@ -1198,7 +1198,7 @@ def stacked_fits(monkeypatch):
             log.append(len(algos))
         return out
 
-    monkeypatch.setattr(node_mod, "run_stacked", spy)
+    monkeypatch.setattr(groups, "run_stacked", spy)
     return log
 
 
@@ -1208,8 +1208,9 @@ class _Log(list):
         self.phases = []
 
 
-def _together(algos, models):
-    """The clients as ClientNodes running one fit task each, executed as one group."""
+def _together(algos, models, stacking=None):
+    """The clients as ClientNodes running one fit task each, executed as one group (by a fresh
+    fleet's `Stacking` unless given)."""
     nodes, tasks = [], []
     for a, m in zip(algos, models, strict=True):
         node = ClientNode(a.ctx.client_id, a.ctx.spec, a.ctx.data, seed=a.ctx.seed)
@@ -1218,7 +1219,7 @@ def _together(algos, models):
         node.begin(task)
         nodes.append(node)
         tasks.append(task)
-    return execute_together(nodes, tasks)
+    return (stacking or Stacking()).execute_together(nodes, tasks)
 
 
 def test_a_group_of_fit_tasks_trains_as_one_stacked_fit(stacked_fits):
@@ -1258,27 +1259,40 @@ def test_a_stack_that_runs_out_of_memory_trains_in_halves(stacked_fits, monkeypa
     spec, alone = _clients("fml", sizes=(20, 18, 16, 14))
     _, stacked = _clients("fml", sizes=(20, 18, 16, 14))
     models = _models("fml", spec, 4)
-    real = node_mod.run_stacked
-    monkeypatch.setattr(cohort, "_kept_stacks", OrderedDict(earlier=object()))
-    monkeypatch.setattr(node_mod, "_STACK_LIMIT", {})  # no limit learnt by an earlier test
+    real = groups.run_stacked
+    stacking = Stacking()
+    stacking.kept.put(alone[:1], alone[0])  # (a stand-in: only its being let go is looked at)
+
+    tried = []
 
     def small_memory(algos, *args, **kw):
+        tried.append(len(algos))
         if len(algos) > 2:
             raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
         return real(algos, *args, **kw)
 
-    monkeypatch.setattr(node_mod, "run_stacked", small_memory)
+    monkeypatch.setattr(groups, "run_stacked", small_memory)
 
     # Execute
     expected = [a.fit(1, 2, m) for a, m in zip(alone, models, strict=True)]
-    got = _together(stacked, models)
+    got = _together(stacked, models, stacking)
 
     # Assert: every client trained, stacked two by two, with its own result; the kept
     # stack let go
     for e, g in zip(expected, got, strict=True):
         _assert_close(g.metrics, e.metrics)
         _assert_close(g.models["meme"].weights, e.models["meme"].weights)
-    assert not cohort._kept_stacks
+    assert not stacking.kept and stacking.limits == {("fml", spec.to_json(), "cpu"): 2}
+    assert tried == [4, 2, 2]
+
+    # Execute, Assert: the same fleet starts from stacks of two; another fleet (another run in
+    # this process) has learnt nothing, and tries all four first
+    _, again = _clients("fml", sizes=(20, 18, 16, 14))
+    _together(again, models, stacking)
+    assert tried[3:] == [2, 2]
+    _, other = _clients("fml", sizes=(20, 18, 16, 14))
+    _together(other, models, Stacking())
+    assert tried[5:] == [4, 2, 2]
 
 
 def test_simulated_pfml_trains_stacked_with_the_results_of_one_client_at_a_time(stacked_fits):

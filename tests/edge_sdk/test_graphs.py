@@ -5,19 +5,17 @@ The capture itself needs a GPU; what it relies on is checked on the CPU: a step 
 value on the host (`.item()`, `float(t)`, `if t:`) could not be captured and would wait for the
 device every step."""
 
-from collections import OrderedDict
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import edge_sdk.cohort as cohort
 import edge_sdk.graphs as graphs_mod
+from coordinator.stacking import KeptStacks
+from coordinator.stacking.cohort import CohortTrainer, run_stacked
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.algorithms.base import ClientContext
 from edge_sdk.algorithms.pfml import _shaped_as
 from edge_sdk.codec import WireModel
-from edge_sdk.cohort import CohortTrainer, run_stacked
 from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.optim import SGD, restart
 from edge_sdk.trainer import ClientData, Trainer
@@ -373,7 +371,7 @@ def test_a_kept_stacks_step_is_captured_once_and_replayed_in_its_later_rounds(
 ):
     # Prepare: unequal clients stacked (masked, captured, the stack kept from round to round)
     # and their eager twins alone, fp32; FML's α gate on (α per member, rewritten in place)
-    monkeypatch.setattr(cohort, "_kept_stacks", OrderedDict())
+    store = KeptStacks()
     dev = torch.device("cuda")
     epochs = None if algorithm == "pfml" else 2  # (PFML's members take its fixed iterations)
     spec, alone = _clients(algorithm, dev, amp=False, graphs=False, epochs=epochs)
@@ -385,7 +383,7 @@ def test_a_kept_stacks_step_is_captured_once_and_replayed_in_its_later_rounds(
         glob = WireModel(spec, dict(build(spec, seed=7 + r).state_dict()))
         models = {} if algorithm == "local" else {"global": glob}
         expected = [a.fit(r, 3, models) for a in alone]
-        got = run_stacked(stacked, "fit", r, 3, [models] * len(stacked))
+        got = run_stacked(stacked, "fit", r, 3, [models] * len(stacked), kept=store)
         stats = [s.ctx.trainer.stats for s in stacked]
         counts.append((sum(s.graphs for s in stats), [(s.replayed, s.steps) for s in stats]))
         for e, g in zip(expected, got, strict=True):
@@ -441,12 +439,13 @@ def test_a_kept_stacks_step_reads_the_same_tensors_in_every_round(algorithm, loo
     # on: α per member, one tensor
     epochs = None if algorithm == "pfml" else 1
     spec, stacked = _clients(algorithm, torch.device("cpu"), epochs=epochs)
+    store = KeptStacks()
 
     # Execute
     for r in (1, 2, 3):
         glob = WireModel(spec, dict(build(spec, seed=7 + r).state_dict()))
         models = {} if algorithm == "local" else {"global": glob}
-        run_stacked(stacked, "fit", r, 3, [models] * len(stacked), masked=True, keep=True)
+        run_stacked(stacked, "fit", r, 3, [models] * len(stacked), masked=True, kept=store)
 
     # Assert
     assert len(loops_kept) == 3 and loops_kept[1] is not None

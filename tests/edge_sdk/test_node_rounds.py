@@ -4,9 +4,10 @@ coordinator did not keep leaves no trace in the client's state."""
 import pytest
 import torch
 
+from coordinator.stacking import Stacking
 from edge_sdk.codec import WireModel
 from edge_sdk.graphs import footprint
-from edge_sdk.node import ClientNode, NodeTask, execute_together
+from edge_sdk.node import ClientNode, NodeTask
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec, build
 
@@ -42,7 +43,7 @@ def test_a_round_run_twice_then_not_kept_leaves_the_state_before_it_momentum_inc
     # Prepare: round 1 trained and kept; its state, momentum buffers included, recorded.
     node = _node()
     node.run(_fit(1))
-    before = _tensors(node._current().state_dict())
+    before = _tensors(node.current().state_dict())
     assert any("momentum_buffer" in k for k in before)
 
     # Execute: round 2, round 2 again (a retry starts from the state before it), then round 3
@@ -52,7 +53,7 @@ def test_a_round_run_twice_then_not_kept_leaves_the_state_before_it_momentum_inc
     node.begin(_fit(3, kept_round=1))
 
     # Assert: the state round 3 starts from is round 1's, tensor for tensor.
-    after = _tensors(node._current().state_dict())
+    after = _tensors(node.current().state_dict())
     assert after.keys() == before.keys()
     for k, v in before.items():
         assert torch.equal(after[k], v), k
@@ -61,7 +62,7 @@ def test_a_round_run_twice_then_not_kept_leaves_the_state_before_it_momentum_inc
 def _stacked_round(nodes, task):
     for n in nodes:
         n.begin(task)
-    results = execute_together(nodes, [task] * len(nodes))
+    results = Stacking().execute_together(nodes, [task] * len(nodes))
     assert all(not isinstance(r, Exception) for r in results)
     for n, r in zip(nodes, results, strict=True):
         n.end(task, r)
@@ -70,21 +71,21 @@ def _stacked_round(nodes, task):
 def test_a_stacked_round_run_twice_then_not_kept_leaves_each_state_before_it(monkeypatch):
     # Prepare: three clients that train as one stack (the stacked round does not copy each
     # node's state before it: it gives the members new tensors instead); round 1 kept.
-    import edge_sdk.cohort as cohort
+    import coordinator.stacking.cohort as cohort
 
     stacks = []
     real = cohort.run_stacked
     monkeypatch.setattr(
-        "edge_sdk.node.run_stacked",
+        "coordinator.stacking.groups.run_stacked",
         lambda algos, *a, **k: stacks.append(len(algos)) or real(algos, *a, **k),
     )
     nodes = [_node(i) for i in range(3)]
     _stacked_round(nodes, _fit(1))
-    before = [_tensors(n._current().state_dict()) for n in nodes]
+    before = [_tensors(n.current().state_dict()) for n in nodes]
 
     # Execute: round 2 stacked, again, then round 3 told round 1 is the last one kept.
     _stacked_round(nodes, _fit(2))
-    trained = [_tensors(n._current().state_dict()) for n in nodes]
+    trained = [_tensors(n.current().state_dict()) for n in nodes]
     _stacked_round(nodes, _fit(2))
     for n in nodes:
         n.begin(_fit(3, kept_round=1))
@@ -95,7 +96,7 @@ def test_a_stacked_round_run_twice_then_not_kept_leaves_each_state_before_it(mon
     for b, t in zip(before, trained, strict=True):
         assert any(not torch.equal(t[k], v) for k, v in b.items())
     for n, b in zip(nodes, before, strict=True):
-        after = _tensors(n._current().state_dict())
+        after = _tensors(n.current().state_dict())
         assert after.keys() == b.keys()
         for k, v in b.items():
             assert torch.equal(after[k], v), (n.client_id, k)

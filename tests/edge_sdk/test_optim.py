@@ -101,7 +101,7 @@ def test_param_groups_given_as_generators_keep_their_parameters_and_settings():
 def test_fused_sgd_steps_transposed_parameters_as_torchs_fused_kernel_steps_contiguous_ones(
     momentum,
 ):
-    # Prepare: stacked weights held transposed (edge_sdk.cohort), a contiguous bias and a
+    # Prepare: stacked weights held transposed (coordinator.stacking), a contiguous bias and a
     # parameter with gaps in its memory under ours; their values, contiguous, under torch's
     # fused SGD.
     torch.manual_seed(0)

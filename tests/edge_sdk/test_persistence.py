@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from coordinator.stacking.cohort import run_stacked
 from edge_sdk.algorithms import AlgorithmError, ClientContext, algorithm_class
 from edge_sdk.codec import WireModel
-from edge_sdk.cohort import run_stacked
 from edge_sdk.state import StateError, load_state, save_state
 from edge_sdk.trainer import ClientData, Trainer
 from model_zoo import ArchSpec, build
