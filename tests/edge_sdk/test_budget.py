@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from coordinator.stacking.cohort import CohortUnsupported, run_stacked
+from coordinator.stacking.cohort import run_stacked
 from edge_sdk.algorithms import ClientContext, algorithm_class
+from edge_sdk.algorithms.members import CohortUnsupported
 from edge_sdk.algorithms.pfml import PFMLConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.trainer import ClientData, Trainer

@@ -20,15 +20,10 @@ import coordinator.stacking.trainer as cohort_trainer
 from coordinator.federation import prepare_federation
 from coordinator.simulator import run_federation
 from coordinator.stacking import KeptStacks, Stacking
-from coordinator.stacking.cohort import (
-    CohortContext,
-    CohortTrainer,
-    CohortUnsupported,
-    PerMember,
-    run_stacked,
-    stack_modules,
-)
-from coordinator.stacking.trainer import StackedData
+from coordinator.stacking.cohort import CohortContext, run_stacked
+from coordinator.stacking.modules import stack_modules
+from coordinator.stacking.state import stack_models
+from coordinator.stacking.trainer import CohortTrainer, StackedData
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.algorithms.base import (
     SPEC_ATTR,
@@ -38,6 +33,7 @@ from edge_sdk.algorithms.base import (
     FitResult,
 )
 from edge_sdk.algorithms.deployment import Deployment
+from edge_sdk.algorithms.members import CohortUnsupported, PerMember
 from edge_sdk.algorithms.persfl import PersFL
 from edge_sdk.algorithms.pfml import PFML, PFMLConfig
 from edge_sdk.budget import DeployBudget
@@ -401,7 +397,7 @@ def test_members_given_one_global_model_share_it_in_the_stack(algorithm):
     # Execute
     expected = [a.fit(1, 2, models) for a in alone]
     got = run_stacked(stacked, "fit", 1, 2, [models] * len(stacked))
-    rows = cohort._stack_models([models] * 3, CPU)["global"].weights
+    rows = stack_models([models] * 3, CPU)["global"].weights
 
     # Assert: trained as alone; the stack's rows of the global model are views of its one
     # copy, not a copy per member

@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import edge_sdk.graphs as graphs_mod
 from coordinator.stacking import KeptStacks
-from coordinator.stacking.cohort import CohortTrainer, run_stacked
+from coordinator.stacking.cohort import run_stacked
+from coordinator.stacking.trainer import CohortTrainer
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.algorithms.base import ClientContext
 from edge_sdk.algorithms.pfml import _shaped_as
