@@ -17,17 +17,19 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from coordinator.cli_common import (
-    CSV,
+    DATA,
+    TRAINING_FLAGS,
+    ConfigOpt,
+    Flag,
+    SetOpt,
     app,
     common,
-    csv_list,
     current,
     fail,
     guard,
-    key_values,
     load,
+    settings_options,
     tune_malloc,
-    with_default,
 )
 
 if TYPE_CHECKING:  # the CLI imports the library lazily: `edgefl --help` stays fast
@@ -55,37 +57,11 @@ def _main(
     """edgefl: personalized federated learning on heterogeneous edge devices."""
 
 
-# Options several commands share, each defined once.
-ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", "-c", help="a TOML run config (see examples/)")
-]
-SetOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--set",
-        help="any setting, dotted: fml.alpha=0.3 (repeatable; `edgefl settings` lists them all)",
-        callback=key_values,
-    ),
-]
-_BROKER_HELP = "MQTT broker URL, mqtt[s]://[user@]host[:port] (password: EDGEFL_BROKER__PASSWORD)"
 _ONNX_INT8_HELP = (
     "after the run, also write each personalized model as int8 ONNX: dynamic (any model) or "
     "static (calibrated on the client's own training data; not for LSTMs), checked against "
     "PyTorch. Smaller, but at batch 1 not always faster than fp32 (dynamic int8 convolutions and "
     "the guard's mixtures were slower): `edgefl bench onnx FILES` measures yours"
-)
-
-
-_DEPLOY_HELP = with_default(
-    "what each client may deploy, by what its edge device can run: own (its own architecture), "
-    "any, or families and 'mixture', comma-separated (own,lenet5,mixture)",
-    "deploy.allow",
-    none="own",
-)
-_DEPLOY_MAX_PARAMS_HELP = with_default(
-    "the most parameters a deployed model other than the client's own architecture may hold",
-    "deploy.max_params",
-    none="no bound",
 )
 
 # The commands that run a federation end with this in their help (docs/reference/failures.md).
@@ -95,25 +71,80 @@ EXIT_STATUS = (
     "input; 130 when interrupted."
 )
 
+# The settings each command takes as flags, in the order of its --help: each flag's type, help
+# and default come from the setting's field (cli_common.settings_options); a `Flag` says only
+# what differs from it. Shared groups first.
+DEPLOY: tuple[Flag | str, ...] = (
+    Flag("deploy.allow", name="--deploy"),
+    Flag("deploy.max_params", name="--deploy-max-params"),
+)
+BROKER: tuple[Flag | str, ...] = (
+    Flag("broker.url", name="--broker"),
+    "run_id",
+    "broker.connect_timeout_s",
+)
 
-ConnectTimeoutOpt = Annotated[
-    float | None,
-    typer.Option(
-        help=with_default(
-            "seconds to keep trying to reach the broker, with backoff: a client may start before "
-            "its broker (inf: no limit)",
-            "broker.connect_timeout_s",
-        )
-    ),
-]
-
-
-def _training_help(what: str, key: str) -> str:
-    # The algorithms' defaults would load torch into every --help: `edgefl settings` shows them.
-    return (
-        f"{what}, for the algorithm and every baseline that has it "
-        f"[<algorithm>.{key}; default: the algorithm's own: `edgefl settings fml.{key}`]"
-    )
+SIMULATE: tuple[Flag | str, ...] = (
+    "algorithm",
+    *DATA,
+    "models",
+    "global_model",
+    "clients",
+    "clients_per_round",
+    "rounds",
+    *TRAINING_FLAGS,
+    "seed",
+    "device",
+    "baselines",
+    "parallel",
+    "threads",
+    "fleet",
+    Flag("broker.url", name="--broker"),
+    Flag("out", short="-o", type=Path, none="runs/<algorithm>-<date>-<time>"),
+    "export_onnx",
+    *DEPLOY,
+)
+# The demo's options mean what the settings mean, with defaults of its own (coordinator.demo).
+DEMO: tuple[Flag | str, ...] = (
+    Flag("algorithm", default="fml"),
+    Flag("rounds", default=10),
+    Flag("clients", default=6),
+    Flag("data.dataset", default=None, none="fashion_mnist when installed, else digits"),
+    Flag("out", short="-o", type=Path, default=Path("runs/demo")),
+    Flag("seed", default=0),
+    Flag("device", default="cpu"),
+    Flag("broker.url", name="--broker", default=None, none="start one"),
+)
+COORDINATOR: tuple[Flag | str, ...] = (
+    *BROKER,
+    "algorithm",
+    "clients",
+    "allow",
+    "round.min_clients",
+    "round.register_timeout_s",
+    "round.deadline_s",
+    "clients_per_round",
+    "rounds",
+    "global_model",
+    *TRAINING_FLAGS,
+    "seed",
+    "metrics_port",
+    Flag("out", short="-o", type=Path, none="runs/<run-id>"),
+)
+CLIENT: tuple[Flag | str, ...] = (
+    *BROKER,
+    "client.index",
+    "client.id",
+    "client.model",
+    *DATA,
+    "clients",
+    "seed",
+    "device",
+    Flag("threads", none="one per core"),
+    Flag("client.state_dir", type=Path),
+    "client.late",
+    *DEPLOY,
+)
 
 
 def _int8(value: str | None) -> str | None:
@@ -131,131 +162,14 @@ def _apply_threads(cfg: Any) -> None:
 
 @app.command(epilog=EXIT_STATUS)
 @common()
+@settings_options(*SIMULATE)
 def simulate(
     config: ConfigOpt = None,
-    algorithm: Annotated[
-        str | None,
-        typer.Option(help=with_default("fml, pfml, fedavg, ... (`edgefl zoo`)", "algorithm")),
-    ] = None,
-    dataset: Annotated[
-        str | None,
-        typer.Option(help=with_default("digits, fashion_mnist, synthetic, ...", "data.dataset")),
-    ] = None,
-    data_root: Annotated[
-        str | None,
-        typer.Option(
-            help=with_default(
-                "directory of the dataset files", "data.root", none="the dataset's own"
-            )
-        ),
-    ] = None,
-    max_samples: Annotated[
-        int | None,
-        typer.Option(
-            help=with_default("a seeded subset of the data", "data.max_samples", none="all")
-        ),
-    ] = None,
-    partition: Annotated[
-        str | None,
-        typer.Option(help=with_default("iid, shards, dirichlet, ds1..ds4, ...", "data.partition")),
-    ] = None,
-    models: Annotated[
-        str | None,
-        typer.Option(help=with_default(f"{CSV} families, assigned round-robin", "models")),
-    ] = None,
-    global_model: Annotated[
-        str | None,
-        typer.Option(
-            help=with_default("global/meme family", "global_model", none="the first of --models")
-        ),
-    ] = None,
-    clients: Annotated[
-        int | None, typer.Option(help=with_default("number of clients", "clients"))
-    ] = None,
-    clients_per_round: Annotated[
-        int | None,
-        typer.Option(
-            help=with_default("clients sampled per round", "clients_per_round", none="all")
-        ),
-    ] = None,
-    rounds: Annotated[
-        int | None, typer.Option(help=with_default("communication rounds", "rounds"))
-    ] = None,
-    local_epochs: Annotated[
-        int | None, typer.Option(help=_training_help("local epochs", "local_epochs"))
-    ] = None,
-    batch_size: Annotated[
-        int | None, typer.Option(help=_training_help("batch size", "batch_size"))
-    ] = None,
-    lr: Annotated[float | None, typer.Option(help=_training_help("learning rate", "lr"))] = None,
-    seed: Annotated[
-        int | None, typer.Option(help=with_default("seed for data, init and sampling", "seed"))
-    ] = None,
-    device: Annotated[
-        str | None,
-        typer.Option(help=with_default("auto (CUDA if there is one), cpu, cuda", "device")),
-    ] = None,
-    baselines: Annotated[
-        str | None,
-        typer.Option(help=with_default(f"{CSV} runs on the same split: local,fedavg", "baselines")),
-    ] = None,
-    parallel: Annotated[
-        int | None,
-        typer.Option(
-            help=with_default("simulated clients that train at once", "parallel", none="--threads")
-        ),
-    ] = None,
-    threads: Annotated[
-        int | None,
-        typer.Option(
-            help=with_default(
-                "CPU threads to train with, shared by the clients training at once",
-                "threads",
-                none="the cores this process may use",
-            )
-        ),
-    ] = None,
-    fleet: Annotated[
-        str | None,
-        typer.Option(
-            help=with_default(
-                "local: the clients in this process; network: each an EdgeClient over the "
-                "in-memory transport, as a deployment runs them",
-                "fleet",
-            )
-        ),
-    ] = None,
-    broker: Annotated[
-        str | None,
-        typer.Option(
-            help=with_default(
-                "run the clients over this MQTT broker (mqtt://host:port)",
-                "broker.url",
-                none="in memory",
-            )
-        ),
-    ] = None,
-    out: Annotated[
-        Path | None,
-        typer.Option(
-            "--out", "-o", help="output directory [out; default: runs/<algorithm>-<date>-<time>]"
-        ),
-    ] = None,
-    export_onnx: Annotated[
-        bool,
-        typer.Option(
-            "--export-onnx",
-            help=(
-                "write OUT/onnx/<client>.onnx, and keep each client's state in OUT/state for "
-                "`edgefl export` [export_onnx; default: off]"
-            ),
-        ),
-    ] = False,
+    *,
+    flags: dict[str, Any],  # the settings given as flags, by key (settings_options)
     onnx_int8: Annotated[
         str | None, typer.Option(help=_ONNX_INT8_HELP + " (implies --export-onnx)", callback=_int8)
     ] = None,
-    deploy: Annotated[str | None, typer.Option(help=_DEPLOY_HELP)] = None,
-    deploy_max_params: Annotated[int | None, typer.Option(help=_DEPLOY_MAX_PARAMS_HELP)] = None,
     workers: Annotated[
         int,
         typer.Option(
@@ -280,31 +194,9 @@ def simulate(
     """
     from coordinator.simulator import simulate as run_simulation
 
-    flags: dict[str, Any] = {
-        "algorithm": algorithm,
-        "data.dataset": dataset,
-        "data.root": data_root,
-        "data.max_samples": max_samples,
-        "data.partition": partition,
-        "models": csv_list(models),
-        "global_model": global_model,
-        "clients": clients,
-        "clients_per_round": clients_per_round,
-        "rounds": rounds,
-        "seed": seed,
-        "device": device,
-        "baselines": csv_list(baselines),
-        "parallel": parallel,
-        "threads": threads,
-        "fleet": fleet,
-        "broker.url": broker,
-        "out": str(out) if out else None,
-        "export_onnx": True if (export_onnx or onnx_int8) else None,
-        "deploy.allow": deploy,
-        "deploy.max_params": deploy_max_params,
-    }
-    training = {"local_epochs": local_epochs, "batch_size": batch_size, "lr": lr}
-    cfg = load(config, flags, training, set_ or [])
+    if onnx_int8:
+        flags["export_onnx"] = True
+    cfg = load(config, flags, set_ or [])
     if cfg.out is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         cfg = cfg.model_copy(update={"out": str(Path("runs") / f"{cfg.algorithm}-{stamp}")})
@@ -354,23 +246,10 @@ def _export_after_run(states: Path, cfg: Any, kind: str, *, out: Path | None = N
 
 @app.command(epilog=EXIT_STATUS)
 @common()
+@settings_options(*DEMO)
 def demo(
-    algorithm: Annotated[str, typer.Option(help="any registered algorithm (`edgefl zoo`)")] = "fml",
-    rounds: Annotated[int, typer.Option(min=1, help="communication rounds")] = 10,
-    clients: Annotated[int, typer.Option(min=1, help="clients, one process each")] = 6,
-    dataset: Annotated[
-        str | None,
-        typer.Option(help="dataset name [default: fashion_mnist when installed, else digits]"),
-    ] = None,
-    out: Annotated[Path, typer.Option("--out", "-o", help="output directory")] = Path("runs/demo"),
-    seed: Annotated[int, typer.Option(help="seed for data, initialisation and sampling")] = 0,
-    device: Annotated[
-        str, typer.Option(help="where the devices train: auto (CUDA if there is one), cpu, cuda")
-    ] = "cpu",
-    broker: Annotated[
-        str | None,
-        typer.Option(help="use this MQTT broker instead of starting one [default: start one]"),
-    ] = None,
+    *,
+    flags: dict[str, Any],  # the settings given as flags, by key (settings_options)
     keep_broker: Annotated[
         bool,
         typer.Option("--keep-broker", help="after the report, keep the broker up for your app"),
@@ -388,14 +267,14 @@ def demo(
     from coordinator.demo import DemoError, DemoOptions, run_demo
 
     opts = DemoOptions(
-        algorithm=algorithm,
-        rounds=rounds,
-        clients=clients,
-        dataset=dataset,
-        out=out,
-        seed=seed,
-        device=device,
-        broker=broker,
+        algorithm=flags["algorithm"],
+        rounds=flags["rounds"],
+        clients=flags["clients"],
+        dataset=flags["data.dataset"],
+        out=flags["out"],
+        seed=flags["seed"],
+        device=flags["device"],
+        broker=flags["broker.url"],
         keep_broker=keep_broker,
         child_args=tuple(current().child_args()),
     )
@@ -411,88 +290,11 @@ def demo(
 
 @app.command(epilog=EXIT_STATUS)
 @common()
+@settings_options(*COORDINATOR)
 def coordinator(
-    broker: Annotated[
-        str | None, typer.Option(help=with_default(_BROKER_HELP, "broker.url"))
-    ] = None,
-    run_id: Annotated[
-        str | None,
-        typer.Option(help=with_default("the run's id (topics are named after it)", "run_id")),
-    ] = None,
-    connect_timeout: ConnectTimeoutOpt = None,
     config: ConfigOpt = None,
-    algorithm: Annotated[
-        str | None, typer.Option(help=with_default("fml, pfml, fedavg, ...", "algorithm"))
-    ] = None,
-    clients: Annotated[
-        int | None, typer.Option(help=with_default("clients expected to register", "clients"))
-    ] = None,
-    allow: Annotated[
-        str | None,
-        typer.Option(
-            help=with_default(f"{CSV} client ids admitted", "allow", none="any, up to --clients")
-        ),
-    ] = None,
-    min_clients: Annotated[
-        int | None,
-        typer.Option(
-            help=with_default(
-                "start with this many if the others do not come in time",
-                "round.min_clients",
-                none="all",
-            )
-        ),
-    ] = None,
-    register_timeout: Annotated[
-        float | None,
-        typer.Option(
-            help=with_default(
-                "seconds to wait for the clients to register", "round.register_timeout_s"
-            )
-        ),
-    ] = None,
-    deadline: Annotated[
-        float | None,
-        typer.Option(
-            help=with_default("seconds a round's phase waits for replies", "round.deadline_s")
-        ),
-    ] = None,
-    clients_per_round: Annotated[
-        int | None,
-        typer.Option(
-            help=with_default("clients sampled per round", "clients_per_round", none="all")
-        ),
-    ] = None,
-    rounds: Annotated[
-        int | None, typer.Option(help=with_default("communication rounds", "rounds"))
-    ] = None,
-    global_model: Annotated[
-        str | None,
-        typer.Option(
-            help=with_default("global/meme family", "global_model", none="the first of models")
-        ),
-    ] = None,
-    local_epochs: Annotated[
-        int | None, typer.Option(help=_training_help("local epochs", "local_epochs"))
-    ] = None,
-    batch_size: Annotated[
-        int | None, typer.Option(help=_training_help("batch size", "batch_size"))
-    ] = None,
-    lr: Annotated[float | None, typer.Option(help=_training_help("learning rate", "lr"))] = None,
-    seed: Annotated[
-        int | None,
-        typer.Option(help=with_default("seed for the global model and sampling", "seed")),
-    ] = None,
-    metrics_port: Annotated[
-        int | None,
-        typer.Option(
-            help=with_default("serve Prometheus metrics on this port", "metrics_port", none="off")
-        ),
-    ] = None,
-    out: Annotated[
-        Path | None,
-        typer.Option("--out", "-o", help="output directory [out; default: runs/<run-id>]"),
-    ] = None,
+    *,
+    flags: dict[str, Any],  # the settings given as flags, by key (settings_options)
     fresh: Annotated[
         bool, typer.Option("--fresh", help="ignore (delete) this run's checkpoint; start over")
     ] = False,
@@ -508,25 +310,7 @@ def coordinator(
     from coordinator.deploy import run_coordinator
     from coordinator.server import Interrupted
 
-    flags: dict[str, Any] = {
-        "broker.url": broker,
-        "broker.connect_timeout_s": connect_timeout,
-        "run_id": run_id,
-        "algorithm": algorithm,
-        "clients": clients,
-        "allow": csv_list(allow),
-        "round.min_clients": min_clients,
-        "round.register_timeout_s": register_timeout,
-        "round.deadline_s": deadline,
-        "clients_per_round": clients_per_round,
-        "rounds": rounds,
-        "global_model": global_model,
-        "seed": seed,
-        "metrics_port": metrics_port,
-        "out": str(out) if out else None,
-    }
-    training = {"local_epochs": local_epochs, "batch_size": batch_size, "lr": lr}
-    cfg = load(config, flags, training, set_ or [])
+    cfg = load(config, flags, set_ or [])
     from edge_sdk import topics
     from edge_sdk.auth import Keyring
 
@@ -565,80 +349,12 @@ def coordinator(
 
 @app.command()
 @common()
+@settings_options(*CLIENT)
 def client(
-    broker: Annotated[
-        str | None, typer.Option(help=with_default(_BROKER_HELP, "broker.url"))
-    ] = None,
-    run_id: Annotated[str | None, typer.Option(help=with_default("the run's id", "run_id"))] = None,
-    connect_timeout: ConnectTimeoutOpt = None,
-    index: Annotated[
-        int | None,
-        typer.Option(help="which client of the split this is: its data (required) [client.index]"),
-    ] = None,
-    id_: Annotated[
-        str | None,
-        typer.Option("--id", help="this client's id [client.id; default: the split's, c<INDEX>]"),
-    ] = None,
     config: ConfigOpt = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help=with_default(
-                "this client's architecture family", "client.model", none="models[INDEX]"
-            )
-        ),
-    ] = None,
-    dataset: Annotated[
-        str | None, typer.Option(help=with_default("digits, fashion_mnist, ...", "data.dataset"))
-    ] = None,
-    data_root: Annotated[
-        str | None,
-        typer.Option(
-            help=with_default(
-                "directory of the dataset files", "data.root", none="the dataset's own"
-            )
-        ),
-    ] = None,
-    max_samples: Annotated[
-        int | None,
-        typer.Option(
-            help=with_default("a seeded subset of the data", "data.max_samples", none="all")
-        ),
-    ] = None,
-    partition: Annotated[
-        str | None, typer.Option(help=with_default("iid, shards, dirichlet, ...", "data.partition"))
-    ] = None,
-    clients: Annotated[
-        int | None, typer.Option(help=with_default("clients the data is split among", "clients"))
-    ] = None,
-    seed: Annotated[
-        int | None, typer.Option(help=with_default("the federation's seed", "seed"))
-    ] = None,
-    device: Annotated[
-        str | None,
-        typer.Option(help=with_default("auto (CUDA if there is one), cpu, cuda", "device")),
-    ] = None,
-    threads: Annotated[
-        int | None,
-        typer.Option(
-            help=with_default("CPU threads to train with", "threads", none="one per core")
-        ),
-    ] = None,
-    state_dir: Annotated[
-        Path | None,
-        typer.Option(
-            help=with_default(
-                "its state, its run config and, after the run, its ONNX model", "client.state_dir"
-            )
-        ),
-    ] = None,
-    late: Annotated[
-        bool,
-        typer.Option("--late", help="join a finished run: personalize from its archive (PersFL)"),
-    ] = False,
+    *,
+    flags: dict[str, Any],  # the settings given as flags, by key (settings_options)
     onnx_int8: Annotated[str | None, typer.Option(help=_ONNX_INT8_HELP, callback=_int8)] = None,
-    deploy: Annotated[str | None, typer.Option(help=_DEPLOY_HELP)] = None,
-    deploy_max_params: Annotated[int | None, typer.Option(help=_DEPLOY_MAX_PARAMS_HELP)] = None,
     set_: SetOpt = None,
 ) -> None:
     """Run one client of a federation over MQTT (on its edge device).
@@ -651,27 +367,7 @@ def client(
     from coordinator.deploy import run_client
     from coordinator.export import RUN_CONFIG_SUFFIX
 
-    flags: dict[str, Any] = {
-        "broker.url": broker,
-        "broker.connect_timeout_s": connect_timeout,
-        "run_id": run_id,
-        "client.id": id_,
-        "client.model": model,
-        "client.index": index,
-        "client.state_dir": str(state_dir) if state_dir else None,
-        "client.late": late or None,
-        "data.dataset": dataset,
-        "data.root": data_root,
-        "data.max_samples": max_samples,
-        "data.partition": partition,
-        "clients": clients,
-        "seed": seed,
-        "device": device,
-        "threads": threads,
-        "deploy.allow": deploy,
-        "deploy.max_params": deploy_max_params,
-    }
-    cfg = load(config, flags, {}, set_ or [])
+    cfg = load(config, flags, set_ or [])
     _apply_threads(cfg)
 
     def show(t: Any) -> None:

@@ -12,6 +12,9 @@ import typer
 from coordinator.cli_common import (
     CONTEXT,
     CSV,
+    DATA,
+    ConfigOpt,
+    SetOpt,
     app,
     common,
     csv_list,
@@ -19,7 +22,7 @@ from coordinator.cli_common import (
     guard,
     key_values,
     load,
-    with_default,
+    settings_options,
 )
 
 __all__ = ["bench_app", "print_export"]
@@ -124,49 +127,19 @@ def export(
 
 @app.command()
 @common()
+@settings_options(*DATA, "clients", "seed")
 def split(
-    config: Annotated[Path | None, typer.Option("--config", "-c", help="a TOML run config")] = None,
-    dataset: Annotated[
-        str | None, typer.Option(help=with_default("dataset name", "data.dataset"))
-    ] = None,
-    data_root: Annotated[
-        str | None,
-        typer.Option(
-            help=with_default("directory of the dataset files", "data.root", none="its own")
-        ),
-    ] = None,
-    max_samples: Annotated[
-        int | None,
-        typer.Option(
-            help=with_default("a seeded subset of the data", "data.max_samples", none="all")
-        ),
-    ] = None,
-    partition: Annotated[
-        str | None, typer.Option(help=with_default("partition scheme", "data.partition"))
-    ] = None,
-    clients: Annotated[
-        int | None, typer.Option(help=with_default("number of clients", "clients"))
-    ] = None,
-    seed: Annotated[int | None, typer.Option(help=with_default("partition seed", "seed"))] = None,
+    config: ConfigOpt = None,
+    *,
+    flags: dict[str, Any],  # the settings given as flags, by key (settings_options)
     plot: Annotated[Path | None, typer.Option(help="write the label distribution PNG here")] = None,
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", help="any setting, dotted: key=value", callback=key_values),
-    ] = None,
+    set_: SetOpt = None,
 ) -> None:
     """Show how a dataset would be split, without training."""
     from coordinator.federation import prepare_federation, split_table
     from model_zoo.data import plot_label_distribution
 
-    flags = {
-        "data.dataset": dataset,
-        "data.root": data_root,
-        "data.max_samples": max_samples,
-        "data.partition": partition,
-        "clients": clients,
-        "seed": seed,
-    }
-    cfg = load(config, flags, {}, set_ or [])
+    cfg = load(config, flags, set_ or [])
     fed = guard(lambda: prepare_federation(cfg))
     typer.echo(split_table(fed))
     if plot is not None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from edge_sdk.auth import AuthSettings
@@ -52,6 +53,7 @@ __all__ = [
     "load_config",
     "parse_overrides",
     "run_config_model",
+    "setting_field",
     "setting_keys",
     "unknown_env_settings",
     "write_config",
@@ -74,31 +76,52 @@ class RoundConfig(BaseModel):
     # Defaults for a small fleet: a phase waits up to two minutes for a client that is online
     # but slow (one whose connection drops, `reconnect_grace_s`), and a round counts with half
     # of its replies, so one dead client never stalls or fails a round.
-    deadline_s: float = Field(120.0, gt=0)  # per phase of a round
-    # The finalize phase (fine-tuning, distillation, ONNX export and its verification) may take
-    # longer than a round's phases; None: the same as deadline_s.
-    finalize_deadline_s: float | None = Field(None, gt=0)
-    quorum: float = Field(0.5, gt=0, le=1)  # fraction of a round's tasks that must reply validly
-    # A client whose connection dropped is still given tasks and waited for this long: a flaky
-    # network or a broker restart costs no reply; a dead client costs one such wait.
-    reconnect_grace_s: float = Field(10.0, ge=0)
-    # How long the coordinator waits for its clients to register. Clients started by hand, or
-    # slow to import torch, take minutes: a daemon waits 10 by default.
-    register_timeout_s: float = Field(600.0, gt=0)
-    eval_every: int = Field(1, ge=1)  # evaluate on all clients every N rounds (and the last)
-    # Start once this many clients registered when `register_timeout_s` passes without all of
-    # the expected ones (None: all expected clients are needed).
-    min_clients: int | None = Field(None, ge=1)
-    # A round that misses quorum runs again (new sampling, the clients start from where they
-    # were before it) up to this many times; then it is recorded as failed, state unchanged on
-    # both sides (clients that trained in it go back to the state before it).
-    retries: int = Field(1, ge=0)
-    # The most client-rounds (registered clients × rounds) whose per-client parts the run keeps
-    # in memory, in its checkpoint and in results.json (each client's accuracy and fit details
-    # per round). A larger fleet keeps, per round, counts, means and the accuracies' spread:
-    # its memory does not grow with rounds × clients. The daemon's rounds.jsonl always has
-    # every client's line.
-    client_history: int = Field(100_000, ge=0)
+    deadline_s: float = Field(
+        120.0, gt=0, description="seconds a round's phase waits for the clients' replies"
+    )
+    finalize_deadline_s: float | None = Field(
+        None,
+        gt=0,
+        description="seconds the finalize phase (fine-tuning, distillation, ONNX export and its "
+        "verification) waits, which may take longer than a round's phases; none: deadline_s",
+    )
+    quorum: float = Field(
+        0.5, gt=0, le=1, description="the fraction of a round's tasks that must reply validly"
+    )
+    reconnect_grace_s: float = Field(
+        10.0,
+        ge=0,
+        description="seconds a client whose connection dropped is still given tasks and waited "
+        "for: a flaky network or a broker restart costs no reply, a dead client one such wait",
+    )
+    register_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="seconds the coordinator waits for its clients to register (clients started "
+        "by hand, or slow to import torch, take minutes)",
+    )
+    eval_every: int = Field(
+        1, ge=1, description="evaluate on every client every N rounds (and after the last)"
+    )
+    min_clients: int | None = Field(
+        None,
+        ge=1,
+        description="start with this many registered clients if the others do not come within "
+        "register_timeout_s; none: all",
+    )
+    retries: int = Field(
+        1,
+        ge=0,
+        description="how often a round that misses its quorum runs again (new sampling, from "
+        "where the clients were before it) before it is recorded as failed, state unchanged",
+    )
+    client_history: int = Field(
+        100_000,
+        ge=0,
+        description="the most client-rounds (registered clients x rounds) whose per-client parts "
+        "the run keeps in memory, its checkpoint and results.json; a larger fleet keeps counts, "
+        "means and spreads per round (rounds.jsonl always has every client's line)",
+    )
 
 
 Aggregator = Literal["mean", "median", "trimmed_mean", "krum"]
@@ -109,42 +132,89 @@ class RobustConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # How the (clipped) updates combine: the weighted mean, or a robust aggregator.
-    aggregator: Aggregator = "mean"
-    trim: float = Field(0.2, ge=0, lt=0.5)  # trimmed_mean's β: the share cut at each end
-    krum_f: int = Field(1, ge=0)  # krum's f: the attackers it tolerates (needs 2f + 3 replies)
-    # An update's norm is bounded at `clip` × the cohort's median (0: no bound). These defaults
-    # met the attack benchmark's goals at a measured cost to honest runs (docs/security.md).
-    clip: float = Field(3.0, ge=0)
-    # A contribution farther from the coordinate-wise median of its aggregate's contributions
-    # than `center_clip` × the median distance is pulled in to that distance (0: not at all).
-    center_clip: float = Field(2.0, ge=0)
-    # A sample weight (weighting = "by_samples") is capped at `weight_cap` × the round's median
-    # (0: no cap) and at `max_samples` (None: no maximum).
-    weight_cap: float = Field(1.5, ge=0)
-    max_samples: int | None = Field(None, ge=1)
-    # A fit reply with a weight (or buffer) larger than this in absolute value is rejected.
-    max_abs: float = Field(1e6, gt=0)
-    # A round whose evaluation shows more than `rollback_share` of the clients `rollback_drop`
-    # (accuracy, as a fraction) or more below the last evaluation is rolled back.
-    rollback: bool = True
-    rollback_drop: float = Field(0.1, gt=0, le=1)
-    rollback_share: float = Field(0.5, ge=0, lt=1)
+    aggregator: Aggregator = Field(
+        "mean",
+        description="how the (clipped) updates combine: mean (weighted), median, trimmed_mean "
+        "or krum",
+    )
+    trim: float = Field(
+        0.2, ge=0, lt=0.5, description="trimmed_mean's share cut at each end (its beta)"
+    )
+    krum_f: int = Field(
+        1, ge=0, description="krum's f: the attackers it tolerates (it needs 2f + 3 replies)"
+    )
+    # These defaults met the attack benchmark's goals at a measured cost to honest runs
+    # (docs/security.md).
+    clip: float = Field(
+        3.0, ge=0, description="bound an update's norm at clip x the cohort's median (0: no bound)"
+    )
+    center_clip: float = Field(
+        2.0,
+        ge=0,
+        description="pull a contribution farther than center_clip x the median distance from the "
+        "coordinate-wise median of its aggregate's contributions in to that distance (0: never)",
+    )
+    weight_cap: float = Field(
+        1.5,
+        ge=0,
+        description="cap a sample weight (weighting by_samples) at weight_cap x the round's "
+        "median (0: no cap)",
+    )
+    max_samples: int | None = Field(
+        None, ge=1, description="cap a sample weight at this many samples; none: no maximum"
+    )
+    max_abs: float = Field(
+        1e6,
+        gt=0,
+        description="reject a fit reply with a weight (or buffer) larger than this in absolute "
+        "value",
+    )
+    rollback: bool = Field(
+        True,
+        description="roll back a round whose evaluation shows more than rollback_share of the "
+        "clients rollback_drop or more below the last evaluation",
+    )
+    rollback_drop: float = Field(
+        0.1, gt=0, le=1, description="the accuracy drop (a fraction) that counts for rollback"
+    )
+    rollback_share: float = Field(
+        0.5, ge=0, lt=1, description="the share of clients that must drop for a rollback"
+    )
 
 
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    dataset: str = "digits"
-    root: str | None = None  # directory of the dataset files (never downloaded)
-    max_samples: int | None = Field(None, ge=1)  # seeded subset of the pooled dataset
-    options: dict[str, Any] = {}  # loader keyword arguments, e.g. {"size": 8} for digits
-    partition: str = "dirichlet"
-    partition_params: dict[str, Any] = {}  # e.g. {"alpha": 0.5}
-    split: tuple[float, float, float] = (0.6, 0.2, 0.2)  # per-client train/val/test [PersFL]
-    # The data side's seed (the subset, the split, a held-out set); None: the run's `seed`. Fixed
-    # while `seed` varies, the clients keep their data and only training's randomness changes.
-    seed: int | None = None
+    dataset: str = Field(
+        "digits", description="the dataset: digits, fashion_mnist, synthetic, ... (`edgefl zoo`)"
+    )
+    root: str | None = Field(
+        None,
+        description="directory of the dataset files (never downloaded); none: the dataset's own",
+    )
+    max_samples: int | None = Field(
+        None, ge=1, description="a seeded subset of the pooled data, this many samples; none: all"
+    )
+    options: dict[str, Any] = Field(
+        {}, description='the loader\'s keyword arguments, e.g. {"size": 8} for digits'
+    )
+    partition: str = Field(
+        "dirichlet",
+        description="how the data is split among the clients: iid, shards, dirichlet, "
+        "ds1..ds4, ... (`edgefl zoo`)",
+    )
+    partition_params: dict[str, Any] = Field(
+        {}, description='the partition\'s parameters, e.g. {"alpha": 0.5}'
+    )
+    split: tuple[float, float, float] = Field(
+        (0.6, 0.2, 0.2), description="each client's train/val/test fractions [PersFL]"
+    )
+    seed: int | None = Field(
+        None,
+        description="the data side's seed (the subset, the split, a held-out set): fixed while "
+        "seed varies, the clients keep their data and only training's randomness changes; "
+        "none: the run's seed",
+    )
 
 
 class ClientConfig(BaseModel):
@@ -152,14 +222,26 @@ class ClientConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    id: str | None = None  # client id (default: the simulator's, c<index>)
-    # Which client of the partition's split this process is. No default: two clients started
-    # without it would both be client 0 (`edgefl client` refuses to start without it).
-    index: int | None = Field(None, ge=0)
-    model: str | None = None  # its architecture family (default: models[index % len(models)])
-    state_dir: str = "edgefl-state"  # its state, its run config and its exported ONNX model
-    # Join a finished run: personalize from what it archived (PersFL), without training in it.
-    late: bool = False
+    id: str | None = Field(None, description="this client's id; none: the split's, c<INDEX>")
+    # No default: two clients started without it would both be client 0.
+    index: int | None = Field(
+        None,
+        ge=0,
+        description="which client of the split this process is, which decides its data "
+        "(required by `edgefl client`)",
+    )
+    model: str | None = Field(
+        None, description="this client's architecture family; none: models[INDEX]"
+    )
+    state_dir: str = Field(
+        "edgefl-state",
+        description="its state, its run config and, after the run, its ONNX model",
+    )
+    late: bool = Field(
+        False,
+        description="join a finished run: personalize from its archive (PersFL), without "
+        "training in it",
+    )
 
 
 class DeployConfig(DeployBudget):
@@ -167,8 +249,10 @@ class DeployConfig(DeployBudget):
     and `max_params` for every client, and `clients` for those with budgets of their own, by
     id. Default: every client deploys a model of its own architecture only."""
 
-    # Budgets of their own, by client id (e.g. {"c3": {"allow": ["any"]}}).
-    clients: dict[str, DeployBudget] = Field(default_factory=dict)
+    clients: dict[str, DeployBudget] = Field(
+        default_factory=dict,
+        description='budgets of their own, by client id (e.g. {"c3": {"allow": ["any"]}})',
+    )
 
     def for_client(self, client_id: str) -> DeployBudget:
         """`client_id`'s budget: its own where `clients` names it, else the common one."""
@@ -179,61 +263,116 @@ class DeployConfig(DeployBudget):
 
 
 class RunConfig(BaseModel):
-    """Everything a run needs. `load_config` returns it with a validated section per algorithm."""
+    """Everything a run needs. `load_config` returns it with a validated section per algorithm.
+
+    Every setting's `description` is its help: `edgefl COMMAND --help` shows it for the flag
+    that sets it (coordinator.cli_common), and the settings reference beside its key."""
 
     model_config = ConfigDict(extra="forbid")
 
-    algorithm: str = "fml"
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    rounds: int = Field(5, ge=1)
-    clients: int = Field(10, ge=1)
-    clients_per_round: int | None = Field(None, ge=1)
-    models: list[str] = ["lenet5"]  # one family for all, or a list assigned round-robin
-    global_model: str | None = None  # global/meme architecture; default: the first of `models`
-    model_kwargs: dict[str, dict[str, Any]] = {}  # per family, e.g. {"vgg11": {"width": 0.25}}
+    algorithm: str = Field(
+        "fml", description="the algorithm: fml, pfml, fedavg, ... (`edgefl zoo`)"
+    )
+    seed: int = Field(
+        0, description="one seed for the data, the models' initialisation and sampling"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where training computes: auto (CUDA if there is one), cpu, cuda"
+    )
+    rounds: int = Field(5, ge=1, description="communication rounds")
+    clients: int = Field(
+        10,
+        ge=1,
+        description="number of clients: the data is split among them, the coordinator waits for "
+        "them to register",
+    )
+    clients_per_round: int | None = Field(
+        None, ge=1, description="clients sampled per round; none: all"
+    )
+    models: list[str] = Field(
+        ["lenet5"],
+        description="architecture families: one for every client, or several assigned round-robin",
+    )
+    global_model: str | None = Field(
+        None, description="the global (meme) architecture family; none: the first of models"
+    )
+    model_kwargs: dict[str, dict[str, Any]] = Field(
+        {}, description='keyword arguments per family, e.g. {"vgg11": {"width": 0.25}}'
+    )
     data: DataConfig = DataConfig()
     round: RoundConfig = RoundConfig()
     robust: RobustConfig = RobustConfig()  # what aggregation bounds (docs/security.md)
-    baselines: list[str] = []  # e.g. ["local", "fedavg"]: run with the same data for the metrics
-    out: str | None = None
-    export_onnx: bool = False
+    baselines: list[str] = Field(
+        [],
+        description="algorithms also run on the same split and budget, for the comparison and "
+        "the metrics: local, fedavg, fedavg_ft, ...",
+    )
+    out: str | None = Field(None, description="output directory")
+    export_onnx: bool = Field(
+        False,
+        description="write OUT/onnx/<client>.onnx, and keep each client's state in OUT/state for "
+        "`edgefl export`",
+    )
     broker: BrokerSettings = BrokerSettings()  # with a url: over this MQTT broker, not in memory
     # This participant's signing key and the run's public keys (edgefl keys), or open mode.
     auth: AuthSettings = AuthSettings()
-    # A model many tasks share crosses the broker once, on the broadcast topic; False sends a
-    # copy with each task (for ACLs that cannot let clients read the broadcast topic).
-    broadcast: bool = True
-    fp16_upload: bool = False  # clients send their models in fp16: half the upload bytes
-    allow: list[str] | None = None  # coordinator: the client ids admitted (default: any, up to N)
-    metrics_port: int | None = Field(None, ge=0, le=65535)  # coordinator: Prometheus /metrics
+    broadcast: bool = Field(
+        True,
+        description="send a model many tasks share once, on the broadcast topic; false: a copy "
+        "with each task (for ACLs that cannot let clients read the broadcast topic)",
+    )
+    fp16_upload: bool = Field(
+        False, description="clients send their models in fp16: half the upload bytes"
+    )
+    allow: list[str] | None = Field(
+        None, description="the client ids the coordinator admits; none: any, up to clients"
+    )
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="the coordinator serves Prometheus metrics on this port; none: off",
+    )
     client: ClientConfig = ClientConfig()
     # What each client may deploy (what its device can run): a model of its own architecture
     # unless this allows more (edge_sdk.budget).
     deploy: DeployConfig = DeployConfig()
-    parallel: int | None = Field(None, ge=1)  # simulated clients training at once; None = cores
-    # Where simulated clients run: "local", in this process (no serialisation); "network", each
-    # an EdgeClient over the in-memory transport (a broker URL implies the network, over MQTT).
-    fleet: Literal["local", "network"] = "local"
-    # CPU threads this process trains with (torch's intra-op pool; the simulator shares them
-    # among the clients training at once); None: the cores this process may use.
-    threads: int | None = Field(None, ge=1)
-    # In-process clients of one architecture whose algorithm can stack (local, FedAvg, FedProx,
-    # FedAvg+FT, FML, PFML) train each phase together as one stacked model (edge_sdk.cohort);
-    # False: one by one.
-    cohort: bool = True
-    # Where a simulated client's state waits between its tasks (the local fleet): "memory", its
-    # live models; "host" or "disk", as the bytes of a state file in host memory or in a file
-    # under `idle_dir` (default: a temporary folder). With "host" or "disk", a phase runs
-    # `clients_per_round` clients at a time: memory is bounded by the cohort, not the
-    # population.
-    idle_state: Literal["memory", "host", "disk"] = "memory"
-    idle_dir: str | None = None
-    # simulate: keep a checkpoint in OUT/checkpoint (the coordinator's after every round, each
-    # client's state after each of its tasks, each finished run whole); started again with the
-    # same settings, the simulation continues from it and ends as it would have.
-    checkpoint: bool = False
-    run_id: str = "sim"
+    parallel: int | None = Field(
+        None, ge=1, description="simulated clients that train at once; none: as many as threads"
+    )
+    fleet: Literal["local", "network"] = Field(
+        "local",
+        description="local: the simulated clients in this process; network: each an EdgeClient "
+        "over the in-memory transport, as a deployment runs them (a broker url implies it)",
+    )
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads to train with, shared by the simulated clients training at "
+        "once; none: the cores this process may use",
+    )
+    cohort: bool = Field(
+        True,
+        description="in-process clients of one architecture whose algorithm can stack (local, "
+        "FedAvg, FedProx, FedAvg+FT, FML, PFML) train each phase together as one stacked model; "
+        "false: one by one",
+    )
+    idle_state: Literal["memory", "host", "disk"] = Field(
+        "memory",
+        description="where a simulated client's state waits between its tasks: memory (its live "
+        "models), host or disk (a state file's bytes in memory or under idle_dir); host and disk "
+        "run clients_per_round clients at a time, so memory follows the cohort, not the fleet",
+    )
+    idle_dir: str | None = Field(
+        None, description="the folder of idle_state disk; none: a temporary folder"
+    )
+    checkpoint: bool = Field(
+        False,
+        description="simulate: keep a checkpoint in OUT/checkpoint (after every round and task); "
+        "started again with the same settings, the run continues from it and ends as it would "
+        "have",
+    )
+    run_id: str = Field("sim", description="the run's id (its topics are named after it)")
 
     @model_validator(mode="after")
     def _check_names(self) -> RunConfig:
@@ -335,6 +474,24 @@ def _keys(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
             yield prefix + name
         else:
             yield from _keys(inner, f"{prefix}{name}.")
+
+
+def setting_field(key: str) -> FieldInfo:
+    """The field of the dotted setting `key` (`rounds`, `round.deadline_s`) in `RunConfig`,
+    whose `description` is the setting's help. The algorithms' sections are not there (they
+    need torch): a KeyError names what is."""
+    model: type[BaseModel] | None = RunConfig
+    *path, leaf = key.split(".")
+    for i, part in enumerate(path):
+        field = model.model_fields.get(part) if model is not None else None
+        model = _section_model(field.annotation) if field is not None else None
+        if model is None:
+            raise KeyError(f"{'.'.join(path[: i + 1])} is not a section of RunConfig")
+    assert model is not None
+    field = model.model_fields.get(leaf)
+    if field is None or _section_model(field.annotation) is not None:
+        raise KeyError(f"{key} is not a setting of RunConfig")
+    return field
 
 
 def setting_keys() -> list[str]:

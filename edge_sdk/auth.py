@@ -43,7 +43,7 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from edge_sdk import topics
 
@@ -81,9 +81,17 @@ class AuthSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    key_file: Path | None = None
-    roster: Path | None = None
-    open: bool = False
+    key_file: Path | None = Field(
+        None, description="this participant's private key (edgefl keys; keep it mode 600)"
+    )
+    roster: Path | None = Field(
+        None, description="the run's public keys, roster.json (the same file for everyone)"
+    )
+    open: bool = Field(
+        False,
+        description="run without keys: nothing is signed or checked, and anyone on the broker "
+        "can speak for anyone (only for a broker nobody else reaches)",
+    )
 
 
 def _b64(raw: bytes) -> str:

@@ -56,11 +56,19 @@ class DeployBudget(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # "own", architecture families, "mixture", or "any".
-    allow: tuple[str, ...] = Field((OWN,), min_length=1)
-    # The most parameters the deployed model may hold (a mixture: all its members'); None: no
-    # bound. The device's own architecture is within budget whatever this says.
-    max_params: int | None = Field(None, ge=1)
+    allow: tuple[str, ...] = Field(
+        (OWN,),
+        min_length=1,
+        description="what a client may deploy, by what its edge device can run: own (its own "
+        "architecture), any, architecture families (lenet5) and mixture",
+    )
+    # The device's own architecture is within budget whatever this says.
+    max_params: int | None = Field(
+        None,
+        ge=1,
+        description="the most parameters a deployed model other than the client's own "
+        "architecture may hold (a mixture: all its members'); none: no bound",
+    )
 
     @field_validator("allow", mode="before")
     @classmethod

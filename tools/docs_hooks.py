@@ -1,8 +1,9 @@
 """mkdocs hooks: the generated parts of the reference (mkdocs.yml names this file).
 
-`<!-- edgefl:settings -->` becomes the table of every setting with its default, from
-`RunConfig` (the same as `edgefl settings`); `<!-- edgefl:help -->` becomes every command's
-`--help`, from the command line itself. So the reference cannot drift from the code.
+`<!-- edgefl:settings -->` becomes the table of every setting with its default and its
+description, from `RunConfig` (the same as `edgefl settings`, and as the flags' help);
+`<!-- edgefl:help -->` becomes every command's `--help`, from the command line itself. So the
+reference cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -15,17 +16,25 @@ HELP = "<!-- edgefl:help -->"
 
 
 def _settings_table() -> str:
-    from coordinator.config import ENV_PREFIX, run_config_model, setting_keys
+    from coordinator.config import ENV_PREFIX, run_config_model, setting_field, setting_keys
 
     defaults = run_config_model()()
-    rows = ["| key | default | environment variable |", "|---|---|---|"]
+    rows = [
+        "| key | default | environment variable | meaning |",
+        "|---|---|---|---|",
+    ]
     for key in setting_keys():
         node: Any = defaults
         for part in key.split("."):
             node = getattr(node, part)
         value = json.dumps(node.model_dump() if hasattr(node, "model_dump") else node)
         env = ENV_PREFIX + key.upper().replace(".", "__")
-        rows.append(f"| `{key}` | `{value}` | `{env}` |".replace("|`", "| `"))
+        try:  # the same words as the flag's --help (an algorithm's section has none yet)
+            meaning = setting_field(key).description or ""
+        except KeyError:
+            meaning = ""
+        meaning = meaning.replace("|", "\\|").replace("<", "&lt;")
+        rows.append(f"| `{key}` | `{value}` | `{env}` | {meaning} |".replace("|`", "| `"))
     return "\n".join(rows)
 
 

@@ -21,25 +21,61 @@ class BrokerSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    url: str | None = None  # mqtt[s]://[user@]host[:port]; None: no broker (simulate in memory)
-    username: str | None = None
-    password: SecretStr | None = None
-    password_file: Path | None = None
-    ca_file: Path | None = None  # CA bundle that signed the broker's certificate (default: system)
-    cert_file: Path | None = None  # client certificate, when the broker asks for one
-    key_file: Path | None = None
-    protocol: Literal["auto", "5", "3.1.1"] = "auto"
-    keepalive_s: int = Field(30, ge=5)
-    session_expiry_s: int = Field(3600, ge=0)  # how long the broker keeps our queue while offline
-    connect_timeout_s: float = Field(30.0, gt=0)
-    ack_timeout_s: float = Field(120.0, gt=0)  # waiting for PUBACKs of one message and its blobs
-    max_inflight: int = Field(100, ge=1)
-    max_payload_bytes: int = Field(2 * 1024 * 1024, ge=1024)
-    reconnect_min_s: float = Field(0.5, gt=0)
-    reconnect_max_s: float = Field(30.0, gt=0)
-    # The edgefl commands tune glibc's allocator for chunk streams (edge_sdk.malloc); an app
-    # that embeds MqttTransport decides for itself. False: leave the allocator alone.
-    tune_malloc: bool = True
+    url: str | None = Field(
+        None,
+        description="the MQTT broker, mqtt[s]://[user@]host[:port] (password: "
+        "EDGEFL_BROKER__PASSWORD); none: no broker (simulate: in memory)",
+    )
+    username: str | None = Field(None, description="the broker user (else the url's)")
+    password: SecretStr | None = Field(
+        None,
+        description="the broker password: only from EDGEFL_BROKER__PASSWORD (or password_file), "
+        "never a flag or a config file",
+    )
+    password_file: Path | None = Field(
+        None, description="a file holding the broker password (readable only by you)"
+    )
+    ca_file: Path | None = Field(
+        None,
+        description="the CA bundle that signed the broker's certificate; none: the system's",
+    )
+    cert_file: Path | None = Field(
+        None, description="a client certificate, for a broker that asks for one"
+    )
+    key_file: Path | None = Field(None, description="the client certificate's private key")
+    protocol: Literal["auto", "5", "3.1.1"] = Field(
+        "auto", description="the MQTT version: auto, 5 or 3.1.1"
+    )
+    keepalive_s: int = Field(30, ge=5, description="seconds between keepalive pings")
+    session_expiry_s: int = Field(
+        3600, ge=0, description="seconds the broker keeps this participant's queue while offline"
+    )
+    connect_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="seconds to keep trying to reach the broker, with backoff: a client may "
+        "start before its broker (inf: no limit)",
+    )
+    ack_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="seconds to wait for the broker's acknowledgements of one message and its "
+        "chunks",
+    )
+    max_inflight: int = Field(100, ge=1, description="messages sent and not yet acknowledged")
+    max_payload_bytes: int = Field(
+        2 * 1024 * 1024,
+        ge=1024,
+        description="the largest MQTT payload sent; larger messages go in chunks",
+    )
+    reconnect_min_s: float = Field(0.5, gt=0, description="the first reconnection's backoff")
+    reconnect_max_s: float = Field(30.0, gt=0, description="the longest reconnection backoff")
+    # An app that embeds MqttTransport decides for itself.
+    tune_malloc: bool = Field(
+        True,
+        description="the edgefl commands tune glibc's allocator for chunk streams "
+        "(edge_sdk.malloc); false: leave the allocator alone",
+    )
 
     def resolved_password(self) -> str | None:
         if self.password is not None:
