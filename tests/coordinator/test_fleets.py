@@ -4,6 +4,7 @@ in-memory transport) run the same algorithms to the same results, and each fleet
 import logging
 import threading
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -319,6 +320,70 @@ def test_clients_train_on_the_threads_the_run_was_given(threads, parallel, each,
     # setting restored
     assert seen and set(seen) == {each}
     assert torch.get_num_threads() == 2
+
+
+def test_a_stack_on_the_cpu_is_dealt_into_one_stack_per_worker_each_on_one_thread(monkeypatch):
+    # Prepare: record every stacked job's clients and torch's threads while it trains; eight
+    # unequal clients of one architecture, two workers on two threads (before: one stack of
+    # eight on both threads, which a competing load slowed below client by client)
+    from coordinator.stacking import Stacking
+
+    seen: list[tuple[str, list[str], int]] = []
+    execute = Stacking.execute_together
+
+    def counted(self, nodes, tasks):
+        seen.append((tasks[0].phase, [n.client_id for n in nodes], torch.get_num_threads()))
+        return execute(self, nodes, tasks)
+
+    monkeypatch.setattr(Stacking, "execute_together", counted)
+    flags = dict(clients=8, rounds=1, threads=2, parallel=2, **{"data.partition": "dirichlet"})
+
+    # Execute
+    cfg = tiny_config(**flags)
+    stacked = run_federation(cfg, prepare_federation(cfg), "fedavg")
+    during = list(seen)  # (what follows trains one by one)
+    cfg = tiny_config(**flags, cohort=False)
+    alone = run_federation(cfg, prepare_federation(cfg), "fedavg")
+
+    # Assert: every phase as two stacks of four on one thread each, every client once; and
+    # the clients' results those of client by client
+    phases = {phase for phase, _, _ in during}
+    assert phases == {"fit", "evaluate", "finalize"}
+    assert {len(ids) for _, ids, _ in during} == {4} and {t for *_, t in during} == {1}
+    for phase in phases:  # (evaluations: more than one a round)
+        clients = Counter(c for p, ids, _ in during if p == phase for c in ids)
+        assert clients.keys() == {c.id for c in stacked.clients}
+        assert len(set(clients.values())) == 1, phase
+    assert to_rounding(_accuracies(stacked)) == to_rounding(_accuracies(alone))
+
+
+def _accuracies(result):
+    return {c.id: c.personal_acc for c in result.clients}
+
+
+def test_stacks_are_dealt_apart_by_size_until_the_workers_have_a_job_each():
+    from coordinator.fleet.local import _spread
+
+    sizes = dict(zip("abcdefgh", [80, 10, 70, 20, 60, 30, 50, 40], strict=True)) | {"x": 5}
+    jobs = [(list("abcdefgh"), True), (["x"], False)]
+
+    # Three workers: the stack of eight halved, its clients dealt by size in turn
+    assert _spread(jobs, 3, sizes.__getitem__) == [
+        (["a", "e", "h", "d"], True),
+        (["c", "g", "f", "b"], True),
+        (["x"], False),
+    ]
+    # Four: then the larger half (200 samples against 160) halved again
+    assert [ids for ids, _ in _spread(jobs, 4, sizes.__getitem__)] == [
+        ["a", "h"],
+        ["e", "d"],
+        ["c", "g", "f", "b"],
+        ["x"],
+    ]
+    # Enough jobs already, a GPU's stack (not to be dealt apart), a stack of three: as they are
+    assert _spread(jobs, 2, sizes.__getitem__) == jobs
+    assert _spread([(list("abcdefgh"), False)], 4, sizes.__getitem__) == [(list("abcdefgh"), False)]
+    assert _spread([(list("abc"), True)], 4, sizes.__getitem__) == [(list("abc"), True)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
