@@ -15,7 +15,7 @@ each client's own samples only, and the proximal term covers that prefix.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -36,6 +36,7 @@ __all__ = [
     "rows_of",
     "soft_cross_entropy",
     "stacked_batch",
+    "weighted",
 ]
 
 
@@ -188,13 +189,25 @@ def mutual_losses(
     Per sample, with p the student's softmax, q the teacher's and w its weight,
     w·(−log p_y) + (1 − w)·Σ_c q_c (log q_c − log p_c)
     = (1 − w)·Σ_c q_c log q_c − Σ_c ((1 − w)·q_c + w·[c = y]) log p_c.
-    α and β are numbers, or one per client taking a stacked step (`rows_of`); stacked logits
-    give one value per client.
+    α and β are numbers, or one per client (a stack's: `rows_of` takes the rows of the
+    clients taking the step); stacked logits give one value per client.
     """
     log_a = F.log_softmax(logits_a.float(), dim=-1)
     log_b = F.log_softmax(logits_b.float(), dim=-1)
     hot = _one_hot(target, log_a)
+    alpha, beta = rows_of(alpha), rows_of(beta)
     return _mutual(log_a, log_b.detach(), hot, alpha), _mutual(log_b, log_a.detach(), hot, beta)
+
+
+def weighted(weight: float | torch.Tensor, loss: Callable[[], torch.Tensor]) -> torch.Tensor | int:
+    """`weight` × `loss()`, a loss a client takes in part: a number 0 takes none (`loss` is not
+    computed), 1 takes it whole; one weight per client (a stack's) multiplies each client's
+    value (`rows_of`)."""
+    if isinstance(weight, torch.Tensor):
+        return rows_of(weight) * loss()
+    if weight == 0:
+        return 0
+    return loss() if weight == 1 else weight * loss()
 
 
 def _mutual(

@@ -311,6 +311,23 @@ class Trainer:
         self.stats = LoopStats()
         # Captured steps kept for later loops (`run`'s keep), by footprint, oldest first.
         self._kept: OrderedDict[Any, StepRunner] = OrderedDict()
+        self._held: dict[str, torch.Tensor] = {}  # see `held`
+
+    def held(self, name: str, value: float | torch.Tensor) -> float | torch.Tensor:
+        """`value` as a captured step reads it: a tensor (one value per client of a stack) is
+        written into the tensor held under `name` last time, where it fits, so that a step
+        captured then reads the new values; a number is taken into the step as it is."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        kept = self._held.get(name)
+        if kept is not None and (kept.shape, kept.device, kept.dtype) == (
+            value.shape,
+            value.device,
+            value.dtype,
+        ):
+            return kept.copy_(value)
+        self._held[name] = value
+        return value
 
     @property
     def amp_dtype(self) -> str | None:

@@ -206,6 +206,7 @@ class CohortTrainer(Trainer):
         self._uneven = False  # the current loop's members take different numbers of steps
         self.stats = first.stats  # not used: each member's own stats are counted
         self._kept: OrderedDict[Any, StepRunner] = OrderedDict()  # see Trainer.run's keep
+        self._held: dict[str, torch.Tensor] = {}  # see Trainer.held
 
     @property
     def size(self) -> int:

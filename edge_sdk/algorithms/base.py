@@ -17,8 +17,8 @@ This module also re-exports what an algorithm's file needs from its neighbours: 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -34,9 +34,10 @@ from edge_sdk.algorithms.context import (
 )
 from edge_sdk.algorithms.deployment import Deployment
 from edge_sdk.algorithms.guard import PERSONAL, Candidate
-from edge_sdk.algorithms.members import PerMember
+from edge_sdk.algorithms.members import CohortUnsupported, PerMember, take_rows
 from edge_sdk.algorithms.persistence import BASE_STATE, copied, decode, encode
 from edge_sdk.algorithms.registry import algorithm_class, algorithm_names, register_algorithm
+from edge_sdk.budget import footprint
 from edge_sdk.codec import WireModel
 from edge_sdk.trainer import EvalResult, OptimConfig
 from model_zoo import ArchSpec
@@ -256,6 +257,49 @@ class ClientAlgorithm(ABC):
         """One value per member as this algorithm holds it: a PerMember on a stack of
         clients, the value itself for one client."""
         return PerMember(values) if self._stacked else values[0]
+
+    # -- per-client values and decisions, written once for one client -------------------------
+    # The simulator may run a round once for many clients (coordinator.stacking), where these
+    # hold one value per client and decide client by client; an algorithm that uses them (and
+    # takes no branch of its own on such a value) is written as for one client.
+    def _per_client(self, fn: Callable[..., Any], *values: Any) -> Any:
+        """`fn` of this client's `values` (each client's, for many)."""
+        return self._like([fn(*v) for v in zip(*map(self._each, values), strict=True)])
+
+    @staticmethod
+    def _reported(value: float | torch.Tensor) -> float:
+        """A per-client number as a reply's metric (a tensor of one per client as their list,
+        which the simulator splits)."""
+        return cast(float, value.tolist() if isinstance(value, torch.Tensor) else value)
+
+    def _lacks_validation(self) -> bool:
+        """Whether this client has no validation samples (any of many)."""
+        return 0 in self._each(self.ctx.data.n_val)
+
+    def _admits(self, spec: ArchSpec, model: nn.Module) -> bool:
+        """Whether this device's budget admits `model` (of `spec`) (of many clients' copies,
+        each one's parameters)."""
+        params = footprint(model).params // len(self._each(self.ctx.data.n_train))
+        return self.ctx.budget.refusal(spec, self.ctx.spec, params) is None
+
+    def _may_choose(self, new: ArchSpec, old: ArchSpec) -> None:
+        """Before training: a later `_choose` between models of `new` and `old` can be made
+        (many clients trained at once hold one architecture: CohortUnsupported where they differ,
+        and the clients then train one by one)."""
+        if self._stacked and new != old:
+            raise CohortUnsupported(
+                f"{self.name}: clients that may choose {new.family} over {old.family} cannot "
+                "train as one model"
+            )
+
+    def _choose(self, which: Any, new: Candidate, old: Candidate) -> Candidate:
+        """`new` where `which` holds for this client, else `old` (many clients of one
+        architecture: `old`'s module with `new`'s weights for the clients `which` marks)."""
+        if not self._stacked:
+            return new if which else old
+        self._may_choose(new[0], old[0])
+        take_rows(old[1], new[1], self._each(which))
+        return old
 
     def _teaches(
         self, teacher: nn.Module, student: nn.Module, gate: str = "validation"

@@ -18,16 +18,16 @@ of models with similar outputs. The client then:
 
 Privacy: FedMe ships personalized models through the coordinator to other clients by design.
 
-In a simulation, the clients whose personal and exchanged models are of one architecture train
-as one stack (coordinator.stacking): the gate and the model tuning are decided per member, and a
-member that adopts its exchanged model takes its rows.
+The gate and the adoption are per-client values (`ClientAlgorithm._per_client`, `_choose`), so
+the simulator may train the clients whose personal and exchanged models are of one architecture
+at once (coordinator.stacking).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, cast
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -42,9 +42,8 @@ from edge_sdk.algorithms.base import (
     register_algorithm,
 )
 from edge_sdk.algorithms.guard import Candidate, GuardConfig
-from edge_sdk.algorithms.members import CohortUnsupported, take_rows
 from edge_sdk.codec import WireModel
-from edge_sdk.losses import cross_entropy, kl_distill, rows_of
+from edge_sdk.losses import cross_entropy, kl_distill, weighted
 from model_zoo import ArchSpec
 
 __all__ = ["FedMe", "FedMeConfig"]
@@ -134,8 +133,7 @@ class FedMe(ClientAlgorithm):
 
     def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         cfg, trainer, d = self.config, self.ctx.trainer, self.ctx.data
-        stacked = self._stacked  # a stack of clients (coordinator.stacking)
-        if 0 in self._each(d.n_val):  # one count per member on a stack
+        if self._lacks_validation():
             raise AlgorithmError(
                 "fedme tunes its model on the validation split and this client has none; give "
                 "it validation data (e.g. data.split = [0.6, 0.2, 0.2])"
@@ -144,28 +142,22 @@ class FedMe(ClientAlgorithm):
         assert self.personal_spec is not None
         personal_spec, ex_wire = self.personal_spec, self._require(models, "exchanged")
         self._check(ex_wire, "exchanged")
-        if stacked and ex_wire.spec != personal_spec:
-            raise CohortUnsupported("fedme: a member adopting another architecture leaves it")
+        self._may_choose(ex_wire.spec, personal_spec)  # (adopting it, below)
         exchanged = self._materialize(ex_wire)
         lr = cfg.lr_at(round_, rounds)
         opts = [trainer.optimizer(m.parameters(), cfg, lr=lr) for m in (personal, exchanged)]
         clip = [(list(m.parameters()), cfg.clip_norm) for m in (personal, exchanged)]
         personal.train()
         exchanged.train()
-        # One gate per member on a stack: its rows weigh the members' KL terms.
+        # The gate: distil from the exchanged model while it knows more (the soft gate: in
+        # proportion to what it knows).
         learn = 1.0 if cfg.kl_gate == "off" else self._teaches(exchanged, personal, cfg.kl_gate)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor]:
             with trainer.autocast():
                 z_p, z_ex = personal(x), exchanged(x)
             # Each loss reaches only its own model (the other side is detached).
-            loss_p = cross_entropy(z_p, y)
-            if stacked:
-                loss_p = loss_p + rows_of(learn) * kl_distill(z_p, z_ex)
-            elif learn == 1:  # the gate: distil from the exchanged model while it knows more
-                loss_p = loss_p + kl_distill(z_p, z_ex)
-            elif learn:  # the soft gate: in proportion to what it knows
-                loss_p = loss_p + learn * kl_distill(z_p, z_ex)
+            loss_p = cross_entropy(z_p, y) + weighted(learn, lambda: kl_distill(z_p, z_ex))
             loss_ex = cross_entropy(z_ex, y) + kl_distill(z_ex, z_p)
             return (trainer.step(loss_p + loss_ex, opts, clip=clip),)
 
@@ -178,27 +170,20 @@ class FedMe(ClientAlgorithm):
             "personal": WireModel.of(personal_spec, personal),
             "exchanged": WireModel.of(ex_wire.spec, exchanged),
         }
-        # One decision per member on a stack: an adopting member takes the exchanged rows. A
-        # device adopts only a model its deployment budget admits (edge_sdk.budget; a stack's
-        # exchanged models are of the architecture its members hold already).
-        allowed = stacked or self.ctx.budget.admits(ex_wire.spec, self.ctx.spec, exchanged)
-        pairs = zip(self._each(val_ex), self._each(val_p), strict=True)
-        adopted: Any = [float(e < p and allowed) for e, p in pairs]
-        if stacked:
-            take_rows(personal, exchanged, adopted)
-        else:
-            (adopted,) = adopted
-            if adopted:
-                self.personal, self.personal_spec = exchanged, ex_wire.spec
+        # A device adopts only a model its deployment budget admits (edge_sdk.budget).
+        allowed = self._admits(ex_wire.spec, exchanged)
+        adopted = self._per_client(lambda e, p: float(e < p and allowed), val_ex, val_p)
+        self.personal_spec, self.personal = self._choose(
+            adopted, (ex_wire.spec, exchanged), (personal_spec, personal)
+        )
         return FitResult(
             models=replies,
-            # one value per member on a stack of clients (the cohort splits lists per member)
             metrics={
                 "train_loss": train_loss,
                 "val_loss_personal": val_p,
                 "val_loss_exchanged": val_ex,
                 "adopted": adopted,
-                "distilled": cast(float, learn if isinstance(learn, float) else learn.tolist()),
+                "distilled": self._reported(learn),
             },
             n_samples=d.n_train,
             details={"arch": self.personal_spec.family},

@@ -18,7 +18,7 @@ global (a shared backbone); each client's meme keeps its own head sized to its o
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, cast
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -33,7 +33,7 @@ from edge_sdk.algorithms.base import (
 )
 from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel, state_of
-from edge_sdk.losses import mutual_losses, rows_of
+from edge_sdk.losses import mutual_losses
 from model_zoo import ArchSpec
 
 __all__ = ["FML", "FMLConfig", "shared_keys"]
@@ -83,9 +83,8 @@ class FML(ClientAlgorithm):
     stackable = True
     config_cls = FMLConfig
     config: FMLConfig
-    restarted = ("opt_meme", "alpha_rows")
+    restarted = ("opt_meme",)
     opt_meme: torch.optim.Optimizer | None = None  # per round, not persistent
-    alpha_rows: torch.Tensor | None = None  # a stack's per-member α, rewritten in place
 
     def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
         super().__init__(ctx, config)
@@ -130,7 +129,7 @@ class FML(ClientAlgorithm):
         def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             with trainer.autocast():
                 z_p, z_m = personal(x), meme(x)
-            loss_p, loss_m = mutual_losses(z_p, z_m, y, rows_of(a), b)
+            loss_p, loss_m = mutual_losses(z_p, z_m, y, a, b)
             trainer.step(loss_p + loss_m, opts)
             return loss_p.detach(), loss_m.detach()
 
@@ -142,27 +141,19 @@ class FML(ClientAlgorithm):
             metrics={
                 "loss_personal": loss_p,
                 "loss_meme": loss_m,
-                # one per member on a stack of clients (the cohort splits lists per member)
-                "alpha": cast(float, a.tolist() if isinstance(a, torch.Tensor) else a),
+                "alpha": self._reported(a),
             },
             n_samples=data.n_train,
         )
 
     def _alpha(self, meme: nn.Module) -> float | torch.Tensor:
         """This round's α: the config's, moved towards 1 (the labels alone) by the gate's weight
-        of the meme (one per member on a stack of clients)."""
+        of the meme, as the step reads it (`Trainer.held`)."""
         alpha = self.config.alpha
         if self.config.alpha_gate == "off":
             return alpha
         weight = self._teaches(meme, self.personal, self.config.alpha_gate)
-        if not isinstance(weight, torch.Tensor):
-            return 1 - (1 - alpha) * weight
-        rows = 1 - (1 - alpha) * weight
-        kept = self.alpha_rows  # the same tensor from round to round: a captured step reads it
-        if kept is not None and kept.shape == rows.shape and kept.device == rows.device:
-            return kept.copy_(rows)
-        self.alpha_rows = rows
-        return rows
+        return self.ctx.trainer.held("alpha", 1 - (1 - alpha) * weight)
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
         out = self._scores("personal", self.personal)

@@ -15,6 +15,7 @@ from edge_sdk.losses import (
     rows_of,
     soft_cross_entropy,
     stacked_batch,
+    weighted,
 )
 
 
@@ -160,6 +161,27 @@ def test_rows_of_cuts_a_stacks_values_to_the_clients_taking_the_step():
     with stacked_batch(StackedBatch(rows=2)):
         assert torch.equal(rows_of(per_client), per_client[:2])
         assert rows_of(0.5) == 0.5  # a number is everyone's
+
+
+def test_weighted_takes_a_loss_in_part_and_computes_none_it_does_not_take():
+    # Prepare: a loss that counts its calls; a stack's weights, one per client
+    calls = []
+    value = torch.tensor([2.0, 4.0, 8.0])
+
+    def loss():
+        calls.append(1)
+        return value
+
+    # Execute, Assert: 0 takes none and computes nothing; 1 the loss itself; a number a share
+    assert weighted(0.0, loss) == 0 and not calls
+    assert weighted(1.0, loss) is value and len(calls) == 1
+    assert torch.equal(weighted(0.25, loss), torch.tensor([0.5, 1.0, 2.0]))
+    # one weight per client: each client's value, of the clients taking the step
+    per_client = torch.tensor([0.0, 0.5, 1.0])
+    assert torch.equal(weighted(per_client, loss), torch.tensor([0.0, 2.0, 8.0]))
+    with stacked_batch(StackedBatch(rows=2)):
+        value = torch.tensor([2.0, 4.0])
+        assert torch.equal(weighted(per_client, loss), torch.tensor([0.0, 2.0]))
 
 
 def _hand_ce_plus_kl(student, teacher, y):

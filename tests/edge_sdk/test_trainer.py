@@ -216,3 +216,20 @@ def test_kept_steps_are_found_by_footprint_and_bounded_per_trainer_and_per_proce
     # a trainer that does not capture keeps nothing
     trainers[0].graphs = False
     assert trainers[0]._runner(lambda: (), [model, 2.0])[1] is None
+
+
+def test_held_values_are_written_into_the_tensor_a_captured_step_reads():
+    trainer = Trainer(torch.device("cpu"))
+    # A number is taken as it is
+    assert trainer.held("alpha", 0.5) == 0.5
+    # A tensor: held the first time, then rewritten in place where it fits
+    first = torch.tensor([0.1, 0.2])
+    assert trainer.held("alpha", first) is first
+    again = trainer.held("alpha", torch.tensor([0.3, 0.4]))
+    assert again is first and torch.equal(first, torch.tensor([0.3, 0.4]))
+    # Another shape or dtype, or another name: a tensor of its own
+    other = torch.tensor([0.5, 0.6, 0.7])
+    assert trainer.held("alpha", other) is other
+    assert trainer.held("beta", torch.tensor([0.3, 0.4])) is not other
+    half = torch.tensor([0.5, 0.6, 0.7], dtype=torch.float64)
+    assert trainer.held("alpha", half) is half and other.dtype == torch.float32
