@@ -266,6 +266,15 @@ class ClientAlgorithm(ABC):
         """`fn` of this client's `values` (each client's, for many)."""
         return self._like([fn(*v) for v in zip(*map(self._each, values), strict=True)])
 
+    def _one_for_all(self, value: Any, why: str) -> Any:
+        """A per-client value the round takes as one (a loop's length): this client's (many
+        clients', where it is the same for all; else CohortUnsupported(`why`), and the clients
+        train one by one)."""
+        values = self._each(value)
+        if any(v != values[0] for v in values):
+            raise CohortUnsupported(f"{why} ({sorted(set(values))})")
+        return values[0]
+
     @staticmethod
     def _reported(value: float | torch.Tensor) -> float:
         """A per-client number as a reply's metric (a tensor of one per client as their list,

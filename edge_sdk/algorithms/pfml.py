@@ -34,7 +34,6 @@ from edge_sdk.algorithms.base import (
     register_algorithm,
 )
 from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
-from edge_sdk.algorithms.members import CohortUnsupported
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import DistillTarget, ce_plus_kl, distill_target
 from edge_sdk.trainer import OptimConfig
@@ -282,12 +281,10 @@ class PFML(ClientAlgorithm):
         cfg = self.config
         if cfg.local_epochs is None:
             return cfg.local_iterations
-        n = self.ctx.data.n_train
-        counts = n if isinstance(n, list) else [n]  # a cohort's members, one count each
-        its = {math.ceil(cfg.local_epochs * k / cfg.batch_size) for k in counts}
-        if len(its) > 1:
-            raise CohortUnsupported(f"pfml: the members' epochs differ in iterations ({its})")
-        return its.pop()
+        its = self._per_client(
+            lambda n: math.ceil(cfg.local_epochs * n / cfg.batch_size), self.ctx.data.n_train
+        )
+        return int(self._one_for_all(its, "pfml: the clients' epochs differ in iterations"))
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:
         if self.aux is not None:

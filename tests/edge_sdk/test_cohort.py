@@ -236,6 +236,32 @@ def test_a_fedme_member_without_validation_data_gets_its_own_error():
     assert results[0].models and results[2].models
 
 
+@pytest.mark.parametrize(("sizes", "stacks"), [((16, 15, 9), True), ((16, 15, 8), False)])
+def test_pfml_clients_whose_epochs_differ_in_iterations_train_one_by_one(
+    sizes, stacks, stacked_fits
+):
+    # Prepare: PFML in whole epochs of batches of 8: 16, 15 and 9 samples take 2 iterations
+    # each; 16, 15 and 8 take 2, 2 and 1
+    spec, alone = _clients("pfml", sizes=sizes, local_epochs=1)
+    _, stacked = _clients("pfml", sizes=sizes, local_epochs=1)
+    models = _models("pfml", spec, 3)
+
+    # Execute
+    expected = [a.fit(1, 2, m) for a, m in zip(alone, models, strict=True)]
+    got = _together(stacked, models)
+
+    # Assert: one stack where every client takes as many iterations, else one by one with the
+    # reason; the same replies either way
+    if stacks:
+        assert stacked_fits == [3]
+    else:
+        (refused,) = stacked_fits
+        assert str(refused) == "pfml: the clients' epochs differ in iterations ([1, 2])"
+    for e, g in zip(expected, got, strict=True):
+        _assert_close(g.metrics, e.metrics)
+        _assert_close(g.models["local"].weights, e.models["local"].weights)
+
+
 def test_fedme_members_exchanging_other_architectures_stack_apart(stacked_fits):
     # Prepare: four mlp clients; two are sent exchanged mlps, two exchanged mlrs
     spec, alone = _clients("fedme", sizes=(20, 18, 16, 14))
