@@ -34,13 +34,16 @@ from edge_sdk.algorithms.context import (
 )
 from edge_sdk.algorithms.deployment import Deployment
 from edge_sdk.algorithms.guard import PERSONAL, Candidate
-from edge_sdk.algorithms.members import CohortUnsupported, PerMember, take_rows
+from edge_sdk.algorithms.members import CohortUnsupported, PerMember, rows_taken, take_rows
 from edge_sdk.algorithms.persistence import BASE_STATE, copied, decode, encode
 from edge_sdk.algorithms.registry import algorithm_class, algorithm_names, register_algorithm
 from edge_sdk.budget import footprint
 from edge_sdk.codec import WireModel
 from edge_sdk.trainer import EvalResult, OptimConfig
 from model_zoo import ArchSpec
+
+# A model an algorithm holds (its architecture and module), None before it has one.
+Held = tuple[ArchSpec | None, nn.Module | None]
 
 __all__ = [
     "SPEC_ATTR",
@@ -291,24 +294,44 @@ class ClientAlgorithm(ABC):
         params = footprint(model).params // len(self._each(self.ctx.data.n_train))
         return self.ctx.budget.refusal(spec, self.ctx.spec, params) is None
 
-    def _may_choose(self, new: ArchSpec, old: ArchSpec) -> None:
+    def _may_choose(self, new: ArchSpec, old: ArchSpec | None) -> None:
         """Before training: a later `_choose` between models of `new` and `old` can be made
         (many clients trained at once hold one architecture: CohortUnsupported where they differ,
         and the clients then train one by one)."""
         if self._stacked and new != old:
+            held = "none" if old is None else old.family
             raise CohortUnsupported(
-                f"{self.name}: clients that may choose {new.family} over {old.family} cannot "
-                "train as one model"
+                f"{self.name}: clients that may choose {new.family} over {held} cannot train "
+                "as one model"
             )
 
-    def _choose(self, which: Any, new: Candidate, old: Candidate) -> Candidate:
-        """`new` where `which` holds for this client, else `old` (many clients of one
-        architecture: `old`'s module with `new`'s weights for the clients `which` marks)."""
-        if not self._stacked:
-            return new if which else old
+    def _choose(self, which: Any, new: Candidate, old: Held) -> Held:
+        """`new` where `which` holds for this client, else `old` (many clients: `new` or `old`
+        where it holds for all or none; else, of one architecture, `old`'s module with `new`'s
+        weights for the clients `which` marks)."""
+        flags = self._each(which)
+        if all(flags) or not any(flags):
+            return new if flags[0] else old
         self._may_choose(new[0], old[0])
-        take_rows(old[1], new[1], self._each(which))
+        assert old[1] is not None  # (of new's architecture)
+        take_rows(old[1], new[1], flags)
         return old
+
+    def _chosen_state(
+        self, which: Any, new: Mapping[str, torch.Tensor], old: Mapping[str, torch.Tensor]
+    ) -> Mapping[str, torch.Tensor]:
+        """A module's state: `new` where `which` holds for this client, else `old` (many
+        clients: a copy of `old` with `new`'s rows for the clients `which` marks)."""
+        flags = self._each(which)
+        if all(flags) or not any(flags):
+            return new if flags[0] else old
+        return rows_taken(old, new, flags)
+
+    def _alone(self, why: str) -> None:
+        """What follows is for one client only (a decision no value can carry): many clients
+        training at once stop here (CohortUnsupported(`why`)) and train one by one."""
+        if self._stacked:
+            raise CohortUnsupported(why)
 
     def _teaches(
         self, teacher: nn.Module, student: nn.Module, gate: str = "validation"

@@ -173,9 +173,11 @@ class FedMe(ClientAlgorithm):
         # A device adopts only a model its deployment budget admits (edge_sdk.budget).
         allowed = self._admits(ex_wire.spec, exchanged)
         adopted = self._per_client(lambda e, p: float(e < p and allowed), val_ex, val_p)
-        self.personal_spec, self.personal = self._choose(
+        spec, self.personal = self._choose(
             adopted, (ex_wire.spec, exchanged), (personal_spec, personal)
         )
+        self.personal_spec = spec
+        assert spec is not None
         return FitResult(
             models=replies,
             metrics={
@@ -186,7 +188,7 @@ class FedMe(ClientAlgorithm):
                 "distilled": self._reported(learn),
             },
             n_samples=d.n_train,
-            details={"arch": self.personal_spec.family},
+            details={"arch": spec.family},
         )
 
     def evaluate(self, models: Mapping[str, WireModel]) -> dict[str, float]:

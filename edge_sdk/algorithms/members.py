@@ -11,13 +11,13 @@ loads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CohortUnsupported", "PerMember", "take_rows"]
+__all__ = ["CohortUnsupported", "PerMember", "rows_taken", "take_rows"]
 
 
 class CohortUnsupported(ValueError):
@@ -44,3 +44,15 @@ def take_rows(into: nn.Module, source: nn.Module, which: Sequence[bool | float])
     with torch.no_grad():
         for p, q in zip(into.parameters(), source.parameters(), strict=True):
             p[rows] = q[rows]
+
+
+def rows_taken(
+    into: Mapping[str, torch.Tensor], source: Mapping[str, torch.Tensor], which: Sequence[bool]
+) -> dict[str, torch.Tensor]:
+    """States of stacked modules: a copy of `into`'s, with `source`'s rows for the members
+    `which` marks."""
+    rows = [i for i, w in enumerate(which) if w]
+    out = {k: v.clone() for k, v in into.items()}
+    for k, v in out.items():
+        v[rows] = source[k][rows]
+    return out

@@ -22,11 +22,10 @@ New participants (thesis, section 7.1): a client that joins after training recei
 models the coordinator archived, named `archive_name(round)`, in its finalize task, and runs
 stage 2 against them (`personalize`).
 
-In a simulation, clients of one architecture run both stages as one stack (coordinator.stacking):
-each member keeps its own teacher (the rows of the global model it chose, with their round and
-loss), distils from that teacher's logits over its own training split, and keeps its own best
-grid point. A member whose distillation diverges at a grid point sends the whole stack back to
-client-by-client training, where that point is skipped for it alone.
+The client's choices (its teacher, with its round and loss; its best grid point) are per-client
+values (`ClientAlgorithm._per_client`, `_choose`), so the simulator may run both stages for many
+clients of one architecture at once (coordinator.stacking). A distillation that diverges at a
+grid point is skipped for that client alone (`_alone`).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import Field, field_validator
@@ -52,7 +51,6 @@ from edge_sdk.algorithms.base import (
 )
 from edge_sdk.algorithms.fedavg import FedAvgConfig
 from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
-from edge_sdk.algorithms.members import CohortUnsupported, take_rows
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.losses import distillation_loss
 from model_zoo import ArchSpec
@@ -190,9 +188,9 @@ class PersFL(ClientAlgorithm):
 
     # -- stage 1 ---------------------------------------------------------------------------
     def _val_loss(self, model: nn.Module) -> Any:
-        """`model`'s validation cross-entropy (one per member on a stack)."""
+        """`model`'s validation cross-entropy."""
         d = self.ctx.data
-        if 0 in self._each(d.n_val):
+        if self._lacks_validation():
             raise AlgorithmError(
                 "persfl picks its teacher (and λ, T) on the validation split and this client has "
                 "none; give it validation data (e.g. data.split = [0.6, 0.2, 0.2])"
@@ -201,7 +199,7 @@ class PersFL(ClientAlgorithm):
 
     def consider_teacher(self, round_: int, candidate: WireModel) -> Any:
         """Keep `candidate` as the teacher when its validation CE is the lowest so far; whether
-        it was kept (one answer per member on a stack, whose members keep its rows)."""
+        it was kept."""
         d = self.ctx.data
         if candidate.spec.num_classes != d.num_classes:
             raise AlgorithmError(
@@ -209,27 +207,22 @@ class PersFL(ClientAlgorithm):
                 f"client has {d.num_classes}"
             )
         model = self._materialize(candidate)
-        losses, better = self._below_teacher(model)
-        if not any(better):
-            return self._like(better)
-        if all(better):
-            self.teacher, self.teacher_spec = model, candidate.spec
-        elif self.teacher is None or candidate.spec != self.teacher_spec:  # on a stack only
-            raise CohortUnsupported("persfl: the members' teachers would differ in architecture")
-        else:
-            take_rows(self.teacher, model, better)
-        rounds, kept = self._each(self.teacher_round), self._each(self.teacher_loss)
-        for i, b in enumerate(better):
-            if b:
-                rounds[i], kept[i] = round_, losses[i]
-        self.teacher_round, self.teacher_loss = self._like(rounds), self._like(kept)
-        return self._like(better)
+        loss, better = self._below_teacher(model)
+        self.teacher_spec, self.teacher = self._choose(
+            better, (candidate.spec, model), (self.teacher_spec, self.teacher)
+        )
+        self.teacher_round = self._per_client(
+            lambda b, kept: round_ if b else kept, better, self.teacher_round
+        )
+        self.teacher_loss = self._per_client(
+            lambda b, new, kept: new if b else kept, better, loss, self.teacher_loss
+        )
+        return better
 
-    def _below_teacher(self, model: nn.Module) -> tuple[list[float], list[bool]]:
-        """`model`'s validation CE for each member, and whether it is below its teacher's."""
-        losses = self._each(self._val_loss(model))
-        kept = self._each(self.teacher_loss)
-        return losses, [losses[i] < kept[i] for i in range(len(losses))]
+    def _below_teacher(self, model: nn.Module) -> tuple[Any, Any]:
+        """`model`'s validation CE, and whether it is below the teacher's."""
+        loss = self._val_loss(model)
+        return loss, self._per_client(lambda new, kept: new < kept, loss, self.teacher_loss)
 
     def train_round(self, round_: int, rounds: int, models: Mapping[str, WireModel]) -> FitResult:
         glob = self._require(models, "global")
@@ -279,18 +272,16 @@ class PersFL(ClientAlgorithm):
                 "persfl: no teacher to distil from; the finalize task carried no global model"
             )
         self.student, self.choice = self._distill_grid(self.teacher, self.teacher_spec)
-        choices = self._each(self.choice)
         return FitResult(
             metrics=self._scores("personal", self.student),
             n_samples=self.ctx.data.n_train,
-            # one value per member on a stack of clients (the cohort splits lists per member)
             details={
                 "teacher_round": self.teacher_round,
                 "teacher_val_loss": self.teacher_loss,
-                "distill_lambda": self._like([c.lam for c in choices]),
-                "distill_T": self._like([c.temperature for c in choices]),
+                "distill_lambda": self._per_client(lambda c: c.lam, self.choice),
+                "distill_T": self._per_client(lambda c: c.temperature, self.choice),
                 "student_init": self.student_init,
-                "diverged_points": self._like([len(x) for x in self._each(self.diverged)]),
+                "diverged_points": self._per_client(len, self.diverged),
             },
         )
 
@@ -305,8 +296,8 @@ class PersFL(ClientAlgorithm):
         return points
 
     def _distill_grid(self, teacher: nn.Module, teacher_spec: ArchSpec) -> tuple[nn.Module, Any]:
-        """The student of the best grid point and that point (one per member on a stack,
-        each member's best on its own validation split, its rows of the student)."""
+        """The student of the best grid point on this client's validation split, and that
+        point."""
         trainer, d = self.ctx.trainer, self.ctx.data
         z_teacher = trainer.logits(teacher, d.x_train)  # the teacher is fixed: its logits once
         student = self._build(self.ctx.spec, salt=2)
@@ -317,10 +308,9 @@ class PersFL(ClientAlgorithm):
             self.student_init = "scratch"
         init = state_of(student)
         batch_order = trainer.rng_state()
-        members = len(self._each(d.n_train))
-        best: list[GridPoint | None] = [None] * members
-        best_state: dict[str, torch.Tensor] = init
-        grids: list[list[GridPoint]] = [[] for _ in range(members)]
+        best: Any = self._per_client(lambda _: None, d.n_train)
+        best_state: Mapping[str, torch.Tensor] = init
+        grid: Any = self._per_client(lambda _: [], d.n_train)
         diverged: list[tuple[float, float]] = []
         for lam, t in self._grid():
             student.load_state_dict(init)
@@ -328,36 +318,29 @@ class PersFL(ClientAlgorithm):
             try:
                 self.distill(student, z_teacher, lam, t)
             except FloatingPointError as exc:  # a bad (λ, T) for this lr: not a candidate
-                if self._stacked:
-                    raise CohortUnsupported(
-                        f"persfl: a member's distillation diverged at λ={lam:g}, T={t:g}"
-                    ) from exc
+                self._alone(f"persfl: a distillation diverged at λ={lam:g}, T={t:g}")
                 log.warning(
                     "%s: distillation at λ=%g, T=%g diverged (%s)", self.ctx.client_id, lam, t, exc
                 )
                 diverged.append((lam, t))
                 continue
             r = trainer.evaluate(student, d.x_val, d.y_val)
-            correct, total, loss = (self._each(v) for v in (r.correct, r.total, r.loss))
-            wins = [False] * members
-            for i in range(members):  # each member's point, and whether it is its best
-                point = GridPoint(lam, t, correct[i], total[i], loss[i])
-                grids[i].append(point)
-                if point.beats(best[i]):
-                    best[i], wins[i] = point, True
-            if all(wins):
-                best_state = state_of(student)
-            elif any(wins):  # on a stack: the winners' rows
-                best_state = _rows_taken(best_state, state_of(student), wins)
-        self.grid = self._like(grids)
-        self.diverged = self._like([list(diverged) for _ in range(members)])
-        if best[0] is None:  # (on a stack every member has a point: none diverged)
+            point = self._per_client(
+                lambda c, n, v, lam=lam, t=t: GridPoint(lam, t, c, n, v), r.correct, r.total, r.loss
+            )
+            grid = self._per_client(lambda g, p: [*g, p], grid, point)
+            wins = self._per_client(lambda p, b: p.beats(b), point, best)
+            best = self._per_client(lambda w, p, b: p if w else b, wins, point, best)
+            best_state = self._chosen_state(wins, state_of(student), best_state)
+        self.grid = grid
+        self.diverged = self._per_client(lambda _: list(diverged), d.n_train)
+        if None in self._each(best):  # (many clients at once: none diverged, all have one)
             raise AlgorithmError(
                 f"persfl: distillation diverged at every (λ, T) of the grid {diverged}; "
                 "lower the learning rate"
             )
         student.load_state_dict(best_state)
-        return student, self._like(best)
+        return student, best
 
     def epochs(self) -> int:
         """Each grid point's epochs: `distill_epochs`, or rounds × local_epochs."""
@@ -367,11 +350,10 @@ class PersFL(ClientAlgorithm):
     def distill(
         self, student: nn.Module, z_teacher: torch.Tensor, lam: float, temperature: float
     ) -> Any:
-        """`epochs()` of the distillation loss on the training split; mean batch loss (one per
-        member on a stack).
+        """`epochs()` of the distillation loss on the training split; mean batch loss.
 
-        `z_teacher` holds the teacher's logits for every training sample, in order (on a
-        stack, each member's over its own samples: `CohortTrainer.logits`).
+        `z_teacher` holds the teacher's logits for every training sample, in order
+        (`Trainer.logits`).
         """
         cfg, trainer, d = self.config, self.ctx.trainer, self.ctx.data
         opt = trainer.optimizer(student.parameters(), cfg)
@@ -421,14 +403,14 @@ class PersFL(ClientAlgorithm):
         elif g_model is not None and self.teacher is None:
             model = g_model
         elif g_model is not None:
-            assert self.teacher is not None
+            assert self.teacher is not None and self.teacher_spec is not None and glob is not None
             _, newer = self._below_teacher(g_model)
-            if not self._stacked:
-                model = g_model if newer[0] else self.teacher
-            else:  # each member's: the teacher's rows where the global model is not newer
-                assert glob is not None
-                model = self._materialize(glob)  # (g_model is scored as the global model)
-                take_rows(model, self.teacher, [not b for b in newer])
+            older = self._per_client(lambda b: not b, newer)
+            # (a copy of the global model: g_model is scored as the global model below)
+            _, chosen = self._choose(
+                older, (self.teacher_spec, self.teacher), (glob.spec, self._materialize(glob))
+            )
+            model = cast(nn.Module, chosen)
         elif self.teacher is not None:
             model = self.teacher
         else:
@@ -441,14 +423,3 @@ class PersFL(ClientAlgorithm):
         ):
             out |= self._scores("global", g_model)
         return out
-
-
-def _rows_taken(
-    into: Mapping[str, torch.Tensor], source: Mapping[str, torch.Tensor], which: list[bool]
-) -> dict[str, torch.Tensor]:
-    """States of stacked modules: `into`'s, with `source`'s rows for the members `which` marks."""
-    rows = [i for i, w in enumerate(which) if w]
-    out = {k: v.clone() for k, v in into.items()}
-    for k, v in out.items():
-        v[rows] = source[k][rows]
-    return out

@@ -375,7 +375,7 @@ def test_stacked_persfl_members_whose_teachers_would_differ_in_architecture_are_
     algo.teacher_loss = PerMember([math.inf, -1.0, math.inf])
 
     # Execute, Assert
-    message = "^persfl: the members' teachers would differ in architecture$"
+    message = f"^persfl: clients that may choose mlr over {kept} cannot train as one model$"
     with pytest.raises(CohortUnsupported, match=message):
         algo.consider_teacher(2, _rows(_global(mlr), 3))
 
