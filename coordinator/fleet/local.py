@@ -225,6 +225,8 @@ class LocalFleet(Fleet):
             if stacks:
                 jobs.append((ids, self.nodes[ids[0]].device.type == "cpu"))
             else:
+                if self.stack and first is not None and len(ids) > 1:
+                    self.stacking.tell_alone(type(first), len(ids))
                 jobs.extend(([cid], False) for cid in ids)
         jobs = _spread(jobs, self.parallel, lambda cid: len(self.nodes[cid].data.y_train))
 

@@ -119,6 +119,20 @@ class Stacking:
                 continue
             yield chunk, results
 
+    def tell_alone(self, cls: type[ClientAlgorithm], clients: int) -> None:
+        """Once per algorithm class: that its clients train one by one, and why (it does not
+        declare `stackable`)."""
+        if cls in self._told:
+            return
+        self._told.add(cls)
+        log.info(
+            "%s: %d clients of one architecture train one by one: the algorithm does not "
+            "declare stackable = True (a round written with the context's trainer, model "
+            "builders, losses and per-client values can: docs, Extending edgefl)",
+            cls.name,
+            clients,
+        )
+
     def _tell(self, cls: type[ClientAlgorithm], members: int) -> None:
         """Once per algorithm class: that its clients train stacked. An algorithm from outside
         the SDK (a plugin) is told at WARNING: it may have inherited `stackable` unknowingly."""

@@ -7,6 +7,7 @@ missing vmap batching rule was the only hint.
 from __future__ import annotations
 
 import logging
+import re
 from typing import ClassVar
 
 import pytest
@@ -39,5 +40,35 @@ def test_a_plugin_that_inherits_stackable_is_told_it_trains_stacked(caplog):
     said = [r for r in caplog.records if "train stacked" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING  # once, however many phases
     text = said[0].getMessage()
-    assert text.startswith("inheriting_stackable: 4 clients of one architecture train stacked")
+    # (as many as a stack holds: the fleet deals its four clients into a stack per worker)
+    assert re.match(r"inheriting_stackable: [24] clients of one architecture train stacked", text)
     assert "inherited from FedAvg" in text and "stackable = False" in text
+
+
+@pytest.mark.usefixtures("scoped_registrations")
+def test_a_plugin_that_does_not_declare_stackable_is_told_why_its_clients_train_one_by_one(
+    caplog,
+):
+    # Prepare: a plugin's algorithm that opts out, as the example plugin does
+    @register_algorithm
+    class OneByOne(FedAvg):
+        name = "one_by_one"
+        config_cls: ClassVar[type[FedAvgConfig]] = FedAvgConfig
+        stackable = False
+
+    @register_strategy
+    class OneByOneStrategy(FedAvgStrategy):
+        name = "one_by_one"
+
+    cfg = tiny_config(algorithm="one_by_one", rounds=1, local_epochs=1)
+
+    with caplog.at_level(logging.INFO, logger="coordinator.stacking"):
+        simulate(cfg, progress=False)
+
+    # Assert: said once, with the reason; nothing said of stacking
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("coordinator.stacking")]
+    assert said == [
+        "one_by_one: 4 clients of one architecture train one by one: the algorithm does not "
+        "declare stackable = True (a round written with the context's trainer, model builders, "
+        "losses and per-client values can: docs, Extending edgefl)"
+    ]
