@@ -27,7 +27,8 @@ signed messages it has seen (`ReplayGuard`) lives there too. A fit task for a
 round it already trained (the coordinator restarted, or retried the round) starts from the state
 it had before that round, so a repeated round trains exactly what the first attempt trained.
 
-    client = EdgeClient.connect("mqtt://broker:1883", "phone7", spec, data, run_id="fl-1")
+    node = ClientNode("phone7", spec, data, run_id="fl-1")  # the app's training core
+    client = EdgeClient(node, "mqtt://broker:1883", keyring=keyring)  # ... on the network
     client.run()             # blocks until the federation ends; or start() ... stop()
 """
 
@@ -42,7 +43,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from pydantic import ValidationError
@@ -50,7 +51,6 @@ from pydantic import ValidationError
 from edge_sdk import topics
 from edge_sdk.algorithms import ClientAlgorithm, FitResult
 from edge_sdk.auth import Keyring, ReplayGuard
-from edge_sdk.budget import DeployBudget
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, Buffer, WireModel
 from edge_sdk.node import ClientNode, NodeTask
 from edge_sdk.peers import PeerChannel
@@ -68,10 +68,7 @@ from edge_sdk.protocol import (
 )
 from edge_sdk.trainer import ClientData
 from edge_sdk.transport.base import Transport, TransportError
-
-if TYPE_CHECKING:
-    from edge_sdk.transport.mqtt import BrokerSettings
-
+from edge_sdk.transport.settings import BrokerSettings
 from edge_sdk.wire import (
     DEFAULT_CHUNK_BYTES,
     Endpoint,
@@ -192,106 +189,49 @@ class FinalMetrics(dict[str, float]):
 
 class EdgeClient:
     """One client: a `ClientNode` (its id, architecture, private data, and the algorithm state it
-    accumulates) served over a transport.
+    accumulates; where it exports, persists and what it may deploy are the node's arguments)
+    served over a transport: the runtime a client app embeds, which owns the connection.
 
-    `onnx_path`: where to export the personalized model (verified) after the last round.
-    `class_names`, `normalization`: written into the ONNX file's metadata for the app that runs
-    it. `normalization` is what the app's data was normalised with: {"mean": [...], "std":
-    [...]}, one value per input channel (or one for all); `OnnxPredictor.predict(raw,
-    normalize=True)` then applies it to raw inputs on the device. A mapping with other keys is
-    refused here, when the client is built.
+    `transport`: a `Transport`, used as given (whoever made it closes it); or a broker, as a URL
+    or a `BrokerSettings`: the client then makes its own `MqttTransport`, named after the run and
+    the client (a restarted client resumes its MQTT session and receives what was queued for it
+    meanwhile), and leaves it when it stops.
+    `keyring`: signs what the client sends and checks what its coordinator signed (edge_sdk.auth;
+    None: open mode, which a client connecting to a broker is warned about).
     `on_task`: called on the worker thread after every task (a per-round progress hook).
-    `state_dir`: where the node persists its state after every task (a restarted client resumes).
-    `dataset`: the name of the data set it trains on, told to the coordinator when it registers
-    (with its device and precision), so that the run's results say what the federation ran.
-    `budget`: what the device may deploy (edge_sdk.budget.DeployBudget; default: a model of its
-    own architecture only). After the run, `deployed` says what it deployed and why.
+    `fp16_upload`: send models as float16. `max_blob_bytes`: the largest model it sends or
+    accepts. After the run, `deployed` says what it deployed and why.
+
+        node = ClientNode("phone7", spec, data, run_id="fl-1", onnx_path="phone7.onnx")
+        client = EdgeClient(node, "mqtt://broker:1883", keyring=keyring)
     """
 
     def __init__(
         self,
-        client_id: str,
-        spec: ArchSpec,
-        data: ClientData,
-        transport: Transport,
+        node: ClientNode,
+        transport: Transport | str | BrokerSettings,
         *,
-        run_id: str = "default",
-        device: torch.device | str = "cpu",
-        seed: int = 0,
-        onnx_path: str | Path | None = None,
-        class_names: list[str] | None = None,
-        normalization: dict[str, list[float]] | None = None,
+        keyring: Keyring | None = None,
+        on_task: Callable[[TaskOutcome], None] | None = None,
         fp16_upload: bool = False,
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
-        on_task: Callable[[TaskOutcome], None] | None = None,
-        owns_transport: bool = False,
-        state_dir: str | Path | None = None,
-        dataset: str | None = None,
-        keyring: Keyring | None = None,
-        budget: DeployBudget | None = None,
-    ) -> None:
-        node = ClientNode(
-            client_id,
-            spec,
-            data,
-            run_id=run_id,
-            device=device,
-            seed=seed,
-            onnx_path=onnx_path,
-            class_names=class_names,
-            normalization=normalization,
-            state_dir=state_dir,
-            dataset=dataset,
-            budget=budget,
-        )
-        self._attach(
-            node,
-            transport,
-            fp16_upload=fp16_upload,
-            max_blob_bytes=max_blob_bytes,
-            on_task=on_task,
-            owns_transport=owns_transport,
-            keyring=keyring,
-        )
-
-    @classmethod
-    def around(
-        cls,
-        node: ClientNode,
-        transport: Transport,
-        *,
-        fp16_upload: bool = False,
-        max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
-        on_task: Callable[[TaskOutcome], None] | None = None,
-        owns_transport: bool = False,
-        keyring: Keyring | None = None,
-    ) -> EdgeClient:
-        """An EdgeClient serving an existing node over `transport`."""
-        client = cls.__new__(cls)
-        client._attach(
-            node,
-            transport,
-            fp16_upload=fp16_upload,
-            max_blob_bytes=max_blob_bytes,
-            on_task=on_task,
-            owns_transport=owns_transport,
-            keyring=keyring,
-        )
-        return client
-
-    def _attach(
-        self,
-        node: ClientNode,
-        transport: Transport,
-        *,
-        fp16_upload: bool,
-        max_blob_bytes: int,
-        on_task: Callable[[TaskOutcome], None] | None,
-        owns_transport: bool,
-        keyring: Keyring | None,
     ) -> None:
         if keyring is not None and keyring.me != node.client_id:
             raise ValueError(f"{node.client_id}: the keyring given is {keyring.me!r}'s")
+        owns_transport = isinstance(transport, str | BrokerSettings)
+        if isinstance(transport, str | BrokerSettings):  # a broker: a connection of its own
+            from edge_sdk.transport.mqtt import MqttTransport  # (loads paho: only when asked)
+
+            if keyring is None:
+                log.warning(
+                    "%s: no keyring: its messages go unsigned (open mode), and a coordinator "
+                    "that checks signatures drops them; pass keyring=Keyring.load(...) "
+                    "(edge_sdk.auth)",
+                    node.client_id,
+                )
+            # Named after the run and the client: a restarted client resumes the session (and
+            # receives what was queued for it while it was away).
+            transport = MqttTransport(transport, f"edgefl-{node.run_id}-{node.client_id}")
         self.node = node
         self.keyring = keyring
         self.session = unique_id(64)  # this process, as the coordinator tells them apart
@@ -375,64 +315,6 @@ class EdgeClient:
     @property
     def resumed_after(self) -> int | None:
         return self.node.resumed_after
-
-    @classmethod
-    def connect(
-        cls,
-        broker: str | BrokerSettings,
-        client_id: str,
-        spec: ArchSpec,
-        data: ClientData,
-        *,
-        run_id: str = "default",
-        device: torch.device | str = "cpu",
-        seed: int = 0,
-        onnx_path: str | Path | None = None,
-        class_names: list[str] | None = None,
-        normalization: dict[str, list[float]] | None = None,
-        fp16_upload: bool = False,
-        max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
-        on_task: Callable[[TaskOutcome], None] | None = None,
-        state_dir: str | Path | None = None,
-        dataset: str | None = None,
-        keyring: Keyring | None = None,
-        budget: DeployBudget | None = None,
-    ) -> EdgeClient:
-        """An EdgeClient over its own `MqttTransport` to `broker` (a URL or `BrokerSettings`);
-        the other arguments are the constructor's.
-
-        The MQTT session is named after the run and the client, so a restarted client resumes
-        it (and receives what was queued for it while it was away).
-        """
-        from edge_sdk.transport.mqtt import MqttTransport
-
-        if keyring is None:
-            log.warning(
-                "%s: no keyring: its messages go unsigned (open mode), and a coordinator that "
-                "checks signatures drops them; pass keyring=Keyring.load(...) (edge_sdk.auth)",
-                client_id,
-            )
-        transport = MqttTransport(broker, f"edgefl-{run_id}-{client_id}")
-        return cls(
-            client_id,
-            spec,
-            data,
-            transport,
-            run_id=run_id,
-            device=device,
-            seed=seed,
-            onnx_path=onnx_path,
-            class_names=class_names,
-            normalization=normalization,
-            fp16_upload=fp16_upload,
-            max_blob_bytes=max_blob_bytes,
-            on_task=on_task,
-            owns_transport=True,
-            state_dir=state_dir,
-            dataset=dataset,
-            keyring=keyring,
-            budget=budget,
-        )
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> EdgeClient:

@@ -14,6 +14,7 @@ from coordinator.deploy import metrics_collector
 from edge_sdk import topics
 from edge_sdk.algorithms import FitResult
 from edge_sdk.client import EdgeClient, RegistrationRefused
+from edge_sdk.node import ClientNode
 from edge_sdk.protocol import Presence, Reply, Task, decode
 from edge_sdk.transport import InMemoryBroker
 from edge_sdk.wire import Endpoint
@@ -67,9 +68,8 @@ def test_the_newest_process_of_a_client_id_counts_and_the_older_one_is_told_to_s
 
     def second_process(rec):  # after round 1, c1 starts again elsewhere (same id, same key)
         if rec.round == 1:
-            c = EdgeClient(
-                "c1", old.spec, old.data, broker.connect("c1-again"), seed=1, keyring=old.keyring
-            )
+            node = ClientNode("c1", old.spec, old.data, seed=1)
+            c = EdgeClient(node, broker.connect("c1-again"), keyring=old.keyring)
             newer.append(c.start())  # registers while the coordinator runs round 2
 
     coordinator.on_round = second_process
