@@ -221,7 +221,7 @@ class EdgeClient:
     ) -> None:
         if keyring is not None and keyring.me != node.client_id:
             raise ValueError(f"{node.client_id}: the keyring given is {keyring.me!r}'s")
-        owns_transport = isinstance(transport, str | BrokerSettings)
+        owns_transport = False  # a Transport given: whoever made it closes it
         if isinstance(transport, str | BrokerSettings):  # a broker: a connection of its own
             from edge_sdk.transport.mqtt import MqttTransport  # (loads paho: only when asked)
 
@@ -235,6 +235,7 @@ class EdgeClient:
             # Named after the run and the client: a restarted client resumes the session (and
             # receives what was queued for it while it was away).
             transport = MqttTransport(transport, f"edgefl-{node.run_id}-{node.client_id}")
+            owns_transport = True
         self.node = node
         self.keyring = keyring
         self.session = unique_id(64)  # this process, as the coordinator tells them apart
