@@ -107,14 +107,13 @@ def attacker(kind: str) -> type[EdgeClient]:
     would leave (its evaluations still count)."""
 
     class Attacker(EdgeClient):
-        @classmethod
-        def around(cls, node: ClientNode, transport: Any, **kw: Any) -> EdgeClient:
+        def __init__(self, node: ClientNode, transport: Any, **kw: Any) -> None:
             if kind == "inflated":  # it registers 10⁹ training samples
                 honest = node.capabilities
                 node.capabilities = lambda: honest().model_copy(  # type: ignore[method-assign]
                     update={"n_train": INFLATED}
                 )
-            return super().around(node, transport, **kw)
+            super().__init__(node, transport, **kw)
 
         def run_task(self, task: Task, blobs: Mapping[str, Buffer]) -> FitResult:
             if kind == "absent" and task.phase == "fit":

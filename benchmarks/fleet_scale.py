@@ -273,7 +273,7 @@ def worker(args: argparse.Namespace) -> int:
         node = ClientNode(cid, spec, _device_data(i, ds.x, ds.y), run_id=RUN, seed=i)
         mine = {pid: roster[pid] for pid in (cid, topics.COORDINATOR)}
         keyring = Keyring(cid, _read_private(Path(args.keys) / f"{cid}.key"), mine)
-        client = EdgeClient.around(node, t, keyring=keyring)  # type: ignore[arg-type]
+        client = EdgeClient(node, t, keyring=keyring)  # type: ignore[arg-type]
         t.owner = client
         clients.append(client)
     drop = threading.Event()

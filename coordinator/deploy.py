@@ -304,9 +304,7 @@ def run_client(
     if i >= len(fed.client_ids):
         raise ConfigError(f"client index {i} is out of range for {len(fed.client_ids)} clients")
     cid = cfg.client.id or fed.client_ids[i]
-    keyring = Keyring.load(cfg.auth, cid)
-    if keyring is None:
-        log.warning("auth.open: messages are not signed; anyone on the broker can forge them")
+    keyring = Keyring.load(cfg.auth, cid)  # None (auth.open): the client warns of it
     state_dir = Path(cfg.client.state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     node = build_node(
@@ -318,14 +316,9 @@ def run_client(
         onnx_path=state_dir / f"{cid}.onnx",
         state_dir=state_dir,
     )
-    transport = MqttTransport(cfg.broker, f"edgefl-{cfg.run_id}-{cid}")
-    client = EdgeClient.around(
-        node,
-        transport,
-        fp16_upload=cfg.fp16_upload,
-        on_task=on_task,
-        owns_transport=True,
-        keyring=keyring,
+    # Over its own MQTT connection, named after the run and the client (a restart resumes it).
+    client = EdgeClient(
+        node, cfg.broker, keyring=keyring, on_task=on_task, fp16_upload=cfg.fp16_upload
     )
     if cfg.client.late:
         result = client.join_late(timeout=cfg.round.register_timeout_s)

@@ -299,7 +299,7 @@ def _over_network(
         for node in nodes:
             transports.append(connect(node.client_id))
             cls = client_cls.get(node.client_id, EdgeClient)
-            client = cls.around(
+            client = cls(
                 node, transports[-1], fp16_upload=cfg.fp16_upload, keyring=keys[node.client_id]
             )
             clients.append(client.start())

@@ -19,7 +19,9 @@ same id took over) ends `run()` with `RegistrationRefused`. A task delivered aga
 coordinator re-sends outstanding tasks after a reconnection) gets its reply again. Tasks, answers
 and shutdowns count only from the incarnation it registered with, so nothing recorded in an
 earlier run (same run id, same keys) counts in this one; a "finished" status seen before it
-registered ends it only when no newer status follows within FINISHED_GRACE_S.
+registered ends it only when no newer status follows within FINISHED_GRACE_S. Where it stands
+is one explicit state machine, `registration` (edge_sdk.registration: WAITING, REGISTERING,
+DOUBTING, ACCEPTED, REFUSED, FINISHED, and the table of moves between them).
 
 With a `state_dir` it persists its whole algorithm state (atomically) after every task that
 changed it, and a restarted client (same id, same run) continues from there; its record of the
@@ -27,7 +29,8 @@ signed messages it has seen (`ReplayGuard`) lives there too. A fit task for a
 round it already trained (the coordinator restarted, or retried the round) starts from the state
 it had before that round, so a repeated round trains exactly what the first attempt trained.
 
-    client = EdgeClient.connect("mqtt://broker:1883", "phone7", spec, data, run_id="fl-1")
+    node = ClientNode("phone7", spec, data, run_id="fl-1")  # the app's training core
+    client = EdgeClient(node, "mqtt://broker:1883", keyring=keyring)  # ... on the network
     client.run()             # blocks until the federation ends; or start() ... stop()
 """
 
@@ -42,7 +45,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from pydantic import ValidationError
@@ -50,7 +53,6 @@ from pydantic import ValidationError
 from edge_sdk import topics
 from edge_sdk.algorithms import ClientAlgorithm, FitResult
 from edge_sdk.auth import Keyring, ReplayGuard
-from edge_sdk.budget import DeployBudget
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, Buffer, WireModel
 from edge_sdk.node import ClientNode, NodeTask
 from edge_sdk.peers import PeerChannel
@@ -66,12 +68,10 @@ from edge_sdk.protocol import (
     Status,
     Task,
 )
+from edge_sdk.registration import Event, Registration, State
 from edge_sdk.trainer import ClientData
 from edge_sdk.transport.base import Transport, TransportError
-
-if TYPE_CHECKING:
-    from edge_sdk.transport.mqtt import BrokerSettings
-
+from edge_sdk.transport.settings import BrokerSettings
 from edge_sdk.wire import (
     DEFAULT_CHUNK_BYTES,
     Endpoint,
@@ -192,106 +192,50 @@ class FinalMetrics(dict[str, float]):
 
 class EdgeClient:
     """One client: a `ClientNode` (its id, architecture, private data, and the algorithm state it
-    accumulates) served over a transport.
+    accumulates; where it exports, persists and what it may deploy are the node's arguments)
+    served over a transport: the runtime a client app embeds, which owns the connection.
 
-    `onnx_path`: where to export the personalized model (verified) after the last round.
-    `class_names`, `normalization`: written into the ONNX file's metadata for the app that runs
-    it. `normalization` is what the app's data was normalised with: {"mean": [...], "std":
-    [...]}, one value per input channel (or one for all); `OnnxPredictor.predict(raw,
-    normalize=True)` then applies it to raw inputs on the device. A mapping with other keys is
-    refused here, when the client is built.
+    `transport`: a `Transport`, used as given (whoever made it closes it); or a broker, as a URL
+    or a `BrokerSettings`: the client then makes its own `MqttTransport`, named after the run and
+    the client (a restarted client resumes its MQTT session and receives what was queued for it
+    meanwhile), and leaves it when it stops.
+    `keyring`: signs what the client sends and checks what its coordinator signed (edge_sdk.auth;
+    None: open mode, which a client connecting to a broker is warned about).
     `on_task`: called on the worker thread after every task (a per-round progress hook).
-    `state_dir`: where the node persists its state after every task (a restarted client resumes).
-    `dataset`: the name of the data set it trains on, told to the coordinator when it registers
-    (with its device and precision), so that the run's results say what the federation ran.
-    `budget`: what the device may deploy (edge_sdk.budget.DeployBudget; default: a model of its
-    own architecture only). After the run, `deployed` says what it deployed and why.
+    `fp16_upload`: send models as float16. `max_blob_bytes`: the largest model it sends or
+    accepts. After the run, `deployed` says what it deployed and why.
+
+        node = ClientNode("phone7", spec, data, run_id="fl-1", onnx_path="phone7.onnx")
+        client = EdgeClient(node, "mqtt://broker:1883", keyring=keyring)
     """
 
     def __init__(
         self,
-        client_id: str,
-        spec: ArchSpec,
-        data: ClientData,
-        transport: Transport,
+        node: ClientNode,
+        transport: Transport | str | BrokerSettings,
         *,
-        run_id: str = "default",
-        device: torch.device | str = "cpu",
-        seed: int = 0,
-        onnx_path: str | Path | None = None,
-        class_names: list[str] | None = None,
-        normalization: dict[str, list[float]] | None = None,
+        keyring: Keyring | None = None,
+        on_task: Callable[[TaskOutcome], None] | None = None,
         fp16_upload: bool = False,
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
-        on_task: Callable[[TaskOutcome], None] | None = None,
-        owns_transport: bool = False,
-        state_dir: str | Path | None = None,
-        dataset: str | None = None,
-        keyring: Keyring | None = None,
-        budget: DeployBudget | None = None,
-    ) -> None:
-        node = ClientNode(
-            client_id,
-            spec,
-            data,
-            run_id=run_id,
-            device=device,
-            seed=seed,
-            onnx_path=onnx_path,
-            class_names=class_names,
-            normalization=normalization,
-            state_dir=state_dir,
-            dataset=dataset,
-            budget=budget,
-        )
-        self._attach(
-            node,
-            transport,
-            fp16_upload=fp16_upload,
-            max_blob_bytes=max_blob_bytes,
-            on_task=on_task,
-            owns_transport=owns_transport,
-            keyring=keyring,
-        )
-
-    @classmethod
-    def around(
-        cls,
-        node: ClientNode,
-        transport: Transport,
-        *,
-        fp16_upload: bool = False,
-        max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
-        on_task: Callable[[TaskOutcome], None] | None = None,
-        owns_transport: bool = False,
-        keyring: Keyring | None = None,
-    ) -> EdgeClient:
-        """An EdgeClient serving an existing node over `transport`."""
-        client = cls.__new__(cls)
-        client._attach(
-            node,
-            transport,
-            fp16_upload=fp16_upload,
-            max_blob_bytes=max_blob_bytes,
-            on_task=on_task,
-            owns_transport=owns_transport,
-            keyring=keyring,
-        )
-        return client
-
-    def _attach(
-        self,
-        node: ClientNode,
-        transport: Transport,
-        *,
-        fp16_upload: bool,
-        max_blob_bytes: int,
-        on_task: Callable[[TaskOutcome], None] | None,
-        owns_transport: bool,
-        keyring: Keyring | None,
     ) -> None:
         if keyring is not None and keyring.me != node.client_id:
             raise ValueError(f"{node.client_id}: the keyring given is {keyring.me!r}'s")
+        owns_transport = False  # a Transport given: whoever made it closes it
+        if isinstance(transport, str | BrokerSettings):  # a broker: a connection of its own
+            from edge_sdk.transport.mqtt import MqttTransport  # (loads paho: only when asked)
+
+            if keyring is None:
+                log.warning(
+                    "%s: no keyring: its messages go unsigned (open mode), and a coordinator "
+                    "that checks signatures drops them; pass keyring=Keyring.load(...) "
+                    "(edge_sdk.auth)",
+                    node.client_id,
+                )
+            # Named after the run and the client: a restarted client resumes the session (and
+            # receives what was queued for it while it was away).
+            transport = MqttTransport(transport, f"edgefl-{node.run_id}-{node.client_id}")
+            owns_transport = True
         self.node = node
         self.keyring = keyring
         self.session = unique_id(64)  # this process, as the coordinator tells them apart
@@ -328,17 +272,38 @@ class EdgeClient:
         self._register_due = 0.0  # when an unanswered registration is sent again (monotonic)
         self._register_every = REGISTER_RETRY_S  # ... after this long (doubling)
         self._last_reply: tuple[str, Reply, dict[str, bytes]] | None = None  # sent again if asked
-        self.accepted: bool | None = None
-        self.refused: str | None = None  # why the coordinator refused this process
+        # Where this process stands with the coordinator (edge_sdk.registration).
+        self.registration = Registration(self.client_id)
         self.status: Status | None = None  # the coordinator's last retained status
-        self._registering: int | None = None  # the incarnation our last registration named
-        self._incarnation: int | None = None  # the coordinator incarnation that accepted us
-        self._finished_since: float | None = None  # a "finished" status came before we registered
-        self.finished = False  # the coordinator said the run is over
         self.tasks_done = 0
         self.errors: list[str] = []
         self.last_metrics: dict[str, float] = {}
         self.last_details: dict[str, Any] = {}  # of the last task's reply (finalize: the guard's)
+
+    # The registration, as apps and tests read it.
+    @property
+    def accepted(self) -> bool | None:
+        """True once a coordinator incarnation accepted this process (and after its shutdown),
+        False once refused, None meanwhile (or after joining a finished run late)."""
+        reg = self.registration
+        if reg.state is State.REFUSED:
+            return False
+        if reg.state is State.ACCEPTED or (
+            reg.state is State.FINISHED and reg.incarnation is not None
+        ):
+            return True
+        return None
+
+    @property
+    def refused(self) -> str | None:
+        """Why this process was refused (None unless it was)."""
+        reg = self.registration
+        return reg.reason if reg.state is State.REFUSED else None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run is over for this client (its coordinator ended it, or it joined late)."""
+        return self.registration.state is State.FINISHED
 
     # What the node holds, for apps and tests that read it from the client.
     @property
@@ -375,64 +340,6 @@ class EdgeClient:
     @property
     def resumed_after(self) -> int | None:
         return self.node.resumed_after
-
-    @classmethod
-    def connect(
-        cls,
-        broker: str | BrokerSettings,
-        client_id: str,
-        spec: ArchSpec,
-        data: ClientData,
-        *,
-        run_id: str = "default",
-        device: torch.device | str = "cpu",
-        seed: int = 0,
-        onnx_path: str | Path | None = None,
-        class_names: list[str] | None = None,
-        normalization: dict[str, list[float]] | None = None,
-        fp16_upload: bool = False,
-        max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
-        on_task: Callable[[TaskOutcome], None] | None = None,
-        state_dir: str | Path | None = None,
-        dataset: str | None = None,
-        keyring: Keyring | None = None,
-        budget: DeployBudget | None = None,
-    ) -> EdgeClient:
-        """An EdgeClient over its own `MqttTransport` to `broker` (a URL or `BrokerSettings`);
-        the other arguments are the constructor's.
-
-        The MQTT session is named after the run and the client, so a restarted client resumes
-        it (and receives what was queued for it while it was away).
-        """
-        from edge_sdk.transport.mqtt import MqttTransport
-
-        if keyring is None:
-            log.warning(
-                "%s: no keyring: its messages go unsigned (open mode), and a coordinator that "
-                "checks signatures drops them; pass keyring=Keyring.load(...) (edge_sdk.auth)",
-                client_id,
-            )
-        transport = MqttTransport(broker, f"edgefl-{run_id}-{client_id}")
-        return cls(
-            client_id,
-            spec,
-            data,
-            transport,
-            run_id=run_id,
-            device=device,
-            seed=seed,
-            onnx_path=onnx_path,
-            class_names=class_names,
-            normalization=normalization,
-            fp16_upload=fp16_upload,
-            max_blob_bytes=max_blob_bytes,
-            on_task=on_task,
-            owns_transport=True,
-            state_dir=state_dir,
-            dataset=dataset,
-            keyring=keyring,
-            budget=budget,
-        )
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> EdgeClient:
@@ -503,20 +410,20 @@ class EdgeClient:
         archive, models = got
         assert isinstance(archive, Archive)
         result = self.node.join_late(archive.algorithm, archive.config, archive.rounds, models)
-        self.finished, self.last_metrics = True, dict(result.metrics)
+        self.registration.fire(Event.JOINED_LATE)
+        self.last_metrics = dict(result.metrics)
         self.last_details = dict(result.details)
         return result
 
-    def register(self) -> None:
-        """Register with the coordinator incarnation of the last status (none seen yet: wait
-        for one; the status topic is retained, so it comes as soon as there is a coordinator)."""
-        if self.status is None or self.status.phase == "finished":
-            return
-        if self._registering == self.status.incarnation:  # again, unanswered: back off
+    def _send_registration(self, *, again: bool) -> None:
+        """Register with the incarnation the registration names; sent `again` (unanswered), the
+        next retry waits twice as long (up to REGISTER_RETRY_MAX_S)."""
+        if again:
             self._register_every = min(2 * self._register_every, REGISTER_RETRY_MAX_S)
         else:
             self._register_every = REGISTER_RETRY_S
-        self._registering = self.status.incarnation
+        incarnation = self.registration.registering
+        assert incarnation is not None  # REGISTERING: it names one
         msg = Register(
             run=self.run_id,
             sender=self.client_id,
@@ -524,7 +431,7 @@ class EdgeClient:
             capabilities=self.node.capabilities(),
             epoch=self._epoch(self.transport.connection),
             session=self.session,
-            incarnation=self.status.incarnation,
+            incarnation=incarnation,
         )
         self._try_send(msg)
         self._register_due = _now() + self._register_every * random.uniform(0.5, 1.5)
@@ -541,7 +448,7 @@ class EdgeClient:
         self.endpoint.interrupt()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        if self.accepted and not self.finished and self.endpoint.is_open:
+        if self.registration.state is State.ACCEPTED and self.endpoint.is_open:
             # Leaving for now: say so, so that the coordinator stops waiting for our replies.
             self._try_send(self._presence(self.transport.connection, online=False, leaving=True))
         self.endpoint.close()
@@ -572,14 +479,19 @@ class EdgeClient:
         if self._back.is_set():
             return 0.0
         wait = IDLE_WAIT_S
-        if self.accepted is None and self.status is not None:  # a registration is due
+        reg = self.registration
+        if reg.state is State.REGISTERING:  # a retry is due then
             wait = min(wait, max(0.0, self._register_due - _now()))
+        elif reg.state is State.DOUBTING and reg.since is not None:  # the doubt ends then
+            wait = min(wait, max(0.0, reg.since + FINISHED_GRACE_S - _now()))
         return wait
 
     def step(self, env: Envelope | None) -> bool:
         """Handle one received envelope, or (None) nothing within `idle_wait()`: announce a
         connection that came back, retry the registration, act on the message. True once the
         client is done (the run finished, or its registration was refused): stop serving it."""
+        if self.registration.done:
+            return True
         if self._back.is_set():  # our will may have marked us offline meanwhile
             self._back.clear()
             self._try_send(self._presence(self.transport.connection, online=True))
@@ -587,8 +499,10 @@ class EdgeClient:
             return True
         if env is None:
             # Until the coordinator answers, say hello again, less and less often.
-            if self.accepted is None and _now() >= self._register_due:
-                self.register()
+            reg = self.registration
+            if reg.state is State.REGISTERING and _now() >= self._register_due:
+                reg.fire(Event.RETRY)
+                self._send_registration(again=True)
             return self._stop.is_set()
         self._save_replay_record()  # before acting on it: a new process will not again
         msg = env.message
@@ -614,10 +528,10 @@ class EdgeClient:
     def _believe_finished(self) -> bool:
         """Whether a "finished" status seen before registering has stood for FINISHED_GRACE_S
         (then registration is refused: the run is over, and `run()` says so)."""
-        since = self._finished_since
-        if since is None or self.accepted is not None or _now() - since < FINISHED_GRACE_S:
+        reg = self.registration
+        if reg.state is not State.DOUBTING or _now() - (reg.since or 0.0) < FINISHED_GRACE_S:
             return False
-        self.accepted, self.refused = False, "the run has already finished"
+        reg.fire(Event.GRACE_OVER)
         log.error("%s: registration refused: %s", self.client_id, self.refused)
         self._stop.set()
         return True
@@ -629,38 +543,26 @@ class EdgeClient:
             log.error("%s: could not save the replay record: %s", self.client_id, exc)
 
     def _on_shutdown(self, msg: Shutdown, _blobs: Mapping[str, Buffer]) -> bool:
-        if not self.accepted or msg.incarnation != self._incarnation:
-            log.warning(
-                "%s: ignoring a shutdown from coordinator incarnation %d (registered with %s)",
-                self.client_id,
-                msg.incarnation,
-                self._incarnation if self.accepted else "none",
-            )
-            return False
+        if not self.registration.fire(Event.SHUTDOWN, incarnation=msg.incarnation):
+            return False  # not from the incarnation that accepted us (logged)
         log.info("%s: shutdown: %s", self.client_id, msg.reason)
-        self.finished = True
         return True
 
     def _on_registered(self, msg: Registered, _blobs: Mapping[str, Buffer]) -> bool:
         if msg.session != self.session:  # an answer to another process of this id
             log.info("%s: ignoring an answer meant for another process", self.client_id)
             return False
-        if msg.incarnation != self._registering:  # recorded from another coordinator
-            log.warning(
-                "%s: ignoring an answer from coordinator incarnation %d",
-                self.client_id,
-                msg.incarnation,
-            )
-            return False
-        if not msg.accepted:
-            log.error("%s: registration refused: %s", self.client_id, msg.reason)
-            self.accepted, self.refused = False, msg.reason or "no reason given"
+        reg = self.registration
+        if not msg.accepted:  # (an answer for another incarnation is logged and ignored)
+            if not reg.fire(Event.REFUSE, incarnation=msg.incarnation, reason=msg.reason):
+                return False
+            log.error("%s: registration refused: %s", self.client_id, self.refused)
             return True  # nothing more to do here: run() raises RegistrationRefused
-        if not self.accepted:
-            log.info("%s: registered", self.client_id)
-        self.accepted = True
-        self._incarnation = msg.incarnation
-        self.peers.bind(msg.incarnation)
+        was = reg.state
+        if reg.fire(Event.ACCEPT, incarnation=msg.incarnation):
+            if was is not State.ACCEPTED:
+                log.info("%s: registered", self.client_id)
+            self.peers.bind(msg.incarnation)
         return False
 
     def _on_task(self, msg: Task, blobs: Mapping[str, Buffer]) -> bool:
@@ -682,9 +584,9 @@ class EdgeClient:
     def _stale(self, task: Task) -> str | None:
         """Why a task must not run here, or None. The coordinator sends every task it is still
         waiting for again once a registration is accepted, so nothing is lost by waiting."""
-        if not self.accepted:
+        if self.registration.state is not State.ACCEPTED:
             return "not registered (yet)"
-        if task.incarnation != self._incarnation:
+        if task.incarnation != self.registration.incarnation:
             return f"it comes from coordinator incarnation {task.incarnation}, not ours"
         trained = self.node.trained_round
         if task.phase == "fit" and task.round < trained:
@@ -702,9 +604,10 @@ class EdgeClient:
             log.info("%s: ignoring the status of an earlier coordinator", self.client_id)
             return
         self.status = status
+        reg = self.registration
         if self.keyring is None and topics.COORDINATOR in self.endpoint.signed_writers:
             # A coordinator that signs drops unsigned registrations: waiting would never end.
-            self.accepted, self.refused = False, _UNSIGNED.format(id=self.client_id)
+            reg.fire(Event.UNSIGNED, reason=_UNSIGNED.format(id=self.client_id))
             log.error("%s: %s", self.client_id, self.refused)
             self._stop.set()
             return
@@ -714,15 +617,14 @@ class EdgeClient:
                 self.endpoint.set_limits(max_pending_bytes=bound)
         if previous is not None and previous.incarnation != status.incarnation:
             log.info("%s: the coordinator restarted; registering again", self.client_id)
-            self.accepted = None
-        if self.accepted is None and status.phase == "finished":
-            if self._finished_since is None:  # an old run's, replayed? A newer status says so
-                self._finished_since = _now()
-        elif self.accepted is None:
-            self._finished_since = None
-            if self._registering != status.incarnation:  # else the retry timer sends it again
-                self.register()
-        elif self.accepted and _now() - self._back_at < REANNOUNCE_S:
+        # A "finished" status before any acceptance may be an old run's, replayed: DOUBTING
+        # until a newer status says so (see edge_sdk.registration).
+        event = reg.status_event(status.incarnation, status.phase == "finished")
+        if not reg.fire(event, incarnation=status.incarnation, now=_now()):
+            return
+        if event is Event.NEW_COORDINATOR:  # else an unanswered one is retried on its timer
+            self._send_registration(again=False)
+        elif reg.state is State.ACCEPTED and _now() - self._back_at < REANNOUNCE_S:
             self._try_send(self._presence(self.transport.connection, online=True))
 
     def _handle(self, task: Task, blobs: Mapping[str, Buffer]) -> None:

@@ -79,6 +79,12 @@ class ClientNode:
     """One client: its id, architecture, private data, device and the algorithm state it keeps.
 
     `onnx_path`: where to export the personalized model (verified) after the finalize phase.
+    `class_names`, `normalization`: written into the ONNX file's metadata for the app that runs
+    it. `normalization` is what the app's data was normalised with: {"mean": [...], "std":
+    [...]}, one value per input channel (or one for all); `OnnxPredictor.predict(raw,
+    normalize=True)` then applies it to raw inputs on the device. A mapping with other keys is
+    refused here, when the node is built. `device`: where it trains (`cpu`, `cuda`); `seed`:
+    its randomness.
     `state_dir`: where to persist the whole algorithm state after every task; a node that finds
     a state of its own run and id there continues from it (`restore`). `peers`: the channel to
     other clients (decentralized algorithms), set by the runtime that hosts the node.

@@ -16,9 +16,18 @@ which only the coordinator may write). So one peer cannot pre-empt another's blo
 id. Memory is bounded by the bytes actually received (not by what chunk headers claim), and
 incomplete or unclaimed blobs expire on a timer.
 
-The transport callback (`_on_payload`) parses and files chunks, appending each in order to its
-blob and hashing it as it comes (bounded work per chunk, and the paho payload is freed at once);
-the checksum comparison happens in `receive()` and decoding in the consumer's thread.
+The transport callback (`_on_payload`, on paho's network thread for MQTT, the publisher's in
+memory) only puts the raw frame on the endpoint's inbox, a queue bounded in bytes (each frame
+counted with FRAME_COST of bookkeeping), in all and per topic (so one sender's flood cannot
+crowd out the others while the consumer is busy), by default as reassembly is (with floors,
+MIN_QUEUED_BYTES and MIN_TOPIC_QUEUED_BYTES): a frame that does not fit is dropped and counted
+(`queue_full`), and the callback never waits.
+Everything else happens on the thread that takes messages from the endpoint (`receive()`, or
+`pump()`): signature checks, replay checks, message decoding, filing chunks (appending each in
+order to its blob and hashing it as it comes), and the checksum comparison. So a slow check or a
+flood of frames costs the consumer's thread, never the network thread that keeps the connection
+alive, and what the consumer decides (a new bound once the run says how large its models are)
+applies to every frame after it.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import random
 import threading
 import time
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +102,13 @@ BLOB_COST = 512
 # Chunks a topic may hold beyond what its byte bound needs in whole chunks (small blobs, such as
 # a tiny model's, come as one short chunk each).
 SPARE_CHUNKS = 256
+# What a frame waiting in the inbox costs beside its payload (its bytes object, the tuple and the
+# queue's slot hold ~150 bytes; counted generously, like a chunk held).
+FRAME_COST = CHUNK_COST
+# The inbox holds at least this much by default, whatever reassembly's bounds (a few frames of
+# the largest payload an MQTT transport takes, and many small ones), in all and per topic.
+MIN_QUEUED_BYTES = 16 * DEFAULT_CHUNK_BYTES
+MIN_TOPIC_QUEUED_BYTES = 4 * DEFAULT_CHUNK_BYTES
 # Freeing this much (bookkeeping included) at once: the pages go back to the kernel.
 _RELEASE_BYTES = 1024 * 1024
 MAX_HEADER_BYTES = 1024  # a chunk header (blob id, index, count, size) needs a few hundred
@@ -201,7 +217,8 @@ class _Blob:
 
 @dataclass
 class _Ready:
-    """A message whose blobs are all here; verified and handed out by `receive()`."""
+    """A message whose blobs are all here; checked against their checksums and handed out by
+    `receive()`."""
 
     message: Message
     topic: str
@@ -232,12 +249,16 @@ class Endpoint:
         keyring: Keyring | None = None,
         pending_bound: Callable[[str], int] | None = None,
         replay: ReplayGuard | None = None,
+        max_queued_bytes: int | None = None,
     ) -> None:
         """`keyring`: sign what is sent and accept only frames signed by their topic's writer
         (None: open mode, nothing signed or checked). `pending_bound(topic)`: the bytes that
         topic may hold in reassembly (0: no blobs expected there), instead of
         `max_pending_bytes` for all. `replay`: the record of what was seen (default: a new
-        one, in memory)."""
+        one, in memory). `max_queued_bytes`: what frames received but not yet taken by the
+        consumer may hold in all, FRAME_COST each included (default: `max_total_pending_bytes`,
+        as `set_limits` changes it, and at least MIN_QUEUED_BYTES); per topic, they may hold
+        `max_pending_bytes` (at least MIN_TOPIC_QUEUED_BYTES, at most the total)."""
         self.transport = transport
         subs = [subscriptions] if isinstance(subscriptions, str) else list(subscriptions)
         self.subscriptions = subs
@@ -269,13 +290,36 @@ class Endpoint:
         self._consumed: dict[_BlobKey, float] = {}
         self._parked: list[tuple[Message, str, float]] = []
         self._refused: dict[_BlobKey, str] = {}  # oldest first, at most _REFUSED_KEPT
-        self._queue: queue.Queue[_Ready | None] = queue.Queue()  # None: interrupt()
+        # Frames as the transport delivered them, for the consumer's thread (None: interrupt()),
+        # and what they hold (bytes with FRAME_COST each); then the messages made whole, in order.
+        self._inbox: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
+        self._inbox_lock = threading.Lock()
+        self._queued = 0
+        self._queued_by: Counter[str] = Counter()  # ... per topic
+        self._max_queued_bytes = max_queued_bytes
+        self._ready: deque[_Ready] = deque()
+        self._consuming = threading.Lock()
         self._open = False
         self._scope = scope
 
     @property
     def is_open(self) -> bool:
         return self._open
+
+    @property
+    def max_queued_bytes(self) -> int:
+        """What frames waiting for the consumer may hold (payloads and FRAME_COST each)."""
+        return self._max_queued_bytes or max(self.max_total_pending_bytes, MIN_QUEUED_BYTES)
+
+    @property
+    def max_topic_queued_bytes(self) -> int:
+        """What frames waiting for the consumer may hold per topic."""
+        return min(self.max_queued_bytes, max(self.max_pending_bytes, MIN_TOPIC_QUEUED_BYTES))
+
+    @property
+    def queued_bytes(self) -> int:
+        """What the frames waiting for the consumer hold now."""
+        return self._queued
 
     @property
     def rejected(self) -> int:
@@ -382,24 +426,85 @@ class Endpoint:
     # -- receiving -------------------------------------------------------------------------
     def receive(self, timeout: float | None = None) -> Envelope | None:
         """Next complete, verified envelope, or None after `timeout` seconds (or sooner, once
-        for each `interrupt()`)."""
+        for each `interrupt()`). The frames received meanwhile are checked and filed here, on
+        the caller's thread."""
         self._expire()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            while self._ready:
+                try:
+                    ready = self._ready.popleft()
+                except IndexError:  # another consumer took it
+                    break
+                env = self._verify(ready)
+                if env is not None:
+                    return env
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                ready = self._queue.get(timeout=left)
+                frame = self._inbox.get(timeout=left)
             except queue.Empty:
                 return None
-            if ready is None:
+            if frame is None:
                 return None
-            env = self._verify(ready)
-            if env is not None:
-                return env
+            self._take(*frame)
+
+    def pump(self) -> int:
+        """Check and file every frame received so far, now, on the caller's thread (what
+        `receive()` does as it goes); the messages made whole wait for `receive()`. Returns how
+        many frames it took; an `interrupt()` met on the way is kept for `receive()`."""
+        taken = 0
+        interrupted = False
+        while True:
+            try:
+                frame = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if frame is None:
+                interrupted = True
+                continue
+            self._take(*frame)
+            taken += 1
+        if interrupted:
+            self._inbox.put(None)
+        return taken
 
     def interrupt(self) -> None:
         """Make a `receive()` in progress (or the next one) return None now."""
-        self._queue.put(None)
+        self._inbox.put(None)
+
+    def _on_payload(self, topic: str, payload: bytes) -> None:
+        """The transport's callback (its network thread): queue the frame, or drop it when the
+        inbox is full. Nothing else happens here."""
+        cost = len(payload) + FRAME_COST
+        with self._inbox_lock:
+            held, on_topic = self._queued, self._queued_by[topic]
+            fits = (
+                held + cost <= self.max_queued_bytes
+                and on_topic + cost <= self.max_topic_queued_bytes
+            )
+            if fits:
+                self._queued += cost
+                self._queued_by[topic] += cost
+        if not fits:
+            self._reject(
+                "queue_full",
+                f"a {len(payload)}-byte frame, with {on_topic} bytes on its topic and {held} in "
+                "all waiting for the consumer",
+                topic,
+                stranger=True,  # one line a minute for a flood, however many topics it uses
+            )
+            return
+        self._inbox.put((topic, payload))
+
+    def _take(self, topic: str, payload: bytes) -> None:
+        cost = len(payload) + FRAME_COST
+        with self._inbox_lock:
+            self._queued -= cost
+            self._queued_by[topic] -= cost
+            if not self._queued_by[topic]:
+                del self._queued_by[topic]
+        with self._consuming:  # one frame at a time, in order, whoever consumes
+            self._process(topic, payload)
 
     def _verify(self, ready: _Ready) -> Envelope | None:
         blobs = {}
@@ -414,7 +519,10 @@ class Endpoint:
             blobs[blob_id] = data
         return Envelope(ready.message, blobs, ready.topic, ready.refused)
 
-    def _on_payload(self, topic: str, payload: bytes) -> None:
+    def _process(self, topic: str, payload: bytes) -> None:
+        """Check a frame and file it (the consumer's thread): a chunk joins its blob, a message
+        whose blobs are all here is ready for `receive()`, the rest waits for its blobs; what
+        fails a check is dropped and counted."""
         try:
             if payload.startswith(_CHUNK):
                 self._on_chunk(topic, payload)
@@ -626,7 +734,7 @@ class Endpoint:
             self._drop(key)
             self._consumed.pop(key, None)  # to the end: the dict stays in time order
             self._consumed[key] = now
-        self._queue.put(_Ready(msg, topic, ready, refused))
+        self._ready.append(_Ready(msg, topic, ready, refused))
         return True
 
     def _release_parked(self) -> None:

@@ -5,6 +5,7 @@ import sys
 
 from edge_sdk.auth import AuthSettings, Keyring
 from edge_sdk.client import EdgeClient
+from edge_sdk.node import ClientNode
 from edge_sdk.trainer import ClientData
 from model_zoo import ArchSpec
 from model_zoo.data import load_dataset
@@ -17,6 +18,7 @@ data = ClientData(x[:a], y[:a], x[a:b], y[a:b], x[b:], y[b:], num_classes=10)  #
 spec = ArchSpec(family="mlp", num_classes=10, input_shape=(1, 8, 8))  # its own architecture
 keyring = Keyring.load(AuthSettings(key_file=key_file, roster=roster), me)  # from edgefl keys
 onnx = f"{me}.onnx"  # where the model it deploys goes, verified against PyTorch
-client = EdgeClient.connect(broker, me, spec, data, run_id=run_id, keyring=keyring, onnx_path=onnx)
+node = ClientNode(me, spec, data, run_id=run_id, onnx_path=onnx)  # what trains, on the device
+client = EdgeClient(node, broker, keyring=keyring)  # ... served over its own MQTT connection
 final = client.run()  # blocks until the federation ends: the final metrics, and what it deployed
 print(f"{me} deployed {final.deployed.describe() if final.deployed else 'nothing (stopped)'}")

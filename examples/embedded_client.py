@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 from edge_sdk.auth import AuthSettings, Keyring
 from edge_sdk.client import EdgeClient, TaskOutcome
 from edge_sdk.inference import OnnxPredictor
+from edge_sdk.node import ClientNode
 from edge_sdk.trainer import ClientData
 from edge_sdk.transport.mqtt import BrokerSettings
 from model_zoo import ArchSpec
@@ -93,8 +94,7 @@ def main() -> None:
     # 4. Join the federation and block until it ends; the model is exported (and verified) then.
     onnx_path = Path(args.out) / f"{args.id}.onnx"
     broker = BrokerSettings(url=args.broker, password=os.environ.get("EDGEFL_BROKER__PASSWORD"))
-    client = EdgeClient.connect(
-        broker,
+    node = ClientNode(
         args.id,
         spec,
         data,
@@ -102,9 +102,8 @@ def main() -> None:
         onnx_path=onnx_path,
         class_names=digits.classes,
         normalization=digits.normalization,
-        on_task=on_task,
-        keyring=keyring,
     )
+    client = EdgeClient(node, broker, on_task=on_task, keyring=keyring)
     client.run()
 
     # 5. On-device inference needs nothing but onnxruntime and the file.

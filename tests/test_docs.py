@@ -56,7 +56,7 @@ def test_the_site_builds_strict_with_the_generated_pages(site: Path) -> None:
     assert "<code>fml.alpha</code>" in cli and "EDGEFL_ROUND__QUORUM" in cli
     assert "Run one client of a federation over MQTT" in cli  # `edgefl client --help`
     tutorial = (site / "tutorials" / "client-app" / "index.html").read_text()
-    assert "EdgeClient.connect" in tutorial  # examples/client_app.py, included
+    assert "EdgeClient(node, broker" in tutorial  # examples/client_app.py, included
 
 
 def test_a_broken_link_fails_the_strict_build(tmp_path: Path) -> None:

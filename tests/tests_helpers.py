@@ -96,7 +96,7 @@ def small_federation(
         cfg, fleet, fed=fed, checkpoint_path=checkpoint_path, incarnation=incarnation
     ).open()
     clients = [
-        (client_cls if i == 0 else EdgeClient).around(
+        (client_cls if i == 0 else EdgeClient)(
             build_node(cfg, fed, i, state_dir=state_dir),
             broker.connect(cid),
             keyring=keys.get(cid),

@@ -14,7 +14,8 @@ the in-memory transport, a real mosquitto and the embedded amqtt broker):
 - A will (`set_will`) is published by the broker when the connection drops without a clean
   disconnect (`abort()` drops it on purpose, as a crash would).
 - Callbacks run on the transport's own thread (paho's network thread for MQTT, the publisher's
-  thread in memory): they must only decode and enqueue, never train or block.
+  thread in memory): they must only enqueue, never check, decode, train or block (`Endpoint`
+  queues the raw frame; its consumer's thread does the rest).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@
   `NotAuthorized`); 16 "no matching subscribers" counts as success. Payloads over the limit are
   refused before publishing, and inbound ones over it are dropped (the broker is also told the
   maximum packet size we accept).
-- paho's network thread (ours: one per transport) only decodes and enqueues: it calls the
-  subscribers' callbacks, which must not block.
+- paho's network thread (ours: one per transport) only hands payloads on: it calls the
+  subscribers' callbacks, which only enqueue (an `Endpoint` checks and decodes on its consumer's
+  thread) and must not block.
 """
 
 from __future__ import annotations

@@ -138,6 +138,7 @@ def test_the_daemon_logs_rounds_and_serves_prometheus_metrics(mosquitto, tmp_pat
     from coordinator.federation import prepare_federation
     from coordinator.simulator import transport_factory
     from edge_sdk.client import EdgeClient
+    from edge_sdk.node import ClientNode
     from model_zoo import ArchSpec
 
     fed = prepare_federation(cfg)
@@ -145,12 +146,8 @@ def test_the_daemon_logs_rounds_and_serves_prometheus_metrics(mosquitto, tmp_pat
     spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
     clients = [
         EdgeClient(
-            cid,
-            spec,
-            data,
+            ClientNode(cid, spec, data, run_id="metrics", seed=i),
             connect(cid),
-            run_id="metrics",
-            seed=i,
             keyring=Keyring.load(AuthSettings(key_file=keys[cid], roster=keys["roster"]), cid),
         )
         for i, (cid, data) in enumerate(zip(fed.client_ids, fed.client_data, strict=True))

@@ -14,6 +14,7 @@ from coordinator.server import Coordinator, CoordinatorError, Interrupted, Round
 from coordinator.simulator import run_federation, simulate
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.client import EdgeClient
+from edge_sdk.node import ClientNode
 from edge_sdk.state import load_state, save_state
 from edge_sdk.trainer import ClientData
 from edge_sdk.transport import InMemoryBroker
@@ -335,8 +336,8 @@ def test_a_client_with_an_unknown_architecture_is_refused_and_told_why():
     ).open()
     bogus = ArchSpec(family="transformer9000", num_classes=10, input_shape=(1, 8, 8))
     good = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
-    bad_client = EdgeClient("bad", bogus, fed.client_data[0], broker.connect()).start()
-    good_client = EdgeClient("good", good, fed.client_data[1], broker.connect()).start()
+    bad_client = EdgeClient(ClientNode("bad", bogus, fed.client_data[0]), broker.connect()).start()
+    good_client = EdgeClient(ClientNode("good", good, fed.client_data[1]), broker.connect()).start()
     result = coordinator.run()
     deadline = time.monotonic() + 5
     while bad_client.accepted is None and time.monotonic() < deadline:
@@ -427,7 +428,7 @@ def test_fml_federates_clients_with_different_numbers_of_classes_through_a_share
         tr, te = slice(0, int(0.7 * n)), slice(int(0.7 * n), n)
         data = ClientData(xi[tr], yi[tr], xi[:0], yi[:0], xi[te], yi[te], num_classes=len(labels))
         spec = ArchSpec(family="mlr", num_classes=len(labels), input_shape=(1, 8, 8))
-        clients.append(EdgeClient(cid, spec, data, broker.connect()).start())
+        clients.append(EdgeClient(ClientNode(cid, spec, data), broker.connect()).start())
 
     # Execute
     result = coordinator.run()
@@ -520,7 +521,7 @@ def test_a_client_joining_after_a_persfl_run_personalizes_from_its_archive():
     # A device that was not in the run: data of a fourth client of the same split.
     data = prepare_federation(tiny_config(clients=3)).client_data[2]
     spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 8, 8))
-    late = EdgeClient("late", spec, data, broker.connect("late"), seed=7)
+    late = EdgeClient(ClientNode("late", spec, data, seed=7), broker.connect("late"))
     # Execute
     result = late.join_late(timeout=10)
 

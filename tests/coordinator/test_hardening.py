@@ -145,10 +145,12 @@ def test_reassembly_memory_is_bounded_by_bytes_received_not_by_headers():
     tx = broker.connect("tx", max_payload_bytes=2**21)
     for i in range(50):  # each claims a 2-byte blob and carries 1 MiB
         tx.publish("in", _chunk(f"b{i}", 0, 2, 2, b"x" * 2**20))
+        rx.pump()  # (as a consumer takes them: checked on its thread)
     assert rx._held <= 4096
     assert rx.rejected == 50
     for i in range(50):  # honest small chunks still fit, until the bound says no
         tx.publish("in", _chunk(f"s{i}", 0, 2, 200, b"y" * 100))
+        rx.pump()
     assert rx._held <= 4096
     rx.close()
 
@@ -163,13 +165,16 @@ def test_one_sender_filling_its_bound_does_not_crowd_out_another():
     tx = broker.connect("tx")
     for i in range(20):  # mallory keeps sending halves of blobs that never complete
         tx.publish("up/mallory", _chunk(f"m{i}", 0, 2, 400, b"x" * 200))
+    rx.pump()
     assert rx._held_by["up/mallory"] == 3 * half
     tx.publish("up/alice", _chunk("a", 0, 2, 400, b"y" * 200))
     tx.publish("up/alice", _chunk("a", 1, 2, 400, b"y" * 200))
+    rx.pump()
     assert rx._blobs[("up/alice", "a")].complete
     for who in ("bob", "carol", "dave"):  # many senders: the total bound holds as well
         for i in range(5):
             tx.publish(f"up/{who}", _chunk(f"{who}{i}", 0, 2, 400, b"z" * 200))
+    rx.pump()
     assert rx._held <= 9 * half
     rx.close()
 
@@ -181,6 +186,7 @@ def test_a_flood_of_tiny_chunks_is_bounded_by_their_count_and_bookkeeping():
     for i in range(5000):  # one-byte chunks: 5,000 bytes, far under the byte bound alone
         tx.publish("in", _chunk(f"a{i}", 0, 2, 2, b"x"))
         tx.publish("in", _chunk(f"b{i // 999}", 1 + i % 999, 1000, 1000, b"x"))
+        rx.pump()
     cap = rx.chunk_bound(1 << 20)  # 2 whole chunks and SPARE_CHUNKS
     assert cap == 2 + SPARE_CHUNKS and rx._chunks <= cap
     assert rx._held <= 1 << 20 and rx.rejections["oversized"] > 9000
@@ -191,6 +197,7 @@ def test_incomplete_blobs_expire_on_a_timer_without_receive():
     broker = InMemoryBroker()
     rx = Endpoint(broker.connect("rx"), "in", blob_timeout_s=0.1).open()
     broker.connect("tx").publish("in", _chunk("half", 0, 2, 20, b"x" * 10))
+    rx.pump()  # filed by its consumer; then nobody receives
     assert rx._held == 10 + CHUNK_COST + BLOB_COST
     eventually(lambda: rx._held == 0 and not rx._blobs, timeout=3)
     rx.close()
@@ -311,6 +318,7 @@ def test_a_chunk_header_nested_deeper_than_json_can_parse_is_counted_as_malforme
     rx = Endpoint(broker.connect("rx"), "in").open()
     deep = b"[" * 100_000 + b"]" * 100_000
     broker.connect("tx").publish("in", b"EF1C" + len(deep).to_bytes(4, "big") + deep + b"x")
+    rx.pump()
     assert rx.rejections == {"malformed": 1}
     rx.close()
 

@@ -14,6 +14,7 @@ from coordinator.deploy import metrics_collector
 from edge_sdk import topics
 from edge_sdk.algorithms import FitResult
 from edge_sdk.client import EdgeClient, RegistrationRefused
+from edge_sdk.node import ClientNode
 from edge_sdk.protocol import Presence, Reply, Task, decode
 from edge_sdk.transport import InMemoryBroker
 from edge_sdk.wire import Endpoint
@@ -67,9 +68,8 @@ def test_the_newest_process_of_a_client_id_counts_and_the_older_one_is_told_to_s
 
     def second_process(rec):  # after round 1, c1 starts again elsewhere (same id, same key)
         if rec.round == 1:
-            c = EdgeClient(
-                "c1", old.spec, old.data, broker.connect("c1-again"), seed=1, keyring=old.keyring
-            )
+            node = ClientNode("c1", old.spec, old.data, seed=1)
+            c = EdgeClient(node, broker.connect("c1-again"), keyring=old.keyring)
             newer.append(c.start())  # registers while the coordinator runs round 2
 
     coordinator.on_round = second_process
@@ -142,9 +142,11 @@ def test_reassembly_holds_no_blob_for_a_stranger_and_a_models_worth_for_a_client
     mib = b"\0" * (1 << 20)
     for i in range(20):  # 20 MiB towards a 200 MiB blob, from nobody the run knows
         mallory.publish(topics.up("default", "x"), _chunk("big", i, 200, 200 << 20, mib))
+        endpoint.pump()  # (as the coordinator takes them: checked on its thread)
     assert endpoint._held == 0 and endpoint.rejections["unexpected_blob"] == 20
     for i in range(20):  # and the same on a registered client's topic
         mallory.publish(topics.up("default", "c0"), _chunk("big", i, 200, 200 << 20, mib))
+        endpoint.pump()
     # They fill c0's bound (a tiny model's worth, not hundreds of MiB); the next is refused and
     # the blob, which can never be whole now, dropped with what it held: nothing to expire.
     assert fleet._per_client_bound() < 5 << 20
@@ -165,6 +167,7 @@ def test_a_flood_of_bad_messages_is_counted_whole_and_logged_once(caplog):
         header = b'{"blob": "b", "index": 1e999, "count": 2, "size": 10}'
         chunk = b"EF1C" + len(header).to_bytes(4, "big") + header + b"xx"
         flood.publish(topics.up("r", "c1"), chunk)  # an index that is not a number
+        rx.pump()
     assert rx.rejections["malformed"] == 1001
     lines = [r for r in caplog.records if "dropped" in r.getMessage()]
     assert len(lines) == 1

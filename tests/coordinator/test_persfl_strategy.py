@@ -13,6 +13,7 @@ from edge_sdk.algorithms import algorithm_class
 from edge_sdk.budget import arch_name
 from edge_sdk.client import EdgeClient
 from edge_sdk.codec import WireModel
+from edge_sdk.node import ClientNode
 from edge_sdk.protocol import Capabilities, Task
 from edge_sdk.transport import InMemoryBroker
 from edge_sdk.wire import pack_models
@@ -105,7 +106,7 @@ def test_persfl_new_participant_personalizes_from_the_archive_after_training():
         ArchSpec(family=f, num_classes=10, input_shape=(1, 8, 8)) for f in ("mlr", "mlp", "mlr")
     ]
     members = [
-        EdgeClient(cid, spec, data, broker.connect(), seed=i).start()
+        EdgeClient(ClientNode(cid, spec, data, seed=i), broker.connect()).start()
         for i, (cid, spec, data) in enumerate(
             zip(fed.client_ids[:3], specs, fed.client_data[:3], strict=True)
         )
@@ -116,11 +117,13 @@ def test_persfl_new_participant_personalizes_from_the_archive_after_training():
     archive = coordinator.strategy.archived_models()
     # A fourth device joins after training, with an architecture of its own.
     newcomer = EdgeClient(
-        fed.client_ids[3],
-        ArchSpec(family="mlp", num_classes=10, input_shape=(1, 8, 8)),
-        fed.client_data[3],
+        ClientNode(
+            fed.client_ids[3],
+            ArchSpec(family="mlp", num_classes=10, input_shape=(1, 8, 8)),
+            fed.client_data[3],
+            seed=9,
+        ),
         broker.connect(),
-        seed=9,
     )
     refs, blobs = pack_models(archive)
     task = Task(

@@ -13,6 +13,7 @@ from coordinator.server import Coordinator, RoundConfig
 from edge_sdk import topics
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.client import EdgeClient
+from edge_sdk.node import ClientNode
 from edge_sdk.protocol import Reply
 from edge_sdk.transport.base import NotAuthorized
 from edge_sdk.transport.mqtt import BrokerSettings, MqttTransport
@@ -51,7 +52,9 @@ def _federation(secured, algorithm, **config):
         round_config=RoundConfig(deadline_s=60, register_timeout_s=60),
     ).open()
     clients = [
-        EdgeClient(c.client_id, c.spec, c.data, _as(broker, creds, c.client_id), seed=i).start()
+        EdgeClient(
+            ClientNode(c.client_id, c.spec, c.data, seed=i), _as(broker, creds, c.client_id)
+        ).start()
         for i, c in enumerate(template)
     ]
     rogue = _as(broker, creds, "c9").connect(10)
@@ -149,7 +152,7 @@ def test_a_client_without_keyring_stops_at_once_when_its_coordinator_signs():
 def test_an_app_that_connects_without_keyring_is_warned(caplog):
     _, clients = small_federation(n=1)
     node = clients[0].node
-    app = EdgeClient.connect("mqtt://127.0.0.1:1", "c0", node.spec, node.data)
+    app = EdgeClient(node, "mqtt://127.0.0.1:1")
     app.transport.close()
     assert "c0: no keyring: its messages go unsigned (open mode)" in caplog.text
 

@@ -261,15 +261,13 @@ def test_fedprox_with_large_mu_drifts_less_than_fedavg():
     assert drift("fedprox", mu=5.0) < drift("fedavg")
 
 
-def test_an_edge_client_refuses_a_model_that_does_not_fit_its_data():
-    from edge_sdk.client import EdgeClient
-    from edge_sdk.transport import InMemoryBroker
+def test_a_client_node_refuses_a_model_that_does_not_fit_its_data():
+    from edge_sdk.node import ClientNode
 
-    transport = InMemoryBroker().connect()
     with pytest.raises(ValueError, match="does not fit the data"):
-        EdgeClient("c0", _spec(classes=10), _data(classes=4), transport)
+        ClientNode("c0", _spec(classes=10), _data(classes=4))
     with pytest.raises(ValueError, match="does not fit the data"):
-        EdgeClient("c0", _spec().with_(input_shape=(1, 28, 28)), _data(), transport)
+        ClientNode("c0", _spec().with_(input_shape=(1, 28, 28)), _data())
 
 
 def _state(algo) -> dict[str, object]:

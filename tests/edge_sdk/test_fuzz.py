@@ -99,7 +99,7 @@ frames = st.one_of(
 def test_random_frames_never_crash_an_endpoint_or_exceed_its_memory_bound(batch):
     tx, rx = _endpoint(max_pending_bytes=4096, max_blob_bytes=4096)
     for frame in batch:
-        rx._on_payload("in", frame)  # directly: no transport swallowing exceptions in between
+        rx._process("in", frame)  # directly: no transport swallowing exceptions in between
         assert rx._held <= 4096
     # Nothing malformed comes out: only complete messages whose blobs match their checksums.
     while (env := rx.receive(timeout=0)) is not None:

@@ -10,6 +10,7 @@ import edge_sdk.client as client_mod
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
 from edge_sdk.client import EdgeClient
+from edge_sdk.node import ClientNode
 from edge_sdk.protocol import Register, Status, decode
 from edge_sdk.trainer import ClientData
 from edge_sdk.transport import InMemoryBroker
@@ -45,7 +46,8 @@ def test_an_unanswered_registration_is_sent_again_less_and_less_often(monkeypatc
         broker.connect("coordinator"), [topics.up_all("default")], keyring=keys["coordinator"]
     )
     spec = ArchSpec(family="mlr", input_shape=(1, 8, 8), num_classes=10)
-    client = EdgeClient("c0", spec, _data(), broker.connect("c0"), keyring=keys["c0"]).open()
+    client = EdgeClient(ClientNode("c0", spec, _data()), broker.connect("c0"), keyring=keys["c0"])
+    client.open()
 
     def status(incarnation):
         msg = Status(
@@ -88,7 +90,8 @@ def test_a_connection_that_came_back_makes_the_next_step_due_at_once_and_it_says
         topics.up("default", "c0"), lambda topic, payload: said.append(decode(payload[68:]))
     )
     spec = ArchSpec(family="mlr", input_shape=(1, 8, 8), num_classes=10)
-    client = EdgeClient("c0", spec, _data(), broker.connect("c0"), keyring=keys["c0"]).open()
+    client = EdgeClient(ClientNode("c0", spec, _data()), broker.connect("c0"), keyring=keys["c0"])
+    client.open()
     client.step(None)  # (its first connection, announced)
     assert client.idle_wait() > 0
 
