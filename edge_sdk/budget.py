@@ -118,11 +118,6 @@ class DeployBudget(BaseModel):
             return f"its {params:,} parameters exceed this device's {self.max_params:,}"
         return None
 
-    def admits(self, spec: ArchSpec, own: ArchSpec, model: nn.Module) -> bool:
-        """Whether `model`, of `spec`, is within this budget for a device whose own architecture
-        is `own`."""
-        return self.refusal(spec, own, footprint(model).params) is None
-
 
 def _listed(words: Sequence[str]) -> str:
     if len(words) <= 1:
