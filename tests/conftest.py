@@ -1,3 +1,4 @@
+import logging
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -10,6 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # tests_helpers
 
 from coordinator.broker import EmbeddedBroker, MosquittoBroker, mosquitto_path
+from edge_sdk import logs
 from edge_sdk.transport import InMemoryBroker, Transport
 from edge_sdk.transport.mqtt import MqttTransport
 
@@ -80,6 +82,22 @@ def scoped_registrations() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _few_threads() -> None:
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored() -> Iterator[None]:
+    """The root logger's level and handlers as they were before the test: a command run in
+    this process (typer's CliRunner) installs the CLI's handler and level (`-q`: ERROR), which
+    would otherwise hide later tests' warnings from caplog (seen in `make mutation`, whose runs
+    share one process)."""
+    root = logging.getLogger()
+    level, handlers = root.level, root.handlers[:]
+    yield
+    for h in root.handlers[:]:
+        if h not in handlers and getattr(h, logs._OURS, False):  # (pytest's are pytest's)
+            root.removeHandler(h)
+            h.close()
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
