@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 import re
+import runpy
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
-from tests_helpers import tiny_config
+from tests_helpers import tiny_config, to_rounding
 
 from coordinator.simulator import simulate
 from coordinator.strategies import register_strategy
@@ -72,3 +74,23 @@ def test_a_plugin_that_does_not_declare_stackable_is_told_why_its_clients_train_
         "declare stackable = True (a round written with the context's trainer, model builders, "
         "losses and per-client values can: docs, Extending edgefl)"
     ]
+
+
+@pytest.mark.usefixtures("scoped_registrations")
+def test_a_plugin_written_for_one_client_trains_stacked_to_the_results_of_one_by_one(caplog):
+    # Prepare: the example plugin (about 40 lines: FedAvg with label smoothing, written for
+    # one client with the context's trainer and the shared losses), registered in-process
+    runpy.run_path(str(Path(__file__).parents[2] / "examples" / "plugin" / "smoothing.py"))
+    flags = dict(algorithm="smoothing", models=["mlp"], rounds=2, local_epochs=1, threads=1)
+
+    # Execute: stacked (told so), and client by client
+    with caplog.at_level(logging.INFO, logger="coordinator.stacking"):
+        stacked = simulate(tiny_config(**flags), progress=False)
+    told = [r.getMessage() for r in caplog.records if "train stacked" in r.getMessage()]
+    alone = simulate(tiny_config(**flags, cohort=False), progress=False)
+
+    # Assert: its four clients trained as one stack, to client by client's accuracies
+    assert len(told) == 1 and told[0].startswith("smoothing: 4 clients of one architecture")
+    acc = {c.id: c.personal_acc for c in stacked.clients}
+    assert acc == to_rounding({c.id: c.personal_acc for c in alone.clients})
+    assert stacked.summary.mean_personal_acc > 0.3  # it learns (chance: 0.1)
