@@ -10,7 +10,7 @@ import pytest
 import torch
 from tests_helpers import raises_exactly
 
-from edge_sdk.algorithms import ClientContext
+from edge_sdk.algorithms import ClientContext, algorithm_class
 from edge_sdk.algorithms.fml import FML, FMLConfig
 from edge_sdk.algorithms.guard import DISTILLED, PERSONAL
 from edge_sdk.budget import DeployBudget, arch_name, footprint
@@ -270,3 +270,57 @@ def test_a_device_without_any_model_in_its_budget_is_refused_clearly():
     )
     with raises_exactly(RuntimeError, message):
         client.deployment.guard.deploy_first({"mix": mix}, None, "the guard is off")
+
+
+def test_the_deployed_size_is_its_weights_in_kib_to_a_tenth():
+    # Prepare: the bytes of the MLP's weights, counted here
+    out = _run(_client(OWN, guard=False))
+    weights = build(MLP).state_dict().values()
+    kib = sum(t.numel() * t.element_size() for t in weights) / 1024  # 1,104 bytes
+
+    # Assert
+    assert out.details["deployed_kib"] == round(kib, 1) == 1.1
+
+
+def test_an_algorithm_without_the_guard_deploys_its_final_model_and_says_so():
+    # Prepare: FedAvg, which has no guard: its final model is the global model it trained
+    cpu = torch.device("cpu")
+    ctx = ClientContext("c0", MLR, _data(), cpu, 0, Trainer(cpu, seed=0))
+    fedavg = algorithm_class("fedavg")
+    client = fedavg(ctx, fedavg.config_cls(local_epochs=1, batch_size=16, lr=0.1))
+    models = {"global": WireModel.of(MLR, build(MLR, seed=3))}
+
+    # Execute
+    client.fit(1, 1, models)
+    out = client.finalize(1, 1, models)
+
+    # Assert
+    assert out.details["deployed_reason"] == (
+        "Its personalized model (mlr): the algorithm's final model (no guard)."
+    )
+
+
+def test_a_diverging_student_is_no_candidate_and_is_logged(caplog):
+    # Prepare: the stuck client after its rounds, at a learning rate its student cannot take
+    client = _client(OWN)
+    for r in (1, 2):
+        client.fit(r, 2, _trained_global())
+    client.config = client.config.model_copy(update={"lr": 1e38})
+
+    # Execute
+    student = client.deployment.distil(2, (MLR, client.meme), None)
+
+    # Assert
+    assert student is None
+    (said,) = [r.getMessage() for r in caplog.records if "distillation" in r.getMessage()]
+    assert said.startswith("c0: the guard's distillation diverged (training loss became ")
+
+
+def test_a_budget_in_parameters_counts_one_clients_copy():
+    # Prepare: a device that may run any model of up to the MLR's parameters
+    client = _client(DeployBudget(allow="any", max_params=_params(MLR)))
+
+    # Assert: the MLR within, the wider MLP not (it holds more parameters)
+    assert client._admits(MLR, build(MLR))
+    assert not client._admits(BIG, build(BIG))
+    assert client._admits(MLP, build(MLP))  # its own architecture, whatever the bound

@@ -131,6 +131,7 @@ def test_every_kind_of_private_state_round_trips_and_modules_change_architecture
     # whose values all differ.
     original = _keeper()
     original.fit(1, 3, {})
+    original.mods["n"] = original._build(GLOBAL, salt=5)  # a module the fresh one lacks
     save_state(tmp_path / "s", original.state_dict())
     fresh = _keeper(seed=5)
     fresh.other = torch.nn.Linear(2, 2)  # another architecture, not even built by _build
@@ -149,6 +150,9 @@ def test_every_kind_of_private_state_round_trips_and_modules_change_architecture
     assert _same_weights(fresh.peers["p1"].weights, original.peers["p1"].weights)
     assert fresh.mods["m"] is in_place  # its optimizer, if any, still steps it
     assert _same_weights(in_place.state_dict(), original.mods["m"].state_dict())
+    rebuilt = fresh.mods["n"]  # built here, of the saved architecture, on this device
+    assert rebuilt._edgefl_spec == GLOBAL and rebuilt is not original.mods["n"]
+    assert _same_weights(rebuilt.state_dict(), original.mods["n"].state_dict())
 
 
 def test_a_saved_state_is_a_snapshot_that_later_training_does_not_change():
@@ -242,7 +246,7 @@ def test_state_errors_name_what_is_wrong():
     algo = _keeper()
     state = algo.state_dict()
     algo.optimizer = None
-    with pytest.raises(AlgorithmError, match="an optimizer was saved where none exists now"):
+    with pytest.raises(AlgorithmError, match=r"^local: an optimizer was saved where none exists"):
         algo.load_state_dict(state)
     with pytest.raises(AlgorithmError, match=r"lacks \['plain'\]"):
         algo.load_state_dict({k: v for k, v in state.items() if k != "plain"})
