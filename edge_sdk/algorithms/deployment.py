@@ -12,8 +12,9 @@ what was deployed, its size and why, and how many training samples the client pr
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -40,7 +41,9 @@ class Deployment:
     model, within the budget all the same."""
 
     def __init__(self, algorithm: ClientAlgorithm) -> None:
-        self.algorithm = algorithm
+        # (a proxy: the algorithm owns its deployment, and a stack built for one round is let
+        # go with its tensors when the round ends, not at the next garbage collection)
+        self.algorithm = cast("ClientAlgorithm", weakref.proxy(algorithm))
         ctx, config = algorithm.ctx, algorithm.config
         # (an algorithm without the guard's fields never consults it: its z is the default)
         settings = config if isinstance(config, GuardConfig) else GuardConfig()

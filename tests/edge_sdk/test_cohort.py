@@ -574,7 +574,9 @@ def test_the_guards_fine_tune_the_final_model_stacked_as_each_would_alone(
     calls = []
     real = Deployment.finetune
     monkeypatch.setattr(
-        Deployment, "finetune", lambda self, *a: calls.append(self.algorithm) or real(self, *a)
+        Deployment,
+        "finetune",
+        lambda self, *a: calls.append(self.algorithm.ctx.client_id) or real(self, *a),
     )
     spec = alone[0].ctx.spec
     models = _models(algorithm, spec, len(alone))
@@ -588,7 +590,9 @@ def test_the_guards_fine_tune_the_final_model_stacked_as_each_would_alone(
     # alone: the same choice (and mixture weight), scores, sample count and random stream, the
     # same weights. With [0.5], most members deploy the mixture with their fine-tuned model, so
     # its weights are compared.
-    assert len(calls) == len(alone) + 1 and calls[-1] not in stacked
+    # (the stack's context names all its members, longest first: c1+c0+c2)
+    members = {a.ctx.client_id for a in stacked}
+    assert len(calls) == len(alone) + 1 and set(calls[-1].split("+")) == members
     deployed = []
     for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
         assert g.details == e.details and "guard_mix_weight" in e.details

@@ -4,6 +4,9 @@ Each test builds a tiny client, trains it, spoils its personalized model on purp
 is the point, and checks the guard's choice against scores computed here from the weights alone.
 """
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -807,3 +810,21 @@ def test_fedme_reports_its_personalized_models_test_scores_at_the_end():
         correct,
         len(d.y_test),
     )
+
+
+def test_an_algorithm_let_go_is_freed_at_once_with_its_deployment():
+    # Prepare: the cyclic garbage collector off, as between its runs
+    gc.collect()
+    gc.disable()
+    try:
+        client = _client()
+        gone = weakref.ref(client)
+
+        # Execute
+        del client
+
+        # Assert: freed by its reference count alone (a stack built for one round holds every
+        # member's tensors: it must not wait for a collection)
+        assert gone() is None
+    finally:
+        gc.enable()
