@@ -84,20 +84,22 @@ def _few_threads() -> None:
     torch.set_num_threads(1)
 
 
+_ROOT_LEVEL = logging.getLogger().level  # as the test process starts
+
+
 @pytest.fixture(autouse=True)
 def _root_logger_restored() -> Iterator[None]:
-    """The root logger's level and handlers as they were before the test: a command run in
-    this process (typer's CliRunner) installs the CLI's handler and level (`-q`: ERROR), which
-    would otherwise hide later tests' warnings from caplog (seen in `make mutation`, whose runs
-    share one process)."""
-    root = logging.getLogger()
-    level, handlers = root.level, root.handlers[:]
+    """After every test, the root logger's level as the process started, without the CLI's
+    handler: a command run in this process (typer's CliRunner, in a test or in a module's
+    fixture) installs them (`-q`: ERROR), which would otherwise hide later tests' warnings
+    from caplog (seen in `make mutation`, whose runs share one process)."""
     yield
+    root = logging.getLogger()
     for h in root.handlers[:]:
-        if h not in handlers and getattr(h, logs._OURS, False):  # (pytest's are pytest's)
+        if getattr(h, logs._OURS, False):  # (pytest's capturing handlers are pytest's)
             root.removeHandler(h)
             h.close()
-    root.setLevel(level)
+    root.setLevel(_ROOT_LEVEL)
 
 
 @pytest.fixture(scope="session")
