@@ -212,7 +212,7 @@ class LocalFleet(Fleet):
         )
 
     def _execute(self, begun: Mapping[str, NodeTask]) -> dict[str, FitResult | Exception]:
-        """Run the begun tasks group by group: a stackable group as one job, anything
+        """Run the begun tasks group by group: a group that stacks as one job, anything
         else one job per client, up to `parallel` jobs at once."""
         groups: dict[tuple[object, ...], list[str]] = {}
         for cid, task in begun.items():
@@ -221,12 +221,14 @@ class LocalFleet(Fleet):
         jobs: list[tuple[list[str], bool]] = []  # (clients, whether they may be dealt apart)
         for ids in groups.values():
             first = self.nodes[ids[0]].algorithm
-            stacks = self.stack and first is not None and type(first).stackable
-            if stacks:
+            if (
+                self.stack
+                and first is not None
+                and len(ids) > 1
+                and self.stacking.stacks(type(first), len(ids))
+            ):
                 jobs.append((ids, self.nodes[ids[0]].device.type == "cpu"))
             else:
-                if self.stack and first is not None and len(ids) > 1:
-                    self.stacking.tell_alone(type(first), len(ids))
                 jobs.extend(([cid], False) for cid in ids)
         jobs = _spread(jobs, self.parallel, lambda cid: len(self.nodes[cid].data.y_train))
 

@@ -17,14 +17,16 @@ each client's model with its own seed. Before the stacked fit each member's pers
 stacked (modules, optimizers, equal plain values), after it each member gets its row back, so
 evaluation, persistence, rollback and ONNX export stay per client.
 
-An algorithm opts in with `stackable = True`: its `fit` uses only what a CohortContext provides
+Any algorithm is tried but one whose clients read each other's models (`exchanges_models`);
+`Stacking` checks one from outside the SDK against one client alone the first time. Its `fit`
+stacks when it uses only what a CohortContext provides
 (`ctx.build_model` / `ctx.materialize`, the trainer's batches, `run`, `step`,
 `value_and_grad`, `evaluate`, elementwise updates, `data.n_train`) and takes no branch per
 client on a value that differs between them (`PerMember` refuses it): a decision per client is
 applied row by row (FML's and FedMe's gates weigh each member's loss, FedMe's members adopt
 their exchanged model's rows, PersFL's members keep the rows of the teacher each chose), and a
-persistent plain value that differs between members (PersFL's teacher's round) is named in the
-algorithm's `per_member` and held as a PerMember list. Whatever cannot stack
+persistent plain value that differs between members (PersFL's teacher's round) is held as a
+PerMember list. Whatever cannot stack
 (models with buffers such as batch norm, dropout, members whose state differs in kind, Adam with
 unequal step counts) runs client by client, from the same state and random generators, so the
 result does not depend on the path; the log says why.
@@ -127,10 +129,11 @@ def _split_result(result: FitResult, n: int) -> list[FitResult]:
 def _refill(
     stacked: ClientAlgorithm, members: Sequence[ClientAlgorithm], masked: bool | None
 ) -> bool:
-    """Ready a kept stack for the members' next fit: everything per round started afresh but
-    for the algorithm's `restarted` attributes, and its persistent state kept for
-    `stack_state` to write theirs into. False where the stack no longer fits them (another
-    config, context or trainer): a new one is built."""
+    """Ready a kept stack for the members' next fit, as a device's algorithm is between its
+    rounds: its attributes kept (the optimizers a round restarts in place, `fresh_optimizer`,
+    and the persistent state `stack_state` writes the members' into), its context's task and
+    data the members' new ones. False where the stack no longer fits them (another config,
+    context or trainer): a new one is built."""
     first, ctx = members[0], cast(CohortContext, stacked.ctx)
     trainer = cast(CohortTrainer, ctx.trainer)
     if (
@@ -140,10 +143,6 @@ def _refill(
         or any(t is not a.ctx.trainer for t, a in zip(trainer.members, members, strict=True))
     ):
         return False
-    cls = type(first)
-    kept = {"ctx", *cls.persistent, *cls.restarted}
-    for name in [n for n in vars(stacked) if n not in kept]:
-        delattr(stacked, name)
     ctx.task = first.ctx.task
     ctx.data = StackedData.of([a.ctx.data for a in members])
     ClientAlgorithm.__init__(stacked, ctx, first.config)
@@ -169,8 +168,8 @@ def run_stacked(
     None: a stack built for this call alone."""
     first = algos[0]
     cls = type(first)
-    if not cls.stackable:
-        raise CohortUnsupported(f"{cls.name} does not train stacked")
+    if cls.exchanges_models:
+        raise CohortUnsupported(f"{cls.name}'s clients read each other's models during a round")
     # Longest epochs first: then the members still training at any step are a prefix.
     order = sorted(range(len(algos)), key=lambda i: -algos[i].ctx.data.n_train)
     members = [algos[i] for i in order]

@@ -29,12 +29,11 @@ def stack_state(
     name: str, members: Sequence[ClientAlgorithm], stacked: ClientAlgorithm, into: Any = None
 ) -> Any:
     """The members' persistent attribute `name` as one value of the stacked algorithm: modules
-    and optimizers stacked (written into `into`, a kept stack's own, where it fits), a plain
-    value kept when every member holds an equal one."""
+    and optimizers stacked (written into `into`, a kept stack's own, where it fits); plain
+    values (numbers, None, lists, ArchSpecs...) as one value where every member holds an equal
+    one, else as a `PerMember` list, one value per member (PersFL's teacher's round)."""
     values = [getattr(a, name) for a in members]
     first = values[0]
-    if name in type(stacked).per_member:
-        return PerMember(copy.deepcopy(values))
     if all(v is None for v in values):
         return None
     if all(isinstance(v, nn.Module) for v in values):
@@ -43,13 +42,17 @@ def stack_state(
         module = getattr(stacked, _owner(first, members[0]))
         kept = into if isinstance(into, torch.optim.Optimizer) else None
         return _stack_optimizer(values, list(module.parameters()), kept)
-    if not isinstance(first, nn.Module | torch.optim.Optimizer | torch.Tensor):
-        try:
-            if all(bool(v == first) for v in values):
-                return copy.deepcopy(first)
-        except (RuntimeError, TypeError, ValueError):
-            pass
+    if not any(isinstance(v, nn.Module | torch.optim.Optimizer | torch.Tensor) for v in values):
+        return copy.deepcopy(first if _equal(values) else PerMember(values))
     raise CohortUnsupported(f"the members' {name!r} differ in kind or hold what cannot stack")
+
+
+def _equal(values: Sequence[Any]) -> bool:
+    """Whether plain values are all equal (where comparing them says so plainly)."""
+    try:
+        return all(bool(v == values[0]) for v in values)
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def _owner(opt: torch.optim.Optimizer, algo: ClientAlgorithm) -> str:

@@ -78,23 +78,9 @@ class ClientAlgorithm(ABC):
     # the optimizers that step them): modules built by `_build`/`_materialize`, optimizers,
     # tensors, ArchSpecs, WireModels, plain values, and dicts of any of these.
     persistent: ClassVar[tuple[str, ...]] = ()
-    # True when `train_round` can run once for many clients on stacked models
-    # (coordinator.stacking): it builds models through ctx, draws batches with
-    # trainer.sample_batch, takes gradients with trainer.value_and_grad, averages with
-    # trainer.average and updates elementwise.
-    stackable: ClassVar[bool] = False
-    # Per-round attributes (not persistent) that `train_round` restarts in place rather than
-    # builds anew (Trainer.fresh_optimizer's optimizers): a stack of clients kept from round to
-    # round (coordinator.stacking) carries them into its next round, so that their tensors, and the
-    # captured step that reads them, stay. Every other per-round attribute starts afresh.
-    restarted: ClassVar[tuple[str, ...]] = ()
-    # The persistent attributes `evaluate` changes (FedMe keeps the model its task carries): a
-    # stacked evaluation gives them back to its members. Evaluation changes no other state.
+    # The persistent attributes `evaluate` changes (FedMe keeps the model its task carries):
+    # saved after an evaluation, as after a fit. Evaluation changes no other state.
     evaluation_keeps: ClassVar[tuple[str, ...]] = ()
-    # Persistent plain values that may differ between the members of a stack (PersFL's
-    # teacher's round and loss): a stacked phase holds each as a PerMember list, one value per
-    # member, and every member gets its own back. Any other plain value must be equal.
-    per_member: ClassVar[tuple[str, ...]] = ()
     # Its clients exchange models with each other through `ctx.peers` (decentralized): a host
     # of many clients begins every task of a phase before any executes.
     exchanges_models: ClassVar[bool] = False
@@ -253,8 +239,13 @@ class ClientAlgorithm(ABC):
         return isinstance(self.ctx.data.n_train, list)
 
     def _each(self, value: Any) -> list[Any]:
-        """One value per member: a stack's PerMember as a list, a client's value in a list."""
-        return list(value) if self._stacked else [value]
+        """One value per member: a stack's PerMember (or tensor of one row per member) as a
+        list, any other value the same for every member; a client's value in a list."""
+        if not self._stacked:
+            return [value]
+        if isinstance(value, PerMember | torch.Tensor):
+            return list(value)
+        return [value] * len(cast(PerMember, self.ctx.data.n_train))
 
     def _like(self, values: list[Any]) -> Any:
         """One value per member as this algorithm holds it: a PerMember on a stack of

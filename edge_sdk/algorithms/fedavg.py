@@ -34,17 +34,14 @@ class FedAvg(ClientAlgorithm):
     with the task's `"global"` weights at the start of `train_round` (`_load_global`); a fit
     sends it back as `"model"`, the name `FedAvgStrategy.expected_models` asks for and averages.
     Override `_extra_loss` to add a term to every batch's loss (FedProx does), `train_round` for
-    more. It trains stacked (`stackable`): a subclass whose round does what a stack of clients
-    cannot sets `stackable = False`.
+    more.
     """
 
     name = "fedavg"
     config_cls: ClassVar[type[AlgorithmConfig]] = FedAvgConfig
     config: FedAvgConfig
     persistent: ClassVar[tuple[str, ...]] = ("model",)
-    stackable = True
-    restarted = ("opt",)
-    opt: torch.optim.Optimizer | None = None  # per round, not persistent
+    opt: torch.optim.Optimizer | None = None  # per round (restarted in place), not persistent
 
     def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
         super().__init__(ctx, config)

@@ -104,7 +104,6 @@ class FedMeConfig(AlgorithmConfig, GuardConfig):
 class FedMe(ClientAlgorithm):
     name = "fedme"
     persistent = ("personal", "personal_spec")
-    stackable = True
     evaluation_keeps = persistent  # the model the coordinator returned
     config_cls = FedMeConfig
     config: FedMeConfig

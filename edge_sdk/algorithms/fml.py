@@ -80,11 +80,9 @@ def shared_keys(
 class FML(ClientAlgorithm):
     name = "fml"
     persistent = ("personal", "meme", "meme_spec", "opt_personal")
-    stackable = True
     config_cls = FMLConfig
     config: FMLConfig
-    restarted = ("opt_meme",)
-    opt_meme: torch.optim.Optimizer | None = None  # per round, not persistent
+    opt_meme: torch.optim.Optimizer | None = None  # per round (restarted in place), not persistent
 
     def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
         super().__init__(ctx, config)

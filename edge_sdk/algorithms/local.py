@@ -27,7 +27,6 @@ class LocalConfig(AlgorithmConfig):
 class Local(ClientAlgorithm):
     name = "local"
     persistent = ("model", "optimizer")
-    stackable = True
     config_cls = LocalConfig
     config: LocalConfig
 

@@ -2,7 +2,7 @@
 
 The simulator may run one algorithm's round once for many clients of one architecture, on
 models whose parameters carry a leading client dimension (`coordinator.stacking`); a device
-never does. An algorithm that lets it (`stackable`) takes no branch on a value that differs
+never does. An algorithm written for it takes no branch on a value that differs
 between clients: such a value is a `PerMember` list, which refuses to be decided on, a decision
 per client is applied row by row (`take_rows`), and what cannot be is refused with
 `CohortUnsupported` (those clients then train one by one). This module is all of it a device

@@ -142,8 +142,7 @@ class PersFL(ClientAlgorithm):
     name = "persfl"
     config_cls = PersFLConfig
     config: PersFLConfig
-    restarted = ("opt",)
-    opt: torch.optim.Optimizer | None = None  # stage 1's, per round, not persistent
+    opt: torch.optim.Optimizer | None = None  # stage 1's, per round (restarted), not persistent
     persistent = (
         "model",
         "model_spec",
@@ -157,8 +156,6 @@ class PersFL(ClientAlgorithm):
         "grid",
         "choice",
     )
-    stackable = True
-    per_member = ("teacher_round", "teacher_loss", "diverged", "grid", "choice")
 
     def __init__(self, ctx: ClientContext, config: AlgorithmConfig) -> None:
         super().__init__(ctx, config)

@@ -165,10 +165,8 @@ def _shaped_as(kept: nn.Module | None, model: nn.Module) -> nn.Module:
 class PFML(ClientAlgorithm):
     name = "pfml"
     persistent = ("local", "aux")
-    stackable = True
-    # The round's anchors and work models, rewritten in place from round to round: a device's
-    # (or a kept stack's) captured step reads them.
-    restarted = ("anchor_local", "anchor_aux", "work_local", "work_aux")
+    # The round's anchors and work models (not persistent), rewritten in place from round to
+    # round: a device's (or a kept stack's) captured step reads them.
     config_cls = PFMLConfig
     config: PFMLConfig
     anchor_local: list[torch.Tensor] | None = None

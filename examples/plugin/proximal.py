@@ -39,7 +39,6 @@ class Proximal(ClientAlgorithm):
     config_cls: ClassVar[type[AlgorithmConfig]] = ProximalConfig
     config: ProximalConfig
     persistent: ClassVar[tuple[str, ...]] = ("model",)  # saved after every task, restored
-    stackable = False  # True only for a train_round that a stack of clients can run as one
 
     def __init__(self, ctx: ClientContext, config: BaseAlgorithmConfig) -> None:
         super().__init__(ctx, config)

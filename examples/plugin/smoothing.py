@@ -36,7 +36,6 @@ class Smoothing(ClientAlgorithm):
     config_cls = SmoothingConfig
     config: SmoothingConfig
     persistent = ("model",)
-    stackable = True  # only the context's trainer, model builders and losses: it can stack
 
     def __init__(self, ctx: ClientContext, config: SmoothingConfig) -> None:
         super().__init__(ctx, config)

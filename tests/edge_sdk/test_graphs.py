@@ -115,7 +115,7 @@ def test_no_training_step_reads_a_value_on_the_host(algorithm, steps_watched):
     # Execute
     for a in alone:
         a.fit(1, 2, models)
-    if algorithm_class(algorithm).stackable:
+    if not algorithm_class(algorithm).exchanges_models:
         _, stacked = _clients(algorithm, cpu)
         run_stacked(stacked, "fit", 1, 2, [models] * len(stacked), masked=True)
 
