@@ -353,9 +353,15 @@ class RunConfig(BaseModel):
     )
     cohort: bool = Field(
         True,
-        description="in-process clients of one architecture whose algorithm can stack (local, "
-        "FedAvg, FedProx, FedAvg+FT, FML, PFML) train each phase together as one stacked model; "
-        "false: one by one",
+        description="in-process clients of one architecture train each phase together as one "
+        "stacked model where their algorithm can (every built-in one but FedeRiCo; a plugin's "
+        "is checked once against one client alone); false: one by one",
+    )
+    cohort_auto: bool = Field(
+        True,
+        description="time each group's fits both ways, stacked and one by one, and train it the "
+        "faster way (the same results to float rounding); false: always stacked, so that two "
+        "runs take the same path to the bit",
     )
     idle_state: Literal["memory", "host", "disk"] = Field(
         "memory",

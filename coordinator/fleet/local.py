@@ -22,7 +22,9 @@ import contextlib
 import logging
 import math
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
@@ -73,6 +75,7 @@ class LocalFleet(Fleet):
         parallel: int | None = None,
         threads: int | None = None,
         stack: bool = True,
+        stack_auto: bool = True,
         fp16_upload: bool = False,
         idle: IdleState = "memory",
         idle_dir: str | Path | None = None,
@@ -85,6 +88,7 @@ class LocalFleet(Fleet):
         self.threads = max(1, threads or cpu_threads())
         self.parallel = max(1, parallel or self.threads)
         self.stack = stack
+        self.stack_auto = stack_auto
         self.stacking = Stacking()  # what its stacking learns, for this fleet alone
         self.fp16_upload = fp16_upload
         self.board = PeerBoard()
@@ -219,23 +223,42 @@ class LocalFleet(Fleet):
             key = (self.nodes[cid].spec.to_json(), *task.group_key())
             groups.setdefault(key, []).append(cid)
         jobs: list[tuple[list[str], bool]] = []  # (clients, whether they may be dealt apart)
-        for ids in groups.values():
-            first = self.nodes[ids[0]].algorithm
-            if (
+        timed: dict[str, tuple[Hashable, bool]] = {}  # a fit's clients: (its group, stacked)
+        for key, ids in groups.items():
+            first, device = self.nodes[ids[0]].algorithm, self.nodes[ids[0]].device
+            stacks = (
                 self.stack
                 and first is not None
                 and len(ids) > 1
                 and self.stacking.stacks(type(first), len(ids))
-            ):
-                jobs.append((ids, self.nodes[ids[0]].device.type == "cpu"))
+            )
+            if first is not None and stacks and self.stack_auto and begun[ids[0]].phase == "fit":
+                # (a group across rounds: its architecture, algorithm, config, step, device)
+                group = (*key[:3], key[-1], str(device))
+                label = f"{type(first).name}'s {self.nodes[ids[0]].spec.family} clients"
+                stacks = self.stacking.pays.stacked(group, label)
+                timed |= {cid: (group, stacks) for cid in ids}
+            if stacks:
+                jobs.append((ids, device.type == "cpu"))
             else:
                 jobs.extend(([cid], False) for cid in ids)
         jobs = _spread(jobs, self.parallel, lambda cid: len(self.nodes[cid].data.y_train))
 
+        spent: dict[Hashable, list[float]] = {}  # a timed group: its jobs' seconds, samples
+        lock = threading.Lock()
+
         def run(ids: list[str]) -> list[FitResult | Exception]:
-            return self.stacking.execute_together(
+            start = time.perf_counter()
+            out = self.stacking.execute_together(
                 [self.nodes[c] for c in ids], [begun[c] for c in ids]
             )
+            if ids[0] in timed:
+                samples = sum(len(self.nodes[c].data.y_train) for c in ids)
+                with lock:
+                    total = spent.setdefault(timed[ids[0]][0], [0.0, 0])
+                    total[0] += time.perf_counter() - start
+                    total[1] += samples
+            return out
 
         work = [ids for ids, _ in jobs]
         if self.parallel == 1 or len(work) == 1:
@@ -247,6 +270,9 @@ class LocalFleet(Fleet):
                 ThreadPoolExecutor(self.parallel) as pool,
             ):
                 done = list(pool.map(run, work))
+        ways = dict(timed.values())
+        for timed_group, (seconds, samples) in spent.items():
+            self.stacking.pays.record(timed_group, ways[timed_group], seconds, int(samples))
         return {
             cid: out
             for ids, outs in zip(work, done, strict=True)

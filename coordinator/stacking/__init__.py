@@ -3,7 +3,9 @@
 A device trains its one client; a simulation runs many in one process, and here the clients of
 one task group run their algorithm's phase once, on models whose parameters carry a leading
 client dimension. One job a file:
-- groups.py: `Stacking`, a fleet's: groups tasks, halves stacks that run out of memory;
+- groups.py: `Stacking`, a fleet's: groups tasks, halves stacks that run out of memory,
+  checks a plugin's stacked phases once against one client alone;
+- pays.py: whether a group trains faster stacked or one by one, timed on the run;
 - kept.py: the stacks a fleet keeps between rounds (CUDA graphs);
 - cohort.py: `run_stacked`, one phase of an algorithm run once for all members;
 - state.py: the members' state stacked and given back;
