@@ -54,6 +54,8 @@ from edge_sdk import topics
 from edge_sdk.algorithms import ClientAlgorithm, FitResult
 from edge_sdk.auth import Keyring, ReplayGuard
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, Buffer, WireModel
+from edge_sdk.ids import unique_id
+from edge_sdk.model_blobs import pack_models, unpack_models
 from edge_sdk.node import ClientNode, NodeTask
 from edge_sdk.peers import PeerChannel
 from edge_sdk.protocol import (
@@ -69,18 +71,11 @@ from edge_sdk.protocol import (
     Task,
 )
 from edge_sdk.registration import Event, Registration, State
+from edge_sdk.retained import read_retained
 from edge_sdk.trainer import ClientData
 from edge_sdk.transport.base import Transport, TransportError
 from edge_sdk.transport.settings import BrokerSettings
-from edge_sdk.wire import (
-    DEFAULT_CHUNK_BYTES,
-    Endpoint,
-    Envelope,
-    pack_models,
-    read_retained,
-    unique_id,
-    unpack_models,
-)
+from edge_sdk.wire import DEFAULT_CHUNK_BYTES, Endpoint, Envelope
 from model_zoo import ArchSpec
 
 __all__ = ["Deployed", "EdgeClient", "FinalMetrics", "RegistrationRefused", "TaskOutcome"]

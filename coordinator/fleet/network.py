@@ -40,19 +40,14 @@ from coordinator.strategies import FitReply
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
 from edge_sdk.codec import WireModel
+from edge_sdk.ids import unique_id
+from edge_sdk.model_blobs import model_bytes, unpack_models
 from edge_sdk.peers import RetainedNotDelivered
 from edge_sdk.protocol import Archive, Register, Registered, Reply, Shutdown, Status, Task
 from edge_sdk.ratelog import RateLimitedLog
+from edge_sdk.retained import publish_retained
 from edge_sdk.transport.base import Delivery, Transport, TransportError
-from edge_sdk.wire import (
-    DEFAULT_CHUNK_BYTES,
-    Endpoint,
-    Envelope,
-    model_bytes,
-    publish_retained,
-    unique_id,
-    unpack_models,
-)
+from edge_sdk.wire import DEFAULT_CHUNK_BYTES, Endpoint, Envelope
 
 __all__ = ["NetworkFleet"]
 
