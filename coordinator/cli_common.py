@@ -103,7 +103,7 @@ def setting_default(key: str) -> Any:
     Settings outside the algorithms' sections come from `RunConfig` alone, which loads neither
     torch nor paho: the help of every command shows them, and `--help` stays fast. An
     algorithm's section (`fml.lr`) needs its algorithm, and so torch."""
-    from coordinator.config import RunConfig, run_config_model
+    from coordinator.run_config import RunConfig, run_config_model
 
     top = key.split(".")[0]
     node: Any = (
@@ -241,7 +241,7 @@ def _flag_type(annotation: Any, key: str) -> tuple[type, bool]:
 
 
 def _setting_option(flag: Flag | str) -> SettingOption:
-    from coordinator.config import setting_field
+    from coordinator.config_keys import setting_field
 
     flag = Flag(flag) if isinstance(flag, str) else flag
     section, _, leaf = flag.key.rpartition(".")

@@ -180,7 +180,8 @@ def settings(
 
     The keys --set, TOML files and EDGEFL_* variables take.
     """
-    from coordinator.config import ENV_PREFIX, run_config_model, setting_keys
+    from coordinator.config_keys import ENV_PREFIX, setting_keys
+    from coordinator.run_config import run_config_model
 
     defaults = run_config_model()()
     keys = [k for k in setting_keys() if prefix is None or k.startswith(prefix)]

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from coordinator.config import RunConfig
 from coordinator.fleet import Fleet
 from coordinator.results import RoundRecord
 from coordinator.results_model import Split, SplitClient
+from coordinator.run_config import RunConfig
 from coordinator.server import Coordinator
 from coordinator.server_data import ServerData
 from coordinator.strategies import strategy_class

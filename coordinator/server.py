@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.config import RoundConfig
+from coordinator.config_sections import RoundConfig
 from coordinator.fleet import (
     BrokerUnfit,
     CoordinatorError,
