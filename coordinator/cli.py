@@ -17,16 +17,18 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from coordinator.cli_common import (
-    DATA,
-    TRAINING_FLAGS,
     ConfigOpt,
-    Flag,
     SetOpt,
     app,
     common,
     current,
     fail,
     guard,
+)
+from coordinator.cli_settings import (
+    DATA,
+    TRAINING_FLAGS,
+    Flag,
     load,
     settings_options,
     tune_malloc,
@@ -72,7 +74,7 @@ EXIT_STATUS = (
 )
 
 # The settings each command takes as flags, in the order of its --help: each flag's type, help
-# and default come from the setting's field (cli_common.settings_options); a `Flag` says only
+# and default come from the setting's field (cli_settings.settings_options); a `Flag` says only
 # what differs from it. Shared groups first.
 DEPLOY: tuple[Flag | str, ...] = (
     Flag("deploy.allow", name="--deploy"),

@@ -12,7 +12,6 @@ import typer
 from coordinator.cli_common import (
     CONTEXT,
     CSV,
-    DATA,
     ConfigOpt,
     SetOpt,
     app,
@@ -21,9 +20,8 @@ from coordinator.cli_common import (
     fail,
     guard,
     key_values,
-    load,
-    settings_options,
 )
+from coordinator.cli_settings import DATA, load, settings_options
 
 __all__ = ["bench_app", "print_export"]
 

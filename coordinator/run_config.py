@@ -28,7 +28,7 @@ class RunConfig(BaseModel):
     """Everything a run needs. `load_config` returns it with a validated section per algorithm.
 
     Every setting's `description` is its help: `edgefl COMMAND --help` shows it for the flag
-    that sets it (coordinator.cli_common), and the settings reference beside its key."""
+    that sets it (coordinator.cli_settings), and the settings reference beside its key."""
 
     model_config = ConfigDict(extra="forbid")
 
