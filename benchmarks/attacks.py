@@ -64,9 +64,9 @@ from coordinator.simulator import run_federation  # noqa: E402
 from edge_sdk.algorithms import FitResult  # noqa: E402
 from edge_sdk.client import EdgeClient  # noqa: E402
 from edge_sdk.codec import Buffer, WireModel  # noqa: E402
+from edge_sdk.model_blobs import unpack_models  # noqa: E402
 from edge_sdk.node import ClientNode  # noqa: E402
 from edge_sdk.protocol import Task  # noqa: E402
-from edge_sdk.wire import unpack_models  # noqa: E402
 
 ALGORITHMS = ("fedavg", "fml", "pfml", "persfl", "fedme")
 ATTACKS = ("scaled", "flipped", "huge", "inflated")

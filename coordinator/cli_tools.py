@@ -12,7 +12,6 @@ import typer
 from coordinator.cli_common import (
     CONTEXT,
     CSV,
-    DATA,
     ConfigOpt,
     SetOpt,
     app,
@@ -21,9 +20,8 @@ from coordinator.cli_common import (
     fail,
     guard,
     key_values,
-    load,
-    settings_options,
 )
+from coordinator.cli_settings import DATA, load, settings_options
 
 __all__ = ["bench_app", "print_export"]
 
@@ -180,7 +178,8 @@ def settings(
 
     The keys --set, TOML files and EDGEFL_* variables take.
     """
-    from coordinator.config import ENV_PREFIX, run_config_model, setting_keys
+    from coordinator.config_keys import ENV_PREFIX, setting_keys
+    from coordinator.run_config import run_config_model
 
     defaults = run_config_model()()
     keys = [k for k in setting_keys() if prefix is None or k.startswith(prefix)]

@@ -42,11 +42,12 @@ from typing import Any, Final
 import numpy as np
 
 from coordinator.broker import EmbeddedBroker, MosquittoBroker, start_broker
-from coordinator.config import RunConfig, load_config, write_config
+from coordinator.config import load_config, write_config
 from coordinator.demo_deploy import DemoError, ProcessGroup, deploy_and_follow, interruptible
 from coordinator.federation import Federation, prepare_federation, split_record, split_table
 from coordinator.results import RunResult, build_results, write_results
 from coordinator.results_model import OnnxRow, Results
+from coordinator.run_config import RunConfig
 from coordinator.simulator import run_federation
 from coordinator.strategies import strategy_class
 from edge_sdk.auth import AuthSettings, issue_keys

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any, Final
 
 from coordinator.broker import free_port
-from coordinator.config import RunConfig
 from coordinator.deploy import RUN_RECORD, read_run
 from coordinator.results import RunResult
 from coordinator.results_model import EXIT_CODES
+from coordinator.run_config import RunConfig
 
 __all__ = ["STOP_GRACE_S", "DemoError", "ProcessGroup", "deploy_and_follow", "interruptible"]
 

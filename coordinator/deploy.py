@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from coordinator.config import ConfigError, RunConfig
+from coordinator.config import ConfigError
 from coordinator.federation import build_coordinator, build_node, prepare_federation
 from coordinator.fleet import NetworkFleet
 from coordinator.results import (
@@ -35,6 +35,7 @@ from coordinator.results import (
     write_results,
 )
 from coordinator.results_model import Results
+from coordinator.run_config import RunConfig
 from coordinator.server import Coordinator
 from edge_sdk import topics
 from edge_sdk.auth import Keyring

@@ -29,8 +29,8 @@ from datetime import timedelta
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-from coordinator.config import RunConfig, run_config_model
 from coordinator.fleet.ranks import Ranks, check_ranks
+from coordinator.run_config import RunConfig, run_config_model
 
 if TYPE_CHECKING:
     from coordinator.results_model import Results

@@ -22,8 +22,9 @@ from typing import Any, Final
 
 import torch
 
-from coordinator.config import ConfigError, RunConfig, load_config, run_config_model
+from coordinator.config import ConfigError, load_config
 from coordinator.federation import Federation, client_seed, client_spec, prepare_federation
+from coordinator.run_config import RunConfig, run_config_model
 from edge_sdk.algorithms import ClientContext, algorithm_class
 from edge_sdk.state import load_state
 from edge_sdk.trainer import Trainer

@@ -19,17 +19,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from coordinator.config import RunConfig
 from coordinator.fleet import Fleet
 from coordinator.results import RoundRecord
 from coordinator.results_model import Split, SplitClient
+from coordinator.run_config import RunConfig
 from coordinator.server import Coordinator
 from coordinator.server_data import ServerData
 from coordinator.strategies import strategy_class
 from edge_sdk.device import resolve_device
+from edge_sdk.model_blobs import reference_shapes
 from edge_sdk.node import ClientNode
 from edge_sdk.trainer import ClientData
-from edge_sdk.wire import reference_shapes
 from model_zoo import ArchSpec
 from model_zoo.data import (
     ClientSplit,

@@ -35,7 +35,7 @@ from edge_sdk.algorithms import Detail
 from model_zoo.files import write_atomic
 
 if TYPE_CHECKING:  # config imports the server, which builds these records
-    from coordinator.config import RunConfig
+    from coordinator.run_config import RunConfig
     from edge_sdk.device import DeviceChoice
 
 __all__ = [

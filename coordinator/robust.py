@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from coordinator.config import RobustConfig
+from coordinator.config_sections import RobustConfig
 from edge_sdk.robust import (
     RobustError,
     clip_scales,

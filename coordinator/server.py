@@ -19,11 +19,12 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.config import RoundConfig
+from coordinator.checkpoint import Checkpointing
+from coordinator.config_sections import RoundConfig
 from coordinator.fleet import (
     BrokerUnfit,
     CoordinatorError,
@@ -36,8 +37,8 @@ from coordinator.fleet import (
 )
 from coordinator.results import ClientResult, RoundRecord, RunResult
 from coordinator.robust import RobustConfig, rolled_back, standing_out, suspects
+from coordinator.round_scores import accuracies, client_score, mean_metrics
 from coordinator.strategies import (
-    ClientInfo,
     FitReply,
     ServerData,
     Strategy,
@@ -47,8 +48,7 @@ from coordinator.strategies import (
 from edge_sdk import topics
 from edge_sdk.algorithms import BaseAlgorithmConfig
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
-from edge_sdk.protocol import Capabilities, Phase
-from edge_sdk.state import StateError, load_state, save_state
+from edge_sdk.protocol import Phase
 from model_zoo import ArchSpec
 
 __all__ = [
@@ -71,7 +71,7 @@ class CoordinatorStats:
     round_seconds: list[float] = field(default_factory=list)
 
 
-class Coordinator:
+class Coordinator(Checkpointing):
     def __init__(
         self,
         fleet: Fleet,
@@ -145,24 +145,6 @@ class Coordinator:
         # Bytes moved by earlier incarnations of this run (from the checkpoint): the run's
         # totals are these plus this fleet's.
         self._bytes_before = (0, 0)
-
-    @property
-    def run_id(self) -> str:
-        return self.info.run_id
-
-    @property
-    def incarnation(self) -> int:
-        return self.info.incarnation
-
-    @property
-    def clients(self) -> dict[str, ClientInfo]:
-        """The registered clients, by id."""
-        return self.fleet.clients
-
-    def _strategy(self) -> Strategy:
-        if self.strategy is None:
-            raise RuntimeError("the run has not started: no strategy yet")
-        return self.strategy
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> Coordinator:
@@ -254,81 +236,6 @@ class Coordinator:
         self.strategy.history_limit = self.rc.client_history
         return self.strategy
 
-    # -- checkpoints -----------------------------------------------------------------------
-    def _save_checkpoint(self) -> None:
-        if self.checkpoint_path is None:
-            return
-        save_state(
-            self.checkpoint_path,
-            {
-                "format": 1,
-                "run": self.run_id,
-                "algorithm": self.algorithm,
-                "config": self.config.model_dump_json(),
-                "rounds": self.rounds,
-                "seed": self.seed,
-                "incarnation": self.incarnation,
-                "clients": [
-                    {
-                        "id": c.id,
-                        "spec": c.spec.to_json(),
-                        "capabilities": c.capabilities.model_dump_json(),
-                    }
-                    for c in self.clients.values()
-                ],
-                "records": [asdict(rec) for rec in self.records],
-                "strategy": self._strategy().state_dict(),
-                "scores": dict(self._scores),
-                "scored_after": self._scored_after,
-                "bytes": [
-                    self._bytes_before[0] + self.fleet.bytes_out,
-                    self._bytes_before[1] + self.fleet.bytes_in,
-                ],
-            },
-        )
-
-    def restore(self) -> bool:
-        """Load `checkpoint_path` when it exists: the registry, every completed round and the
-        strategy's state (global model, random generator...). True when there was one."""
-        if self.checkpoint_path is None or not self.checkpoint_path.exists():
-            return False
-        try:
-            state = load_state(self.checkpoint_path)
-            keys = ("run", "algorithm", "config", "rounds", "seed")
-            theirs = tuple(state[k] for k in keys)
-        except (StateError, KeyError) as exc:
-            raise CoordinatorError(f"cannot resume from {self.checkpoint_path}: {exc}") from exc
-        ours = (self.run_id, self.algorithm, self.config.model_dump_json(), self.rounds, self.seed)
-        if theirs != ours:
-            raise CoordinatorError(
-                f"the checkpoint {self.checkpoint_path} was written by a run with another "
-                "run id, algorithm, config, round count or seed; start over with --fresh (or "
-                "restore the original settings)"
-            )
-        for c in state["clients"]:
-            spec = ArchSpec.from_json(c["spec"])
-            caps = Capabilities.model_validate_json(c["capabilities"])
-            self.clients[c["id"]] = ClientInfo(c["id"], spec, caps)
-        self.records = [RoundRecord(**_record_fields(rec)) for rec in state["records"]]
-        self._kept = max((rec.round for rec in self.records if not rec.failed), default=0)
-        self._scores = {str(k): float(v) for k, v in state.get("scores", {}).items()}
-        self._scored_after = state.get("scored_after")
-        out_in = state.get("bytes", [0, 0])
-        self._bytes_before = (int(out_in[0]), int(out_in[1]))
-        incarnation = max(self.incarnation, int(state["incarnation"]) + 1)
-        self.info = RunInfo(**{**asdict(self.info), "incarnation": incarnation})
-        self._new_strategy().setup()
-        self._strategy().load_state_dict(state["strategy"])
-        self._round = len(self.records)
-        self._restored = True
-        log.info(
-            "resumed run %s after round %d (incarnation %d)",
-            self.run_id,
-            self._round,
-            self.incarnation,
-        )
-        return True
-
     def _global_spec(self) -> ArchSpec | None:
         infos = list(self.clients.values())
         shapes = {c.spec.input_shape for c in infos}
@@ -404,8 +311,8 @@ class Coordinator:
         back = False
         if evaluate:
             scores = self._run_phase(r, "evaluate", strategy.configure_evaluate(r))
-            personal, glob, per_client = _accuracies(scores)
-            now = {cid: _score(per_client.get(cid)) for cid in scores}
+            personal, glob, per_client = accuracies(scores)
+            now = {cid: client_score(per_client.get(cid)) for cid in scores}
             worse = rolled_back(self._scores, now, self.robust) if undo is not None else None
             if worse is not None and not failed and not standing_out(strategy.cohort):
                 log.warning(
@@ -454,7 +361,7 @@ class Coordinator:
             trained=sorted(trained),
             replied=sorted(valid),
             failed=failed,
-            train_metrics=_mean_metrics(valid),
+            train_metrics=mean_metrics(valid),
             client_details={cid: v.details for cid, v in valid.items() if v.details},
             client_acc={cid: p for cid, (p, _) in sorted(per_client.items())},
             online=len(online),
@@ -471,14 +378,14 @@ class Coordinator:
         if not (self.robust.rollback and strategy.aggregates and self.rc.eval_every == 1):
             return
         scores = self._run_phase(0, "evaluate", strategy.configure_evaluate(0))
-        _, _, per_client = _accuracies(scores)
-        now = {cid: _score(per_client.get(cid)) for cid in scores}
+        _, _, per_client = accuracies(scores)
+        now = {cid: client_score(per_client.get(cid)) for cid in scores}
         self._scores = {cid: v for cid, v in now.items() if v is not None}
         self._scored_after = 0
 
     def _finalize(self) -> list[ClientResult]:
         scores = self._run_phase(self.rounds, "finalize", self._strategy().configure_finalize())
-        _, _, per_client = _accuracies(scores)
+        _, _, per_client = accuracies(scores)
         out = []
         for cid, info in sorted(self.clients.items()):
             p, g = per_client.get(cid, (None, None))
@@ -538,53 +445,9 @@ class Coordinator:
         return validate
 
 
-def _accuracies(
-    scores: Mapping[str, FitReply | None],
-) -> tuple[float | None, float | None, dict[str, tuple[float | None, float | None]]]:
-    """The mean over clients of each client's personalized and global-model accuracy on its own
-    test split (both averaged alike, one client one vote), and the per-client pairs."""
-    per_client: dict[str, tuple[float | None, float | None]] = {}
-    for cid, s in scores.items():
-        if s is None:
-            continue
-        m = s.metrics
-        p = m["personal_correct"] / m["personal_total"] if m.get("personal_total") else None
-        g = m["global_correct"] / m["global_total"] if m.get("global_total") else None
-        per_client[cid] = (p, g)
-    ps = [p for p, _ in per_client.values() if p is not None]
-    gs = [g for _, g in per_client.values() if g is not None]
-    return (sum(ps) / len(ps) if ps else None, sum(gs) / len(gs) if gs else None, per_client)
-
-
-def _record_fields(rec: dict[str, Any]) -> dict[str, Any]:
-    """A checkpointed round record's fields; a checkpoint written before records counted the
-    online clients listed them all."""
-    if isinstance(rec.get("online"), list):
-        rec = {**rec, "online": len(rec["online"])}
-    return rec
-
-
 def new_incarnation() -> int:
     """A coordinator start's number: the clock's milliseconds, then 20 random bits. It grows
     from start to start (clients take a smaller one for an earlier coordinator's) and no two
     starts share one, so every message bound to it (edge_sdk.protocol) belongs to one start:
     nothing signed in an earlier run counts in a later one."""
     return (time.time_ns() // 1_000_000) << 20 | secrets.randbits(20)
-
-
-def _score(pair: tuple[float | None, float | None] | None) -> float | None:
-    """What the rollback check compares: a client's global-model accuracy where it reports one
-    (the aggregate itself), else its personalized accuracy; None without an evaluation."""
-    if pair is None:
-        return None
-    personal, glob = pair
-    return glob if glob is not None else personal
-
-
-def _mean_metrics(valid: Mapping[str, FitReply]) -> dict[str, float]:
-    keys = {k for v in valid.values() for k in v.metrics}
-    return {
-        k: sum(v.metrics[k] for v in valid.values() if k in v.metrics)
-        / sum(1 for v in valid.values() if k in v.metrics)
-        for k in sorted(keys)
-    }

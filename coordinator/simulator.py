@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from coordinator import distributed
-from coordinator.config import ConfigError, RunConfig
+from coordinator.config import ConfigError
 from coordinator.federation import (
     Federation,
     build_coordinator,
@@ -53,6 +53,7 @@ from coordinator.results import (
     write_results,
 )
 from coordinator.results_model import Results
+from coordinator.run_config import RunConfig
 from coordinator.strategies import strategy_class
 from edge_sdk import topics
 from edge_sdk.algorithms.federico import FedeRiCoConfig

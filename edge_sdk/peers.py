@@ -38,16 +38,11 @@ from edge_sdk import topics
 from edge_sdk.auth import Keyring
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel, check_weights
 from edge_sdk.device import stepping_aside
+from edge_sdk.model_blobs import pack_models, reference_shapes, unpack_models
 from edge_sdk.protocol import Message, PeerMessage, ProtocolError, Published
+from edge_sdk.retained import publish_retained, read_retained
 from edge_sdk.transport.base import Transport
-from edge_sdk.wire import (
-    Endpoint,
-    pack_models,
-    publish_retained,
-    read_retained,
-    reference_shapes,
-    unpack_models,
-)
+from edge_sdk.wire import Endpoint
 
 __all__ = ["LocalPeers", "PeerBoard", "PeerChannel", "Peers", "RetainedNotDelivered"]
 

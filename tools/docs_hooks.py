@@ -16,7 +16,8 @@ HELP = "<!-- edgefl:help -->"
 
 
 def _settings_table() -> str:
-    from coordinator.config import ENV_PREFIX, run_config_model, setting_field, setting_keys
+    from coordinator.config_keys import ENV_PREFIX, setting_field, setting_keys
+    from coordinator.run_config import run_config_model
 
     defaults = run_config_model()()
     rows = [

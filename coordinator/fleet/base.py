@@ -28,8 +28,8 @@ from typing import Any
 
 from coordinator.strategies import ClientInfo, FitReply
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
+from edge_sdk.model_blobs import reference_shapes
 from edge_sdk.protocol import Capabilities, Phase
-from edge_sdk.wire import reference_shapes
 from model_zoo import ArchSpec, ModelZooError
 
 log = logging.getLogger(__name__)

@@ -43,9 +43,9 @@ from coordinator.strategies import FitReply
 from edge_sdk.algorithms import FitResult, algorithm_class
 from edge_sdk.codec import WireModel, check_weights
 from edge_sdk.device import cpu_threads
+from edge_sdk.model_blobs import reference_shapes
 from edge_sdk.node import ClientNode, NodeTask
 from edge_sdk.peers import PeerBoard
-from edge_sdk.wire import reference_shapes
 
 __all__ = ["IdleState", "LocalFleet"]
 

@@ -29,47 +29,34 @@ from collections.abc import Mapping
 from coordinator.fleet.base import (
     BrokerUnfit,
     CoordinatorError,
-    Fleet,
     PhaseRequest,
     RunInfo,
     Validator,
 )
 from coordinator.fleet.members import Members
 from coordinator.fleet.packing import pack_plan, renew
+from coordinator.fleet.status import STATUS_AGAIN_S, STATUS_REFRESH_S, RunStatus
 from coordinator.strategies import FitReply
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
 from edge_sdk.codec import WireModel
+from edge_sdk.ids import unique_id
+from edge_sdk.model_blobs import model_bytes, unpack_models
 from edge_sdk.peers import RetainedNotDelivered
-from edge_sdk.protocol import Archive, Register, Registered, Reply, Shutdown, Status, Task
+from edge_sdk.protocol import Archive, Register, Registered, Reply, Shutdown, Task
 from edge_sdk.ratelog import RateLimitedLog
+from edge_sdk.retained import publish_retained
 from edge_sdk.transport.base import Delivery, Transport, TransportError
-from edge_sdk.wire import (
-    DEFAULT_CHUNK_BYTES,
-    Endpoint,
-    Envelope,
-    model_bytes,
-    publish_retained,
-    unique_id,
-    unpack_models,
-)
+from edge_sdk.wire import Endpoint, Envelope
 
 __all__ = ["NetworkFleet"]
 
 log = logging.getLogger(__name__)
 
 RESEND_BATCH_S = 0.5  # clients that came back within this share one re-broadcast of the models
-# The fleet reads its own retained status topic back: when what the broker holds is not the
-# status it published last (anyone on an open broker may replay a finished run's, retained),
-# it publishes it again at once (at most every STATUS_AGAIN_S). Besides, it publishes it again
-# every STATUS_REFRESH_S, for brokers that lose retained messages (a cluster whose nodes do not
-# share them: clients there still receive it live). Every publication reaches every device:
-# before, one every 2 s was the largest cost of 10,000 idle devices to the broker.
-STATUS_AGAIN_S = 0.5
-STATUS_REFRESH_S = 30.0
 
 
-class NetworkFleet(Fleet):
+class NetworkFleet(RunStatus):
     """Clients that register, train and reply over `transport`.
 
     `share_models`: a model several tasks carry crosses the broker once, on the broadcast topic
@@ -438,64 +425,7 @@ class NetworkFleet(Fleet):
             except TransportError as exc:
                 log.error("broadcasting the shared models again failed: %s", exc)
 
-    # -- sizes -----------------------------------------------------------------------------
-    def _grow(self, nbytes: int) -> None:
-        """The run's messages may carry `nbytes` of models: size reassembly for it."""
-        if nbytes > self._model_bytes:
-            self._model_bytes = nbytes
-            self._resize()
-
-    def _resize(self) -> None:
-        if self.endpoint is None or self._run is None:
-            return
-        specs = [info.spec for info in self.clients.values()]
-        largest = max((model_bytes(s) for s in specs), default=0)
-        self._model_bytes = max(self._model_bytes, 2 * largest)  # e.g. its own and the global
-        bound = self._per_client_bound()
-        self.endpoint.set_limits(
-            max_pending_bytes=bound,
-            max_total_pending_bytes=bound * max(4, self.run.expected_clients),
-        )
-
-    def _per_client_bound(self) -> int:
-        """What one registered client may have in reassembly: a reply's models twice (one
-        arriving while the last is still being claimed) and a chunk."""
-        return 2 * self._model_bytes + 2 * DEFAULT_CHUNK_BYTES
-
-    def _pending_bound(self, topic: str) -> int:
-        """Reassembly memory per topic: none for a sender that is not registered."""
-        cid = topics.origin_of(topic, self.run.run_id)
-        return self._per_client_bound() if cid is not None and cid in self.clients else 0
-
     # -- messages --------------------------------------------------------------------------
-    def _status(self, phase: str) -> Status:
-        run = self.run
-        return Status(
-            run=run.run_id,
-            sender=topics.COORDINATOR,
-            incarnation=run.incarnation,
-            phase=phase,
-            round=self._round,
-            rounds=run.rounds,
-            algorithm=run.algorithm,
-            accepting=not self.started,
-            model_bytes=self._model_bytes,
-        )
-
-    def _publish_status(self, phase: str) -> None:
-        self._phase, self._status_at = phase, time.monotonic()
-        topic = topics.status(self.run.run_id)
-        self._status_frame = frame = self._endpoint.frame(topic, self._status(phase))
-        try:
-            self._endpoint.wait([self.transport.publish(topic, frame, retain=True)])
-        except TransportError as exc:
-            log.error("could not publish the run status (%s): %s", phase, exc)
-
-    def _on_status_echo(self, topic: str, payload: bytes) -> None:  # the transport's thread
-        if payload != self._status_frame and self.endpoint is not None and self.endpoint.is_open:
-            self._status_replaced.set()
-            self.endpoint.interrupt()
-
     def _on_reconnect(self) -> None:  # the transport's thread: only flag and wake
         self._reconnected.set()
         if self.endpoint is not None:

@@ -8,8 +8,9 @@ from collections import Counter
 from collections.abc import Mapping
 
 from edge_sdk.codec import WireModel
+from edge_sdk.ids import unique_id
+from edge_sdk.model_blobs import pack_models
 from edge_sdk.protocol import ModelRef, Task
-from edge_sdk.wire import pack_models, unique_id
 
 __all__ = ["Packed", "pack_plan", "renew"]
 

@@ -49,8 +49,8 @@ from coordinator.fleet.base import (
 )
 from coordinator.fleet.local import LocalFleet
 from coordinator.strategies import FitReply
+from edge_sdk.model_blobs import reference_shapes
 from edge_sdk.node import ClientNode
-from edge_sdk.wire import reference_shapes
 from model_zoo import ArchSpec
 
 __all__ = [

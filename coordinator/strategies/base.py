@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from coordinator.config import RoundConfig
+from coordinator.config_sections import RoundConfig
 from coordinator.robust import Contribution, RobustConfig, cap_weights, combine
 from coordinator.server_data import ServerData
 from edge_sdk.algorithms import BaseAlgorithmConfig, Detail, algorithm_class

@@ -1,4 +1,4 @@
-"""The options that set settings come from the settings (`cli_common.settings_options`): each
+"""The options that set settings come from the settings (`cli_settings.settings_options`): each
 flag's help is its field's description with the key and default, its type the field's, and
 its value reaches the config. Nothing here trains: the commands stop once their config is
 built."""
@@ -14,9 +14,9 @@ import typer
 from typer.testing import CliRunner
 
 from coordinator import cli
-from coordinator.cli_common import (
+from coordinator.cli_common import CSV
+from coordinator.cli_settings import (
     ALGORITHM,
-    CSV,
     NONE,
     TRAINING,
     Flag,

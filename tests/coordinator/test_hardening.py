@@ -11,16 +11,11 @@ from edge_sdk import topics
 from edge_sdk.algorithms import FitResult
 from edge_sdk.client import EdgeClient
 from edge_sdk.codec import WeightsError, check_weights
+from edge_sdk.model_blobs import pack_models
 from edge_sdk.protocol import Capabilities, Register, Registered, Status, Task, decode, encode
+from edge_sdk.reassembly import BLOB_COST, CHUNK_COST, SPARE_CHUNKS
 from edge_sdk.transport import InMemoryBroker
-from edge_sdk.wire import (
-    BLOB_COST,
-    CHUNK_COST,
-    SPARE_CHUNKS,
-    Endpoint,
-    message_frame,
-    pack_models,
-)
+from edge_sdk.wire import Endpoint, message_frame
 from model_zoo import ArchSpec
 
 

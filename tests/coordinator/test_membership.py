@@ -9,7 +9,7 @@ import time
 import pytest
 from tests_helpers import eventually, small_federation
 
-import edge_sdk.client as client_mod
+import edge_sdk.serving as serving_mod
 from coordinator.deploy import metrics_collector
 from edge_sdk import topics
 from edge_sdk.algorithms import FitResult
@@ -182,7 +182,7 @@ def test_a_client_whose_online_presence_was_lost_says_it_again_to_the_coordinato
     # A broker restarted without persistence: c2's will (offline) reached the coordinator, then
     # c2 came back before the coordinator did, so its "online" reached no one (dropped here).
     # The coordinator, back, publishes its status again; c2 answers it with its presence.
-    monkeypatch.setattr(client_mod, "REANNOUNCE_S", reannounce_s)
+    monkeypatch.setattr(serving_mod, "REANNOUNCE_S", reannounce_s)
     broker = InMemoryBroker()
     # (no reconnection grace: c2 counts as online only once its presence arrives)
     coordinator, clients = small_federation(broker=broker, rounds=1, reconnect_grace_s=0)

@@ -13,10 +13,10 @@ from edge_sdk.algorithms import algorithm_class
 from edge_sdk.budget import arch_name
 from edge_sdk.client import EdgeClient
 from edge_sdk.codec import WireModel
+from edge_sdk.model_blobs import pack_models
 from edge_sdk.node import ClientNode
 from edge_sdk.protocol import Capabilities, Task
 from edge_sdk.transport import InMemoryBroker
-from edge_sdk.wire import pack_models
 from model_zoo import ArchSpec, build
 
 MLR = ArchSpec(family="mlr", num_classes=3, input_shape=(4,))

@@ -11,13 +11,15 @@ import time
 import pytest
 import torch
 
+import edge_sdk.reassembly as reassembly
 import edge_sdk.wire as wire
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
 from edge_sdk.codec import WireModel
+from edge_sdk.model_blobs import pack_models
 from edge_sdk.protocol import Reply, Shutdown
 from edge_sdk.transport import InMemoryBroker
-from edge_sdk.wire import FRAME_COST, MIN_TOPIC_QUEUED_BYTES, Endpoint, pack_models
+from edge_sdk.wire import FRAME_COST, MIN_TOPIC_QUEUED_BYTES, Endpoint
 from model_zoo import ArchSpec
 
 RUN = "r"
@@ -53,7 +55,7 @@ def test_signatures_decoding_and_chunk_hashes_run_on_the_consumers_thread(
 
     monkeypatch.setattr(Keyring, "verify", recorded("verify", Keyring.verify))
     monkeypatch.setattr(wire, "decode", recorded("decode", wire.decode))
-    monkeypatch.setattr(wire._Blob, "add", recorded("hash", wire._Blob.add))
+    monkeypatch.setattr(reassembly._Blob, "add", recorded("hash", reassembly._Blob.add))
     rx = Endpoint(rx_t, topics.up_all(RUN), keyring=keys[topics.COORDINATOR], chunk_bytes=64)
     monkeypatch.setattr(rx, "_on_payload", recorded("callback", rx._on_payload))
     rx.open()

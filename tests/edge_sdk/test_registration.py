@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-import edge_sdk.client as client_mod
+import edge_sdk.serving as serving_mod
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
 from edge_sdk.client import EdgeClient
@@ -179,7 +179,7 @@ def test_a_status_is_classified_by_the_incarnation_registered_with(
 
 # -- the client in each state --------------------------------------------------------------
 def _client(monkeypatch, clock):
-    monkeypatch.setattr(client_mod, "_now", lambda: clock[0])
+    monkeypatch.setattr(serving_mod, "_now", lambda: clock[0])
     broker = InMemoryBroker()
     keys = Keyring.ephemeral([topics.COORDINATOR, "c0"])
     coordinator = Endpoint(broker.connect("coordinator"), "unused", keyring=keys["coordinator"])
@@ -216,8 +216,8 @@ def test_a_client_doubting_a_finished_status_sleeps_until_the_grace_ends_then_gi
     client, status = _client(monkeypatch, clock)
     assert not status(7, "finished")
     assert client.registration.state is State.DOUBTING
-    assert client.idle_wait() == min(client_mod.IDLE_WAIT_S, client_mod.FINISHED_GRACE_S)
-    clock[0] += client_mod.FINISHED_GRACE_S - 0.25
+    assert client.idle_wait() == min(serving_mod.IDLE_WAIT_S, serving_mod.FINISHED_GRACE_S)
+    clock[0] += serving_mod.FINISHED_GRACE_S - 0.25
     assert client.idle_wait() == 0.25
     assert not client.step(None) and client.accepted is None
     clock[0] += 0.25
@@ -240,10 +240,10 @@ def test_a_client_registers_once_per_incarnation_and_retries_only_on_its_timer(m
     status(7, "registering")
     status(7, "fit")  # the same coordinator again: no new registration
     assert [m.incarnation for m in sent] == [7] and client.registration.state is State.REGISTERING
-    assert 0 < client.idle_wait() <= client_mod.IDLE_WAIT_S
+    assert 0 < client.idle_wait() <= serving_mod.IDLE_WAIT_S
     status(8, "registering")  # restarted: registers with the new one at once
     assert [m.incarnation for m in sent] == [7, 8]
-    clock[0] += 3 * client_mod.REGISTER_RETRY_S  # past the retry (jitter at most 1.5x)
+    clock[0] += 3 * serving_mod.REGISTER_RETRY_S  # past the retry (jitter at most 1.5x)
     assert not client.step(None)
     assert [m.incarnation for m in sent] == [7, 8, 8]
     client.stop()

@@ -6,7 +6,7 @@ import threading
 import torch
 from tests_helpers import small_federation
 
-import edge_sdk.client as client_mod
+import edge_sdk.serving as serving_mod
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
 from edge_sdk.client import EdgeClient
@@ -31,8 +31,8 @@ def test_an_unanswered_registration_is_sent_again_less_and_less_often(monkeypatc
     # nothing. A new coordinator incarnation is registered with at once, and the waits start
     # over. Before, every status and every 2 s sent a registration again.
     clock = [1000.0]
-    monkeypatch.setattr(client_mod, "_now", lambda: clock[0])
-    monkeypatch.setattr(client_mod.random, "uniform", lambda a, b: 1.0)
+    monkeypatch.setattr(serving_mod, "_now", lambda: clock[0])
+    monkeypatch.setattr(serving_mod.random, "uniform", lambda a, b: 1.0)
     broker = InMemoryBroker()
     keys = Keyring.ephemeral([topics.COORDINATOR, "c0"])
     registered = []

@@ -10,9 +10,10 @@ import torch
 from tests_helpers import eventually
 
 from edge_sdk.codec import WireModel
+from edge_sdk.model_blobs import pack_models, unpack_models
 from edge_sdk.protocol import Reply
 from edge_sdk.transport import ConnectError, PayloadTooLarge
-from edge_sdk.wire import Endpoint, pack_models, unpack_models
+from edge_sdk.wire import Endpoint
 from model_zoo import ArchSpec, build
 
 

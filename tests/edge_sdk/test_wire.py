@@ -19,6 +19,8 @@ from edge_sdk.codec import (
     encode_weights,
     state_of,
 )
+from edge_sdk.ids import unique_id
+from edge_sdk.model_blobs import pack_models, unpack_models
 from edge_sdk.protocol import (
     ProtocolError,
     ProtocolVersionError,
@@ -29,7 +31,7 @@ from edge_sdk.protocol import (
     encode,
 )
 from edge_sdk.transport import InMemoryBroker, PayloadTooLarge
-from edge_sdk.wire import Endpoint, pack_models, unique_id, unpack_models
+from edge_sdk.wire import Endpoint
 from model_zoo import ArchSpec, build
 
 SPEC = ArchSpec(family="mlp", num_classes=3, input_shape=(4,), kwargs={"hidden": [5]})
