@@ -18,7 +18,7 @@ from edge_sdk.algorithms.guard import Pick, blend
 from edge_sdk.budget import DeployBudget
 from edge_sdk.codec import WireModel
 from edge_sdk.state import load_state, save_state
-from edge_sdk.trainer import ClientData, OptimConfig, Trainer
+from edge_sdk.trainer import ClientData, EvalResult, OptimConfig, Trainer
 from model_zoo import ArchSpec, build
 
 FEATURES, CLASSES = 12, 4
@@ -784,6 +784,40 @@ def test_a_peer_no_better_than_the_student_does_not_teach():
     assert client._teaches(same, student) == 0.0
     better = _trained_mlr()
     assert client._teaches(better, student) == 1.0
+
+
+@pytest.mark.parametrize(
+    "gate, total, teacher_loss, student_loss, weight",
+    [
+        # "validation": all or nothing, the teacher strictly better
+        ("validation", 1, 0.5, 0.6, 1.0),  # one validation sample is enough to decide
+        ("validation", 1, 0.6, 0.6, 0.0),
+        ("validation", 3, 0.7, 0.6, 0.0),
+        # "soft": min(1, L_s / L_t)
+        ("soft", 1, 0.5, 0.25, 0.5),  # a sub-1 teacher loss divides as any other
+        ("soft", 4, 2.0, 0.5, 0.25),
+        ("soft", 4, 0.4, 0.5, 1.0),  # a better teacher: capped at 1
+        ("soft", 4, 0.0, 0.5, 1.0),  # a perfect teacher: no division by zero
+        # no validation samples: nothing says otherwise
+        ("validation", 0, 0.9, 0.1, 1.0),
+        ("soft", 0, 0.9, 0.1, 1.0),
+    ],
+)
+def test_the_gates_weight_of_a_teacher_follows_their_validation_losses(
+    monkeypatch, gate, total, teacher_loss, student_loss, weight
+):
+    # Prepare: the trainer's evaluation of the teacher and of the student, as given
+    client = _client()
+    teacher, student = build(MLP, seed=1), build(MLP, seed=2)
+    losses = {id(teacher): teacher_loss, id(student): student_loss}
+
+    def evaluate(model, x, y):
+        return EvalResult(correct=0, total=total, loss_sum=losses[id(model)] * total)
+
+    monkeypatch.setattr(client.ctx.trainer, "evaluate", evaluate)
+
+    # Execute, Assert
+    assert client._teaches(teacher, student, gate) == weight
 
 
 @pytest.mark.parametrize("gate, distilled", [("off", 1.0), ("validation", 0.0)])
