@@ -324,3 +324,42 @@ def test_a_budget_in_parameters_counts_one_clients_copy():
     assert client._admits(MLR, build(MLR))
     assert not client._admits(BIG, build(BIG))
     assert client._admits(MLP, build(MLP))  # its own architecture, whatever the bound
+
+
+def test_the_students_and_the_fine_tunings_rate_is_the_last_rounds_and_a_fresh_student_is_its_own(
+    monkeypatch,
+):
+    # Prepare: a step schedule (lr 0.1, × 0.5 every 2 of 6 rounds: 0.025 in round 6), and the
+    # trainer's optimizer and loop recorded, the loop not run (the student stays as it starts)
+    client = _client(OWN, lr_schedule="step", lr_gamma=0.5)
+    trainer = client.ctx.trainer
+    rates = []
+    optimizer = trainer.optimizer
+
+    def recorded(params, cfg, lr=None):
+        rates.append(lr)
+        return optimizer(params, cfg, lr)
+
+    monkeypatch.setattr(trainer, "optimizer", recorded)
+    monkeypatch.setattr(trainer, "run", lambda step, batches, **kw: None)
+    monkeypatch.setattr(trainer, "train_epochs", lambda *a, **kw: 0.0)
+    teacher = (MLR, build(MLR, seed=7))
+    start = (MLP, build(MLP, seed=8))
+
+    # Execute
+    fresh = client.deployment.distil(6, teacher, None)
+    started = client.deployment.distil(6, teacher, start)
+    tuned = client.deployment.finetune(6, _trained_global())
+
+    # Assert: every optimizer at round 6's rate, 0.1 × 0.5² (not the first round's 0.1)
+    assert rates == [pytest.approx(0.025)] * 3
+    # ... the fresh student is this client's own architecture at its seed for students (salt
+    # 3), the other starts from `start`'s weights
+    assert fresh is not None and started is not None and tuned is not None
+    expected = client.ctx.build_model(MLP, salt=3).state_dict()
+    for k, v in fresh[1].state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    other = client.ctx.build_model(MLP, salt=4).state_dict()
+    assert not all(torch.equal(v, other[k]) for k, v in fresh[1].state_dict().items())
+    for k, v in started[1].state_dict().items():
+        assert torch.equal(v, start[1].state_dict()[k]), k
