@@ -363,3 +363,30 @@ def test_the_students_and_the_fine_tunings_rate_is_the_last_rounds_and_a_fresh_s
     assert not all(torch.equal(v, other[k]) for k, v in fresh[1].state_dict().items())
     for k, v in started[1].state_dict().items():
         assert torch.equal(v, start[1].state_dict()[k]), k
+
+
+class _MemeOnly(_Stuck):
+    """The stuck client whose final model is its MLR meme alone: with the guard off, nothing it
+    names is within the default budget."""
+
+    def guard_candidates(self):
+        return {"meme": (self.meme_spec, self.meme)}
+
+
+def test_with_the_guard_off_a_final_model_outside_the_budget_is_distilled_into_a_student():
+    # Prepare: the guard off, its student on (default epochs)
+    client = _client(OWN, kind=_MemeOnly, guard=False)
+
+    # Execute
+    out = _run(client)
+
+    # Assert: a student of its own architecture learnt from the meme, and says so
+    spec, model = client.personalized_model()
+    assert spec == MLP and footprint(model).params == _params(MLP)
+    assert out.details["deployed"] == f"{DISTILLED} (final, mlp)"
+    assert out.details["deployed_outside_budget"] == (
+        "Its meme (mlr), the algorithm's final model, mlr is not an architecture this device runs; "
+        "a student of its own architecture learnt from it."
+    )
+    d = client.ctx.data
+    assert _accuracy(model, d.x_test, d.y_test) > 0.9  # the meme knows the data; so does it
