@@ -39,17 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from edge_sdk.algorithms.members import CohortUnsupported, PerMember
+from edge_sdk.client_data import ClientData, IdentityCache, row_range
 from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.losses import StackedBatch, stacked_batch
-from edge_sdk.trainer import (
-    ClientData,
-    IdentityCache,
-    Score,
-    Step,
-    Trainer,
-    _check_finite,
-    _row_range,
-)
+from edge_sdk.trainer import Score, Step, Trainer, _check_finite
 
 __all__ = ["CohortTrainer", "StackedData", "StackedEval"]
 
@@ -64,7 +57,7 @@ class _Packed:
         self.sizes = [len(t) for t in tensors]
         base = tensors[0]._base
         ranges = [
-            _row_range(t, base) if base is not None and t._base is base else None for t in tensors
+            row_range(t, base) if base is not None and t._base is base else None for t in tensors
         ]
         if base is None or None in ranges:
             base, offsets = torch.cat(list(tensors)), _cumulative(self.sizes)

@@ -39,7 +39,8 @@ from edge_sdk.algorithms.persistence import BASE_STATE, copied, decode, encode
 from edge_sdk.algorithms.registry import algorithm_class, algorithm_names, register_algorithm
 from edge_sdk.budget import footprint
 from edge_sdk.codec import WireModel
-from edge_sdk.trainer import EvalResult, OptimConfig
+from edge_sdk.optim_config import OptimConfig
+from edge_sdk.trainer import EvalResult
 from model_zoo import ArchSpec
 
 # A model an algorithm holds (its architecture and module), None before it has one.

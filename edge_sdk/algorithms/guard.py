@@ -52,8 +52,9 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from torch import nn
 
 from edge_sdk.budget import DeployBudget, arch_name, footprint
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
-from edge_sdk.trainer import ClientData, Score, Trainer
+from edge_sdk.trainer import Score, Trainer
 from model_zoo import ArchSpec
 from model_zoo.models.mixture import Mixture, mixture_spec
 

@@ -36,7 +36,7 @@ from edge_sdk.algorithms.base import (
 from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import DistillTarget, ce_plus_kl, distill_target
-from edge_sdk.trainer import OptimConfig
+from edge_sdk.optim_config import OptimConfig
 from model_zoo import ArchSpec
 
 __all__ = ["PFML", "PFMLConfig"]

@@ -16,9 +16,11 @@ from edge_sdk.algorithms import AlgorithmError, ClientContext, TaskInfo, algorit
 from edge_sdk.algorithms.fml import FML, FMLConfig
 from edge_sdk.algorithms.guard import Pick, blend
 from edge_sdk.budget import DeployBudget
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
+from edge_sdk.optim_config import OptimConfig
 from edge_sdk.state import load_state, save_state
-from edge_sdk.trainer import ClientData, OptimConfig, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
 
 FEATURES, CLASSES = 12, 4
