@@ -33,7 +33,8 @@ from edge_sdk.algorithms.base import (
     FitResult,
     register_algorithm,
 )
-from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
+from edge_sdk.algorithms.candidates import PERSONAL, Candidate
+from edge_sdk.algorithms.guard_config import GuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import DistillTarget, ce_plus_kl, distill_target
 from edge_sdk.optim_config import OptimConfig

@@ -11,8 +11,8 @@ import torch
 from tests_helpers import raises_exactly
 
 from edge_sdk.algorithms import ClientContext, algorithm_class
+from edge_sdk.algorithms.candidates import DISTILLED, PERSONAL
 from edge_sdk.algorithms.fml import FML, FMLConfig
-from edge_sdk.algorithms.guard import DISTILLED, PERSONAL
 from edge_sdk.budget import DeployBudget, arch_name, footprint
 from edge_sdk.client import Deployed
 from edge_sdk.client_data import ClientData
