@@ -19,6 +19,7 @@ PERSONAL = "personal"
 # The federation's final model fine-tuned on the client's data, and its mixture with PERSONAL.
 FINETUNED = "finetuned"
 BLEND = f"{PERSONAL}+{FINETUNED}"
+# A student of the device's own architecture distilled from a candidate its budget refuses.
 DISTILLED = "distilled"
 
 
