@@ -240,7 +240,7 @@ def _device_data(index: int, x: Any, y: Any) -> Any:
     """Device `index`'s own 40/10/10 digits (a seeded draw; devices overlap)."""
     import torch
 
-    from edge_sdk.trainer import ClientData
+    from edge_sdk.client_data import ClientData
 
     rng = np.random.default_rng(index)
     pick = torch.from_numpy(rng.choice(len(y), TRAIN + VAL + TEST, replace=False))

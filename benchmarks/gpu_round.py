@@ -79,9 +79,10 @@ from coordinator.results_model import deployment_summary
 from coordinator.simulator import run_federation
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.algorithms.base import ClientContext
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
 from edge_sdk.device import cpu_threads, resolve_device
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -43,9 +43,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from edge_sdk.algorithms import ClientContext, algorithm_class
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
 from edge_sdk.device import resolve_device
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
 
 FAMILIES = ("mlr", "mlp", "lenet5", "cnn2", "vgg11")

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from coordinator.bench_data import BenchData, image_data, text_data
+from edge_sdk.client_data import ClientData
 from edge_sdk.export import export_onnx
 from edge_sdk.onnx_bench import (
     BenchRow,
@@ -42,8 +43,9 @@ from edge_sdk.onnx_bench import (
     machine_info,
     torch_threads,
 )
+from edge_sdk.optim_config import OptimConfig
 from edge_sdk.quantization import quantize_dynamic_int8, quantize_static_int8
-from edge_sdk.trainer import ClientData, OptimConfig, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build, families
 
 __all__ = [

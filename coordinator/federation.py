@@ -26,10 +26,10 @@ from coordinator.run_config import RunConfig
 from coordinator.server import Coordinator
 from coordinator.server_data import ServerData
 from coordinator.strategies import strategy_class
+from edge_sdk.client_data import ClientData
 from edge_sdk.device import resolve_device
 from edge_sdk.model_blobs import reference_shapes
 from edge_sdk.node import ClientNode
-from edge_sdk.trainer import ClientData
 from model_zoo import ArchSpec
 from model_zoo.data import (
     ClientSplit,

@@ -11,15 +11,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from edge_sdk.client_data import ClientData
     from edge_sdk.codec import WireModel
     from edge_sdk.device import resolve_device
-    from edge_sdk.trainer import ClientData, OptimConfig, Trainer
+    from edge_sdk.optim_config import OptimConfig
+    from edge_sdk.trainer import Trainer
 
 __all__ = ["ClientData", "OptimConfig", "Trainer", "WireModel", "resolve_device"]
 
 _WHERE = {
-    "ClientData": "edge_sdk.trainer",
-    "OptimConfig": "edge_sdk.trainer",
+    "ClientData": "edge_sdk.client_data",
+    "OptimConfig": "edge_sdk.optim_config",
     "Trainer": "edge_sdk.trainer",
     "WireModel": "edge_sdk.codec",
     "resolve_device": "edge_sdk.device",

@@ -50,6 +50,7 @@ import torch
 from edge_sdk import topics
 from edge_sdk.algorithms import ClientAlgorithm, FitResult
 from edge_sdk.auth import Keyring, ReplayGuard
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES
 from edge_sdk.ids import unique_id
 from edge_sdk.node import ClientNode
@@ -59,7 +60,6 @@ from edge_sdk.protocol import Archive, Reply, Status
 from edge_sdk.registration import Event, Registration, State
 from edge_sdk.retained import read_retained
 from edge_sdk.serving import INITIAL_PENDING_BYTES, REGISTER_RETRY_S, Serving
-from edge_sdk.trainer import ClientData
 from edge_sdk.transport.base import Transport
 from edge_sdk.transport.settings import BrokerSettings
 from edge_sdk.wire import Endpoint

@@ -39,12 +39,13 @@ from edge_sdk.algorithms import (
     algorithm_names,
 )
 from edge_sdk.budget import DeployBudget
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
 from edge_sdk.device import exclusive, precision
 from edge_sdk.peers import Peers
 from edge_sdk.protocol import Capabilities, Phase
 from edge_sdk.state import StateError, load_state, save_state, state_bytes, state_from_bytes
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec
 
 __all__ = ["ClientNode", "NodeTask"]

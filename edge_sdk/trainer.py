@@ -1,8 +1,9 @@
 """The one place where batches are drawn and optimizers step, shared by every algorithm.
 
-Data is moved to the device once (`ClientData.to`); batches are index tensors drawn on the device
-from the trainer's own seeded generator (no DataLoader for in-memory tensors); optimizers and
-learning-rate schedules come from config; mixed precision (bf16 autocast) on CUDA.
+Data is moved to the device once (`ClientData.to`, in edge_sdk.client_data); batches are index
+tensors drawn on the device from the trainer's own seeded generator (no DataLoader for in-memory
+tensors); optimizers and learning-rate schedules come from config (`OptimConfig`, in
+edge_sdk.optim_config); mixed precision (bf16 autocast) on CUDA.
 
 A training loop is a step function run over batches (`Trainer.run`): the losses it returns stay
 on the device and are read once, when the loop ends, so no step waits for the host; on CUDA the
@@ -21,28 +22,26 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
-from torch.utils.data import Dataset as TorchDataset
 
+from edge_sdk.client_data import ClientData
 from edge_sdk.device import autocast_dtype
 from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.losses import cross_entropy
 from edge_sdk.optim import SGD, Adam, restart
+from edge_sdk.optim_config import OptimConfig
 
+# ClientData and OptimConfig are importable from here, as the README and examples import them.
 __all__ = ["ClientData", "EvalResult", "LoopStats", "OptimConfig", "Score", "Step", "Trainer"]
-
-V = TypeVar("V")
 
 # A training step: one batch's tensors (inputs, labels) → the values to average over the loop
 # (losses), after it has updated the models (Trainer.step).
 Step = Callable[..., Sequence[torch.Tensor]]
 
 
-_DEFAULT_LR_GAMMA = 0.1
 # Captured steps kept between loops (Trainer.run's keep), each holding its graph's memory: per
 # trainer, a device's step and, when an algorithm alternates between two settings (FML's α
 # gate), the other one's; per process, a few (a simulation's clients one after another on one
@@ -53,194 +52,6 @@ _KEPT_ORDER: OrderedDict[tuple[int, Any], weakref.ref[Trainer]] = OrderedDict()
 _KEPT_LOCK = threading.Lock()
 # Uniform keys drawn at once for fresh batches (Trainer.index_draws): 16 MB of fp32.
 _DRAW_KEYS = 1 << 22
-
-
-class OptimConfig(BaseModel):
-    """Local training in whole epochs with SGD or Adam (defaults: FML's, algorithms.md)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    local_epochs: int = Field(5, ge=0)
-    batch_size: int = Field(128, ge=1)
-    optimizer: Literal["sgd", "adam"] = "sgd"
-    lr: float = Field(0.01, gt=0)
-    # SGD's momentum; for Adam it is β1 (Adam's betas are (momentum, 0.999)).
-    momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(5e-4, ge=0)
-    # "step": lr × lr_gamma every max(1, ⌊rounds/3⌋) rounds (FML's schedule); "none": constant.
-    lr_schedule: Literal["none", "step"] = "none"
-    lr_gamma: float = Field(_DEFAULT_LR_GAMMA, gt=0)
-
-    @model_validator(mode="after")
-    def _gamma_needs_a_schedule(self) -> OptimConfig:
-        if self.lr_schedule == "none" and self.lr_gamma != _DEFAULT_LR_GAMMA:
-            raise ValueError(
-                f"lr_gamma={self.lr_gamma} has no effect with lr_schedule='none'; "
-                "set lr_schedule='step' to decay the learning rate"
-            )
-        return self
-
-    def lr_at(self, round_: int, rounds: int) -> float:
-        if self.lr_schedule == "none":
-            return self.lr
-        step = max(1, rounds // 3)
-        return self.lr * self.lr_gamma ** ((max(1, round_) - 1) // step)
-
-
-@dataclass
-class ClientData:
-    """A client's own train/validation/test tensors (x: inputs, y: int64 class ids)."""
-
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_val: torch.Tensor
-    y_val: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-    num_classes: int
-
-    def __post_init__(self) -> None:
-        for split in ("train", "val", "test"):
-            x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
-            if len(x) != len(y):
-                raise ValueError(f"{split}: {len(x)} inputs but {len(y)} labels")
-        if len(self.x_train) == 0:
-            raise ValueError("a client needs at least one training sample")
-
-    @classmethod
-    def from_datasets(
-        cls,
-        train: TorchDataset,
-        val: TorchDataset | None = None,
-        test: TorchDataset | None = None,
-        *,
-        num_classes: int,
-    ) -> ClientData:
-        """Materialise map-style `torch.utils.data.Dataset`s of (input, label) pairs as tensors.
-
-        A device app's own datasets become the tensors the trainer batches on the device; an
-        omitted split is empty (no validation-based selection, no test score).
-        """
-        x_train, y_train = _stack(train)
-        none_x, none_y = x_train[:0], torch.empty(0, dtype=torch.int64)
-        x_val, y_val = _stack(val) if val is not None else (none_x, none_y)
-        x_test, y_test = _stack(test) if test is not None else (none_x, none_y)
-        return cls(x_train, y_train, x_val, y_val, x_test, y_test, num_classes=num_classes)
-
-    def to(self, device: torch.device) -> ClientData:
-        """Move every split to `device` once; image batches go channels_last (see Trainer).
-
-        Splits that are views of one tensor (a simulation's clients slice one client-major
-        data set) stay views of one copy of it on the device: clients moved one by one share
-        it, and a stack of them gathers its batches from it in one operation."""
-        moved = {k: _moved(getattr(self, k), device) for k in self._tensor_fields()}
-        return ClientData(**moved, num_classes=self.num_classes)
-
-    @staticmethod
-    def _tensor_fields() -> tuple[str, ...]:
-        return ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test")
-
-    @property
-    def n_train(self) -> int:
-        return len(self.y_train)
-
-    @property
-    def n_val(self) -> int:
-        return len(self.y_val)
-
-
-def _stack(ds: TorchDataset) -> tuple[torch.Tensor, torch.Tensor]:
-    n = len(ds)  # type: ignore[arg-type]
-    if n == 0:
-        raise ValueError("an empty dataset cannot be stacked; pass None for an empty split")
-    pairs = [ds[i] for i in range(n)]
-    try:
-        x = torch.stack([torch.as_tensor(p[0]) for p in pairs])
-        y = torch.as_tensor([int(p[1]) for p in pairs], dtype=torch.int64)
-    except (TypeError, IndexError, RuntimeError, ValueError) as exc:
-        raise ValueError(
-            f"a dataset item must be an (input, label) pair of equal-shaped inputs: {exc}"
-        ) from exc
-    return x, y
-
-
-class IdentityCache(Generic[V]):
-    """Values kept for some tensors, by their identity, each forgotten when one of its tensors
-    is collected (and, given a `limit`, when it is the least recently used beyond it).
-
-    Keyed by ids, not by the tensors: a WeakKeyDictionary compares keys with ==, which on
-    tensors is elementwise (finding a tensor already there raised "Boolean value of Tensor with
-    more than one value is ambiguous"). While an entry lives its tensors do, so their ids are
-    theirs."""
-
-    def __init__(self, limit: int | None = None) -> None:
-        self._entries: OrderedDict[tuple[int, ...], V] = OrderedDict()
-        self._limit = limit
-        self._lock = threading.RLock()  # a collected tensor's finalizer may run inside a block
-
-    def get(self, tensors: Sequence[torch.Tensor]) -> V | None:
-        key = tuple(map(id, tensors))
-        with self._lock:
-            value = self._entries.get(key)
-            if value is not None:
-                self._entries.move_to_end(key)
-            return value
-
-    def put(self, tensors: Sequence[torch.Tensor], value: V) -> V:
-        key = tuple(map(id, tensors))
-        with self._lock:
-            if key not in self._entries:
-                for t in {id(t): t for t in tensors}.values():
-                    weakref.finalize(t, self._forget, key)
-            self._entries[key] = value
-            while self._limit is not None and len(self._entries) > self._limit:
-                self._entries.popitem(last=False)
-        return value
-
-    def _forget(self, key: tuple[int, ...]) -> None:
-        with self._lock:
-            self._entries.pop(key, None)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-# A data set's tensor → its copy on each device it was moved to, for as long as the tensor lives.
-_ON_DEVICE: IdentityCache[dict[torch.device, torch.Tensor]] = IdentityCache()
-
-
-def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    base = t._base
-    rows = _row_range(t, base) if base is not None and t.device != device else None
-    if base is None or rows is None:
-        return _layout(t.to(device))
-    copies = _ON_DEVICE.get([base])
-    if copies is None:
-        copies = _ON_DEVICE.put([base], {})
-    if device not in copies:
-        copies[device] = _layout(base.to(device))
-    return copies[device][rows[0] : rows[1]]
-
-
-def _row_range(t: torch.Tensor, base: torch.Tensor) -> tuple[int, int] | None:
-    """(start, stop) when `t` is base[start:stop] (rows of its base, nothing else)."""
-    if t.dim() == 0 or t.shape[1:] != base.shape[1:] or t.stride() != base.stride():
-        return None
-    offset = t.storage_offset() - base.storage_offset()
-    row = base.stride(0) if base.dim() else 1
-    same = t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-    if row == 0 or offset % row or not same:
-        return None
-    start = int(offset // row)
-    return start, start + len(t)
-
-
-def _layout(t: torch.Tensor) -> torch.Tensor:
-    # NHWC ("channels_last") images: convolutions ran 1.3-1.4× faster on CPU in
-    # benchmarks/local_update.py, and it is what cuDNN prefers under mixed precision.
-    if t.dim() == 4 and t.is_floating_point():
-        return t.contiguous(memory_format=torch.channels_last)
-    return t
 
 
 @dataclass(frozen=True)

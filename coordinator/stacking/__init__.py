@@ -10,7 +10,9 @@ client dimension. One job a file:
 - cohort.py: `run_stacked`, one phase of an algorithm run once for all members;
 - state.py: the members' state stacked and given back;
 - modules.py: stacked models (`stack_modules`), run as one batched program;
-- trainer.py: `CohortTrainer`, each member's batches from its own generator and data.
+- trainer.py: `CohortTrainer`, each member's batches from its own generator and data;
+- stacked_data.py: `StackedData`, the members' data side by side, packed once while it lives;
+- frozen.py: the rows of the members that sit a step out, put back after the update.
 
 What an algorithm itself uses where members differ is in `edge_sdk.algorithms.members`, all of
 stacking a device loads.

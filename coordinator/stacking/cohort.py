@@ -43,8 +43,9 @@ from torch import nn
 
 from coordinator.stacking.kept import KeptStacks
 from coordinator.stacking.modules import stack_modules, stack_rows, unstack_module
+from coordinator.stacking.stacked_data import StackedData
 from coordinator.stacking.state import stack_models, stack_state, unstack_state
-from coordinator.stacking.trainer import CohortTrainer, StackedData
+from coordinator.stacking.trainer import CohortTrainer
 from edge_sdk.algorithms.base import (
     SPEC_ATTR,
     Candidate,

@@ -38,109 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from coordinator.stacking.frozen import Frozen, Stepping
+from coordinator.stacking.stacked_data import Packed, cumulative
 from edge_sdk.algorithms.members import CohortUnsupported, PerMember
 from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.losses import StackedBatch, stacked_batch
-from edge_sdk.trainer import (
-    ClientData,
-    IdentityCache,
-    Score,
-    Step,
-    Trainer,
-    _check_finite,
-    _row_range,
-)
+from edge_sdk.trainer import Score, Step, Trainer, _check_finite
 
-__all__ = ["CohortTrainer", "StackedData", "StackedEval"]
-
-
-# -- the members' data side by side -----------------------------------------------------------
-class _Packed:
-    """The members' tensors of one split as rows of one tensor (`base`): member i's are rows
-    starts[i] : starts[i] + sizes[i]. Views of one data set (a simulation's clients) are used
-    in place; anything else is concatenated once."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.sizes = [len(t) for t in tensors]
-        base = tensors[0]._base
-        ranges = [
-            _row_range(t, base) if base is not None and t._base is base else None for t in tensors
-        ]
-        if base is None or None in ranges:
-            base, offsets = torch.cat(list(tensors)), _cumulative(self.sizes)
-        else:
-            offsets = [r[0] for r in ranges if r is not None]
-        self.base = base
-        self.in_place = base is tensors[0]._base  # views of one data set: nothing was copied
-        self.offsets = offsets
-        # A member without samples reads (and never counts) a row that exists.
-        safe = [min(o, max(0, len(base) - 1)) for o in offsets]
-        self.starts = torch.tensor(safe, dtype=torch.int64, device=base.device)
-
-    @classmethod
-    def of_rows(cls, base: torch.Tensor, sizes: Sequence[int]) -> _Packed:
-        """Members' tensors made here, end to end in `base` (member i's rows after those of
-        members before it)."""
-        return cls([base[a : a + n] for a, n in zip(_cumulative(sizes), sizes, strict=True)])
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def gather(self, local: torch.Tensor, rows: int) -> torch.Tensor:
-        """`local` (rows, B) indices into each member's own split → (rows, B, ...) samples."""
-        glob = (local + self.starts[:rows, None]).flatten()
-        return self.base.index_select(0, glob).view(*local.shape, *self.base.shape[1:])
-
-
-def _cumulative(sizes: Sequence[int]) -> list[int]:
-    out, at = [], 0
-    for n in sizes:
-        out.append(at)
-        at += n
-    return out
-
-
-# Recently packed groups of members' data (StackedData.of), by their tensors. A few groups a
-# phase (one per architecture; halves of a stack out of memory; the sampled clients of a round).
-_PACKS: IdentityCache[StackedData] = IdentityCache(limit=16)
-
-
-class StackedData(ClientData):
-    """The members' data side by side: each split is a `_Packed` of the members' tensors,
-    and `n_train` one count per member."""
-
-    def __post_init__(self) -> None:  # rows are per member: nothing to check across them
-        pass
-
-    @classmethod
-    def of(cls, datas: Sequence[ClientData]) -> StackedData:
-        """The members' data packed (`_Packed`). The same members' data packed in place (views
-        of one data set, as a simulation's) is packed once and reused: packing 100 PFML
-        clients' splits takes 2.5 ms of Python (and on CUDA a copy to the device per split),
-        twice a round; reused, 0.13-0.2 ms."""
-        fields = ClientData._tensor_fields()
-        tensors = [getattr(d, name) for d in datas for name in fields]
-        hit = _PACKS.get(tensors)
-        if hit is not None and hit.num_classes == datas[0].num_classes:
-            return hit
-
-        def packed(name: str) -> torch.Tensor:
-            return cast(torch.Tensor, _Packed([getattr(d, name) for d in datas]))
-
-        out = cls(**{name: packed(name) for name in fields}, num_classes=datas[0].num_classes)
-        if all(cast(_Packed, getattr(out, name)).in_place for name in fields):
-            # forgotten when a member's data goes (the pack holds only the data set the
-            # members' splits are views of)
-            _PACKS.put(tensors, out)
-        return out
-
-    @property
-    def n_train(self) -> Any:
-        return PerMember(cast(_Packed, self.y_train).sizes)
-
-    @property
-    def n_val(self) -> Any:
-        return PerMember(cast(_Packed, self.y_val).sizes)
+__all__ = ["CohortTrainer", "StackedEval"]
 
 
 @dataclass(frozen=True)
@@ -176,12 +81,6 @@ def _batch(tensors: Sequence[torch.Tensor | None], taking: list[bool]) -> _Batch
     return out
 
 
-@dataclass
-class _Stepping:
-    rows: int  # the stack's first `rows` members run this step
-    active: torch.Tensor | None  # masked: (N,) 1.0 for a member taking it, 0.0 for one that is not
-
-
 class CohortTrainer(Trainer):
     """A Trainer over stacked models: each member's batch from its own generator and data,
     one step for the members that take it, averages per member.
@@ -202,7 +101,7 @@ class CohortTrainer(Trainer):
             raise CohortUnsupported("fp16 loss scaling is per client")
         self.members = list(members)
         self.masked = self.graphs if masked is None else masked
-        self._stepping: _Stepping | None = None
+        self._stepping: Stepping | None = None
         self._uneven = False  # the current loop's members take different numbers of steps
         self.stats = first.stats  # not used: each member's own stats are counted
         self._kept: OrderedDict[Any, StepRunner] = OrderedDict()  # see Trainer.run's keep
@@ -332,7 +231,7 @@ class CohortTrainer(Trainer):
         """Each member's stacked model over its own samples of `x` (packed), packed as `x`:
         rows that `batches` gathers with it (a fixed teacher's logits for every step)."""
         sizes = _packed(x).sizes
-        offsets = torch.tensor(_cumulative(sizes), device=self.device)
+        offsets = torch.tensor(cumulative(sizes), device=self.device)
         out: torch.Tensor | None = None
         for rows, start, _, counted, z in self._forwards(model, x):
             if out is None:
@@ -341,7 +240,7 @@ class CohortTrainer(Trainer):
             out[at[counted]] = z[counted]
         if out is None:  # no member has samples
             out = torch.empty(0, 0, device=self.device)
-        return _Packed.of_rows(out, sizes)
+        return Packed.of_rows(out, sizes)
 
     # -- the loop --------------------------------------------------------------------------
     def run(
@@ -394,7 +293,7 @@ class CohortTrainer(Trainer):
         def stepped(*batch: torch.Tensor | None) -> Sequence[torch.Tensor]:
             *tensors, weights, active = batch  # (inputs, labels, *more, weights, active)
             rows = cast(torch.Tensor, tensors[0]).shape[0]
-            self._stepping = _Stepping(rows, active)
+            self._stepping = Stepping(rows, active)
             try:
                 with stacked_batch(StackedBatch(rows, weights)):
                     return step(*tensors)
@@ -420,7 +319,7 @@ class CohortTrainer(Trainer):
             opt.zero_grad(set_to_none=True)
         loss.sum().backward()
         self._clip(clip)
-        frozen = _Frozen(optimizers, self._stepping, self.size)
+        frozen = Frozen(optimizers, self._stepping, self.size)
         for opt in optimizers:
             opt.step()
         frozen.restore()
@@ -545,8 +444,8 @@ class CohortTrainer(Trainer):
 _CPU_CHUNK_VALUES, _CPU_CHUNK_MIN = 2 << 20, 1024
 
 
-def _packed(t: Any) -> _Packed:
-    if not isinstance(t, _Packed):
+def _packed(t: Any) -> Packed:
+    if not isinstance(t, Packed):
         raise CohortUnsupported("a stacked trainer draws from the stacked data's splits")
     return t
 
@@ -564,41 +463,3 @@ def _padded(idx: torch.Tensor, width: int) -> torch.Tensor:
     if idx.shape[-1] == width:
         return idx
     return F.pad(idx, (0, width - idx.shape[-1]))
-
-
-class _Frozen:
-    """The rows of the optimizers' parameters and state that must not change in this step
-    (the members not taking it), saved before the update and put back after it."""
-
-    def __init__(
-        self, optimizers: Sequence[torch.optim.Optimizer], stepping: _Stepping | None, n: int
-    ) -> None:
-        self.tensors: list[torch.Tensor] = []
-        self.saved: list[torch.Tensor] = []
-        self.active = None if stepping is None else stepping.active
-        rows = n if stepping is None else stepping.rows
-        if self.active is None and rows == n:
-            return  # everyone takes this step
-        for opt in optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    state = opt.state.get(p, {})
-                    for t in [p, *state.values()]:
-                        if isinstance(t, torch.Tensor) and t.dim() and len(t) == n:
-                            self.tensors.append(t if self.active is not None else t[rows:])
-        # Few kernels (a masked step on CUDA saves and restores every row of every tensor,
-        # each step): one copy for all tensors, then one `where` per tensor, in place.
-        with torch.no_grad():
-            self.saved = [torch.empty_like(t) for t in self.tensors]
-            torch._foreach_copy_(self.saved, self.tensors)
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        if not self.tensors:
-            return
-        if self.active is None:
-            torch._foreach_copy_(self.tensors, self.saved)
-            return
-        keep = self.active.bool()
-        for t, s in zip(self.tensors, self.saved, strict=True):
-            torch.where(keep.view(-1, *[1] * (t.dim() - 1)), t, s, out=t)

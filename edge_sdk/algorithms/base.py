@@ -23,6 +23,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
+from edge_sdk.algorithms.candidates import PERSONAL, Candidate
 from edge_sdk.algorithms.config import AlgorithmConfig, BaseAlgorithmConfig
 from edge_sdk.algorithms.context import (
     SPEC_ATTR,
@@ -33,13 +34,13 @@ from edge_sdk.algorithms.context import (
     TaskInfo,
 )
 from edge_sdk.algorithms.deployment import Deployment
-from edge_sdk.algorithms.guard import PERSONAL, Candidate
 from edge_sdk.algorithms.members import CohortUnsupported, PerMember, rows_taken, take_rows
 from edge_sdk.algorithms.persistence import BASE_STATE, copied, decode, encode
 from edge_sdk.algorithms.registry import algorithm_class, algorithm_names, register_algorithm
 from edge_sdk.budget import footprint
 from edge_sdk.codec import WireModel
-from edge_sdk.trainer import EvalResult, OptimConfig
+from edge_sdk.optim_config import OptimConfig
+from edge_sdk.trainer import EvalResult
 from model_zoo import ArchSpec
 
 # A model an algorithm holds (its architecture and module), None before it has one.

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from edge_sdk.trainer import OptimConfig
+from edge_sdk.optim_config import OptimConfig
 
 __all__ = ["AlgorithmConfig", "BaseAlgorithmConfig"]
 

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from edge_sdk.budget import DeployBudget
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
 from edge_sdk.peers import Peers
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
 
 __all__ = [

@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from edge_sdk.algorithms.candidates import FINETUNED, PERSONAL, Candidate
 from edge_sdk.algorithms.context import FitResult
-from edge_sdk.algorithms.guard import FINETUNED, PERSONAL, Candidate, Distil, Guard, GuardConfig
+from edge_sdk.algorithms.guard import Distil, Guard
+from edge_sdk.algorithms.guard_config import GuardConfig
 from edge_sdk.budget import arch_name, footprint
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import distillation_loss

@@ -46,13 +46,14 @@ from edge_sdk.algorithms.base import (
     FitResult,
     register_algorithm,
 )
-from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
+from edge_sdk.algorithms.candidates import PERSONAL, Candidate
+from edge_sdk.algorithms.guard_config import GuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import cross_entropy
 from edge_sdk.optim import SGD, Adam
+from edge_sdk.optim_config import OptimConfig
 from edge_sdk.peers import Peers
 from edge_sdk.robust import state_norm
-from edge_sdk.trainer import OptimConfig
 from model_zoo import ArchSpec
 from model_zoo.models.mixture import Mixture, mixture_spec
 

@@ -41,7 +41,8 @@ from edge_sdk.algorithms.base import (
     FitResult,
     register_algorithm,
 )
-from edge_sdk.algorithms.guard import Candidate, GuardConfig
+from edge_sdk.algorithms.candidates import Candidate
+from edge_sdk.algorithms.guard_config import GuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import cross_entropy, kl_distill, weighted
 from model_zoo import ArchSpec

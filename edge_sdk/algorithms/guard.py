@@ -37,26 +37,39 @@ The test split is never looked at. A client without validation data deploys the 
 model. What the guard keeps (the best copy, its scores and which validation samples it got
 right) is part of the client's persistent state, so a restarted device, or a round done again,
 continues exactly.
+
+Here: the `Guard`, which scores, keeps and chooses. What it chooses among (candidates, their
+names, `blend`) is in edge_sdk.algorithms.candidates, a scored candidate (`Pick`) in
+edge_sdk.algorithms.picks, its settings (`GuardConfig`) in edge_sdk.algorithms.guard_config.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Literal
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, Field, field_validator, model_validator
 from torch import nn
 
-from edge_sdk.budget import DeployBudget, arch_name, footprint
-from edge_sdk.codec import WireModel
-from edge_sdk.trainer import ClientData, Score, Trainer
+from edge_sdk.algorithms.candidates import (
+    BLEND,
+    DISTILLED,
+    FINETUNED,
+    PERSONAL,
+    Candidate,
+    blend,
+)
+from edge_sdk.algorithms.guard_config import GuardConfig
+from edge_sdk.algorithms.picks import Pick, lower
+from edge_sdk.budget import DeployBudget, footprint
+from edge_sdk.client_data import ClientData
+from edge_sdk.trainer import Score, Trainer
 from model_zoo import ArchSpec
-from model_zoo.models.mixture import Mixture, mixture_spec
 
+# The candidates' names, blend, GuardConfig and Pick are importable from here, as before.
 __all__ = [
     "BLEND",
     "DISTILLED",
@@ -70,225 +83,12 @@ __all__ = [
     "blend",
 ]
 
-# What the guard may deploy: a name ("personal", "meme"...) → (architecture, model).
-Candidate = tuple[ArchSpec, nn.Module]
-
-# The name of the algorithm's own personalized model among the candidates.
-PERSONAL = "personal"
-# The federation's final model fine-tuned on the client's data, and its mixture with PERSONAL.
-FINETUNED = "finetuned"
-BLEND = f"{PERSONAL}+{FINETUNED}"
-
 _REASON_CHARS = 256  # a reply detail's limit
-_LOSS_ROUNDING = 1e-6  # relative: validation losses closer than this are equal
-
-
-def _lower(loss: float, than: float) -> bool:
-    """`loss` is below `than` by more than float rounding (_LOSS_ROUNDING)."""
-    return loss < than - _LOSS_ROUNDING * max(1.0, abs(than))
-
-
-class GuardConfig(BaseModel):
-    """The config fields of every algorithm the guard serves, and its `preset`."""
-
-    # The published algorithm for each algorithm config: every [ours] value at the paper's
-    # (or its authors' code's), the guard off. A subclass lists its own values in `paper`.
-    PAPER: ClassVar[dict[str, Any]] = {"guard": False}
-    paper: ClassVar[dict[str, Any]] = {}
-
-    # "paper": the algorithm exactly as published (`paper`'s values and the guard off), for
-    # every field not set explicitly; "edgefl": our defaults (docs/algorithms.md says which
-    # differ and why).
-    preset: Literal["edgefl", "paper"] = "edgefl"
-    # Deploy the best model seen on the validation split (see edge_sdk.algorithms.guard);
-    # False deploys the algorithm's final personalized model, as the paper describes it (or,
-    # where that model is outside the device's budget, its own-architecture model).
-    guard: bool = True
-    # [ours] How clear the evidence must be to deploy another model than the default:
-    # b − c > guard_z·√(b + c) over the validation samples where the two disagree.
-    guard_z: float = Field(2.0, ge=0)
-    # [ours] After the last round, fine-tune a copy of the federation's final model (the global
-    # model; FedMe: the aggregate it returns; FedeRiCo: the client's own model) for this many
-    # epochs on the training split, as one more candidate: the step of the FedAvg+FT baseline,
-    # whose `ft_epochs` default is the same. 0: no such candidate. Counted in samples_processed.
-    guard_ft_epochs: int = Field(5, ge=0)
-    # [ours] The candidate kept unless another is clearly better: "mixture", the personalized
-    # and the fine-tuned model averaged (one `mixture` model: the device runs both), where the
-    # device's budget allows mixtures; "personal", the algorithm's own model.
-    guard_default: Literal["mixture", "personal"] = "mixture"
-    # [ours] The weights w of the personalized model tried for the "mixture" default,
-    # w·personal + (1 − w)·finetuned; each client keeps the one with the lowest validation
-    # loss (the first of equal ones). 1: the personalized model alone, 0: the fine-tuned one,
-    # [0.5]: the equal mixture of earlier versions.
-    guard_mix_weights: list[float] = Field(
-        default_factory=lambda: [1.0, 0.75, 0.5, 0.25, 0.0], min_length=1
-    )
-    # [ours] Where a model outside the device's budget (a global model, a mixture) is clearly
-    # better on validation than what it may deploy, a student of the device's own architecture
-    # learns from it for this many epochs on the training split, starting from the device's
-    # best model of its architecture: (1 − λ)·CE + λ·T²·KL(teacher ‖ student), PersFL's loss.
-    # The student is deployed when it is clearly better than that model. 0: no student.
-    # Counted in samples_processed.
-    guard_distill_epochs: int = Field(10, ge=0)
-    guard_distill_lambda: float = Field(0.5, ge=0, le=1)  # [ours] λ
-    guard_distill_temperature: float = Field(2.0, gt=0)  # [ours] T
-
-    @model_validator(mode="before")
-    @classmethod
-    def _preset(cls, data: Any) -> Any:
-        # The preset's values under whatever is given explicitly.
-        if isinstance(data, Mapping) and data.get("preset") == "paper":
-            return {**cls.PAPER, **cls.paper, **data}
-        return data
-
-    @field_validator("guard_mix_weights")
-    @classmethod
-    def _weights_in_0_1(cls, weights: list[float]) -> list[float]:
-        if not all(0 <= w <= 1 for w in weights):
-            raise ValueError(f"each weight of the personalized model is in [0, 1], got {weights}")
-        return weights
 
 
 def _log(w: float) -> float:
     """log w, −∞ at 0 (a mixture's weight)."""
     return math.log(w) if w > 0 else -math.inf
-
-
-def blend(a: Candidate, b: Candidate, weight: float = 0.5) -> Candidate:
-    """The mixture weight·a + (1 − weight)·b of two candidates' predicted probabilities, as one
-    `mixture` model built around the same modules (a mixture's members are taken as members,
-    their weights scaled, so that a mixture never holds a mixture). 0 < weight < 1."""
-    if not 0 < weight < 1:
-        raise ValueError(f"a blend's weight is strictly between 0 and 1, got {weight}")
-    members: list[tuple[ArchSpec, nn.Module, float]] = []
-    for (spec, model), share in ((a, weight), (b, 1 - weight)):
-        if isinstance(model, Mixture):
-            weights = spec.kwargs["weights"]
-            inner = [ArchSpec.model_validate(m) for m in spec.kwargs["members"]]
-            total = float(sum(weights))
-            members += [
-                (s, m, share * w / total)
-                for s, m, w in zip(inner, model.members, weights, strict=True)
-            ]
-        else:
-            members.append((spec, model, share))
-    weights = [w for _, _, w in members]
-    spec = mixture_spec([s for s, _, _ in members], weights)
-    mixture = Mixture([m for _, m, _ in members], weights)
-    device = next(a[1].parameters()).device
-    return spec, mixture.to(device)
-
-
-# How a reply's reasons name each candidate.
-_PROSE = {
-    PERSONAL: "its personalized model",
-    FINETUNED: "the final model fine-tuned here",
-    BLEND: "its personalized and the fine-tuned model mixed",
-    "global": "the final global model",
-    "meme": "its meme",
-    "local": "its local model",
-    "teacher": "its teacher",
-    "own": "its own model",
-    "tuned_global": "the global model trained here",
-}
-DISTILLED = "distilled"
-
-
-@dataclass(frozen=True)
-class Pick:
-    """One scored candidate: which model, when, how it did on validation, whether the device's
-    budget admits it (`refusal`: why not), and (once kept or deployed, `kept`) a copy of its
-    weights."""
-
-    name: str
-    round: int  # the round whose training produced it
-    final: bool  # one of the models the client held after the last round (finalize)
-    hits: torch.Tensor  # bool, per validation sample: predicted right
-    loss: float  # mean validation cross-entropy
-    model: WireModel | None = None  # the weights, copied when kept
-    # The live model it was scored from, until it is kept (a candidate that is not kept is
-    # never copied: the guard scores a few each round, on every client).
-    source: Candidate | None = field(default=None, compare=False, repr=False)
-    correct: int = -1  # hits' count; counted here unless given (a stack counts its members')
-    params: int = 0  # the model's parameters
-    refusal: str | None = None  # why the device's budget does not admit it; None: it does
-    teacher: str | None = None  # a distilled student's: the teacher's label
-
-    def __post_init__(self) -> None:
-        if self.correct < 0:
-            object.__setattr__(self, "correct", int(self.hits.sum()))
-
-    @property
-    def total(self) -> int:
-        return len(self.hits)
-
-    @property
-    def spec(self) -> ArchSpec:
-        if self.model is not None:
-            return self.model.spec
-        assert self.source is not None
-        return self.source[0]
-
-    def kept(self) -> Pick:
-        """This pick holding a copy of its model's weights (what the guard keeps)."""
-        if self.model is not None:
-            return self
-        assert self.source is not None
-        return replace(self, model=WireModel.of(*self.source), source=None)
-
-    def beats(self, other: Pick | None) -> bool:
-        """More correct validation samples; on a tie, a lower validation loss (losses equal to
-        float rounding are a tie: the same model scored alone or in a stack of clients, whose
-        batched sums round otherwise, keeps the earlier)."""
-        if other is None:
-            return True
-        if self.correct != other.correct:
-            return self.correct > other.correct
-        return _lower(self.loss, other.loss)
-
-    @property
-    def label(self) -> str:
-        when = "final" if self.final else f"round {self.round}"
-        return f"{self.name} ({when}, {self.spec.family})"
-
-    @property
-    def prose(self) -> str:
-        """The candidate as a reason names it: "its meme (mlp, round 3)"."""
-        family = arch_name(self.spec)
-        when = "" if self.final else f", round {self.round}"
-        if self.name == DISTILLED:
-            return f"a student ({family}) of {self.teacher}"
-        return f"{_PROSE.get(self.name, self.name)} ({family}{when})"
-
-    @property
-    def score(self) -> str:
-        return f"{self.correct}/{self.total}"
-
-    def to_state(self) -> dict[str, Any]:
-        assert self.model is not None, "only a kept pick is saved"
-        return {
-            "name": self.name,
-            "round": self.round,
-            "final": self.final,
-            "hits": self.hits,
-            "loss": self.loss,
-            "model": self.model,
-            "params": self.params,
-            "teacher": self.teacher or "",
-        }
-
-    @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> Pick:
-        return cls(
-            name=str(state["name"]),
-            round=int(state["round"]),
-            final=bool(state["final"]),
-            hits=state["hits"].to(torch.bool),
-            loss=float(state["loss"]),
-            model=state["model"],
-            params=int(state.get("params", 0)),  # (states saved before it was kept: 0)
-            teacher=str(state.get("teacher", "")) or None,
-        )
 
 
 # A student of the device's own architecture distilled from a teacher it may not deploy:
@@ -381,7 +181,7 @@ class Guard:
         ]
         best = 0
         for i, loss in enumerate(losses):
-            if _lower(loss, losses[best]):
+            if lower(loss, losses[best]):
                 best = i
         w = weights[best]
         if w == 1:

@@ -49,8 +49,9 @@ from edge_sdk.algorithms.base import (
     FitResult,
     register_algorithm,
 )
+from edge_sdk.algorithms.candidates import PERSONAL, Candidate
 from edge_sdk.algorithms.fedavg import FedAvgConfig
-from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
+from edge_sdk.algorithms.guard_config import GuardConfig
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.losses import distillation_loss
 from model_zoo import ArchSpec

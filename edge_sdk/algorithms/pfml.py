@@ -33,10 +33,11 @@ from edge_sdk.algorithms.base import (
     FitResult,
     register_algorithm,
 )
-from edge_sdk.algorithms.guard import PERSONAL, Candidate, GuardConfig
+from edge_sdk.algorithms.candidates import PERSONAL, Candidate
+from edge_sdk.algorithms.guard_config import GuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import DistillTarget, ce_plus_kl, distill_target
-from edge_sdk.trainer import OptimConfig
+from edge_sdk.optim_config import OptimConfig
 from model_zoo import ArchSpec
 
 __all__ = ["PFML", "PFMLConfig"]

@@ -14,9 +14,9 @@ from coordinator.server import Coordinator, CoordinatorError, Interrupted, Round
 from coordinator.simulator import run_federation, simulate
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.client import EdgeClient
+from edge_sdk.client_data import ClientData
 from edge_sdk.node import ClientNode
 from edge_sdk.state import load_state, save_state
-from edge_sdk.trainer import ClientData
 from edge_sdk.transport import InMemoryBroker
 from model_zoo import ArchSpec
 

@@ -7,9 +7,10 @@ import torch
 
 from edge_sdk.algorithms import AlgorithmError, ClientContext, algorithm_class
 from edge_sdk.algorithms.pfml import PFMLConfig
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import cross_entropy, kl_distill
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
 
 IMG = (1, 8, 8)

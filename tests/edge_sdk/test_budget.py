@@ -10,8 +10,9 @@ from coordinator.stacking.cohort import run_stacked
 from edge_sdk.algorithms import ClientContext, algorithm_class
 from edge_sdk.algorithms.members import CohortUnsupported
 from edge_sdk.algorithms.pfml import PFMLConfig
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
 
 FEATURES, CLASSES = 6, 3

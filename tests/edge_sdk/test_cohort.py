@@ -16,14 +16,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import coordinator.stacking.cohort as cohort
 import coordinator.stacking.groups as groups
+import coordinator.stacking.stacked_data as stacked_data
 import coordinator.stacking.trainer as cohort_trainer
 from coordinator.federation import prepare_federation
 from coordinator.simulator import run_federation
 from coordinator.stacking import KeptStacks, Stacking
 from coordinator.stacking.cohort import CohortContext, run_stacked
 from coordinator.stacking.modules import stack_modules
+from coordinator.stacking.stacked_data import StackedData
 from coordinator.stacking.state import stack_models
-from coordinator.stacking.trainer import CohortTrainer, StackedData
+from coordinator.stacking.trainer import CohortTrainer
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.algorithms.base import (
     SPEC_ATTR,
@@ -37,9 +39,10 @@ from edge_sdk.algorithms.members import CohortUnsupported, PerMember
 from edge_sdk.algorithms.persfl import PersFL
 from edge_sdk.algorithms.pfml import PFML, PFMLConfig
 from edge_sdk.budget import DeployBudget
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
 from edge_sdk.node import ClientNode, NodeTask
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
 
 CPU = torch.device("cpu")
@@ -793,10 +796,10 @@ def test_the_same_members_data_is_packed_once_while_it_lives():
     # tensors of their own are concatenated: not kept
     assert StackedData.of(own) is not StackedData.of(own)
     # the pack is forgotten with the members' data
-    kept = len(cohort_trainer._PACKS)
+    kept = len(stacked_data._PACKS)
     del views, moved, first, d
     gc.collect()
-    assert len(cohort_trainer._PACKS) <= kept - 3  # the views, reversed, and two of them
+    assert len(stacked_data._PACKS) <= kept - 3  # the views, reversed, and two of them
 
 
 def _splits(d):

@@ -11,12 +11,13 @@ import torch
 from tests_helpers import raises_exactly
 
 from edge_sdk.algorithms import ClientContext, algorithm_class
+from edge_sdk.algorithms.candidates import DISTILLED, PERSONAL
 from edge_sdk.algorithms.fml import FML, FMLConfig
-from edge_sdk.algorithms.guard import DISTILLED, PERSONAL
 from edge_sdk.budget import DeployBudget, arch_name, footprint
 from edge_sdk.client import Deployed
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
 from model_zoo.models.mixture import mixture_spec
 

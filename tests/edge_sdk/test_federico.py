@@ -20,11 +20,12 @@ from tests_helpers import raises_exactly
 from edge_sdk.algorithms import AlgorithmError, ClientContext, TaskInfo, algorithm_class
 from edge_sdk.algorithms.federico import posterior_weights
 from edge_sdk.budget import DeployBudget
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
 from edge_sdk.export import export_onnx
 from edge_sdk.peers import PeerChannel
 from edge_sdk.state import load_state, save_state
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import Trainer
 from edge_sdk.transport.memory import InMemoryBroker
 from model_zoo import ArchSpec, build
 

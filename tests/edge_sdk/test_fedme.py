@@ -8,8 +8,9 @@ from tests_helpers import raises_exactly
 from edge_sdk.algorithms import AlgorithmError, ClientContext
 from edge_sdk.algorithms.fedme import FedMe, FedMeConfig
 from edge_sdk.budget import DeployBudget
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
 
 FEATURES, CLASSES = 4, 3

@@ -16,10 +16,11 @@ from coordinator.stacking.trainer import CohortTrainer
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.algorithms.base import ClientContext
 from edge_sdk.algorithms.pfml import _shaped_as
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
 from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.optim import SGD, restart
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
 
 HOST_READS = {"_local_scalar_dense", "is_nonzero", "equal"}

@@ -13,12 +13,15 @@ import torch.nn.functional as F
 from tests_helpers import raises_exactly
 
 from edge_sdk.algorithms import AlgorithmError, ClientContext, TaskInfo, algorithm_class
+from edge_sdk.algorithms.candidates import blend
 from edge_sdk.algorithms.fml import FML, FMLConfig
-from edge_sdk.algorithms.guard import Pick, blend
+from edge_sdk.algorithms.picks import Pick
 from edge_sdk.budget import DeployBudget
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
+from edge_sdk.optim_config import OptimConfig
 from edge_sdk.state import load_state, save_state
-from edge_sdk.trainer import ClientData, EvalResult, OptimConfig, Trainer
+from edge_sdk.trainer import EvalResult, Trainer
 from model_zoo import ArchSpec, build
 
 FEATURES, CLASSES = 12, 4

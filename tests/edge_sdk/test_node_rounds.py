@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from coordinator.stacking import Stacking
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
 from edge_sdk.graphs import footprint
 from edge_sdk.node import ClientNode, NodeTask
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
 
 SPEC = ArchSpec(family="mlr", num_classes=3, input_shape=(4,))

@@ -19,9 +19,10 @@ from edge_sdk.algorithms.persfl import (
     archive_round,
     distillation_loss,
 )
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
 from edge_sdk.state import load_state, save_state
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
 
 FEATURES, CLASSES = 4, 3

@@ -5,9 +5,10 @@ import torch
 
 from coordinator.stacking.cohort import run_stacked
 from edge_sdk.algorithms import AlgorithmError, ClientContext, algorithm_class
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
 from edge_sdk.state import StateError, load_state, save_state
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
 
 IMG = (1, 8, 8)

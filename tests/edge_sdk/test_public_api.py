@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from edge_sdk.client import EdgeClient
+from edge_sdk.client_data import ClientData
 from edge_sdk.node import ClientNode
-from edge_sdk.trainer import ClientData
 from edge_sdk.transport.mqtt import MqttTransport
 from model_zoo import ArchSpec
 

@@ -13,10 +13,10 @@ import edge_sdk.serving as serving_mod
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
 from edge_sdk.client import EdgeClient
+from edge_sdk.client_data import ClientData
 from edge_sdk.node import ClientNode
 from edge_sdk.protocol import Register, Status
 from edge_sdk.registration import TRANSITIONS, Event, Registration, State
-from edge_sdk.trainer import ClientData
 from edge_sdk.transport import InMemoryBroker
 from edge_sdk.wire import Endpoint
 from model_zoo import ArchSpec

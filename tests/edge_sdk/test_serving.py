@@ -11,9 +11,9 @@ import edge_sdk.serving as serving_mod
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
 from edge_sdk.client import EdgeClient
+from edge_sdk.client_data import ClientData
 from edge_sdk.node import ClientNode
 from edge_sdk.protocol import Register, Status, decode
-from edge_sdk.trainer import ClientData
 from edge_sdk.transport import InMemoryBroker
 from edge_sdk.wire import Endpoint
 from model_zoo import ArchSpec

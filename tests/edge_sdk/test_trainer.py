@@ -4,8 +4,10 @@ import pytest
 import torch
 
 import edge_sdk.trainer as trainer_mod
+from edge_sdk.client_data import ClientData, IdentityCache
 from edge_sdk.graphs import StepRunner, footprint
-from edge_sdk.trainer import ClientData, IdentityCache, OptimConfig, Trainer
+from edge_sdk.optim_config import OptimConfig
+from edge_sdk.trainer import Trainer
 
 
 def test_step_schedule_decays_every_third_of_the_run():

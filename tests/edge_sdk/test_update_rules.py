@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from edge_sdk.algorithms import ClientContext, algorithm_class
+from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
-from edge_sdk.trainer import ClientData, Trainer
+from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
 
 SHAPE = (1, 4, 4)

@@ -1,0 +1,72 @@
+"""The guard's settings, fields of every algorithm's config it serves (`GuardConfig`), and the
+`preset` that gives the algorithm exactly as published (its paper's values, the guard off)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+__all__ = ["GuardConfig"]
+
+
+class GuardConfig(BaseModel):
+    """The config fields of every algorithm the guard serves, and its `preset`."""
+
+    # The published algorithm for each algorithm config: every [ours] value at the paper's
+    # (or its authors' code's), the guard off. A subclass lists its own values in `paper`.
+    PAPER: ClassVar[dict[str, Any]] = {"guard": False}
+    paper: ClassVar[dict[str, Any]] = {}
+
+    # "paper": the algorithm exactly as published (`paper`'s values and the guard off), for
+    # every field not set explicitly; "edgefl": our defaults (docs/algorithms.md says which
+    # differ and why).
+    preset: Literal["edgefl", "paper"] = "edgefl"
+    # Deploy the best model seen on the validation split (see edge_sdk.algorithms.guard);
+    # False deploys the algorithm's final personalized model, as the paper describes it (or,
+    # where that model is outside the device's budget, its own-architecture model).
+    guard: bool = True
+    # [ours] How clear the evidence must be to deploy another model than the default:
+    # b − c > guard_z·√(b + c) over the validation samples where the two disagree.
+    guard_z: float = Field(2.0, ge=0)
+    # [ours] After the last round, fine-tune a copy of the federation's final model (the global
+    # model; FedMe: the aggregate it returns; FedeRiCo: the client's own model) for this many
+    # epochs on the training split, as one more candidate: the step of the FedAvg+FT baseline,
+    # whose `ft_epochs` default is the same. 0: no such candidate. Counted in samples_processed.
+    guard_ft_epochs: int = Field(5, ge=0)
+    # [ours] The candidate kept unless another is clearly better: "mixture", the personalized
+    # and the fine-tuned model averaged (one `mixture` model: the device runs both), where the
+    # device's budget allows mixtures; "personal", the algorithm's own model.
+    guard_default: Literal["mixture", "personal"] = "mixture"
+    # [ours] The weights w of the personalized model tried for the "mixture" default,
+    # w·personal + (1 − w)·finetuned; each client keeps the one with the lowest validation
+    # loss (the first of equal ones). 1: the personalized model alone, 0: the fine-tuned one,
+    # [0.5]: the equal mixture of earlier versions.
+    guard_mix_weights: list[float] = Field(
+        default_factory=lambda: [1.0, 0.75, 0.5, 0.25, 0.0], min_length=1
+    )
+    # [ours] Where a model outside the device's budget (a global model, a mixture) is clearly
+    # better on validation than what it may deploy, a student of the device's own architecture
+    # learns from it for this many epochs on the training split, starting from the device's
+    # best model of its architecture: (1 − λ)·CE + λ·T²·KL(teacher ‖ student), PersFL's loss.
+    # The student is deployed when it is clearly better than that model. 0: no student.
+    # Counted in samples_processed.
+    guard_distill_epochs: int = Field(10, ge=0)
+    guard_distill_lambda: float = Field(0.5, ge=0, le=1)  # [ours] λ
+    guard_distill_temperature: float = Field(2.0, gt=0)  # [ours] T
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        # The preset's values under whatever is given explicitly.
+        if isinstance(data, Mapping) and data.get("preset") == "paper":
+            return {**cls.PAPER, **cls.paper, **data}
+        return data
+
+    @field_validator("guard_mix_weights")
+    @classmethod
+    def _weights_in_0_1(cls, weights: list[float]) -> list[float]:
+        if not all(0 <= w <= 1 for w in weights):
+            raise ValueError(f"each weight of the personalized model is in [0, 1], got {weights}")
+        return weights
