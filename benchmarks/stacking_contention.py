@@ -85,6 +85,7 @@ def main() -> None:
     p.add_argument("--baseline", type=Path, help="another checkout, measured side by side")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--loads", nargs="+", default=["quiet", "contended"])
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--burn", type=int, default=os.cpu_count() or 2, help="spinning processes")
     p.add_argument("--data-root", default=FMNIST)
@@ -103,7 +104,7 @@ def main() -> None:
         "trees": {k: str(v) for k, v in trees.items()},
         "runs": [],
     }
-    for load in ("quiet", "contended"):
+    for load in args.loads:
         burners = []
         if load == "contended":
             burners = [mp.Process(target=_spin, daemon=True) for _ in range(args.burn)]

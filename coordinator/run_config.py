@@ -121,9 +121,9 @@ class RunConfig(BaseModel):
     )
     cohort_auto: bool = Field(
         True,
-        description="on the CPU, time each group's fits both ways, stacked and one by one, and "
-        "train it the faster way (the same results to float rounding); false: always stacked, "
-        "so that two runs take the same path to the bit",
+        description="on the CPU, time the fits both ways, stacked and one by one, and train "
+        "the faster way (the same results to float rounding); false: always stacked, so that "
+        "two runs take the same path to the bit",
     )
     idle_state: Literal["memory", "host", "disk"] = Field(
         "memory",

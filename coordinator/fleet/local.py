@@ -22,9 +22,8 @@ import contextlib
 import logging
 import math
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
@@ -222,11 +221,11 @@ class LocalFleet(Fleet):
         for cid, task in begun.items():
             key = (self.nodes[cid].spec.to_json(), *task.group_key())
             groups.setdefault(key, []).append(cid)
-        jobs: list[tuple[list[str], bool]] = []  # (clients, whether they may be dealt apart)
-        timed: dict[str, tuple[Hashable, bool]] = {}  # a fit's clients: (its group, stacked)
+        stacking: dict[tuple[object, ...], bool] = {}  # a group: whether it stacks
+        timed: dict[tuple[object, ...], str] = {}  # the groups timed: what each is, in words
         for key, ids in groups.items():
             first, device = self.nodes[ids[0]].algorithm, self.nodes[ids[0]].device
-            stacks = (
+            stacking[key] = (
                 self.stack
                 and first is not None
                 and len(ids) > 1
@@ -235,41 +234,35 @@ class LocalFleet(Fleet):
             # Timed on the CPU only: on a GPU stacking measured 3.6-41x faster than one by one
             # (H100, docs/benchmarks/gpu-round.md), so a fit timed one by one there would cost
             # more than the choice could save.
-            if (
-                first is not None
-                and stacks
-                and self.stack_auto
-                and device.type == "cpu"
-                and begun[ids[0]].phase == "fit"
-            ):
-                # (a group across rounds: its architecture, algorithm, config, step, device)
-                group = (*key[:3], key[-1], str(device))
-                label = f"{type(first).name}'s {self.nodes[ids[0]].spec.family} clients"
-                stacks = self.stacking.pays.stacked(group, label)
-                timed |= {cid: (group, stacks) for cid in ids}
-            if stacks:
-                jobs.append((ids, device.type == "cpu"))
+            if stacking[key] and self.stack_auto and device.type == "cpu":
+                assert first is not None
+                timed[key] = f"{type(first).name}'s {self.nodes[ids[0]].spec.family} clients"
+        # The groups a fit times run one way together: one stack's time depends on the others
+        # beside it (two stacks on two threads wait for each other's Python, a few large jobs
+        # fill two workers worse than many small ones), so the phase's time is what is compared.
+        # (The groups across rounds and phases: architecture, algorithm, config. The other
+        # phases follow the fits' choice.)
+        together = frozenset((k[0], k[1], k[2]) for k in timed)
+        fit = next(iter(begun.values())).phase == "fit"
+        if timed:
+            pays, label = self.stacking.pays, ", ".join(sorted(set(timed.values())))
+            way = pays.stacked(together, label) if fit else pays.settled(together)
+            stacking |= dict.fromkeys(timed, way)
+        jobs: list[tuple[list[str], bool]] = []  # (clients, whether they may be dealt apart)
+        for key, ids in groups.items():
+            if stacking[key]:
+                jobs.append((ids, self.nodes[ids[0]].device.type == "cpu"))
             else:
                 jobs.extend(([cid], False) for cid in ids)
         jobs = _spread(jobs, self.parallel, lambda cid: len(self.nodes[cid].data.y_train))
 
-        spent: dict[Hashable, list[float]] = {}  # a timed group: its jobs' seconds, samples
-        lock = threading.Lock()
-
         def run(ids: list[str]) -> list[FitResult | Exception]:
-            start = time.perf_counter()
-            out = self.stacking.execute_together(
+            return self.stacking.execute_together(
                 [self.nodes[c] for c in ids], [begun[c] for c in ids]
             )
-            if ids[0] in timed:
-                samples = sum(len(self.nodes[c].data.y_train) for c in ids)
-                with lock:
-                    total = spent.setdefault(timed[ids[0]][0], [0.0, 0])
-                    total[0] += time.perf_counter() - start
-                    total[1] += samples
-            return out
 
         work = [ids for ids, _ in jobs]
+        start = time.perf_counter()
         if self.parallel == 1 or len(work) == 1:
             with _threads_each(self.threads, 1):  # one job at a time: all of `threads`
                 done = [run(ids) for ids in work]
@@ -279,9 +272,9 @@ class LocalFleet(Fleet):
                 ThreadPoolExecutor(self.parallel) as pool,
             ):
                 done = list(pool.map(run, work))
-        ways = dict(timed.values())
-        for timed_group, (seconds, samples) in spent.items():
-            self.stacking.pays.record(timed_group, ways[timed_group], seconds, int(samples))
+        if timed and fit:
+            samples = sum(len(self.nodes[c].data.y_train) for k in timed for c in groups[k])
+            self.stacking.pays.record(together, way, time.perf_counter() - start, samples)
         return {
             cid: out
             for ids, outs in zip(work, done, strict=True)

@@ -1,19 +1,23 @@
-"""Whether stacking pays, measured per group on the run itself.
+"""Whether stacking pays, measured on the run itself.
 
 Stacking runs a group's ops once for all its clients, but its step is heavier in Python (vmap,
 functional calls), which holds the interpreter lock: two stacks on two worker threads barely
-run at once, where clients one by one do. So a small group of small models can train faster
-one by one, and which way wins depends on the machine and on what else runs on it. Nothing
-fixed decides it: each group (algorithm, architecture, config) on the CPU is timed both ways
-on its own fits, and trains the faster way. (On a GPU, where stacking measured 3.6-41x faster,
-the local fleet does not time it.)
+run at once, where clients one by one do, and a few large jobs fill the workers worse than many
+small ones. So a few small groups of small models can train faster one by one, and which way
+wins depends on the machine, on what else runs on it, and on the groups beside each other.
+Nothing fixed decides it: the groups a fit phase holds on the CPU (each an algorithm,
+architecture, config and step) are timed both ways together, and train the faster way. (On a
+GPU, where stacking measured 3.6-41x faster, the local fleet does not time it.)
 
-A group's first fit runs stacked and is not counted (it holds one-off costs: building the
-stack, warming caches), its second runs one by one, its third stacked; from then on it runs
-the way that took fewer seconds per training sample. While the two are within `RETRY_WITHIN`
-of each other, the other way is timed again every `RETRY_EVERY`-th fit, so that a load that
-comes or goes turns the choice. Stacked and one by one give the same results to float
-rounding (`tests/edge_sdk/test_cohort.py`), so the choice changes speed, not what is learnt;
+The first two fits run stacked, the next two one by one, and only the second of each pair is
+counted: a way's first fit after a switch pays for it (the first builds the stacks, the members'
+tensors are laid out again, the other path's caches warm up), and counted, it made the faster
+way look the slower on both workloads of benchmarks/stacking_contention.py. From then on the
+faster way runs, by seconds of the phase per training sample; the evaluation and finalize
+phases follow it. While the two are within `RETRY_WITHIN` of each other, the other way runs
+again for two fits every `RETRY_EVERY` fits (the second timed), so that a load that comes or
+goes turns the choice. Stacked and one by one give the same results to float rounding
+(`tests/edge_sdk/test_cohort.py`), so the choice changes speed, not what is learnt;
 `cohort_auto = false` always stacks, so that two runs take the same path to the bit.
 """
 
@@ -36,14 +40,16 @@ RETRY_WITHIN = 2.0  # ... while the slower way took at most this times the faste
 class _Timed:
     label: str
     fits: int = 0
-    stacked: float | None = None  # seconds per training sample, the last time it ran that way
+    last: bool | None = None  # the way the last fit ran
+    streak: int = 0  # fits in a row it ran that way
+    stacked: float | None = None  # seconds per training sample, the last time it was timed
     alone: float | None = None
-    settled: bool | None = None  # the way it runs once both are timed (retries aside)
+    settled: bool | None = None  # the faster way, once both are timed
 
 
 class Pays:
-    """The choice per group, from its fits' timings. Thread-safe: a fleet runs its groups on
-    several threads."""
+    """The choice per group (what is timed together: a fit phase's groups), from its fits'
+    timings. Thread-safe."""
 
     def __init__(self) -> None:
         self._groups: dict[Hashable, _Timed] = {}
@@ -55,30 +61,41 @@ class Pays:
         with self._lock:
             t = self._groups.setdefault(group, _Timed(label))
             t.fits += 1
-            if t.fits == 1:
-                return True  # warm-up, not counted
-            if t.alone is None:
-                return False
             if t.stacked is None:
-                return True
-            faster = t.stacked <= t.alone
-            if faster != t.settled:
-                t.settled = faster
-                log.info(
-                    "%s train %s: stacked, a training sample took %.2f× its time one by one",
-                    t.label,
-                    "stacked" if faster else "one by one",
-                    t.stacked / t.alone,
-                )
-            close = max(t.stacked, t.alone) <= RETRY_WITHIN * min(t.stacked, t.alone)
-            return faster != (close and t.fits % RETRY_EVERY == 0)
+                way = True
+            elif t.alone is None:
+                way = False
+            else:
+                faster = t.stacked <= t.alone
+                if faster != t.settled:
+                    t.settled = faster
+                    log.info(
+                        "%s train %s: stacked, a training sample took %.2f× its time one by one",
+                        t.label,
+                        "stacked" if faster else "one by one",
+                        t.stacked / t.alone,
+                    )
+                close = max(t.stacked, t.alone) <= RETRY_WITHIN * min(t.stacked, t.alone)
+                # (the other way two fits in a row: the first after a switch is not counted)
+                way = faster != (close and t.fits % RETRY_EVERY in (0, 1))
+            t.streak = t.streak + 1 if way == t.last else 1
+            t.last = way
+            return way
 
-    def record(self, group: Hashable, stacked: bool, seconds: float, samples: int) -> None:
-        """A fit of `group` took `seconds` of its workers' time for `samples` training samples,
-        `stacked` or one by one (its first fit's timing is ignored)."""
+    def settled(self, group: Hashable) -> bool:
+        """Whether `group`'s other phases (evaluation, finalize) stack: as its fits settled,
+        stacked until they have."""
         with self._lock:
             t = self._groups.get(group)
-            if t is None or t.fits < 2 or samples <= 0:
+            return t is None or t.settled is None or t.settled
+
+    def record(self, group: Hashable, stacked: bool, seconds: float, samples: int) -> None:
+        """A fit of `group` took `seconds` for `samples` training samples, `stacked` or one by
+        one. Only a way's second fit in a row or later is counted: the first after a switch
+        pays for it (the members' tensors laid out again, the other path's caches warmed)."""
+        with self._lock:
+            t = self._groups.get(group)
+            if t is None or t.streak < 2 or t.last != stacked or samples <= 0:
                 return
             per = seconds / samples
             if stacked:

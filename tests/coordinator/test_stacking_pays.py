@@ -29,43 +29,52 @@ def _ways(pays: Pays, per_sample: dict[bool, float], fits: int) -> list[bool]:
 
 
 def test_a_group_runs_stacked_then_one_by_one_then_the_faster_way():
-    # Stacked takes 0.8 of one by one's time: after the two timings, stacked every fit, one
-    # by one again every RETRY_EVERY-th (they are within RETRY_WITHIN)
-    ways = _ways(Pays(), {True: 0.8, False: 1.0}, 2 * RETRY_EVERY + 1)
-    assert ways[:3] == [True, False, True]
+    # Stacked takes 0.8 of one by one's time: two fits each way, then stacked every fit, one by
+    # one again for two fits every RETRY_EVERY (they are within RETRY_WITHIN)
+    ways = _ways(Pays(), {True: 0.8, False: 1.0}, 2 * RETRY_EVERY + 2)
+    assert ways[:5] == [True, True, False, False, True]
     again = [i + 1 for i, w in enumerate(ways) if not w]
-    assert again == [2, RETRY_EVERY, 2 * RETRY_EVERY]
+    assert again == [3, 4, RETRY_EVERY, RETRY_EVERY + 1, 2 * RETRY_EVERY, 2 * RETRY_EVERY + 1]
 
 
 def test_a_group_that_is_slower_stacked_runs_one_by_one():
     ways = _ways(Pays(), {True: 1.2, False: 1.0}, 2 * RETRY_EVERY)
-    assert ways[:3] == [True, False, True]
-    assert [i + 1 for i, w in enumerate(ways) if w] == [1, 3, RETRY_EVERY, 2 * RETRY_EVERY]
+    assert ways[:5] == [True, True, False, False, False]
+    assert [i + 1 for i, w in enumerate(ways) if w] == [1, 2, RETRY_EVERY, RETRY_EVERY + 1, 20]
 
 
 def test_the_slower_way_is_not_timed_again_when_it_is_far_slower():
     far = RETRY_WITHIN * 1.01
     ways = _ways(Pays(), {True: far, False: 1.0}, 3 * RETRY_EVERY)
-    assert [i + 1 for i, w in enumerate(ways) if w] == [1, 3]
+    assert [i + 1 for i, w in enumerate(ways) if w] == [1, 2]
 
 
-def test_the_first_fit_is_not_counted_and_a_later_timing_turns_the_choice(caplog):
+def test_only_a_ways_second_fit_in_a_row_counts_and_a_later_timing_turns_the_choice(caplog):
     pays = Pays()
-    # The first (stacked) fit is slow, as one-off costs make it: ignored
-    assert pays.stacked("g", "fml's mlp clients")
+    label = "fml's mlp clients"
+    # The first fit each way pays for the switch (the stacks built, the tensors laid out
+    # again): ignored, however slow
+    assert pays.stacked("g", label)
     pays.record("g", True, 100.0, 100)
-    assert not pays.stacked("g", "fml's mlp clients")
-    pays.record("g", False, 1.0, 100)
-    assert pays.stacked("g", "fml's mlp clients")
+    assert pays.stacked("g", label)
     pays.record("g", True, 0.5, 100)
+    assert not pays.stacked("g", label)
+    pays.record("g", False, 100.0, 100)
+    assert pays.ratio("g") is None
+    assert not pays.stacked("g", label)
+    pays.record("g", False, 1.0, 100)
     assert pays.ratio("g") == 0.5
+    assert pays.settled("g") is True  # (not yet said: the next fit settles it)
 
-    # A load comes: the retried way is timed faster, and the choice turns (said once)
+    # A load comes: stacked is timed slower (its first fit after the switch not counted), and
+    # the choice turns (each said once); the other phases follow
     with caplog.at_level(logging.INFO, logger="coordinator.stacking.pays"):
-        while pays.stacked("g", "fml's mlp clients"):
-            pays.record("g", True, 1.5, 100)  # stacked slows down under the load
-        pays.record("g", False, 1.0, 100)
-        assert not pays.stacked("g", "fml's mlp clients")
+        assert pays.stacked("g", label)
+        pays.record("g", True, 9.0, 100)  # after the switch: not counted
+        assert pays.stacked("g", label)
+        pays.record("g", True, 1.5, 100)
+        assert not pays.stacked("g", label)
+    assert pays.ratio("g") == 1.5 and pays.settled("g") is False
     assert [r.getMessage() for r in caplog.records] == [
         "fml's mlp clients train stacked: stacked, a training sample took 0.50× its time one "
         "by one",
@@ -104,16 +113,28 @@ def test_a_fleet_trains_a_group_one_by_one_where_stacking_is_slower(monkeypatch)
 
 
 @pytest.mark.parametrize("auto", [True, False])
-def test_evaluation_and_finalize_stack_whatever_the_fits_do(monkeypatch, auto):
+def test_evaluation_and_finalize_follow_the_fits_choice(monkeypatch, auto):
+    # Prepare: stacked fits made slow
     calls = []
     run_stacked = groups.run_stacked
 
     def slow(algos, phase, *args, **kwargs):
-        calls.append(phase)
+        calls.append((phase, args[0]))
         time.sleep(0.3 if phase == "fit" else 0)
         return run_stacked(algos, phase, *args, **kwargs)
 
     monkeypatch.setattr(groups, "run_stacked", slow)
-    cfg = tiny_config(algorithm="fedavg", rounds=4, local_epochs=1, parallel=1, cohort_auto=auto)
+    flags = dict(algorithm="fedavg", rounds=6, local_epochs=1, threads=1, parallel=1)
+    cfg = tiny_config(**flags, baselines=[], cohort_auto=auto)
+
+    # Execute
     simulate(cfg, progress=False)
-    assert calls.count("finalize") == 1 and calls.count("evaluate") >= 4
+
+    # Assert: timed, the evaluations stack until the fits settle one by one (after fit 4),
+    # and the finalize runs one by one; pinned, everything stacks
+    evaluated = sorted(r for phase, r in calls if phase == "evaluate")
+    finalized = [r for phase, r in calls if phase == "finalize"]
+    if auto:
+        assert evaluated and max(evaluated) <= 4 and finalized == []
+    else:
+        assert len(evaluated) >= 6 and finalized == [6]
