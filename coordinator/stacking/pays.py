@@ -13,7 +13,9 @@ The first two fits run stacked, the next two one by one, and only the second of 
 counted: a way's first fit after a switch pays for it (the first builds the stacks, the members'
 tensors are laid out again, the other path's caches warm up), and counted, it made the faster
 way look the slower on both workloads of benchmarks/stacking_contention.py. From then on the
-faster way runs, by seconds of the phase per training sample; the evaluation and finalize
+faster way runs, by seconds of the phase per training sample (the mean of each way's last
+`WINDOW` timings: one fit's time varies by about 10%, as much as the two ways differ in the
+cases that are close); the evaluation and finalize
 phases follow it. While the two are within `RETRY_WITHIN` of each other, the other way runs
 again for two fits every `RETRY_EVERY` fits (the second timed), so that a load that comes or
 goes turns the choice. Stacked and one by one give the same results to float rounding
@@ -25,15 +27,17 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["RETRY_EVERY", "RETRY_WITHIN", "Pays"]
+__all__ = ["RETRY_EVERY", "RETRY_WITHIN", "WINDOW", "Pays"]
 
 log = logging.getLogger(__name__)
 
 RETRY_EVERY = 10  # fits of a group between timings of the way it does not run
 RETRY_WITHIN = 2.0  # ... while the slower way took at most this times the faster's
+WINDOW = 5  # the timings each way that are compared (their mean): one fit's is noisy (±10%)
 
 
 @dataclass
@@ -42,9 +46,15 @@ class _Timed:
     fits: int = 0
     last: bool | None = None  # the way the last fit ran
     streak: int = 0  # fits in a row it ran that way
-    stacked: float | None = None  # seconds per training sample, the last time it was timed
-    alone: float | None = None
+    # seconds per training sample, its last `WINDOW` timings each way
+    times: dict[bool, deque[float]] = field(
+        default_factory=lambda: {True: deque(maxlen=WINDOW), False: deque(maxlen=WINDOW)}
+    )
     settled: bool | None = None  # the faster way, once both are timed
+
+    def mean(self, stacked: bool) -> float | None:
+        got = self.times[stacked]
+        return sum(got) / len(got) if got else None
 
 
 class Pays:
@@ -61,21 +71,22 @@ class Pays:
         with self._lock:
             t = self._groups.setdefault(group, _Timed(label))
             t.fits += 1
-            if t.stacked is None:
+            stacked, alone = t.mean(True), t.mean(False)
+            if stacked is None:
                 way = True
-            elif t.alone is None:
+            elif alone is None:
                 way = False
             else:
-                faster = t.stacked <= t.alone
+                faster = stacked <= alone
                 if faster != t.settled:
                     t.settled = faster
                     log.info(
                         "%s train %s: stacked, a training sample took %.2f× its time one by one",
                         t.label,
                         "stacked" if faster else "one by one",
-                        t.stacked / t.alone,
+                        stacked / alone,
                     )
-                close = max(t.stacked, t.alone) <= RETRY_WITHIN * min(t.stacked, t.alone)
+                close = max(stacked, alone) <= RETRY_WITHIN * min(stacked, alone)
                 # (the other way two fits in a row: the first after a switch is not counted)
                 way = faster != (close and t.fits % RETRY_EVERY in (0, 1))
             t.streak = t.streak + 1 if way == t.last else 1
@@ -97,16 +108,13 @@ class Pays:
             t = self._groups.get(group)
             if t is None or t.streak < 2 or t.last != stacked or samples <= 0:
                 return
-            per = seconds / samples
-            if stacked:
-                t.stacked = per
-            else:
-                t.alone = per
+            t.times[stacked].append(seconds / samples)
 
     def ratio(self, group: Hashable) -> float | None:
         """Stacked seconds over one-by-one seconds per sample, once both are timed."""
         with self._lock:
             t = self._groups.get(group)
-            if t is None or t.stacked is None or t.alone is None:
+            stacked, alone = (None, None) if t is None else (t.mean(True), t.mean(False))
+            if stacked is None or alone is None:
                 return None
-            return t.stacked / t.alone
+            return stacked / alone

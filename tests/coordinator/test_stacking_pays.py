@@ -15,7 +15,7 @@ from tests_helpers import tiny_config
 
 import coordinator.stacking.groups as groups
 from coordinator.simulator import simulate
-from coordinator.stacking.pays import RETRY_EVERY, RETRY_WITHIN, Pays
+from coordinator.stacking.pays import RETRY_EVERY, RETRY_WITHIN, WINDOW, Pays
 
 
 def _ways(pays: Pays, per_sample: dict[bool, float], fits: int) -> list[bool]:
@@ -67,12 +67,13 @@ def test_only_a_ways_second_fit_in_a_row_counts_and_a_later_timing_turns_the_cho
     assert pays.settled("g") is True  # (not yet said: the next fit settles it)
 
     # A load comes: stacked is timed slower (its first fit after the switch not counted), and
-    # the choice turns (each said once); the other phases follow
+    # once the mean of its timings, (0.5 + 2.5) / 2 = 1.5 of one by one's, is the slower, the
+    # choice turns (each said once); the other phases follow
     with caplog.at_level(logging.INFO, logger="coordinator.stacking.pays"):
         assert pays.stacked("g", label)
         pays.record("g", True, 9.0, 100)  # after the switch: not counted
         assert pays.stacked("g", label)
-        pays.record("g", True, 1.5, 100)
+        pays.record("g", True, 2.5, 100)
         assert not pays.stacked("g", label)
     assert pays.ratio("g") == 1.5 and pays.settled("g") is False
     assert [r.getMessage() for r in caplog.records] == [
@@ -81,6 +82,24 @@ def test_only_a_ways_second_fit_in_a_row_counts_and_a_later_timing_turns_the_cho
         "fml's mlp clients train one by one: stacked, a training sample took 1.50× its time "
         "one by one",
     ]
+
+
+def test_the_ways_are_compared_by_the_mean_of_their_last_timings():
+    pays = Pays()
+    ways = []
+    # stacked 1.0, 1.0 per sample; one by one 0.9, then one noisy 1.3: mean 1.1 > 1.0 turns
+    # it back to stacked; only the last WINDOW count
+    for per in [1.0, 1.0, 0.9, 0.9, 1.3]:
+        way = pays.stacked("g", "x")
+        ways.append(way)
+        pays.record("g", way, per, 1)
+    assert ways == [True, True, False, False, False]
+    assert pays.ratio("g") == pytest.approx(1.0 / ((0.9 + 1.3) / 2))
+    assert pays.stacked("g", "x")
+    for _ in range(WINDOW + 1):
+        pays.record("g", True, 2.0, 1)
+        pays._groups["g"].streak = 2  # (as if each were a second fit in a row)
+    assert pays.ratio("g") == pytest.approx(2.0 / 1.1)
 
 
 def test_a_fleet_trains_a_group_one_by_one_where_stacking_is_slower(monkeypatch):
