@@ -72,7 +72,7 @@ import torch
 from _report import emit
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from coordinator.config import RunConfig, load_config
+from coordinator.config import load_config
 from coordinator.federation import prepare_federation
 from coordinator.results import RoundRecord
 from coordinator.results_model import deployment_summary
@@ -89,15 +89,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA_ROOTS = (Path("/usr/share/datasets/fashion-mnist"), ROOT / ".device/data/fashion-mnist")
 PARTS = ("fml", "pfml", "fml100", "fml20", "fedme100", "persfl100", "step")
 MODES = {"batched": True, "client_by_client": False}  # name: cohort
-
-
-def _modes(overrides: dict[str, Any], cohort: bool) -> dict[str, Any]:
-    """The settings of a mode: batched is stacked in every round (not timed against client by
-    client, coordinator.stacking.pays, where the code has that)."""
-    pinned = {"cohort_auto": False} if cohort and "cohort_auto" in RunConfig.model_fields else {}
-    return overrides | {"cohort": cohort} | pinned
-
-
 GOALS = {  # the issue's, per part and device type: seconds per round, or ms per step
     ("fml", "cuda"): "<= 1.0 s a round (H100)",
     ("pfml", "cuda"): "<= 0.1 s a round (H100)",
@@ -215,7 +206,7 @@ def _sync(device: str) -> None:
 def run_mode(overrides: dict[str, Any], cohort: bool, rounds: int, parallel: int) -> dict[str, Any]:
     """One federation, batched or client by client: round times, CPU seconds, accuracy."""
     cfg = load_config(
-        overrides=_modes(overrides, cohort) | {"rounds": rounds, "parallel": parallel},
+        overrides=overrides | {"cohort": cohort, "rounds": rounds, "parallel": parallel},
         environ=False,
     )
     fed = prepare_federation(cfg)
@@ -250,7 +241,7 @@ def run_mode(overrides: dict[str, Any], cohort: bool, rounds: int, parallel: int
 def count_ops(overrides: dict[str, Any], cohort: bool, rounds: int) -> int:
     """Operator calls of a run of `rounds` rounds (its finalize included), steps run eagerly."""
     cfg = load_config(
-        overrides=_modes(overrides, cohort) | {"rounds": rounds, "parallel": 1}, environ=False
+        overrides=overrides | {"cohort": cohort, "rounds": rounds, "parallel": 1}, environ=False
     )
     fed = prepare_federation(cfg)
     with trainer_settings(graphs=False), OpCounter() as counter:

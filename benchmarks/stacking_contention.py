@@ -1,10 +1,8 @@
 """Stacked training against client by client, on a quiet machine and beside a competing load.
 
 A simulation on the CPU trains the clients of one group as one stacked model (`cohort = true`)
-or one by one (`cohort = false`); by default (`cohort_auto = true`, "timed") it times each group
-both ways on its first fits and trains it the faster way. Issue 48 measured stacking losing 3-4x
-under a competing load. Each workload here runs as `edgefl simulate` in a child process, in the
-three modes, quiet and with
+or one by one (`cohort = false`). Issue 48 measured stacking losing 3-4x under a competing load.
+Each workload here runs as `edgefl simulate` in a child process, in both modes, quiet and with
 `--burn` processes spinning on every core meanwhile (a second program on the machine), from
 this checkout and, with `--baseline DIR`, from another checkout side by side (the same commands
 run with DIR as the working directory, so that its packages are imported).
@@ -46,13 +44,7 @@ WORKLOADS = {
     "fml-mixed-12": "--algorithm fml --models mlr,mlp,lenet5 --global-model lenet5 --clients 12 "
     "--partition dirichlet --max-samples 3000 --local-epochs 1",
 }
-# mode: its settings. "timed": the default, each group timed both ways and trained the faster
-# (coordinator.stacking.pays); "stacked": always stacked; "client_by_client": never.
-MODES = {
-    "stacked": ["cohort=true", "cohort_auto=false"],
-    "timed": ["cohort=true", "cohort_auto=true"],
-    "client_by_client": ["cohort=false"],
-}
+MODES = {"stacked": "true", "client_by_client": "false"}
 
 
 def _spin() -> None:
@@ -61,14 +53,12 @@ def _spin() -> None:
         x += 1
 
 
-def _run(tree: Path, flags: str, mode: str, args: argparse.Namespace, this: bool) -> dict[str, Any]:
+def _run(tree: Path, flags: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="edgefl-contend-") as out:
         cmd = [sys.executable, "-m", "coordinator", "simulate", *flags.split()]
         cmd += ["--dataset", "fashion_mnist", "--data-root", args.data_root]
         cmd += ["--rounds", str(args.rounds), "--baselines", "", "--seed", "1"]
-        cmd += ["--out", out, "-q"]
-        for setting in MODES[mode] if this else MODES[mode][:1]:
-            cmd += ["--set", setting]
+        cmd += ["--out", out, "--set", f"cohort={MODES[mode]}", "-q"]
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
         subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, timeout=1800)
         results = json.loads((Path(out) / "results.json").read_text())
@@ -117,9 +107,7 @@ def main() -> None:
                 for _ in range(args.repeat):  # interleaved: drifts in the load hit all alike
                     for tree_name, tree in trees.items():
                         for mode in MODES:
-                            if tree_name != "this" and mode == "timed":
-                                continue  # (the code before knows only cohort = true/false)
-                            got = _run(tree, WORKLOADS[name], mode, args, tree_name == "this")
+                            got = _run(tree, WORKLOADS[name], mode, args)
                             tries.setdefault((tree_name, mode), []).append(got)
                 for (tree_name, mode), runs in tries.items():
                     seconds = [r["seconds"] for r in runs]
@@ -145,20 +133,15 @@ def table(out: dict[str, Any]) -> str:
         f"rounds 2-{out['rounds']} (s), median of tries; contended: {out['burn']} spinning "
         "processes beside it",
         "",
-        "| workload | load | code | stacked (s) | timed (s) | client by client (s) "
-        "| stacked / one by one | timed / one by one |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | load | code | stacked (s) | client by client (s) | stacked / one by one |",
+        "|---|---|---|---|---|---|",
     ]
     cells: dict[tuple[str, str, str], dict[str, float]] = {}
     for r in out["runs"]:
         cells.setdefault((r["workload"], r["load"], r["tree"]), {})[r["mode"]] = r["median_s"]
     for (workload, load, tree), m in cells.items():
-        s, c, t = m["stacked"], m["client_by_client"], m.get("timed")
-        timed = ("—", "—") if t is None else (f"{t:.2f}", f"{t / c:.2f}")
-        rows.append(
-            f"| {workload} | {load} | {tree} | {s:.2f} | {timed[0]} | {c:.2f} | {s / c:.2f} "
-            f"| {timed[1]} |"
-        )
+        s, c = m["stacked"], m["client_by_client"]
+        rows.append(f"| {workload} | {load} | {tree} | {s:.2f} | {c:.2f} | {s / c:.2f} |")
     return "\n".join(rows)
 
 

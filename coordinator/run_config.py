@@ -119,12 +119,6 @@ class RunConfig(BaseModel):
         "stacked model where their algorithm can (every built-in one but FedeRiCo; a plugin's "
         "is checked once against one client alone); false: one by one",
     )
-    cohort_auto: bool = Field(
-        True,
-        description="on the CPU, time the fits both ways, stacked and one by one, and train "
-        "the faster way (the same results to float rounding); false: always stacked, so that "
-        "two runs take the same path to the bit",
-    )
     idle_state: Literal["memory", "host", "disk"] = Field(
         "memory",
         description="where a simulated client's state waits between its tasks: memory (its live "

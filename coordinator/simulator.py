@@ -215,7 +215,6 @@ def _local_options(cfg: RunConfig) -> dict[str, Any]:
     """The settings of a fleet of in-process clients (one process, or one rank's shard)."""
     return {
         "stack": cfg.cohort,
-        "stack_auto": cfg.cohort_auto,
         "fp16_upload": cfg.fp16_upload,
         "idle": cfg.idle_state,
         "idle_dir": cfg.idle_dir,

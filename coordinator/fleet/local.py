@@ -22,7 +22,6 @@ import contextlib
 import logging
 import math
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -74,7 +73,6 @@ class LocalFleet(Fleet):
         parallel: int | None = None,
         threads: int | None = None,
         stack: bool = True,
-        stack_auto: bool = True,
         fp16_upload: bool = False,
         idle: IdleState = "memory",
         idle_dir: str | Path | None = None,
@@ -87,7 +85,6 @@ class LocalFleet(Fleet):
         self.threads = max(1, threads or cpu_threads())
         self.parallel = max(1, parallel or self.threads)
         self.stack = stack
-        self.stack_auto = stack_auto
         self.stacking = Stacking()  # what its stacking learns, for this fleet alone
         self.fp16_upload = fp16_upload
         self.board = PeerBoard()
@@ -221,36 +218,15 @@ class LocalFleet(Fleet):
         for cid, task in begun.items():
             key = (self.nodes[cid].spec.to_json(), *task.group_key())
             groups.setdefault(key, []).append(cid)
-        stacking: dict[tuple[object, ...], bool] = {}  # a group: whether it stacks
-        timed: dict[tuple[object, ...], str] = {}  # the groups timed: what each is, in words
-        for key, ids in groups.items():
-            first, device = self.nodes[ids[0]].algorithm, self.nodes[ids[0]].device
-            stacking[key] = (
+        jobs: list[tuple[list[str], bool]] = []  # (clients, whether they may be dealt apart)
+        for ids in groups.values():
+            first = self.nodes[ids[0]].algorithm
+            if (
                 self.stack
                 and first is not None
                 and len(ids) > 1
                 and self.stacking.stacks(type(first), len(ids))
-            )
-            # Timed on the CPU only: on a GPU stacking measured 3.6-41x faster than one by one
-            # (H100, docs/benchmarks/gpu-round.md), so a fit timed one by one there would cost
-            # more than the choice could save.
-            if stacking[key] and self.stack_auto and device.type == "cpu":
-                assert first is not None
-                timed[key] = f"{type(first).name}'s {self.nodes[ids[0]].spec.family} clients"
-        # The groups a fit times run one way together: one stack's time depends on the others
-        # beside it (two stacks on two threads wait for each other's Python, a few large jobs
-        # fill two workers worse than many small ones), so the phase's time is what is compared.
-        # (The groups across rounds and phases: architecture, algorithm, config. The other
-        # phases follow the fits' choice.)
-        together = frozenset((k[0], k[1], k[2]) for k in timed)
-        fit = next(iter(begun.values())).phase == "fit"
-        if timed:
-            pays, label = self.stacking.pays, ", ".join(sorted(set(timed.values())))
-            way = pays.stacked(together, label) if fit else pays.settled(together)
-            stacking |= dict.fromkeys(timed, way)
-        jobs: list[tuple[list[str], bool]] = []  # (clients, whether they may be dealt apart)
-        for key, ids in groups.items():
-            if stacking[key]:
+            ):
                 jobs.append((ids, self.nodes[ids[0]].device.type == "cpu"))
             else:
                 jobs.extend(([cid], False) for cid in ids)
@@ -262,7 +238,6 @@ class LocalFleet(Fleet):
             )
 
         work = [ids for ids, _ in jobs]
-        start = time.perf_counter()
         if self.parallel == 1 or len(work) == 1:
             with _threads_each(self.threads, 1):  # one job at a time: all of `threads`
                 done = [run(ids) for ids in work]
@@ -272,9 +247,6 @@ class LocalFleet(Fleet):
                 ThreadPoolExecutor(self.parallel) as pool,
             ):
                 done = list(pool.map(run, work))
-        if timed and fit:
-            samples = sum(len(self.nodes[c].data.y_train) for k in timed for c in groups[k])
-            self.stacking.pays.record(together, way, time.perf_counter() - start, samples)
         return {
             cid: out
             for ids, outs in zip(work, done, strict=True)

@@ -24,7 +24,6 @@ import torch
 
 from coordinator.stacking.cohort import run_stacked
 from coordinator.stacking.kept import KeptStacks
-from coordinator.stacking.pays import Pays
 from edge_sdk.algorithms import ClientAlgorithm, FitResult
 from edge_sdk.algorithms.members import CohortUnsupported
 from edge_sdk.codec import WireModel
@@ -54,7 +53,6 @@ class Stacking:
 
     def __init__(self) -> None:
         self.kept = KeptStacks()
-        self.pays = Pays()  # whether each group trains faster stacked, as timed
         # The largest stack that fitted in memory, per (algorithm, architecture, device): a
         # stack that ran out of GPU memory is halved, and later rounds start from the half.
         self.limits: dict[tuple[str, str, str], int] = {}
