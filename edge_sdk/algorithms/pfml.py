@@ -167,7 +167,7 @@ class PFML(ClientAlgorithm):
     name = "pfml"
     persistent = ("local", "aux")
     # The round's anchors and work models (not persistent), rewritten in place from round to
-    # round: a device's (or a kept stack's) captured step reads them.
+    # round: a captured step (a device's, or the simulator's for many clients) reads them.
     config_cls = PFMLConfig
     config: PFMLConfig
     anchor_local: list[torch.Tensor] | None = None
