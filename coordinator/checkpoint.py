@@ -5,6 +5,7 @@ which sets the state declared here)."""
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ __all__ = ["Checkpointing"]
 log = logging.getLogger(__name__)
 
 
-class Checkpointing:
+class Checkpointing(ABC):
     """Writes the run's state to `checkpoint_path` after every round (`_save_checkpoint`) and
     reads it back (`restore`): the registry, the records, the strategy's state, the scores the
     rollback check compares with, and the bytes moved so far."""
@@ -63,9 +64,9 @@ class Checkpointing:
             raise RuntimeError("the run has not started: no strategy yet")
         return self.strategy
 
+    @abstractmethod
     def _new_strategy(self) -> Strategy:
         """A fresh strategy for this run's clients (the coordinator's)."""
-        raise NotImplementedError
 
     def _save_checkpoint(self) -> None:
         if self.checkpoint_path is None:

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import weakref
+from abc import ABC, abstractmethod
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -128,7 +129,7 @@ class Ready:
     refused: dict[str, str] = field(default_factory=dict)
 
 
-class Reassembly:
+class Reassembly(ABC):
     """What an endpoint holds between a blob's first chunk and the delivery of the message that
     names it: blobs in reassembly, messages waiting for their blobs, and those made whole.
 
@@ -161,9 +162,9 @@ class Reassembly:
         self._refused: dict[_BlobKey, str] = {}  # oldest first, at most _REFUSED_KEPT
         self._ready: deque[Ready] = deque()  # the messages made whole, in order
 
+    @abstractmethod
     def _reject(self, reason: str, detail: str, topic: str, *, stranger: bool = False) -> None:
         """Count and log a dropped frame (the endpoint's)."""
-        raise NotImplementedError
 
     def _on_chunk(self, topic: str, payload: bytes) -> None:
         n = int.from_bytes(payload[4:8], "big")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from abc import abstractmethod
 
 from coordinator.fleet.base import Fleet
 from edge_sdk import topics
@@ -44,9 +45,9 @@ class RunStatus(Fleet):
     _status_replaced: threading.Event
 
     @property
+    @abstractmethod
     def _endpoint(self) -> Endpoint:
         """The open endpoint (the fleet's)."""
-        raise NotImplementedError
 
     def _grow(self, nbytes: int) -> None:
         """The run's messages may carry `nbytes` of models: size reassembly for it."""
