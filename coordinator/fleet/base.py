@@ -44,8 +44,16 @@ __all__ = [
     "Validator",
     "admit",
     "check_reply",
+    "client_cost",
     "refusal",
 ]
+
+
+def client_cost(spec: ArchSpec, n_train: int) -> int:
+    """The work a client brings to its rank: its training samples × its architecture's
+    parameter count (what one epoch's forward and backward passes grow with)."""
+    params = sum(t.numel() for t in reference_shapes(spec).values())
+    return max(1, n_train) * params
 
 
 class CoordinatorError(RuntimeError):

@@ -35,6 +35,7 @@ from coordinator.fleet.base import (
     RunInfo,
     Validator,
     admit,
+    client_cost,
 )
 from coordinator.stacking import Stacking
 from coordinator.strategies import FitReply
@@ -230,7 +231,10 @@ class LocalFleet(Fleet):
                 jobs.append((ids, self.nodes[ids[0]].device.type == "cpu"))
             else:
                 jobs.extend(([cid], False) for cid in ids)
-        jobs = _spread(jobs, self.parallel, lambda cid: len(self.nodes[cid].data.y_train))
+        nodes = self.nodes
+        jobs = _spread(
+            jobs, self.parallel, lambda c: client_cost(nodes[c].spec, nodes[c].data.n_train)
+        )
 
         def run(ids: list[str]) -> list[FitResult | Exception]:
             return self.stacking.execute_together(
@@ -304,8 +308,9 @@ def _spread(
     stacks on one thread each, not one on two. A stack's step is a chain of small ops, and two
     threads on one op wait for each other at its end: on a machine that runs anything else, that
     wait made a stacked round slower than the same clients one by one (each alone on a thread).
-    The largest stack (by training samples) is halved first, its clients dealt by size in turn
-    so that both halves hold as much work; a stack of fewer than four is left whole."""
+    The stack of most work (`size`: a client's `client_cost`, samples × parameters) is halved
+    first, its clients dealt by size in turn so that both halves hold as much work; a stack of
+    fewer than four is left whole."""
     jobs = list(jobs)
     while len(jobs) < workers:
         apart = [i for i, (ids, may) in enumerate(jobs) if may and len(ids) >= 4]

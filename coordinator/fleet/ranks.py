@@ -46,12 +46,11 @@ from coordinator.fleet.base import (
     RunInfo,
     Validator,
     admit,
+    client_cost,
 )
 from coordinator.fleet.local import LocalFleet
 from coordinator.strategies import FitReply
-from edge_sdk.model_blobs import reference_shapes
 from edge_sdk.node import ClientNode
-from model_zoo import ArchSpec
 
 __all__ = [
     "RankFleet",
@@ -84,13 +83,6 @@ class Ranks:
 
 
 # -- shards ------------------------------------------------------------------------------------
-def client_cost(spec: ArchSpec, n_train: int) -> int:
-    """The work a client brings to its rank: its training samples × its architecture's
-    parameter count (what one epoch's forward and backward passes grow with)."""
-    params = sum(t.numel() for t in reference_shapes(spec).values())
-    return max(1, n_train) * params
-
-
 def check_ranks(ranks: int, clients: int) -> None:
     """Raise ValueError when there are more ranks than clients (a rank needs a client)."""
     if ranks > clients:

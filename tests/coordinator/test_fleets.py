@@ -357,6 +357,41 @@ def test_a_stack_on_the_cpu_is_dealt_into_one_stack_per_worker_each_on_one_threa
     assert to_rounding(_accuracies(stacked)) == to_rounding(_accuracies(alone))
 
 
+def test_the_stack_of_most_work_is_dealt_apart_first_not_the_one_of_most_samples(monkeypatch):
+    # Prepare: five mlr clients and four mlp ones (round-robin, iid: 52-53 samples each), three
+    # workers: two stacks, one to halve. The mlr stack holds more samples, the mlp one far more
+    # work (samples × parameters).
+    from coordinator.federation import client_spec
+    from coordinator.fleet.base import client_cost
+    from coordinator.stacking import Stacking
+
+    seen: list[list[str]] = []
+    execute = Stacking.execute_together
+
+    def counted(self, nodes, tasks):
+        if tasks[0].phase == "fit":
+            seen.append(sorted(n.client_id for n in nodes))
+        return execute(self, nodes, tasks)
+
+    monkeypatch.setattr(Stacking, "execute_together", counted)
+    cfg = tiny_config(
+        algorithm="local", clients=9, rounds=1, threads=3, parallel=3, models=["mlr", "mlp"]
+    )
+    fed = prepare_federation(cfg)
+    mlr, mlp = [f"c{i}" for i in range(0, 9, 2)], [f"c{i}" for i in range(1, 9, 2)]
+    n = dict(zip(fed.client_ids, (len(d.y_train) for d in fed.client_data), strict=True))
+    work = {f: client_cost(client_spec(cfg, f, fed.dataset), 1) for f in ("mlr", "mlp")}
+    assert sum(n[c] for c in mlr) > sum(n[c] for c in mlp)
+    assert sum(n[c] for c in mlp) * work["mlp"] > sum(n[c] for c in mlr) * work["mlr"]
+
+    # Execute
+    run_federation(cfg, fed, "local")
+
+    # Assert: the mlp stack dealt into two, the mlr stack left whole
+    assert sorted(map(len, seen)) == [2, 2, 5], seen
+    assert mlr in seen and sorted(c for ids in seen if ids != mlr for c in ids) == mlp
+
+
 def _accuracies(result):
     return {c.id: c.personal_acc for c in result.clients}
 
