@@ -52,14 +52,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ProcessesTogether(config, log)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark `cuda` every test skipped where there is no CUDA device: on a GPU machine,
-    `pytest -m cuda` runs them alone."""
-    for item in items:
-        if any("CUDA device" in m.kwargs.get("reason", "") for m in item.iter_markers("skipif")):
-            item.add_marker(pytest.mark.cuda)
-
-
 @pytest.fixture
 def scoped_registrations() -> Iterator[None]:
     """Algorithms and strategies a test registers in this process (a plugin it loads in-process,

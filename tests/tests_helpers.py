@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from coordinator.config import load_config
 from coordinator.federation import build_coordinator, build_node, prepare_federation
@@ -22,6 +23,19 @@ from edge_sdk.auth import Keyring, issue_keys
 from edge_sdk.client import EdgeClient
 from edge_sdk.transport import InMemoryBroker
 from model_zoo import ArchSpec, families
+
+# A test that needs a GPU: skipped where there is none, and marked `cuda`, so that a GPU machine
+# runs them alone (`pytest -m cuda`). As a decorator (`@needs_cuda`) or a parameter's marks.
+CUDA_MARKS = (
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+)
+
+
+def needs_cuda(test: Callable[..., Any]) -> Callable[..., Any]:
+    for mark in CUDA_MARKS:
+        test = mark(test)
+    return test
 
 
 def tiny_config(**flags: Any) -> Any:

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
-from tests_helpers import tiny_config, to_rounding
+from tests_helpers import needs_cuda, tiny_config, to_rounding
 
 from coordinator.federation import build_coordinator, build_node, prepare_federation
 from coordinator.fleet import (
@@ -421,7 +421,7 @@ def test_stacks_are_dealt_apart_by_size_until_the_workers_have_a_job_each():
     assert _spread([(list("abc"), True)], 4, sizes.__getitem__) == [(list("abc"), True)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 @pytest.mark.parametrize("algorithm", ["fml", "federico"])
 def test_clients_training_at_once_on_cuda_all_finish(algorithm):
     # Prepare: six clients of two architectures on CUDA, as many threads as clients (stacks

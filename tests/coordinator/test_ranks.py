@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests_helpers import per_client_results
+from tests_helpers import needs_cuda, per_client_results
 from typer.testing import CliRunner
 
 from coordinator.broker import free_port
@@ -136,7 +136,7 @@ def test_two_ranks_parking_their_clients_killed_mid_run_resume_and_end_as_one_pr
     assert per_client_results(out) == per_client_results(tmp_path / "one")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_ranks_on_cuda_take_a_gpu_each_in_turn_and_agree_with_one_process(tmp_path):
     # Prepare: FML with FedAvg and FedeRiCo beside it, on CUDA, in one process
     args = [a if a != "cpu" else "cuda" for a in ARGS]

@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 import torch
-from tests_helpers import tiny_config
+from tests_helpers import CUDA_MARKS, tiny_config
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -1105,9 +1105,7 @@ def _stack_of(family, n=3, device="cpu"):
     return spec, models, stack_modules(models)
 
 
-CUDA = pytest.param(
-    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-)
+CUDA = pytest.param("cuda", marks=CUDA_MARKS)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])

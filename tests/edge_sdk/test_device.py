@@ -8,13 +8,13 @@ import os
 
 import pytest
 import torch
+from tests_helpers import needs_cuda
 
 from coordinator.fleet import LocalFleet
 from edge_sdk.device import autocast_dtype, choose_device, cpu_threads, precision, resolve_device
 from edge_sdk.protocol import PROTOCOL_VERSION, Register, decode
 from edge_sdk.trainer import Trainer
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 without_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 
 

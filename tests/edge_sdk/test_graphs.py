@@ -7,6 +7,7 @@ device every step."""
 
 import pytest
 import torch
+from tests_helpers import needs_cuda
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import edge_sdk.graphs as graphs_mod
@@ -209,7 +210,6 @@ def test_a_footprint_stays_through_in_place_updates_and_names_what_it_cannot_tel
 
 
 # -- on a CUDA machine ------------------------------------------------------------------------
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _weights(algo):
@@ -222,7 +222,7 @@ def _weights(algo):
     }
 
 
-@cuda
+@needs_cuda
 @pytest.mark.parametrize("algorithm", ["fml", "pfml", "fedavg"])
 def test_a_captured_fit_trains_as_an_eager_one(algorithm):
     # Prepare: the same client on CUDA in fp32, its steps captured or not
@@ -243,7 +243,7 @@ def test_a_captured_fit_trains_as_an_eager_one(algorithm):
             assert torch.allclose(_weights(captured)[name][k], v, atol=1e-5), (name, k)
 
 
-@cuda
+@needs_cuda
 @pytest.mark.parametrize("family", list(SHAPES))
 @pytest.mark.parametrize("algorithm", ["fml", "pfml", "local", "fedme"])
 def test_a_captured_stack_on_cuda_trains_each_client_as_it_trains_alone(
@@ -272,7 +272,7 @@ def test_a_captured_stack_on_cuda_trains_each_client_as_it_trains_alone(
                 assert torch.allclose(_weights(s)[name][k], v, atol=1e-5), (name, k)
 
 
-@cuda
+@needs_cuda
 @pytest.mark.parametrize("algorithm", ["fml", "pfml", "fedavg", "local"])
 def test_a_devices_step_is_captured_once_and_replayed_in_its_later_rounds(algorithm):
     # Prepare: one client captured and its eager twin, fp32; FML's α fixed (the gate would
@@ -301,7 +301,7 @@ def test_a_devices_step_is_captured_once_and_replayed_in_its_later_rounds(algori
             assert torch.allclose(_weights(captured)[name][k], v, atol=1e-5), (name, k)
 
 
-@cuda
+@needs_cuda
 def test_a_kept_step_is_not_replayed_onto_tensors_a_stacked_round_replaced():
     # Prepare: two clients, captured and eager; round 2 runs them stacked, which gives each
     # client's models new memory
@@ -331,7 +331,7 @@ def test_a_kept_step_is_not_replayed_onto_tensors_a_stacked_round_replaced():
                 assert torch.allclose(_weights(c)[name][k], v, atol=1e-5), (name, k)
 
 
-@cuda
+@needs_cuda
 def test_a_step_that_cannot_be_captured_runs_eagerly_and_says_why(caplog):
     # Prepare: a step that reads the host while it is being captured (the capture fails, as a
     # cuBLAS kernel's failure inside a capture would), and the same steps worked out by hand
@@ -366,7 +366,7 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_and_says_why(caplog):
     assert runner.failed and "could not be captured" in caplog.text
 
 
-@cuda
+@needs_cuda
 @pytest.mark.parametrize("algorithm", ["fml", "pfml", "fedavg", "local"])
 def test_a_kept_stacks_step_is_captured_once_and_replayed_in_its_later_rounds(
     algorithm, monkeypatch
@@ -472,7 +472,7 @@ def test_pfmls_work_model_is_kept_only_for_a_model_of_its_own_kind_and_layout():
         assert work[0].weight.shape == (2, 3)
 
 
-@cuda
+@needs_cuda
 @pytest.mark.parametrize("family", list(SHAPES))
 def test_persfls_stage_two_stacked_on_cuda_distils_each_member_as_alone(family, monkeypatch):
     # Prepare: unequal PersFL clients alone and stacked (masked, captured), fp32 without cuDNN's
