@@ -15,14 +15,16 @@ bound what their peers send them on the device):
   `trimmed_mean` (cutting `trim` of them at each end) or `krum` (tolerating `krum_f`);
 - a round whose evaluation shows most clients much worse than the last evaluation is rolled
   back (`rolled_back`, in `coordinator.server`), when some client's update stands out from the
-  others' (`standing_out`); a drop nobody's update explains (training itself, a learning rate
-  too large for the data) would only repeat if undone, and stands.
+  others' (`standing_out`) and the suspects moved the aggregate (`moved_by`); a drop nobody's
+  update explains (training itself, a learning rate too large for the data) would only repeat
+  if undone, and stands.
 With the defaults, a round in which no update is clipped and no weight capped aggregates exactly
 as the plain weighted mean did: honest runs keep their results.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,12 +47,16 @@ __all__ = [
     "RobustConfig",
     "cap_weights",
     "combine",
+    "moved_by",
     "rolled_back",
     "standing_out",
     "suspects",
 ]
 
 CENTER_MIN = 5  # contributions an aggregate needs for centered clipping
+# A round's suspects who moved its aggregates by less than this share of their update (`moved_by`)
+# did not cause the round's drop: it is not undone for them.
+MOVED_MIN = 0.1
 
 
 @dataclass(frozen=True)
@@ -237,3 +243,29 @@ def suspects(groups: Mapping[str, Sequence[Contribution]], flags: Mapping[str, s
         return sorted(out)
     far = _distances(groups)
     return [max(far, key=far.__getitem__)] if far else []
+
+
+def moved_by(
+    groups: Mapping[str, Sequence[Contribution]], who: Sequence[str], cfg: RobustConfig
+) -> float:
+    """How far the contributions of `who` moved the round's aggregates: over the groups, the
+    largest distance between the aggregate with them and the aggregate without them, relative
+    to the latter's update (its distance from the state the round started from). Near 0 when
+    their updates were bounded to nearly nothing; inf where a group has no one else, or cannot
+    be combined without them."""
+    if not who:
+        return 0.0
+    rest = {name: [c for c in g if c.client not in who] for name, g in groups.items()}
+    if any(g and not rest[name] for name, g in groups.items()):
+        return math.inf
+    scratch: dict[str, str] = {}  # (flags of these recomputations: not the round's)
+    try:
+        with_them = combine(groups, cfg, scratch)
+        without = combine({n: g for n, g in rest.items() if g}, cfg, scratch)
+    except ValueError:  # (StrategyError and RobustError are ValueErrors): cannot tell
+        return math.inf
+    far = 0.0
+    for name, state in without.items():
+        moved, step = update_norms([with_them[name], state], [state, groups[name][0].start])
+        far = max(far, moved / max(step, 1e-12))
+    return far

@@ -36,7 +36,15 @@ from coordinator.fleet import (
     check_reply,
 )
 from coordinator.results import ClientResult, RoundRecord, RunResult
-from coordinator.robust import RobustConfig, rolled_back, standing_out, suspects
+from coordinator.robust import (
+    MOVED_MIN,
+    Contribution,
+    RobustConfig,
+    moved_by,
+    rolled_back,
+    standing_out,
+    suspects,
+)
 from coordinator.round_scores import accuracies, client_score, mean_metrics
 from coordinator.strategies import (
     FitReply,
@@ -314,24 +322,27 @@ class Coordinator(Checkpointing):
             personal, glob, per_client = accuracies(scores)
             now = {cid: client_score(per_client.get(cid)) for cid in scores}
             worse = rolled_back(self._scores, now, self.robust) if undo is not None else None
-            if worse is not None and not failed and not standing_out(strategy.cohort):
-                log.warning(
-                    "round %d left %d of %d clients much worse than the last evaluation (%s), "
-                    "but no client's update stands out from the others': kept, since undoing it "
-                    "would only repeat it. Training itself dropped: a learning rate or local "
-                    "epochs too large for this data do this",
-                    r,
-                    len(worse),
-                    len(set(self._scores) & set(now)),
-                    ", ".join(worse),
-                )
-                worse = None
+            if worse is not None and not failed:
+                blamed = suspects(strategy.cohort, flagged)
+                why = self._not_theirs(strategy.cohort, blamed)
+                if why:
+                    log.warning(
+                        "round %d left %d of %d clients much worse than the last evaluation "
+                        "(%s), but %s: kept, since undoing it would only repeat it. Training "
+                        "itself dropped: a learning rate or local epochs too large for this data "
+                        "do this",
+                        r,
+                        len(worse),
+                        len(set(self._scores) & set(now)),
+                        ", ".join(worse),
+                        why,
+                    )
+                    worse, blamed = None, []
             if worse is not None and not failed:
                 assert undo is not None
                 drawn = strategy.rng.bit_generator.state  # the next round samples anew
                 strategy.load_state_dict(undo)
                 strategy.rng.bit_generator.state = drawn
-                blamed = suspects(strategy.cohort, flagged)
                 self._kept, failed, back = kept_before, True, True
                 log.error(
                     "round %d rolled back: its models left %d of %d clients much worse than "
@@ -369,6 +380,20 @@ class Coordinator(Checkpointing):
             flagged=flagged,
             rolled_back=back,
             suspects=blamed,
+        )
+
+    def _not_theirs(self, cohort: Mapping[str, Sequence[Contribution]], blamed: list[str]) -> str:
+        """Why a round that left most clients much worse is no client's doing, in words; empty
+        when its suspects may have caused it. Undoing a drop nobody caused would only repeat it:
+        the same clients train again from the same state, every round."""
+        if not standing_out(cohort):
+            return "no client's update stands out from the others'"
+        moved = moved_by(cohort, blamed, self.robust)
+        if moved >= MOVED_MIN:
+            return ""
+        return (
+            f"its suspects' updates ({', '.join(blamed)}) were bounded: leaving them out moves "
+            f"the aggregate by {100 * moved:.2g}% of the round's update"
         )
 
     def _first_scores(self) -> None:
