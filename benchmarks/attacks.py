@@ -9,7 +9,9 @@ reply, from round 1 on:
 - `flipped`: its update reversed and ×10;
 - `huge`: every weight 3.0e38 (finite, so no NaN check catches it);
 - `inflated`: it registers 10⁹ training samples, claims them in every reply, and sends its model
-  negated (under a sample-weighted mean it would be the aggregate).
+  negated (under a sample-weighted mean it would be the aggregate);
+- `reversed` (not run unless named in `--attacks`): its update reversed and ×3, an attacker who
+  knows the norm bound (`robust.clip` = 3 × the median) and stays at it: what no bound catches.
 For FedAvg, FML, PFML, PersFL and FedMe, each under the coordinator's defences (`robust.*`: the
 `mean` aggregator with update clipping, capped sample weights, the value range and rollback, the
 defaults) and under the `median` and `trimmed_mean` aggregators, the benchmark runs the federation
@@ -72,7 +74,7 @@ ALGORITHMS = ("fedavg", "fml", "pfml", "persfl", "fedme")
 ATTACKS = ("scaled", "flipped", "huge", "inflated")
 AGGREGATORS = ("mean", "median", "trimmed_mean")
 INFLATED = 10**9
-RESEEDED = {"seed": 1000, "data.seed": 0}  # the same data, training's randomness from seed 1000
+RESEED = 1000  # the noise floor's seeds: the same data, training's randomness from seed + 1000
 # The defences off: no clipping, no cap, no rollback, any finite value.
 UNDEFENDED = {
     "robust.clip": 0,
@@ -96,7 +98,7 @@ def attacked(kind: str, start: WireModel, sent: WireModel) -> WireModel:
             out[key] = -w
         else:
             base = start.weights[key] if key in start.weights else torch.zeros_like(w)
-            factor = 1000.0 if kind == "scaled" else -10.0
+            factor = {"scaled": 1000.0, "flipped": -10.0, "reversed": -3.0}[kind]
             out[key] = base + factor * (w - base)
     return WireModel(sent.spec, out)
 
@@ -212,9 +214,44 @@ def gaps(
     return (sum(lost) / len(lost), max(lost)) if lost else (None, None)
 
 
+def seeded(sets: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    """`sets` with training's randomness from `seed`, on the same data (that of seed 0)."""
+    return {**sets, "seed": seed, "data.seed": 0}
+
+
+def arm(
+    algorithm: str,
+    attack: str | None,
+    n_attackers: int,
+    rounds: int,
+    sets: Mapping[str, Any],
+    seeds: list[int],
+) -> dict[str, Any]:
+    """`run` once per training seed, as one: each client's mean accuracy (a client with no
+    result counts 0), each seed's accuracies, and what happened in any of the runs."""
+    runs = [run(algorithm, attack, n_attackers, rounds, seeded(sets, s)) for s in seeds]
+    ids = list(runs[0]["acc"])
+    return {
+        "acc": {c: sum(r["acc"][c] or 0.0 for r in runs) / len(runs) for c in ids},
+        "acc_per_seed": [r["acc"] for r in runs],
+        "crashed": next((r["crashed"] for r in runs if r["crashed"]), None),
+        "rounds_failed": sum(r["rounds_failed"] for r in runs),
+        "rounds_rolled_back": sum(r["rounds_rolled_back"] for r in runs),
+        "flagged": sorted({c for r in runs for c in r["flagged"]}),
+        "suspects": sorted({c for r in runs for c in r["suspects"]}),
+        "wall_s": round(sum(r["wall_s"] for r in runs), 1),
+    }
+
+
 def attacks_part(args: argparse.Namespace) -> dict[str, Any]:
+    """Every arm runs once per training seed (`--seeds`, on the same data) and each honest
+    client's accuracy is its mean over them; the attacked arm and the arm without the attackers
+    share their seeds, so a gap is the attack's effect on the client's expected accuracy, not one
+    run's luck. The noise floor compares the arm without them with itself from seeds 1000
+    higher."""
     sets = dict(UNDEFENDED) if args.defences == "off" else {}
     sets |= parse_overrides(args.set)
+    seeds = [int(x) for x in args.seeds.split(",")]
     rows = []
     for algorithm in args.algorithms.split(","):
         for aggregator in args.aggregators.split(","):
@@ -222,14 +259,15 @@ def attacks_part(args: argparse.Namespace) -> dict[str, Any]:
                 if n > 1 and aggregator == "mean" and args.defences == "on":
                     continue  # the goal for three attackers is under median or trimmed_mean
                 extra = {**sets, "robust.aggregator": aggregator, "robust.trim": args.trim}
-                clean = run(algorithm, None, n, args.rounds, extra)
-                without = run(algorithm, "absent", n, args.rounds, extra)
-                honest = [c for c in clean["acc"] if c not in without["attackers"]]
-                # The noise floor: the run without them again, training from another seed
-                again = run(algorithm, "absent", n, args.rounds, extra | RESEEDED)
+                clean, without, again = (
+                    arm(algorithm, attack, n, args.rounds, extra, [s + shift for s in seeds])
+                    for attack, shift in ((None, 0), ("absent", 0), ("absent", RESEED))
+                )
+                honest = [c for c in clean["acc"] if c not in {f"c{i}" for i in range(n)}]
+                # The noise floor: the run without them again, training from other seeds
                 floor = gaps(without["acc"], again["acc"], honest)
                 for attack in args.attacks.split(","):
-                    hit = run(algorithm, attack, n, args.rounds, extra)
+                    hit = arm(algorithm, attack, n, args.rounds, extra, seeds)
                     mean_gap, worst_gap = gaps(without["acc"], hit["acc"], honest)
                     rows.append(
                         {
@@ -238,14 +276,17 @@ def attacks_part(args: argparse.Namespace) -> dict[str, Any]:
                             "defences": args.defences,
                             "attackers": n,
                             "attack": attack,
+                            "seeds": seeds,
                             "honest_clean": {c: clean["acc"][c] for c in honest},
                             "honest_without": {c: without["acc"][c] for c in honest},
                             "honest_attacked": {c: hit["acc"][c] for c in honest},
+                            "attacked_per_seed": hit["acc_per_seed"],
+                            "without_per_seed": without["acc_per_seed"],
                             "mean_gap_points": mean_gap,
                             "worst_gap_points": worst_gap,
                             "worst_gap_vs_clean_points": gaps(clean["acc"], hit["acc"], honest)[1],
                             "goal_points": 2.0 if n == 1 else 5.0,
-                            "noise_floor_points": floor[1],  # the reseeded run's worst gap
+                            "noise_floor_points": floor[1],  # the reseeded arm's worst gap
                             "clean_flagged": clean["flagged"],
                             **{k: hit[k] for k in HIT_KEYS},
                         }
@@ -281,12 +322,13 @@ def _what(r: Mapping[str, Any]) -> str:
 
 def attack_table(rows: list[dict[str, Any]]) -> str:
     """Honest clients' mean final accuracy (%) with everyone honest, the attackers absent and
-    attacked; the gaps (points) are to the run without them. "goal met": the worst honest gap
-    within the goal, or else within the noise floor (the run without them from another seed)."""
+    attacked (each client's mean over the seeds); the gaps (points) are to the arm without them.
+    "goal met": the worst honest gap within the goal, or else within the noise floor (the arm
+    without them from other seeds)."""
     lines = [
-        "| algorithm | aggregator | defences | attackers | attack | all honest | without | "
+        "| algorithm | aggregator | defences | attackers | attack | seeds | all honest | without | "
         "attacked | mean gap | worst gap | noise floor | goal met | what happened |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         worst = r["worst_gap_points"] or 0.0
@@ -298,8 +340,9 @@ def attack_table(rows: list[dict[str, Any]]) -> str:
             met = f"**no** (> {r['goal_points']:.0f})"
         lines.append(
             f"| {r['algorithm']} | {r['aggregator']} | {r['defences']} | {r['attackers']} | "
-            f"{r['attack']} | {_mean(r['honest_clean']):.1f} | {_mean(r['honest_without']):.1f}"
-            f" | {_mean(r['honest_attacked']):.1f} | {r['mean_gap_points']:.1f} | {worst:.1f} | "
+            f"{r['attack']} | {len(r.get('seeds', [0]))} | {_mean(r['honest_clean']):.1f} | "
+            f"{_mean(r['honest_without']):.1f} | {_mean(r['honest_attacked']):.1f} | "
+            f"{r['mean_gap_points']:.1f} | {worst:.1f} | "
             f"{r['noise_floor_points']:.1f} | {met} | {_what(r)} |"
         )
     return "\n".join(lines)
@@ -490,11 +533,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=["attacks", "flood", "all"], default="all")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
-    p.add_argument("--attacks", default=",".join(ATTACKS))
+    p.add_argument(
+        "--attacks", default=",".join(ATTACKS), help="comma-separated; also: reversed (×3)"
+    )
     p.add_argument("--aggregators", default=",".join(AGGREGATORS))
     p.add_argument("--attackers", default="1,3", help="attackers of 10, comma-separated")
     p.add_argument("--trim", type=float, default=0.3, help="trimmed_mean's β")
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument(
+        "--seeds", default="0", help="training seeds, comma-separated: accuracies are their mean"
+    )
     p.add_argument("--defences", choices=["on", "off"], default="on")
     p.add_argument("--set", action="append", default=[], help="a run setting, e.g. robust.clip=2")
     p.add_argument("--chunks", type=int, default=300_000)
