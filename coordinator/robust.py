@@ -54,8 +54,8 @@ __all__ = [
 ]
 
 CENTER_MIN = 5  # contributions an aggregate needs for centered clipping
-# A round's suspects who moved its aggregates by less than this share of their update (`moved_by`)
-# did not cause the round's drop: it is not undone for them.
+# A round's suspects who moved its aggregates by less than this share of the round's update
+# (`moved_by`) did not cause its drop: it is not undone for them.
 MOVED_MIN = 0.1
 
 
