@@ -238,7 +238,7 @@ def in_child(overrides: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def run_fml(rounds: int, fleet: str) -> dict[str, Any]:
+def run_fml(rounds: int, fleet: str, root: str) -> dict[str, Any]:
     res = in_child(
         {
             **FLEETS[fleet],
@@ -249,7 +249,7 @@ def run_fml(rounds: int, fleet: str) -> dict[str, Any]:
             "model_kwargs": {"cnn2": {"width": 32}},
             "device": "cpu",
             "data.dataset": "fashion_mnist",
-            "data.root": FMNIST,
+            "data.root": root,
             "data.partition": "dirichlet",
             "data.partition_params": {"alpha": 0.1},
             "fml.local_epochs": 1,
@@ -266,7 +266,7 @@ def run_fml(rounds: int, fleet: str) -> dict[str, Any]:
 
 
 def _scale_overrides(
-    family: str, clients: int, rounds: int, fleet: str, device: str = "cpu"
+    family: str, clients: int, rounds: int, fleet: str, root: str, device: str = "cpu"
 ) -> dict[str, Any]:
     return {
         **FLEETS[fleet],
@@ -277,7 +277,7 @@ def _scale_overrides(
         "threads": 1,  # as the child process: one thread (a single job gets the run's threads)
         "device": device,
         "data.dataset": "fashion_mnist",
-        "data.root": FMNIST,
+        "data.root": root,
         "data.max_samples": 100 * clients,
         "data.partition": "iid",
         "fml.local_epochs": 1,
@@ -286,8 +286,8 @@ def _scale_overrides(
     }
 
 
-def _scale_row(family: str, n: int, rounds: int, fleet: str) -> dict[str, Any]:
-    res = in_child(_scale_overrides(family, n, rounds, fleet))
+def _scale_row(family: str, n: int, rounds: int, fleet: str, root: str) -> dict[str, Any]:
+    res = in_child(_scale_overrides(family, n, rounds, fleet, root))
     res |= {"family": family, "clients": n, "fleet": fleet}
     res["per_client_ms"] = round(1000 * res["median_round_s"] / n, 2)
     res["per_client_cpu_ms"] = round(1000 * res["median_round_cpu_s"] / n, 2)
@@ -295,15 +295,15 @@ def _scale_row(family: str, n: int, rounds: int, fleet: str) -> dict[str, Any]:
 
 
 def run_scale(
-    families: list[str], sizes: list[int], rounds: int, rss_rounds: int, fleet: str
+    families: list[str], sizes: list[int], rounds: int, rss_rounds: int, fleet: str, root: str
 ) -> list[dict[str, Any]]:
     rows = []
     for family in families:
         for n in sizes:
-            rows.append(_scale_row(family, n, rounds, fleet))
+            rows.append(_scale_row(family, n, rounds, fleet, root))
             print(tables({"scale": rows[-1:]}).splitlines()[-1], file=sys.stderr, flush=True)
     if rss_rounds:
-        res = _scale_row(families[0], sizes[1], rss_rounds, fleet) | {"long": True}
+        res = _scale_row(families[0], sizes[1], rss_rounds, fleet, root) | {"long": True}
         rss = [r["rss_mb"] for r in res["rounds"]]
         res["rss_growth_mb_after_round_5"] = rss[-1] - rss[min(4, len(rss) - 1)]
         rows.append(res)
@@ -316,6 +316,7 @@ def run_population(
     idles: list[str],
     rounds: int,
     cohort: int,
+    root: str,
     device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """FML on all of Fashion-MNIST (iid) cut into `sizes` clients, `cohort` trained a round,
@@ -325,7 +326,7 @@ def run_population(
     for family in families:
         for n in sizes:
             for idle in idles:
-                overrides = _scale_overrides(family, n, rounds, "local", device) | {
+                overrides = _scale_overrides(family, n, rounds, "local", root, device) | {
                     "clients_per_round": cohort,
                     "data.max_samples": None,
                     "round.eval_every": rounds,
@@ -407,7 +408,6 @@ def tables(out: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global FMNIST
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="+", default=["pfml", "fml", "scale"])
     ap.add_argument("--rounds", type=int, default=20, help="PFML rounds (the paper: 800)")
@@ -437,7 +437,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-root", default=FMNIST, help="Fashion-MNIST's files")
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args(argv)
-    FMNIST = a.data_root  # (read where the parent builds each child's config)
     if a.threads:
         torch.set_num_threads(a.threads)
     out: dict[str, Any] = {
@@ -452,12 +451,20 @@ def main(argv: list[str] | None = None) -> int:
     if "pfml" in a.parts:
         out["pfml"] = run_pfml(a.rounds, a.eval_every, a.reference, a.fleets)
     if "fml" in a.parts:
-        out["fml"] = run_fml(a.fml_rounds, a.fleet)
+        out["fml"] = run_fml(a.fml_rounds, a.fleet, a.data_root)
     if "scale" in a.parts:
-        out["scale"] = run_scale(a.families, a.sizes, a.scale_rounds, a.rss_rounds, a.fleet)
+        out["scale"] = run_scale(
+            a.families, a.sizes, a.scale_rounds, a.rss_rounds, a.fleet, a.data_root
+        )
     if "population" in a.parts:
         out["population"] = run_population(
-            a.population_families, a.population_sizes, a.idle, a.scale_rounds, a.cohort, a.device
+            a.population_families,
+            a.population_sizes,
+            a.idle,
+            a.scale_rounds,
+            a.cohort,
+            a.data_root,
+            a.device,
         )
     emit(out, a.json_out, tables)
     return 0
