@@ -232,6 +232,7 @@ def arm(
     runs = [run(algorithm, attack, n_attackers, rounds, seeded(sets, s)) for s in seeds]
     ids = list(runs[0]["acc"])
     return {
+        "attackers": runs[0]["attackers"],
         "acc": {c: sum(r["acc"][c] or 0.0 for r in runs) / len(runs) for c in ids},
         "acc_per_seed": [r["acc"] for r in runs],
         "crashed": next((r["crashed"] for r in runs if r["crashed"]), None),
@@ -263,7 +264,7 @@ def attacks_part(args: argparse.Namespace) -> dict[str, Any]:
                     arm(algorithm, attack, n, args.rounds, extra, [s + shift for s in seeds])
                     for attack, shift in ((None, 0), ("absent", 0), ("absent", RESEED))
                 )
-                honest = [c for c in clean["acc"] if c not in {f"c{i}" for i in range(n)}]
+                honest = [c for c in clean["acc"] if c not in without["attackers"]]
                 # The noise floor: the run without them again, training from other seeds
                 floor = gaps(without["acc"], again["acc"], honest)
                 for attack in args.attacks.split(","):
