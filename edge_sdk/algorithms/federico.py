@@ -336,17 +336,35 @@ class FedeRiCo(ClientAlgorithm):
     def trained_model(self) -> tuple[ArchSpec, nn.Module]:
         return self._mixture()
 
+    def _kin(self) -> str | None:
+        """The peer whose model, of this client's own architecture, has the highest weight
+        here of all such models the client holds, where it is higher than its own model's
+        (None otherwise). Its own model is trained by the neighbours that weigh it, to their
+        labels: on a label-skewed split it can end good for them and useless here (0% on the
+        client's validation data at the long size of benchmarks/personalization.py), while a
+        peer's model of the same architecture is what its mixture relies on."""
+        w, me = self.weights, self.ctx.client_id
+        same = [c for c, m in self.peer_models.items() if m.spec == self.ctx.spec and c in w]
+        best = max(same, key=lambda c: w[c], default=None)
+        return best if best is not None and w[best] > w.get(me, 0.0) else None
+
     def guard_candidates(self) -> dict[str, Candidate]:
-        # After the update step (the exchange step changes no model): the mixture, and this
-        # client's own model alone.
+        # After the update step (the exchange step changes no model): the mixture, this
+        # client's own model alone, and the peer's model of its architecture it weighs most.
         if self.ctx.task.step == "exchange":
             return {}
-        return {PERSONAL: self.trained_model(), "own": (self.ctx.spec, self.model)}
+        out = {PERSONAL: self.trained_model()}
+        kin = self._kin()
+        if kin is not None:  # first: the model of its architecture it weighs most
+            out["peer"] = self._net(kin)
+        return out | {"own": (self.ctx.spec, self.model)}
 
     def finetune_base(self, models: Mapping[str, WireModel]) -> Candidate | None:
-        # No model is shared: what the guard fine-tunes is a copy of this client's own model,
-        # which its neighbours' gradients trained.
-        return self.ctx.spec, self._materialize(WireModel.of(self.ctx.spec, self.model))
+        # No model is shared: what the guard fine-tunes is a copy of the model of this client's
+        # architecture it weighs most, its own or a peer's (`_kin`).
+        kin = self._kin()
+        wire = self.peer_models[kin] if kin is not None else WireModel.of(self.ctx.spec, self.model)
+        return self.ctx.spec, self._materialize(wire)
 
     def finetune_optim(self) -> OptimConfig:
         # FedeRiCo's own optimizer and rate (Adam's β1 is 0.9 there, as torch's default).

@@ -25,15 +25,17 @@ class GuardConfig(BaseModel):
     preset: Literal["edgefl", "paper"] = "edgefl"
     # Deploy the best model seen on the validation split (see edge_sdk.algorithms.guard);
     # False deploys the algorithm's final personalized model, as the paper describes it (or,
-    # where that model is outside the device's budget, its own-architecture model).
+    # where that model is outside the device's budget, a student of it of the device's own
+    # architecture; with `guard_distill_epochs` = 0, its first model within the budget).
     guard: bool = True
     # [ours] How clear the evidence must be to deploy another model than the default:
     # b − c > guard_z·√(b + c) over the validation samples where the two disagree.
     guard_z: float = Field(2.0, ge=0)
     # [ours] After the last round, fine-tune a copy of the federation's final model (the global
-    # model; FedMe: the aggregate it returns; FedeRiCo: the client's own model) for this many
-    # epochs on the training split, as one more candidate: the step of the FedAvg+FT baseline,
-    # whose `ft_epochs` default is the same. 0: no such candidate. Counted in samples_processed.
+    # model; FedMe: the aggregate it returns; FedeRiCo: the model of the client's architecture it
+    # weighs most, its own or a peer's) for this many epochs on the training split, as one more
+    # candidate: the step of the FedAvg+FT baseline, whose `ft_epochs` default is the same. 0:
+    # no such candidate. Counted in samples_processed.
     guard_ft_epochs: int = Field(5, ge=0)
     # [ours] The candidate kept unless another is clearly better: "mixture", the personalized
     # and the fine-tuned model averaged (one `mixture` model: the device runs both), where the

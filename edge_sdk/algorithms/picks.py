@@ -35,6 +35,7 @@ _PROSE = {
     "local": "its local model",
     "teacher": "its teacher",
     "own": "its own model",
+    "peer": "a peer's model",
     "tuned_global": "the global model trained here",
 }
 

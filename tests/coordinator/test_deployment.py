@@ -45,9 +45,19 @@ def test_a_budget_that_allows_any_model_lets_federico_deploy_its_predictor():
     for c in results.clients:
         assert c.details["deployed_arch"].startswith("mixture of "), c.details["deployed_arch"]
     own = _run("federico", **{"federico.guard": False})
-    for c in own.clients:  # the same algorithm within the default budget: its own model
-        assert c.details["deployed"] == f"own (final, {c.arch})"
+    for c in own.clients:  # the same algorithm within the default budget: a student of it
+        assert c.details["deployed"] == f"distilled (final, {c.arch})"
+        assert c.details["deployed_outside_budget"].endswith(
+            "; a student of its own architecture learnt from it."
+        )
         assert "is a mixture of" in c.details["deployed_outside_budget"]
+    # ... or without students, its model of its own architecture
+    plain = _run("federico", **{"federico.guard": False, "federico.guard_distill_epochs": 0})
+    for c in plain.clients:
+        assert c.details["deployed"] in (f"own (final, {c.arch})", f"peer (final, {c.arch})")
+        assert c.details["deployed_reason"].endswith(
+            "the first within its budget (the guard is off)."
+        )
 
 
 def test_the_budget_comes_from_config_flags_and_per_device_overrides(tmp_path):

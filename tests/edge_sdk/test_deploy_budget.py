@@ -391,3 +391,43 @@ def test_with_the_guard_off_a_final_model_outside_the_budget_is_distilled_into_a
     )
     d = client.ctx.data
     assert _accuracy(model, d.x_test, d.y_test) > 0.9  # the meme knows the data; so does it
+
+
+class _PersonalOutside(_Stuck):
+    """The stuck client whose personalized model is its MLR meme (as FedeRiCo's is a mixture of
+    models): the algorithm's own final model is outside the default budget; the stuck MLP is a
+    candidate within it."""
+
+    def guard_candidates(self):
+        return {PERSONAL: (self.meme_spec, self.meme), "own": (MLP, self.personal)}
+
+
+def test_a_personalized_model_outside_the_budget_is_the_default_as_a_student():
+    # Prepare: no evidence is ever clear (z = 100), so the guard deploys its default. Without
+    # fine-tuning, the candidates within the budget are the stuck MLP alone.
+    client = _client(OWN, kind=_PersonalOutside, guard_z=100.0, guard_ft_epochs=0)
+
+    # Execute
+    out = _run(client)
+
+    # Assert: the default is a student of the personalized model, not the first model within
+    # the budget (the stuck one): the student knows the data and says what it learnt from.
+    spec, model = client.personalized_model()
+    assert spec == MLP and footprint(model).params == _params(MLP)
+    assert out.details["deployed"] == f"{DISTILLED} (final, mlp)"
+    assert out.details["deployed_reason"].startswith(
+        "A student (mlp) of its personalized model (mlr) had 32/32 right on validation; no other "
+        "candidate within its budget was clearly better (the best, its own model (mlp"
+    )
+    assert out.details["deployed_outside_budget"] == (
+        "Its personalized model (mlr) had 32/32 but mlr is not an architecture this device runs; "
+        "a student of its own architecture learnt from it."
+    )
+    d = client.ctx.data
+    assert _accuracy(model, d.x_test, d.y_test) > 0.9
+    assert _accuracy(client.personal, d.x_test, d.y_test) == 0.25  # what it replaced
+    # distilled once from the stuck model and once afresh
+    cfg = client.config
+    assert out.details["samples_processed"] == (
+        2 * cfg.local_epochs * 64 + 2 * cfg.guard_distill_epochs * 64
+    )

@@ -592,3 +592,36 @@ def test_a_peers_absurd_model_gets_no_weight_and_its_gradients_are_bounded(kind,
         )
     assert "model is absurd on our data: no weight" in caplog.text
     assert "'s gradient (norm" in caplog.text
+
+
+def test_under_a_budget_federico_offers_and_tunes_the_model_of_its_architecture_it_weighs_most():
+    # Prepare: a and b hold the MLR, c another architecture. After a round, a's loss table is
+    # set by hand: c's model fits a's data best, then b's, then a's own.
+    other = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=SHAPE, kwargs={"hidden": [4]})
+    algos = _federation(GROUPS, specs={"c": other}, budget=DeployBudget(), neighbours=2)
+    _round(algos, 1)
+    a = algos["a"]
+    assert set(a.peer_models) == {"b", "c"}
+    a.losses = {"a": 30.0, "b": 20.0, "c": 10.0}
+
+    # Execute
+    candidates = a.guard_candidates()
+    spec, base = a.finetune_base({})
+
+    # Assert: b's model (c's is of another architecture), offered before a's own, and the
+    # fine-tuning starts from a copy of it
+    assert list(candidates) == ["personal", "peer", "own"]
+    b_weights = a.peer_models["b"].weights
+    for k, v in candidates["peer"][1].state_dict().items():
+        assert torch.equal(v, b_weights[k]), k
+    assert spec == SPEC
+    for k, v in base.state_dict().items():
+        assert torch.equal(v, b_weights[k]), k
+        assert v.data_ptr() != candidates["peer"][1].state_dict()[k].data_ptr()
+
+    # ... and where its own model weighs most, no peer is offered and its own is the base
+    a.losses = {"a": 5.0, "b": 20.0, "c": 10.0}
+    assert list(a.guard_candidates()) == ["personal", "own"]
+    _, base = a.finetune_base({})
+    for k, v in base.state_dict().items():
+        assert torch.equal(v, a.model.state_dict()[k]), k
