@@ -389,6 +389,10 @@ def test_with_the_guard_off_a_final_model_outside_the_budget_is_distilled_into_a
         "Its meme (mlr), the algorithm's final model, mlr is not an architecture this device runs; "
         "a student of its own architecture learnt from it."
     )
+    assert out.details["deployed_reason"] == (
+        "A student (mlp) of its meme (mlr): the algorithm's final model in its budget (the guard "
+        "is off)."
+    )
     d = client.ctx.data
     assert _accuracy(model, d.x_test, d.y_test) > 0.9  # the meme knows the data; so does it
 
