@@ -242,7 +242,6 @@ class Guard:
                 admitted.insert(0, taught)
         others = admitted[1:] + ([self.best] if self.best is not None else [])
         chosen = admitted[0] if admitted else None
-        reason = ""
         if chosen is not None:
             rival = _best(others)
             reason = f"{_cap(chosen.prose)} had {chosen.score} right on validation"

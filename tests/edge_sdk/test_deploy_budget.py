@@ -13,6 +13,7 @@ from tests_helpers import raises_exactly
 from edge_sdk.algorithms import ClientContext, algorithm_class
 from edge_sdk.algorithms.candidates import DISTILLED, PERSONAL
 from edge_sdk.algorithms.fml import FML, FMLConfig
+from edge_sdk.algorithms.guard import Guard, Pick
 from edge_sdk.budget import DeployBudget, arch_name, footprint
 from edge_sdk.client import Deployed
 from edge_sdk.client_data import ClientData
@@ -131,9 +132,10 @@ class _Dead(_Stuck):
         return result
 
 
-def _client(budget, kind=_Stuck, **cfg):
+def _client(budget, kind=_Stuck, data=None, **cfg):
     cpu = torch.device("cpu")
-    ctx = ClientContext("c0", MLP, _data(), cpu, 0, Trainer(cpu, seed=0), budget=budget)
+    data = data or _data()
+    ctx = ClientContext("c0", MLP, data, cpu, 0, Trainer(cpu, seed=0), budget=budget)
     base = {
         "local_epochs": 3,
         "batch_size": 16,
@@ -174,6 +176,7 @@ def test_with_its_own_architecture_only_a_device_never_deploys_another():
     # models know the data. With any budget the guard deploys one of those.
     anything = _run(_client(ANY))
     assert anything.details["deployed_arch"] != "mlp"
+    assert "deployed_outside_budget" not in anything.details  # nothing was outside it
 
     # Execute: the same run with the default budget, and with distillation off.
     client = _client(OWN, guard_distill_epochs=0)
@@ -209,10 +212,12 @@ def test_a_better_model_outside_the_budget_is_distilled_into_its_own_architectur
     d = client.ctx.data
     acc = _accuracy(model, d.x_test, d.y_test)
     assert acc > 0.9 and out.metrics["personal_correct"] == round(acc * len(d.y_test))
-    assert (
-        "a student of its own architecture learnt from it"
-        in (out.details["deployed_outside_budget"])
+    assert out.details["deployed_outside_budget"] == (
+        "The final model fine-tuned here (mlr) had 32/32 but mlr is not an architecture this "
+        "device runs; a student of its own architecture learnt from it."
     )
+    kept = client.deployment.guard.deployed
+    assert kept is not None and Pick.from_state(kept.to_state()).round == 2
     cfg = client.config
     trained = 2 * cfg.local_epochs * 64 + cfg.guard_ft_epochs * 64  # rounds + fine-tuning
     # two students: one from the stuck model, one afresh
@@ -430,8 +435,122 @@ def test_a_personalized_model_outside_the_budget_is_the_default_as_a_student():
     d = client.ctx.data
     assert _accuracy(model, d.x_test, d.y_test) > 0.9
     assert _accuracy(client.personal, d.x_test, d.y_test) == 0.25  # what it replaced
-    # distilled once from the stuck model and once afresh
+    # distilled once from the stuck model and once afresh; kept with its round
     cfg = client.config
     assert out.details["samples_processed"] == (
         2 * cfg.local_epochs * 64 + 2 * cfg.guard_distill_epochs * 64
+    )
+    kept = client.deployment.guard.deployed
+    assert kept is not None and Pick.from_state(kept.to_state()).round == 2
+
+
+def test_with_the_guard_off_a_personalized_model_outside_the_budget_is_deployed_as_a_student():
+    # Prepare: the guard off; the stuck MLP is within the budget
+    client = _client(OWN, kind=_PersonalOutside, guard=False)
+
+    # Execute
+    out = _run(client)
+
+    # Assert: a student of the personalized model, not the stuck model, from two starts (the
+    # stuck model and afresh: the client has validation data to choose between them by)
+    assert out.details["deployed"] == f"{DISTILLED} (final, mlp)"
+    assert out.details["deployed_reason"] == (
+        "A student (mlp) of its personalized model (mlr): the algorithm's final model in its "
+        "budget (the guard is off)."
+    )
+    d, cfg = client.ctx.data, client.config
+    assert _accuracy(client.personalized_model()[1], d.x_test, d.y_test) > 0.9
+    assert out.details["samples_processed"] == (
+        2 * cfg.local_epochs * 64 + 2 * cfg.guard_distill_epochs * 64
+    )
+    kept = client.deployment.guard.deployed
+    assert kept is not None and Pick.from_state(kept.to_state()).round == 0
+
+    # ... and without students, the first model within its budget, which it says
+    plain = _run(_client(OWN, kind=_PersonalOutside, guard=False, guard_distill_epochs=0))
+    assert plain.details["deployed"] == "own (final, mlp)"
+    assert plain.details["deployed_reason"] == (
+        "Its own model (mlp): the first within its budget (the guard is off)."
+    )
+
+
+def test_without_validation_data_a_personalized_model_outside_the_budget_is_a_student():
+    # Prepare: a client without validation data (the guard cannot choose)
+    d = _data()
+    data = ClientData(d.x_train, d.y_train, d.x_val[:0], d.y_val[:0], d.x_test, d.y_test, CLASSES)
+    client = _client(OWN, kind=_PersonalOutside, data=data)
+
+    # Execute
+    out = _run(client)
+
+    # Assert: one student (from the stuck model: nothing to choose a second by), as the guard off
+    assert out.details["deployed"] == f"{DISTILLED} (final, mlp)"
+    assert out.details["deployed_reason"].endswith("(it has no validation data to choose by).")
+    cfg = client.config
+    assert out.details["samples_processed"] == (
+        2 * cfg.local_epochs * 64 + cfg.guard_distill_epochs * 64
+    )
+
+
+def test_a_client_that_names_no_personalized_model_gets_a_student_of_the_best_outside():
+    # Prepare: the guard on, the algorithm naming its meme alone (outside the budget), like the
+    # global and the fine-tuned models
+    client = _client(OWN, kind=_MemeOnly)
+
+    # Execute
+    out = _run(client)
+
+    # Assert
+    assert out.details["deployed"] == f"{DISTILLED} (final, mlp)"
+    assert out.details["deployed_outside_budget"].endswith(
+        "; a student of its own architecture learnt from it."
+    )
+
+
+class _PersonalAloneOutside(_Stuck):
+    """The stuck client whose only candidate, its personalized model, is its MLR meme."""
+
+    def guard_candidates(self):
+        return {PERSONAL: (self.meme_spec, self.meme)}
+
+
+def test_a_guard_with_nothing_within_the_budget_and_no_student_says_what_it_refused():
+    client = _client(OWN, kind=_PersonalAloneOutside, guard_distill_epochs=0, guard_ft_epochs=0)
+    refused = "mlr is not an architecture this device runs"
+    message = (
+        "the guard found no model within the device's budget to deploy: its personalized model "
+        f"(mlr): {refused}; the final global model (mlr): {refused}"
+    )
+    with raises_exactly(RuntimeError, message):
+        _run(client)
+
+
+def test_a_student_not_clearly_better_than_the_choice_does_not_replace_it():
+    # Prepare: a guard choosing between the stuck MLP (its personalized model) and a global
+    # MLR outside the budget that knows the data; its "student" a twin of the stuck model
+    d = _data()
+    cpu = torch.device("cpu")
+    guard = Guard(Trainer(cpu, seed=0), d, z=2.0, budget=OWN, own=MLP)
+    stuck = build(MLP, seed=1)
+    with torch.no_grad():
+        stuck.layers[-1].weight.zero_()
+        stuck.layers[-1].bias.copy_(torch.tensor([1.0, 0, 0, 0]))
+    trained = _trained_global()["global"].build()
+    made = []
+
+    def twin(teacher, start):
+        made.append(start)
+        copy = build(MLP, seed=2)
+        copy.load_state_dict(stuck.state_dict())
+        return MLP, copy
+
+    # Execute
+    out = guard.decide(2, {PERSONAL: (MLP, stuck), "global": (MLR, trained)}, twin)
+
+    # Assert: the global model was clearly better, so students were made (from the stuck model
+    # and afresh), but they are no better than the stuck model, which stays deployed
+    assert len(made) == 2
+    assert out["deployed"] == "personal (final, mlp)" and guard.deployed is None
+    assert out["deployed_outside_budget"] == (
+        "The final global model (mlr) had 32/32 but mlr is not an architecture this device runs."
     )

@@ -625,3 +625,20 @@ def test_under_a_budget_federico_offers_and_tunes_the_model_of_its_architecture_
     _, base = a.finetune_base({})
     for k, v in base.state_dict().items():
         assert torch.equal(v, a.model.state_dict()[k]), k
+
+
+def test_federico_offers_the_highest_weight_peer_of_its_architecture_not_the_last_id():
+    # Prepare: every client of one architecture; a weighs b's model above c's (ids in the
+    # other order), and the same as its own in the last case
+    algos = _federation(GROUPS, budget=DeployBudget(), neighbours=2)
+    _round(algos, 1)
+    a = algos["a"]
+    a.losses = {"a": 30.0, "b": 10.0, "c": 20.0}
+
+    # Execute, assert: b's model
+    peer = a.guard_candidates()["peer"][1]
+    for k, v in peer.state_dict().items():
+        assert torch.equal(v, a.peer_models["b"].weights[k]), k
+    # ... none where its own model weighs as much as the best peer's (its own is preferred)
+    a.losses = {"a": 10.0, "b": 10.0, "c": 20.0}
+    assert "peer" not in a.guard_candidates()
