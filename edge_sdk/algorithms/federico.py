@@ -89,11 +89,6 @@ class FedeRiCoConfig(BaseAlgorithmConfig, GuardConfig):
     # A peer's model whose mean cross-entropy on our validation data is above this × log(classes)
     # (10: far worse than a uniform guess), or not finite, gets no weight (0: any finite one).
     absurd_nats: float = Field(10.0, ge=0)
-    # [ours] The guard's students train for 40 epochs here, not 10: this client's own model is
-    # trained by its neighbours to their labels, so under an own-architecture budget its
-    # deployed model is mostly a student of its mixture, and one from a fresh start needs local
-    # training's passes (docs/algorithms.md, "Defaults measured at two sizes").
-    guard_distill_epochs: int = Field(40, ge=0)
 
 
 def posterior_weights(losses: Mapping[str, float], temperature: float) -> dict[str, float]:

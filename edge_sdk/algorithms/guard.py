@@ -35,13 +35,14 @@ Two more candidates come from what the federation produced (`guard_ft_epochs`, `
   alone (on the scarce splits, 14 of 20 rows against 11 with the equal mixture).
 
 Under a deployment budget (edge_sdk.budget) the guard chooses among the candidates the budget
-admits. Where it refuses the algorithm's personalized model itself (FedeRiCo's mixture of several
-models), the default is a student of that model of the device's own architecture, as with the
-guard off: the first admitted candidate would otherwise be the default, and FedeRiCo's own model,
-trained by its neighbours to their labels, can be useless to the client. At the long size of
-benchmarks/personalization.py, lg-digits, 10 seeds, that default lifted FedeRiCo's
-own-architecture mean from 86.6 to 93.5, and its worst client from 7.2 points below training
-alone to 3.5 above.
+admits. Where it refuses the default (FedeRiCo's mixture of several models; the weighed mixture,
+or the fine-tuned global model alone, on a device of another architecture than the global one),
+the default within it is a student of that model of the device's own architecture, as with the
+guard off: the first admitted candidate would otherwise be the default, and it can be far worse
+(FedeRiCo's own model, trained by its neighbours to their labels, was useless to some clients).
+At the long size of benchmarks/personalization.py, lg-digits, 10 seeds, that default lifted
+FedeRiCo's own-architecture mean from 86.6 to 93.5, and its worst client from 7.2 points below
+training alone to 3.5 above; docs/algorithms.md has the other algorithms' tables.
 
 The test split is never looked at. A client without validation data deploys the algorithm's final
 model. What the guard keeps (the best copy, its scores and which validation samples it got
@@ -218,9 +219,9 @@ class Guard:
         """After the last round: the model to deploy, and the finalize reply's details.
 
         `final` lists the models the client holds now, the default first (its personalized
-        model, or what `weigh` chose). The default is the first the budget admits, or, where
-        the budget refuses the algorithm's personalized model itself (FedeRiCo's mixture), a
-        student of it (`distil`), as with the guard off; the best of the other admitted ones
+        model, or what `weigh` chose), or, where the budget refuses it, a student of it
+        (`distil`; without one, the first the budget admits), as with the guard off; the best
+        of the other admitted ones
         and the kept copy replaces it only when the paired evidence is clear. Where a
         candidate the budget refuses is clearly better still, `distil` makes a student of the
         device's own architecture from it, which replaces the choice when it is
@@ -232,12 +233,14 @@ class Guard:
             return self.deploy_first(final, distil, "it has no validation data to choose by")
         picks = [self._score(name, cand, rounds, final=True) for name, cand in final.items()]
         admitted = [p for p in picks if p.refusal is None]
-        # The algorithm's own final model outside the budget (FedeRiCo's mixture): the default
-        # within it is a student of that model, as with the guard off (`deploy_first`).
-        personal = next((p for p in picks if p.name == PERSONAL), None)
+        # The default outside the budget (FedeRiCo's mixture; the weighed mixture of the
+        # personalized and the fine-tuned model, or the fine-tuned global model alone, on a
+        # device of another architecture): the default within it is a student of that model,
+        # as with the guard off (`deploy_first`).
+        default = picks[0] if picks else None
         taught = None
-        if personal is not None and personal.refusal is not None:
-            taught = self._student(personal, admitted[0] if admitted else None, distil, rounds)
+        if default is not None and default.refusal is not None:
+            taught = self._student(default, admitted[0] if admitted else None, distil, rounds)
             if taught is not None:
                 admitted.insert(0, taught)
         others = admitted[1:] + ([self.best] if self.best is not None else [])
@@ -262,9 +265,9 @@ class Guard:
                     )
         teacher = _best([p for p in picks if p.refusal is not None])
         outside = None
-        if taught is not None and personal is not None:
+        if taught is not None and default is not None:
             outside = (
-                f"{_cap(personal.prose)} had {personal.score} but {personal.refusal}; a student "
+                f"{_cap(default.prose)} had {default.score} but {default.refusal}; a student "
                 "of its own architecture learnt from it"
             )
         if teacher is not None and (chosen is None or self.clearly(teacher, chosen)[0]):
@@ -283,7 +286,7 @@ class Guard:
             )
         self._deploy(chosen)
         details: dict[str, Any] = {"guard_val_acc": chosen.correct / chosen.total}
-        details |= self._record(chosen, reason + ".", outside)
+        details |= self._record(chosen, reason, outside)
         return details
 
     def deploy_first(
@@ -311,7 +314,7 @@ class Guard:
             else:
                 reason = f"{_cap(chosen.prose)}: the first within its budget ({why})"
         self._deploy(chosen)
-        return self._record(chosen, reason + ".", outside)
+        return self._record(chosen, reason, outside)
 
     def _student(
         self, teacher: Pick, start: Pick | None, distil: Distil | None, rounds: int
@@ -348,9 +351,9 @@ class Guard:
             self.deployed = chosen.kept()
 
     def _record(self, chosen: Pick, reason: str, outside: str | None) -> dict[str, Any]:
-        out: dict[str, Any] = {"deployed": chosen.label, "deployed_reason": reason[:_REASON_CHARS]}
+        out: dict[str, Any] = {"deployed": chosen.label, "deployed_reason": _sentence(reason)}
         if outside is not None:
-            out["deployed_outside_budget"] = (outside + ".")[:_REASON_CHARS]
+            out["deployed_outside_budget"] = _sentence(outside)
         return out
 
     # -- persistence -------------------------------------------------------------------------
@@ -384,6 +387,15 @@ def _best(picks: Sequence[Pick]) -> Pick | None:
         if p.beats(out):
             out = p
     return out
+
+
+def _sentence(clauses: str) -> str:
+    """`clauses` ("a; b; c") as one sentence within a reply detail's limit (_REASON_CHARS):
+    the last clauses left out until it fits, then cut."""
+    text = clauses + "."
+    while len(text) > _REASON_CHARS and "; " in text:
+        text = text[: text.rindex("; ")] + "."
+    return text[:_REASON_CHARS]
 
 
 def _cap(text: str) -> str:

@@ -48,13 +48,16 @@ class GuardConfig(BaseModel):
     guard_mix_weights: list[float] = Field(
         default_factory=lambda: [1.0, 0.75, 0.5, 0.25, 0.0], min_length=1
     )
-    # [ours] Where a model outside the device's budget (a global model, a mixture) is clearly
-    # better on validation than what it may deploy, a student of the device's own architecture
-    # learns from it for this many epochs on the training split, starting from the device's
-    # best model of its architecture: (1 − λ)·CE + λ·T²·KL(teacher ‖ student), PersFL's loss.
-    # The student is deployed when it is clearly better than that model. 0: no student.
-    # Counted in samples_processed.
-    guard_distill_epochs: int = Field(10, ge=0)
+    # [ours] Where the default is outside the device's budget (a mixture, a global model of
+    # another architecture), or a model outside it is clearly better on validation than what it
+    # may deploy, a student of the device's own architecture learns from it for this many epochs
+    # on the training split, starting from the device's best model of its architecture and
+    # afresh: (1 − λ)·CE + λ·T²·KL(teacher ‖ student), PersFL's loss. A student of the default
+    # is the default within the budget; another is deployed when it is clearly better than the
+    # choice. 40: a fresh student needs local training's passes (10 left it behind;
+    # docs/algorithms.md, "Defaults measured at two sizes"). 0: no student. Counted in
+    # samples_processed.
+    guard_distill_epochs: int = Field(40, ge=0)
     guard_distill_lambda: float = Field(0.5, ge=0, le=1)  # [ours] λ
     guard_distill_temperature: float = Field(2.0, gt=0)  # [ours] T
 

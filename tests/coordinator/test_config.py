@@ -17,9 +17,9 @@ def test_every_algorithm_has_a_section_with_the_documented_defaults():
     assert cfg.persfl.distill_epochs is None  # the local budget: rounds × local_epochs
     assert (cfg.persfl.distill_lambdas, cfg.persfl.distill_temperatures) == ([0, 0.5, 0.75], [1, 4])
     assert cfg.fedprox.mu == 0.01 and cfg.fedavg.weighting == "by_samples"
-    # ours, measured: the guard's students train 10 epochs, FedeRiCo's 40 (see FedeRiCoConfig)
-    assert cfg.fml.guard_distill_epochs == cfg.fedme.guard_distill_epochs == 10
-    assert cfg.federico.guard_distill_epochs == 40
+    # ours, measured: the guard's students train 40 epochs (see GuardConfig)
+    assert cfg.fml.guard_distill_epochs == cfg.fedme.guard_distill_epochs == 40
+    assert cfg.federico.guard_distill_epochs == cfg.persfl.guard_distill_epochs == 40
 
 
 def test_precedence_defaults_toml_flags_overrides(tmp_path):

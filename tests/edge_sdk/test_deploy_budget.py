@@ -13,7 +13,7 @@ from tests_helpers import raises_exactly
 from edge_sdk.algorithms import ClientContext, algorithm_class
 from edge_sdk.algorithms.candidates import DISTILLED, PERSONAL
 from edge_sdk.algorithms.fml import FML, FMLConfig
-from edge_sdk.algorithms.guard import Guard, Pick
+from edge_sdk.algorithms.guard import _REASON_CHARS, Guard, Pick, _sentence
 from edge_sdk.budget import DeployBudget, arch_name, footprint
 from edge_sdk.client import Deployed
 from edge_sdk.client_data import ClientData
@@ -193,8 +193,9 @@ def test_with_its_own_architecture_only_a_device_never_deploys_another():
 
 
 def test_a_better_model_outside_the_budget_is_distilled_into_its_own_architecture():
-    # Prepare: the same stuck client, the guard's student on (its default epochs).
-    client = _client(OWN)
+    # Prepare: the same stuck client, the guard's student on (its default epochs), its
+    # personalized model the default (within the budget: the student must be clearly better).
+    client = _client(OWN, guard_default="personal")
 
     # Execute
     out = _run(client)
@@ -222,6 +223,34 @@ def test_a_better_model_outside_the_budget_is_distilled_into_its_own_architectur
     trained = 2 * cfg.local_epochs * 64 + cfg.guard_ft_epochs * 64  # rounds + fine-tuning
     # two students: one from the stuck model, one afresh
     assert out.details["samples_processed"] == trained + 2 * cfg.guard_distill_epochs * 64
+
+
+def test_a_default_outside_the_budget_is_the_default_as_a_student():
+    # Prepare: the stuck client with the default mixture: weighed on validation, the default is
+    # the fine-tuned MLR alone (w = 0), which the budget refuses.
+    client = _client(OWN)
+
+    # Execute
+    out = _run(client)
+
+    # Assert: the default within the budget is a student of it, deployed since nothing within
+    # the budget is clearly better; its reason a sentence within a reply's limit
+    assert out.details["guard_mix_weight"] == 0.0
+    assert out.details["deployed"] == f"{DISTILLED} (final, mlp)"
+    assert out.details["deployed_reason"] == (
+        "A student (mlp) of the final model fine-tuned here (mlr) had 32/32 right on validation; "
+        "no other candidate within its budget was clearly better (the best, its personalized "
+        "model (mlp), had 8/32: 0 more right, 24 fewer)."
+    )
+    d = client.ctx.data
+    assert _accuracy(client.personalized_model()[1], d.x_test, d.y_test) > 0.9
+
+
+def test_a_reason_too_long_for_a_reply_drops_its_last_clauses():
+    long, tail = "x" * 200, "y" * 100
+    assert _sentence(f"{long}; {tail}") == long + "."  # 302 characters: the last clause goes
+    assert _sentence("short; clause") == "short; clause."
+    assert _sentence("z" * 300) == "z" * _REASON_CHARS  # one clause: cut
 
 
 def test_a_student_starts_afresh_where_its_start_cannot_learn():

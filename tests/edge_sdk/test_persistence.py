@@ -23,7 +23,7 @@ def _data() -> ClientData:
     return ClientData(x[:64], y[:64], x[64:80], y[64:80], x[80:], y[80:], num_classes=4)
 
 
-def _algorithm(name, seed):
+def _algorithm(name, seed, **cfg):
     cls = algorithm_class(name)
     spec = GLOBAL if name in ("local", "fedavg", "fedprox", "fedavg_ft") else MINE
     device = torch.device("cpu")
@@ -32,6 +32,8 @@ def _algorithm(name, seed):
     if name == "persfl":
         extra |= {"distill_lambdas": [0.0, 0.5], "distill_temperatures": [1.0, 2.0]}
         extra |= {"distill_epochs": 1}
+    if name in ("fml", "pfml", "persfl", "fedme", "federico"):
+        extra |= cfg  # the guard's settings
     return cls(ctx, cls.config_cls(**extra))
 
 
