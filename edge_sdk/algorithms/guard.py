@@ -219,14 +219,13 @@ class Guard:
         """After the last round: the model to deploy, and the finalize reply's details.
 
         `final` lists the models the client holds now, the default first (its personalized
-        model, or what `weigh` chose), or, where the budget refuses it, a student of it
-        (`distil`; without one, the first the budget admits), as with the guard off; the best
-        of the other admitted ones
-        and the kept copy replaces it only when the paired evidence is clear. Where a
-        candidate the budget refuses is clearly better still, `distil` makes a student of the
-        device's own architecture from it, which replaces the choice when it is
-        clearly better in turn. `deployed` is the choice, None when it is the algorithm's final
-        personalized model.
+        model, or what `weigh` chose). Where the budget refuses the default, the default within
+        it is a student of it (`distil`; without one, the first model the budget admits), as
+        with the guard off. The best of the other admitted ones and the kept copy replaces it
+        only when the paired evidence is clear. Where a candidate the budget refuses is clearly
+        better still, `distil` makes a student of the device's own architecture from it, which
+        replaces the choice when it is clearly better in turn. `deployed` is the choice, None
+        when it is the algorithm's final personalized model.
         """
         self.deployed = None
         if not self.active:
