@@ -30,8 +30,13 @@ def _data(n=N, seed=0):
     return ClientData(x[:n], y[:n], x[n : n + 6], y[n : n + 6], x[n + 6 :], y[n + 6 :], CLASSES)
 
 
-def _client(name, spec=MLR, n=N, seed=0, **cfg):
+def _client(name, spec=MLR, n=N, seed=0, students=False, **cfg):
+    """A client of `name`. Without `students`, its guard makes none: a device whose guard's
+    default is outside its budget (the MLR global model on an MLP device here) deploys a
+    student of it, whose passes the tests below count apart."""
     cls = algorithm_class(name)
+    if not students and "guard_distill_epochs" in cls.config_cls.model_fields:
+        cfg = {"guard_distill_epochs": 0, **cfg}
     cpu = torch.device("cpu")
     ctx = ClientContext(f"c{seed}", spec, _data(n, seed), cpu, seed, Trainer(cpu, seed=seed))
     return cls(ctx, cls.config_cls(**cfg))
@@ -57,6 +62,14 @@ def test_epoch_trained_algorithms_process_rounds_times_epochs_passes(name, model
 
 def test_fml_adds_the_guards_fine_tuning_epochs_by_default():
     assert _run(_client("fml", MLP, **EPOCHS_CFG), _glob()) == (ROUNDS * EPOCHS + FT) * N
+
+
+def test_the_guards_students_of_a_default_outside_the_budget_are_counted():
+    # By default: the weighed default outside the MLP device's budget is distilled into two
+    # students of 40 epochs (one from the personalized model, one afresh)
+    client = _client("fml", MLP, students=True, **EPOCHS_CFG)
+    assert client.config.guard_distill_epochs == 40
+    assert _run(client, _glob()) == (ROUNDS * EPOCHS + FT + 2 * 40) * N
 
 
 @pytest.mark.parametrize(("ft", "guard"), [(3, True), (0, True), (3, False)])
