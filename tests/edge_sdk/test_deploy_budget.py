@@ -249,8 +249,19 @@ def test_a_default_outside_the_budget_is_the_default_as_a_student():
 def test_a_reason_too_long_for_a_reply_drops_its_last_clauses():
     long, tail = "x" * 200, "y" * 100
     assert _sentence(f"{long}; {tail}") == long + "."  # 302 characters: the last clause goes
+    assert _sentence(f"{long}; b; {tail}") == f"{long}; b."  # only as many as it takes
+    exact = "w" * 100 + "; " + "v" * (_REASON_CHARS - 103)  # with its period, the limit
+    assert _sentence(exact) == exact + "." and len(exact + ".") == _REASON_CHARS
     assert _sentence("short; clause") == "short; clause."
     assert _sentence("z" * 300) == "z" * _REASON_CHARS  # one clause: cut
+
+
+def test_a_guard_given_no_candidate_says_so():
+    guard = Guard(Trainer(torch.device("cpu"), seed=0), _data(), z=2.0, budget=OWN, own=MLP)
+    with raises_exactly(
+        RuntimeError, "the guard found no model within the device's budget to deploy: "
+    ):
+        guard.decide(2, {}, None)
 
 
 def test_a_student_starts_afresh_where_its_start_cannot_learn():
