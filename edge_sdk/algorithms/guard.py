@@ -237,11 +237,15 @@ class Guard:
         # device of another architecture): the default within it is a student of that model,
         # as with the guard off (`deploy_first`).
         default = picks[0] if picks else None
-        taught = None
+        outside = None
         if default is not None and default.refusal is not None:
             taught = self._student(default, admitted[0] if admitted else None, distil, rounds)
             if taught is not None:
                 admitted.insert(0, taught)
+                outside = (
+                    f"{_cap(default.prose)} had {default.score} but {default.refusal}; a "
+                    "student of its own architecture learnt from it"
+                )
         others = admitted[1:] + ([self.best] if self.best is not None else [])
         chosen = admitted[0] if admitted else None
         if chosen is not None:
@@ -263,12 +267,6 @@ class Guard:
                         f"{rival.prose}, had {rival.score}: {b} more right, {c} fewer)"
                     )
         teacher = _best([p for p in picks if p.refusal is not None])
-        outside = None
-        if taught is not None and default is not None:
-            outside = (
-                f"{_cap(default.prose)} had {default.score} but {default.refusal}; a student "
-                "of its own architecture learnt from it"
-            )
         if teacher is not None and (chosen is None or self.clearly(teacher, chosen)[0]):
             outside = f"{_cap(teacher.prose)} had {teacher.score} but {teacher.refusal}"
             student = self._student(teacher, chosen, distil, rounds)
