@@ -594,3 +594,49 @@ def test_a_student_not_clearly_better_than_the_choice_does_not_replace_it():
     assert out["deployed_outside_budget"] == (
         "The final global model (mlr) had 32/32 but mlr is not an architecture this device runs."
     )
+
+
+class _Nudged(torch.nn.Module):
+    """Predicts class 0 everywhere, like the stuck model, except class 1 on `rows` (inputs)."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def forward(self, x):
+        z = torch.zeros(len(x), CLASSES)
+        z[:, 0] = 1.0
+        known = (x[:, None, :] == self.rows[None]).all(-1).any(1)
+        z[known] = torch.tensor([0.0, 1.0, 0.0, 0.0])
+        return z
+
+
+def test_a_model_outside_the_budget_better_but_not_clearly_is_not_distilled():
+    # Prepare: the stuck MLP (class 0 everywhere: 8/32 right) and, outside the budget, a model
+    # that also gets two class-1 validation samples right: 2 wins, 0 losses, and 2 ≤ 2·√2
+    d = _data()
+    guard = Guard(Trainer(torch.device("cpu"), seed=0), d, z=2.0, budget=OWN, own=MLP)
+    stuck = build(MLP, seed=1)
+    with torch.no_grad():
+        stuck.layers[-1].weight.zero_()
+        stuck.layers[-1].bias.copy_(torch.tensor([1.0, 0, 0, 0]))
+    nudged = _Nudged(d.x_val[d.y_val == 1][:2])
+    made = []
+
+    def student(teacher, start):
+        made.append(start)
+        return MLP, build(MLP, seed=2)
+
+    # Execute
+    out = guard.decide(2, {PERSONAL: (MLP, stuck), "global": (MLR, nudged)}, student)
+
+    # Assert: the outside model has wins but is not clearly better, so no student is made and
+    # the personalized model stays, with nothing said about the outside one
+    teacher = guard._score("global", (MLR, nudged), 2, final=True)
+    assert guard.clearly(teacher, guard._score(PERSONAL, (MLP, stuck), 2, final=True))[1:] == (
+        2,
+        0,
+    )
+    assert made == []
+    assert out["deployed"] == "personal (final, mlp)" and guard.deployed is None
+    assert "deployed_outside_budget" not in out
