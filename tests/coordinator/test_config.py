@@ -20,6 +20,10 @@ def test_every_algorithm_has_a_section_with_the_documented_defaults():
     # ours, measured: the guard's students train 40 epochs (see GuardConfig)
     assert cfg.fml.guard_distill_epochs == cfg.fedme.guard_distill_epochs == 40
     assert cfg.federico.guard_distill_epochs == cfg.persfl.guard_distill_epochs == 40
+    # ours, measured: FedMe's guard fine-tunes its aggregate 20 epochs, the others' 5
+    assert cfg.fedme.guard_ft_epochs == 20
+    assert cfg.fml.guard_ft_epochs == cfg.pfml.guard_ft_epochs == 5
+    assert cfg.persfl.guard_ft_epochs == cfg.federico.guard_ft_epochs == 5
 
 
 def test_precedence_defaults_toml_flags_overrides(tmp_path):

@@ -85,7 +85,8 @@ def test_fedavg_ft_adds_its_fine_tuning_epochs():
 
 def test_fedme_counts_each_batch_once_though_two_models_learn_from_it():
     models = {"personal": _glob()["global"], "exchanged": _glob(MLP)["global"]}
-    assert _run(_client("fedme", **EPOCHS_CFG), models) == (ROUNDS * EPOCHS + FT) * N
+    # FedMe's guard fine-tunes its aggregate 20 epochs by default (FedMeConfig)
+    assert _run(_client("fedme", **EPOCHS_CFG), models) == (ROUNDS * EPOCHS + 20) * N
 
 
 def test_persfl_stage_two_costs_its_grid_times_the_local_budget():
