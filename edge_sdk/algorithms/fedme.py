@@ -76,7 +76,7 @@ class FedMeConfig(AlgorithmConfig, GuardConfig):
     unlabeled_path: str | None = None
     # [ours] The guard's fine-tuning of the aggregate it returns (GuardConfig): 20 epochs, not
     # every other algorithm's 5. That aggregate averages copies trained on other clients' data
-    # and can arrive far from this client's (on 3 of 10 long digit runs, 20-30 points below
+    # and can arrive far from this client's (on 3 of 10 long digit runs, 17-30 points below
     # training alone on one architecture); 5 epochs of batch 40 on a few dozen images are 5
     # steps, and the guard deployed it. Measured at both sizes: docs/algorithms.md, "Defaults
     # measured at two sizes".
