@@ -1,6 +1,7 @@
 """A client's data on its device: its train/validation/test tensors (`ClientData`), made from
 datasets or moved to a device once, where splits that are views of one data set stay views of
-one copy of it; and the cache of values kept per tensor for as long as it lives (`IdentityCache`).
+one copy of it; the cache of values kept per tensor for as long as it lives (`IdentityCache`);
+and images shifted at random (`shifted`), the guard's students' view of a few dozen images.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Generic, TypeVar
 import torch
 from torch.utils.data import Dataset as TorchDataset
 
-__all__ = ["ClientData", "IdentityCache", "row_range"]
+__all__ = ["ClientData", "IdentityCache", "row_range", "shifted"]
 
 V = TypeVar("V")
 
@@ -174,3 +175,24 @@ def _layout(t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 4 and t.is_floating_point():
         return t.contiguous(memory_format=torch.channels_last)
     return t
+
+
+def shifted(x: torch.Tensor, most: int, generator: torch.Generator) -> torch.Tensor:
+    """Images `x` (n, c, h, w), each moved by its own random whole-pixel offset of up to `most`
+    each way (drawn from `generator`, on its device), the uncovered border repeating the
+    image's edge (its background, not a value normalization may have made meaningful); in
+    `x`'s memory format."""
+    n, _, h, w = x.shape
+    padded = torch.nn.functional.pad(x, (most, most, most, most), mode="replicate")
+    dy, dx = torch.randint(0, 2 * most + 1, (2, n, 1), generator=generator, device=x.device)
+    rows = (dy + torch.arange(h, device=x.device))[:, None, :, None]  # (n, 1, h, 1)
+    cols = (dx + torch.arange(w, device=x.device))[:, None, None, :]  # (n, 1, 1, w)
+    index = torch.arange(n, device=x.device)[:, None, None, None]
+    channel = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
+    out = padded[index, channel, rows, cols]
+    return out.contiguous(memory_format=_format(x))
+
+
+def _format(x: torch.Tensor) -> torch.memory_format:
+    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return torch.channels_last if channels_last else torch.contiguous_format

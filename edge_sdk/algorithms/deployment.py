@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -24,6 +24,7 @@ from edge_sdk.algorithms.context import FitResult
 from edge_sdk.algorithms.guard import Distil, Guard
 from edge_sdk.algorithms.guard_config import GuardConfig
 from edge_sdk.budget import arch_name, footprint
+from edge_sdk.client_data import shifted
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import distillation_loss
 from edge_sdk.trainer import Score
@@ -185,7 +186,12 @@ class Deployment:
         fresh one without), trained for `guard_distill_epochs` on the training split with
         (1 − λ)·CE + λ·T²·KL(teacher ‖ student) and the algorithm's optimizer settings at the
         last round's rate (`finetune_optim`); None where its training diverges. Its samples
-        count as processed."""
+        count as processed.
+
+        With `guard_distill_shift` > 0, images (inputs of shape (n, c, h, w)) are shifted by up
+        to that many pixels each way, afresh every batch, and the teacher labels each shifted
+        batch (a few dozen images alone show the student too little of what the teacher knows;
+        off by default, see GuardConfig)."""
         algo = self.algorithm
         cfg, optim = algo.config, algo.finetune_optim()
         assert isinstance(cfg, GuardConfig) and optim is not None
@@ -193,7 +199,6 @@ class Deployment:
         student = algo.ctx.build_model(algo.ctx.spec, salt=3)
         if start is not None:
             student.load_state_dict(start[1].state_dict())
-        z_teacher = trainer.logits(teacher[1], d.x_train)  # the teacher is fixed: once
         opt = trainer.optimizer(student.parameters(), optim, lr=optim.lr_at(rounds, rounds))
         lam, temperature = cfg.guard_distill_lambda, cfg.guard_distill_temperature
         student.train()
@@ -204,9 +209,16 @@ class Deployment:
             loss = distillation_loss("kl", z_s, z_t, y, lam, temperature)
             return (trainer.step(loss, [opt]),)
 
-        batches = trainer.epochs(
-            d.x_train, d.y_train, optim.batch_size, cfg.guard_distill_epochs, z_teacher
-        )
+        epochs, most = cfg.guard_distill_epochs, cfg.guard_distill_shift
+        if most > 0 and d.x_train.dim() == 4:
+            batches: Iterator[tuple[torch.Tensor, ...]] = (
+                (moved, y, trainer.logits(teacher[1], moved))
+                for x, y in trainer.epochs(d.x_train, d.y_train, optim.batch_size, epochs)
+                for moved in [shifted(x, most, trainer.generator)]
+            )
+        else:  # the teacher is fixed: its logits once
+            z_teacher = trainer.logits(teacher[1], d.x_train)
+            batches = trainer.epochs(d.x_train, d.y_train, optim.batch_size, epochs, z_teacher)
         try:
             trainer.run(step, batches)
         except FloatingPointError as exc:

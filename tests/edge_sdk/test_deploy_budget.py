@@ -16,7 +16,7 @@ from edge_sdk.algorithms.fml import FML, FMLConfig
 from edge_sdk.algorithms.guard import _REASON_CHARS, Guard, Pick, _sentence
 from edge_sdk.budget import DeployBudget, arch_name, footprint
 from edge_sdk.client import Deployed
-from edge_sdk.client_data import ClientData
+from edge_sdk.client_data import ClientData, shifted
 from edge_sdk.codec import WireModel
 from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
@@ -640,3 +640,111 @@ def test_a_model_outside_the_budget_better_but_not_clearly_is_not_distilled():
     assert made == []
     assert out["deployed"] == "personal (final, mlp)" and guard.deployed is None
     assert "deployed_outside_budget" not in out
+
+
+# -- the students' shifted images --------------------------------------------------------------
+def _offsets(out: torch.Tensor, x: torch.Tensor, most: int) -> list[tuple[int, int]]:
+    """For each image of `out`, the offset (dy, dx) within ±`most` at which it is `x`'s image
+    read with the edge repeated: out[c, r, k] = x[c, clamp(r + dy), clamp(k + dx)]."""
+    _, _, h, w = x.shape
+    found = []
+    for moved, image in zip(out, x, strict=True):
+        fits = [
+            (dy, dx)
+            for dy in range(-most, most + 1)
+            for dx in range(-most, most + 1)
+            if torch.equal(
+                moved,
+                image[:, (torch.arange(h) + dy).clamp(0, h - 1)][
+                    :, :, (torch.arange(w) + dx).clamp(0, w - 1)
+                ],
+            )
+        ]
+        assert fits, "an image is no shift of its original within the bound"
+        found.append(fits[0])
+    return found
+
+
+def test_shifted_moves_each_image_by_its_own_offset_within_the_bound():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 2, 5, 7).contiguous(memory_format=torch.channels_last)
+    out = shifted(x, 2, g)
+    offsets = _offsets(out, x, 2)
+    assert len(set(offsets)) > 10  # each its own, both ways
+    assert {dy for dy, _ in offsets} == {-2, -1, 0, 1, 2}
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(shifted(x, 0, g), x)
+
+
+IMAGE = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=(1, 6, 6), kwargs={"hidden": [8]})
+
+
+class _Seen(torch.nn.Module):
+    """A teacher that records every input it labels."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(features, CLASSES)
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x):
+        self.seen.append(x.clone())
+        return self.linear(x.flatten(1))
+
+
+def _image_client(**cfg):
+    g = torch.Generator().manual_seed(3)
+    images = [torch.randn(n, 1, 6, 6, generator=g) for n in (24, 8, 8)]
+    labels = [torch.arange(len(x)) % CLASSES for x in images]
+    data = ClientData(*(t for pair in zip(images, labels, strict=True) for t in pair), CLASSES)
+    cpu = torch.device("cpu")
+    ctx = ClientContext("c0", IMAGE, data, cpu, 0, Trainer(cpu, seed=0), budget=OWN)
+    return FML(ctx, FMLConfig(batch_size=8, guard_distill_epochs=3, **cfg))
+
+
+def test_a_student_of_images_learns_from_the_teachers_labels_of_shifted_copies():
+    # Prepare: a client of 24 training images, shifts of up to 2 pixels, its teacher recording
+    # what it labels
+    client = _image_client(guard_distill_shift=2)
+    teacher = _Seen(36)
+
+    # Execute
+    student = client.deployment.distil(2, (MLR, teacher), None)
+
+    # Assert: the teacher labelled every batch of the 3 epochs (8 images each), each image a
+    # shift of a training image within 2 pixels, not all of them unmoved
+    assert student is not None and student[0] == IMAGE
+    assert [len(x) for x in teacher.seen] == [8] * 9
+    x_train = client.ctx.data.x_train
+    moved = 0
+    for batch in teacher.seen:
+        originals = torch.stack(
+            [next(o for o in x_train if _is_shift(image, o, 2)) for image in batch]
+        )
+        moved += sum(not torch.equal(a, b) for a, b in zip(batch, originals, strict=True))
+    assert moved > 0
+
+
+def _is_shift(image: torch.Tensor, original: torch.Tensor, most: int) -> bool:
+    try:
+        _offsets(image[None], original[None], most)
+    except AssertionError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("images", [True, False])
+def test_without_a_shift_or_images_the_teacher_labels_the_training_split_once(images):
+    # Prepare: images without a shift (the default); features (12) with one
+    if images:
+        client, teacher = _image_client(), _Seen(36)
+    else:
+        client = _client(OWN, guard_distill_epochs=3, guard_distill_shift=2)
+        teacher = _Seen(FEATURES)
+
+    # Execute
+    client.deployment.distil(2, (MLR, teacher), None)
+
+    # Assert: once, the training split as it is
+    x_train = client.ctx.data.x_train
+    assert len(teacher.seen) == 1 and torch.equal(teacher.seen[0], x_train)
