@@ -180,8 +180,8 @@ def _layout(t: torch.Tensor) -> torch.Tensor:
 def shifted(x: torch.Tensor, most: int, generator: torch.Generator) -> torch.Tensor:
     """Images `x` (n, c, h, w), each moved by its own random whole-pixel offset of up to `most`
     each way (drawn from `generator`, on its device), the uncovered border repeating the
-    image's edge (its background, not a value normalization may have made meaningful); in
-    `x`'s memory format."""
+    image's edge (its background, not a value normalization may have made meaningful); laid
+    out as ClientData holds images (`_layout`)."""
     n, _, h, w = x.shape
     padded = torch.nn.functional.pad(x, (most, most, most, most), mode="replicate")
     dy, dx = torch.randint(0, 2 * most + 1, (2, n, 1), generator=generator, device=x.device)
@@ -189,10 +189,4 @@ def shifted(x: torch.Tensor, most: int, generator: torch.Generator) -> torch.Ten
     cols = (dx + torch.arange(w, device=x.device))[:, None, None, :]  # (n, 1, 1, w)
     index = torch.arange(n, device=x.device)[:, None, None, None]
     channel = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
-    out = padded[index, channel, rows, cols]
-    return out.contiguous(memory_format=_format(x))
-
-
-def _format(x: torch.Tensor) -> torch.memory_format:
-    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    return torch.channels_last if channels_last else torch.contiguous_format
+    return _layout(padded[index, channel, rows, cols])

@@ -210,12 +210,14 @@ class Deployment:
             return (trainer.step(loss, [opt]),)
 
         epochs, most = cfg.guard_distill_epochs, cfg.guard_distill_shift
+
+        def moved_batches() -> Iterator[tuple[torch.Tensor, ...]]:
+            for x, y in trainer.epochs(d.x_train, d.y_train, optim.batch_size, epochs):
+                moved = shifted(x, most, trainer.generator)
+                yield moved, y, trainer.logits(teacher[1], moved)
+
         if most > 0 and d.x_train.dim() == 4:
-            batches: Iterator[tuple[torch.Tensor, ...]] = (
-                (moved, y, trainer.logits(teacher[1], moved))
-                for x, y in trainer.epochs(d.x_train, d.y_train, optim.batch_size, epochs)
-                for moved in [shifted(x, most, trainer.generator)]
-            )
+            batches = moved_batches()
         else:  # the teacher is fixed: its logits once
             z_teacher = trainer.logits(teacher[1], d.x_train)
             batches = trainer.epochs(d.x_train, d.y_train, optim.batch_size, epochs, z_teacher)
