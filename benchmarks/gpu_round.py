@@ -203,10 +203,16 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _mode(batched: bool) -> str:
+    """The `cohort` setting of a mode: batched stacks every group, however small (the default,
+    "auto", leaves small groups on the CPU one by one)."""
+    return "always" if batched else "never"
+
+
 def run_mode(overrides: dict[str, Any], cohort: bool, rounds: int, parallel: int) -> dict[str, Any]:
     """One federation, batched or client by client: round times, CPU seconds, accuracy."""
     cfg = load_config(
-        overrides=overrides | {"cohort": cohort, "rounds": rounds, "parallel": parallel},
+        overrides=overrides | {"cohort": _mode(cohort), "rounds": rounds, "parallel": parallel},
         environ=False,
     )
     fed = prepare_federation(cfg)
@@ -241,7 +247,8 @@ def run_mode(overrides: dict[str, Any], cohort: bool, rounds: int, parallel: int
 def count_ops(overrides: dict[str, Any], cohort: bool, rounds: int) -> int:
     """Operator calls of a run of `rounds` rounds (its finalize included), steps run eagerly."""
     cfg = load_config(
-        overrides=overrides | {"cohort": cohort, "rounds": rounds, "parallel": 1}, environ=False
+        overrides=overrides | {"cohort": _mode(cohort), "rounds": rounds, "parallel": 1},
+        environ=False,
     )
     fed = prepare_federation(cfg)
     with trainer_settings(graphs=False), OpCounter() as counter:

@@ -82,8 +82,8 @@ FMNIST = "/usr/share/datasets/fashion-mnist"
 
 # -- 1. PFML against the reference -------------------------------------------------------------
 FLEETS = {  # --fleets: the config of each way to run the clients
-    "local": {"fleet": "local", "cohort": True},
-    "local-one-by-one": {"fleet": "local", "cohort": False},
+    "local": {"fleet": "local", "cohort": "always"},
+    "local-one-by-one": {"fleet": "local", "cohort": "never"},
     "network": {"fleet": "network"},
 }
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from coordinator.config_sections import (
     ClientConfig,
@@ -113,11 +113,13 @@ class RunConfig(BaseModel):
         description="CPU threads to train with, shared by the simulated clients training at "
         "once; none: the cores this process may use",
     )
-    cohort: bool = Field(
-        True,
+    cohort: Literal["auto", "always", "never"] = Field(
+        "auto",
         description="in-process clients of one architecture train each phase together as one "
         "stacked model where their algorithm can (every built-in one but FedeRiCo; a plugin's "
-        "is checked once against one client alone); false: one by one",
+        "is checked once against one client alone). auto: where that pays (on a GPU, always; "
+        "on the CPU, by the group's architecture and size, as measured); always; never: one "
+        "by one. true means auto, false never",
     )
     idle_state: Literal["memory", "host", "disk"] = Field(
         "memory",
@@ -135,6 +137,14 @@ class RunConfig(BaseModel):
         "have",
     )
     run_id: str = Field("sim", description="the run's id (its topics are named after it)")
+
+    @field_validator("cohort", mode="before")
+    @classmethod
+    def _cohort_of_bool(cls, value: Any) -> Any:
+        # Before "auto", the setting was a switch: true stacked every group, false none.
+        if isinstance(value, bool):
+            return "auto" if value else "never"
+        return value
 
     @model_validator(mode="after")
     def _check_names(self) -> RunConfig:

@@ -38,6 +38,7 @@ from coordinator.fleet.base import (
     client_cost,
 )
 from coordinator.stacking import Stacking
+from coordinator.stacking.pays import CohortMode
 from coordinator.strategies import FitReply
 from edge_sdk.algorithms import FitResult, algorithm_class
 from edge_sdk.codec import WireModel, check_weights
@@ -57,7 +58,9 @@ class LocalFleet(Fleet):
     """`nodes` as the clients of a run. `threads`: the CPU threads this fleet trains with
     (default: those this process may use, `edge_sdk.device.cpu_threads`). `parallel`: how many
     groups train at once, each with an equal share of the threads (default: one per thread).
-    `stack`: compatible tasks run as one stacked model (False: one by one). `fp16_upload`:
+    `stack`: whether compatible tasks run as one stacked model: "auto" where that pays
+    (`coordinator.stacking.pays`), "always", "never" (one by one; True is "auto", False
+    "never"). `fp16_upload`:
     replies are rounded through fp16, as a client uploading in fp16 would send them.
 
     `idle`: where a client's state waits between its tasks. "memory": its live models, as a
@@ -73,7 +76,7 @@ class LocalFleet(Fleet):
         *,
         parallel: int | None = None,
         threads: int | None = None,
-        stack: bool = True,
+        stack: CohortMode | bool = "auto",
         fp16_upload: bool = False,
         idle: IdleState = "memory",
         idle_dir: str | Path | None = None,
@@ -85,8 +88,8 @@ class LocalFleet(Fleet):
             raise ValueError("two nodes share a client id")
         self.threads = max(1, threads or cpu_threads())
         self.parallel = max(1, parallel or self.threads)
-        self.stack = stack
-        self.stacking = Stacking()  # what its stacking learns, for this fleet alone
+        mode: CohortMode = ("auto" if stack else "never") if isinstance(stack, bool) else stack
+        self.stacking = Stacking(mode)  # what its stacking learns, for this fleet alone
         self.fp16_upload = fp16_upload
         self.board = PeerBoard()
         self.idle = idle
@@ -221,14 +224,16 @@ class LocalFleet(Fleet):
             groups.setdefault(key, []).append(cid)
         jobs: list[tuple[list[str], bool]] = []  # (clients, whether they may be dealt apart)
         for ids in groups.values():
-            first = self.nodes[ids[0]].algorithm
+            node = self.nodes[ids[0]]
+            first = node.algorithm
             if (
-                self.stack
-                and first is not None
+                first is not None
                 and len(ids) > 1
-                and self.stacking.stacks(type(first), len(ids))
+                and self.stacking.stacks(
+                    type(first), node.spec, node.device, len(ids), self.parallel
+                )
             ):
-                jobs.append((ids, self.nodes[ids[0]].device.type == "cpu"))
+                jobs.append((ids, node.device.type == "cpu"))
             else:
                 jobs.extend(([cid], False) for cid in ids)
         nodes = self.nodes

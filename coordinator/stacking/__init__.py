@@ -5,6 +5,7 @@ one task group run their algorithm's phase once, on models whose parameters carr
 client dimension. One job a file:
 - groups.py: `Stacking`, a fleet's: groups tasks, halves stacks that run out of memory,
   checks a plugin's stacked phases once against one client alone;
+- pays.py: whether a group's stack pays on its device (`cohort = "auto"`), as measured;
 - kept.py: the stacks a fleet keeps between rounds (CUDA graphs);
 - cohort.py: `run_stacked`, one phase of an algorithm run once for all members;
 - state.py: the members' state stacked and given back;

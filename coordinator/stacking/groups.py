@@ -24,11 +24,13 @@ import torch
 
 from coordinator.stacking.cohort import run_stacked
 from coordinator.stacking.kept import KeptStacks
+from coordinator.stacking.pays import CohortMode, unpaid
 from edge_sdk.algorithms import ClientAlgorithm, FitResult
 from edge_sdk.algorithms.members import CohortUnsupported
 from edge_sdk.codec import WireModel
 from edge_sdk.device import exclusive
 from edge_sdk.node import ClientNode, NodeTask
+from model_zoo import ArchSpec
 
 __all__ = ["Stacking", "disagreement"]
 
@@ -51,20 +53,40 @@ def _trusted(cls: type[ClientAlgorithm]) -> bool:
 class Stacking:
     """Executes begun tasks of one group (equal `NodeTask.group_key`) together, for one fleet."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: CohortMode = "auto") -> None:
+        self.mode = mode  # "auto": groups stack where it pays; "always"; "never"
         self.kept = KeptStacks()
         # The largest stack that fitted in memory, per (algorithm, architecture, device): a
         # stack that ran out of GPU memory is halved, and later rounds start from the half.
         self.limits: dict[tuple[str, str, str], int] = {}
         self._checked: set[tuple[type[ClientAlgorithm], str]] = set()  # (class, phase) agreed
         self._refused: dict[type[ClientAlgorithm], str] = {}  # class -> why it trains alone
-        self._told: set[type[ClientAlgorithm]] = set()
+        self._told: set[object] = set()  # classes, and (class, architecture) that do not pay
 
-    def stacks(self, cls: type[ClientAlgorithm], clients: int) -> bool:
-        """Whether a group of `clients` of `cls` is tried stacked; if not, said once, with why."""
+    def stacks(
+        self,
+        cls: type[ClientAlgorithm],
+        spec: ArchSpec,
+        device: torch.device,
+        clients: int,
+        parallel: int,
+    ) -> bool:
+        """Whether a group of `clients` of `cls` and architecture `spec` on `device` is tried
+        stacked (`parallel` jobs training at once); if not, said once, with why."""
+        if self.mode == "never":
+            return False
         why = self._why_alone(cls)
         if why is not None:
             self._tell(cls, f"{clients} clients of one architecture train one by one: {why}")
+            return False
+        why = None if self.mode == "always" else unpaid(spec, device, clients, parallel)
+        if why is not None:
+            key = (cls, spec.to_json())
+            if key not in self._told:
+                self._told.add(key)
+                log.info(
+                    "%s: %d clients of %s train one by one: %s", cls.name, clients, spec.family, why
+                )
         return why is None
 
     def _why_alone(self, cls: type[ClientAlgorithm]) -> str | None:

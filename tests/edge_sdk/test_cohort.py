@@ -1335,7 +1335,7 @@ def test_simulated_pfml_trains_stacked_with_the_results_of_one_client_at_a_time(
         global_model="mlr",
     )
     one_by_one_cfg = tiny_config(**flags, cohort=False)
-    stacked_cfg = tiny_config(**flags, cohort=True)
+    stacked_cfg = tiny_config(**flags, cohort="always")
 
     # Execute
     one_by_one = run_federation(one_by_one_cfg, prepare_federation(one_by_one_cfg), "pfml")
