@@ -224,14 +224,13 @@ class LocalFleet(Fleet):
             groups.setdefault(key, []).append(cid)
         jobs: list[tuple[list[str], bool]] = []  # (clients, whether they may be dealt apart)
         for ids in groups.values():
-            node = self.nodes[ids[0]]
+            node, task = self.nodes[ids[0]], begun[ids[0]]
             first = node.algorithm
+            specs = [node.spec, *(m.spec for m in task.models.values())]
             if (
                 first is not None
                 and len(ids) > 1
-                and self.stacking.stacks(
-                    type(first), node.spec, node.device, len(ids), self.parallel
-                )
+                and self.stacking.stacks(type(first), specs, node.device, len(ids), self.parallel)
             ):
                 jobs.append((ids, node.device.type == "cpu"))
             else:

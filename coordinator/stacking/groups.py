@@ -66,26 +66,31 @@ class Stacking:
     def stacks(
         self,
         cls: type[ClientAlgorithm],
-        spec: ArchSpec,
+        specs: Sequence[ArchSpec],
         device: torch.device,
         clients: int,
         parallel: int,
     ) -> bool:
-        """Whether a group of `clients` of `cls` and architecture `spec` on `device` is tried
-        stacked (`parallel` jobs training at once); if not, said once, with why."""
+        """Whether a group of `clients` of `cls` on `device` is tried stacked, whose models are
+        of architectures `specs` (their own first, then those their tasks bring), `parallel`
+        jobs training at once; if not, said once, with why."""
         if self.mode == "never":
             return False
         why = self._why_alone(cls)
         if why is not None:
             self._tell(cls, f"{clients} clients of one architecture train one by one: {why}")
             return False
-        why = None if self.mode == "always" else unpaid(spec, device, clients, parallel)
+        why = None if self.mode == "always" else unpaid(specs, device, clients, parallel)
         if why is not None:
-            key = (cls, spec.to_json())
+            key = (cls, *(spec.to_json() for spec in specs))
             if key not in self._told:
                 self._told.add(key)
                 log.info(
-                    "%s: %d clients of %s train one by one: %s", cls.name, clients, spec.family, why
+                    "%s: %d clients of %s train one by one: %s",
+                    cls.name,
+                    clients,
+                    specs[0].family,
+                    why,
                 )
         return why is None
 

@@ -20,13 +20,17 @@ beside two spinning processes (docs/benchmarks/stacking-contention.md):
   (0.27-0.93): the stack spreads its larger operations over all the threads, where one
   client's small ones do not. Smaller stacks were not measured there.
 
-Anything else (a recurrent model, a plugin's architecture) was not measured on the CPU and
-trains one by one there unless `cohort = "always"`.
+A model is of a kind by its layers, whatever its family: one whose layers with parameters are
+all nn.Linear is linear, one with nn.Conv2d besides is convolutional (cnn2 and a plugin's
+architecture of such layers follow lenet5's and cnn1's measurements). Anything else (an LSTM,
+any other layer) was not measured on the CPU and trains one by one there unless
+`cohort = "always"`.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -60,17 +64,23 @@ def _kind(spec_json: str) -> str | None:
     return None
 
 
-def unpaid(spec: ArchSpec, device: torch.device, clients: int, parallel: int) -> str | None:
-    """Why a stack of `clients` clients of architecture `spec` on `device`, with `parallel`
-    jobs training at once, would not pay (a sentence for the log); None where it pays."""
+def unpaid(
+    specs: Sequence[ArchSpec], device: torch.device, clients: int, parallel: int
+) -> str | None:
+    """Why a stack of `clients` clients on `device` training models of architectures `specs`
+    (their own, and those a round sends them: FML's meme, FedMe's exchanged models), with
+    `parallel` jobs training at once, would not pay (a sentence for the log); None where it
+    pays. A stack of several kinds is of the slowest to pay: convolutional over linear."""
     if device.type != "cpu":
         return None
-    kind = _kind(spec.to_json())
-    if kind is None:
+    kinds = {spec.family: _kind(spec.to_json()) for spec in specs}
+    unknown = [family for family, k in kinds.items() if k is None]
+    if unknown:
         return (
-            f"on the CPU, stacking {spec.family} was never measured to pay "
+            f"on the CPU, stacking {', '.join(unknown)} was never measured to pay "
             '(cohort = "always" stacks it)'
         )
+    kind = "convolutional" if "convolutional" in kinds.values() else "linear"
     workers = "workers" if parallel > 1 else "one worker"
     fewest = FEWEST_ON_CPU[kind][workers]
     if fewest is None:

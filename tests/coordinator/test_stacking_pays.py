@@ -93,31 +93,56 @@ def test_auto_stacks_a_group_of_linear_models_as_large_as_measured_to_pay_and_ne
     assert sizes == []
 
 
+def test_fml_clients_whose_meme_is_convolutional_train_one_by_one_however_many(caplog, monkeypatch):
+    # Prepare: as many mlr clients as stack when alone, but each also trains a cnn1 meme
+    fewest = FEWEST_ON_CPU["linear"]["workers"]
+    assert fewest is not None
+    flags = dict(clients=fewest, rounds=1, local_epochs=1, threads=2, parallel=2)
+    sizes = _stacked_calls(monkeypatch)
+
+    # Execute
+    with caplog.at_level(logging.INFO, logger="coordinator.stacking"):
+        simulate(
+            tiny_config(**flags, algorithm="fml", global_model="cnn1", cohort="auto"),
+            progress=False,
+        )
+
+    # Assert: the convolutional rule, said for the mlr clients
+    told = [r.getMessage() for r in caplog.records if r.name.startswith("coordinator.stacking")]
+    assert sizes == []
+    assert told[0].startswith(
+        f"fml: {fewest} clients of mlr train one by one: on the CPU with 2 workers"
+    )
+
+
 def test_the_rule_by_device_kind_of_model_size_and_workers():
     linear, conv = FEWEST_ON_CPU["linear"], FEWEST_ON_CPU["convolutional"]
     # A GPU: every group, however small
-    assert unpaid(MLR, CUDA, 2, 2) is None and unpaid(LENET5, CUDA, 2, 1) is None
+    assert unpaid([MLR], CUDA, 2, 2) is None and unpaid([LENET5], CUDA, 2, 1) is None
     # The CPU, linear layers alone: from the measured size on, with one worker or several
     for workers, key in ((2, "workers"), (1, "one worker")):
         fewest = linear[key]
         assert fewest is not None
-        assert unpaid(MLR, CPU, fewest, workers) is None
-        assert unpaid(MLR, CPU, fewest - 1, workers) == (
+        assert unpaid([MLR], CPU, fewest, workers) is None
+        assert unpaid([MLR], CPU, fewest - 1, workers) == (
             f"on the CPU, a stack of linear models pays from {fewest} clients on "
             '(cohort = "always" stacks it)'
         )
     # convolutional: never with several workers; with one, from the measured size on
     assert conv["workers"] is None
-    assert unpaid(LENET5, CPU, 1000, 2) == (
+    assert unpaid([LENET5], CPU, 1000, 2) == (
         "on the CPU with 2 workers, a stack of convolutional models trains no faster than its "
         'clients one by one (cohort = "always" stacks it)'
     )
     fewest = conv["one worker"]
     assert fewest is not None
-    assert unpaid(LENET5, CPU, fewest, 1) is None
-    assert unpaid(LENET5, CPU, fewest - 1, 1) is not None
+    assert unpaid([LENET5], CPU, fewest, 1) is None
+    assert unpaid([LENET5], CPU, fewest - 1, 1) is not None
+    # a stack of mlr clients that also train a lenet5 (FML's meme) is convolutional
+    assert unpaid([MLR, LENET5], CPU, 1000, 2) == unpaid([LENET5], CPU, 1000, 2)
+    assert unpaid([MLR, MLR], CPU, 1000, 2) is None
     # anything never measured on the CPU (a recurrent model) trains one by one there
-    assert unpaid(LSTM, CPU, 1000, 1) == (
+    assert unpaid([MLR, LSTM], CPU, 1000, 1) == (
         'on the CPU, stacking lstm was never measured to pay (cohort = "always" stacks it)'
     )
 
