@@ -62,6 +62,7 @@ class Stacking:
         self._checked: set[tuple[type[ClientAlgorithm], str]] = set()  # (class, phase) agreed
         self._refused: dict[type[ClientAlgorithm], str] = {}  # class -> why it trains alone
         self._told: set[object] = set()  # classes, and (class, architecture) that do not pay
+        self._kinds: dict[str, str | None] = {}  # architecture (JSON) -> pays.kind
 
     def stacks(
         self,
@@ -80,7 +81,9 @@ class Stacking:
         if why is not None:
             self._tell(cls, f"{clients} clients of one architecture train one by one: {why}")
             return False
-        why = None if self.mode == "always" else unpaid(specs, device, clients, parallel)
+        why = (
+            None if self.mode == "always" else unpaid(specs, device, clients, parallel, self._kinds)
+        )
         if why is not None:
             key = (cls, *(spec.to_json() for spec in specs))
             if key not in self._told:

@@ -29,7 +29,6 @@ any other layer) was not measured on the CPU and trains one by one there unless
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Literal
 
@@ -38,7 +37,7 @@ from torch import nn
 
 from model_zoo import ArchSpec, build
 
-__all__ = ["CohortMode", "unpaid"]
+__all__ = ["CohortMode", "kind", "unpaid"]
 
 CohortMode = Literal["auto", "always", "never"]
 
@@ -50,12 +49,11 @@ FEWEST_ON_CPU: dict[str, dict[str, int | None]] = {
 }
 
 
-@functools.lru_cache(maxsize=64)
-def _kind(spec_json: str) -> str | None:
+def kind(spec: ArchSpec) -> str | None:
     """ "linear" (every layer with parameters is nn.Linear), "convolutional" (nn.Conv2d and
     nn.Linear alone), or None for anything else (measured neither way)."""
     with torch.device("meta"):  # its layers alone, no memory for its weights
-        model = build(ArchSpec.model_validate_json(spec_json), seed=0)
+        model = build(spec, seed=0)
     layers = {type(m) for m in model.modules() if any(True for _ in m.parameters(recurse=False))}
     if layers <= {nn.Linear}:
         return "linear"
@@ -65,32 +63,41 @@ def _kind(spec_json: str) -> str | None:
 
 
 def unpaid(
-    specs: Sequence[ArchSpec], device: torch.device, clients: int, parallel: int
+    specs: Sequence[ArchSpec],
+    device: torch.device,
+    clients: int,
+    parallel: int,
+    known: dict[str, str | None] | None = None,
 ) -> str | None:
     """Why a stack of `clients` clients on `device` training models of architectures `specs`
     (their own, and those a round sends them: FML's meme, FedMe's exchanged models), with
     `parallel` jobs training at once, would not pay (a sentence for the log); None where it
-    pays. A stack of several kinds is of the slowest to pay: convolutional over linear."""
+    pays. A stack of several kinds is of the slowest to pay: convolutional over linear.
+    `known`: each architecture's `kind` by its JSON, as the caller keeps them (filled here)."""
     if device.type != "cpu":
         return None
-    kinds = {spec.family: _kind(spec.to_json()) for spec in specs}
+    known = {} if known is None else known
+    for spec in specs:
+        if spec.to_json() not in known:
+            known[spec.to_json()] = kind(spec)
+    kinds = {spec.family: known[spec.to_json()] for spec in specs}
     unknown = [family for family, k in kinds.items() if k is None]
     if unknown:
         return (
             f"on the CPU, stacking {', '.join(unknown)} was never measured to pay "
             '(cohort = "always" stacks it)'
         )
-    kind = "convolutional" if "convolutional" in kinds.values() else "linear"
+    slowest = "convolutional" if "convolutional" in kinds.values() else "linear"
     workers = "workers" if parallel > 1 else "one worker"
-    fewest = FEWEST_ON_CPU[kind][workers]
+    fewest = FEWEST_ON_CPU[slowest][workers]
     if fewest is None:
         return (
-            f"on the CPU with {parallel} workers, a stack of {kind} models trains no faster "
+            f"on the CPU with {parallel} workers, a stack of {slowest} models trains no faster "
             'than its clients one by one (cohort = "always" stacks it)'
         )
     if clients < fewest:
         return (
-            f"on the CPU, a stack of {kind} models pays from {fewest} clients on "
+            f"on the CPU, a stack of {slowest} models pays from {fewest} clients on "
             '(cohort = "always" stacks it)'
         )
     return None
