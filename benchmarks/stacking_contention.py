@@ -13,7 +13,7 @@ A try's time is its rounds after the first (results.json's per-round `seconds`: 
 one-off costs). Each configuration runs `--repeat` times, interleaved; the median is reported,
 with the spread. The machine's load before and after is in the JSON.
 
-    python benchmarks/stacking_contention.py                          # ~6 min on 2 cores
+    python benchmarks/stacking_contention.py                          # ~10 min on 2 cores
     python benchmarks/stacking_contention.py --baseline /tmp/old --repeat 3 \
         --json-out benchmarks/results/stacking_contention.json
 """
@@ -52,7 +52,7 @@ GRID = {
     f"fml-{family}-{n}": f"--algorithm fml --models {family} --global-model {family} "
     f"--clients {n} --partition iid --max-samples {150 * n} --local-epochs 1"
     for family in ("mlr", "mlp", "lenet5", "cnn1")
-    for n in (4, 8, 16, 32)
+    for n in (4, 8, 16, 20, 24, 32)
 }
 # mode: its `cohort` value here, and in a checkout from before "auto" (a switch then; None:
 # the mode did not exist)
