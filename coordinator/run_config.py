@@ -21,7 +21,18 @@ from edge_sdk.transport.settings import BrokerSettings
 if TYPE_CHECKING:
     from edge_sdk.algorithms import BaseAlgorithmConfig
 
-__all__ = ["RunConfig", "run_config_model"]
+__all__ = ["CohortMode", "RunConfig", "cohort_mode", "run_config_model"]
+
+
+CohortMode = Literal["auto", "always", "never"]
+
+
+def cohort_mode(value: CohortMode | bool) -> CohortMode:
+    """The mode a `cohort` setting names. Before "auto", the setting was a switch: true stacked
+    every group (now "auto", stacking where it pays), false none ("never")."""
+    if isinstance(value, bool):
+        return "auto" if value else "never"
+    return value
 
 
 class RunConfig(BaseModel):
@@ -113,7 +124,7 @@ class RunConfig(BaseModel):
         description="CPU threads to train with, shared by the simulated clients training at "
         "once; none: the cores this process may use",
     )
-    cohort: Literal["auto", "always", "never"] = Field(
+    cohort: CohortMode = Field(
         "auto",
         description="in-process clients of one architecture train each phase together as one "
         "stacked model where their algorithm can (every built-in one but FedeRiCo; a plugin's "
@@ -141,10 +152,7 @@ class RunConfig(BaseModel):
     @field_validator("cohort", mode="before")
     @classmethod
     def _cohort_of_bool(cls, value: Any) -> Any:
-        # Before "auto", the setting was a switch: true stacked every group, false none.
-        if isinstance(value, bool):
-            return "auto" if value else "never"
-        return value
+        return cohort_mode(value)  # (anything else: checked as the Literal)
 
     @model_validator(mode="after")
     def _check_names(self) -> RunConfig:

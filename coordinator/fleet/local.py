@@ -37,8 +37,8 @@ from coordinator.fleet.base import (
     admit,
     client_cost,
 )
+from coordinator.run_config import CohortMode, cohort_mode
 from coordinator.stacking import Stacking
-from coordinator.stacking.pays import CohortMode
 from coordinator.strategies import FitReply
 from edge_sdk.algorithms import FitResult, algorithm_class
 from edge_sdk.codec import WireModel, check_weights
@@ -88,8 +88,7 @@ class LocalFleet(Fleet):
             raise ValueError("two nodes share a client id")
         self.threads = max(1, threads or cpu_threads())
         self.parallel = max(1, parallel or self.threads)
-        mode: CohortMode = ("auto" if stack else "never") if isinstance(stack, bool) else stack
-        self.stacking = Stacking(mode)  # what its stacking learns, for this fleet alone
+        self.stacking = Stacking(cohort_mode(stack))  # what it learns, for this fleet alone
         self.fp16_upload = fp16_upload
         self.board = PeerBoard()
         self.idle = idle

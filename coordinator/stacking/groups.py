@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
+from coordinator.run_config import CohortMode
 from coordinator.stacking.cohort import run_stacked
 from coordinator.stacking.kept import KeptStacks
-from coordinator.stacking.pays import CohortMode, unpaid
+from coordinator.stacking.pays import unpaid
 from edge_sdk.algorithms import ClientAlgorithm, FitResult
 from edge_sdk.algorithms.members import CohortUnsupported
 from edge_sdk.codec import WireModel

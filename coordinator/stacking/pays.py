@@ -30,16 +30,14 @@ any other layer) was not measured on the CPU and trains one by one there unless
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 from torch import nn
 
 from model_zoo import ArchSpec, build
 
-__all__ = ["CohortMode", "kind", "unpaid"]
+__all__ = ["kind", "unpaid"]
 
-CohortMode = Literal["auto", "always", "never"]
 
 # On the CPU: the fewest clients of a kind whose stack trained faster than they did one by one,
 # with several workers and with one (None: not at any size measured, up to 32).
