@@ -75,10 +75,12 @@ def unpaid(
     if device.type != "cpu":
         return None
     known = {} if known is None else known
+    kinds: dict[str, str | None] = {}
     for spec in specs:
-        if spec.to_json() not in known:
-            known[spec.to_json()] = kind(spec)
-    kinds = {spec.family: known[spec.to_json()] for spec in specs}
+        key = spec.to_json()
+        if key not in known:
+            known[key] = kind(spec)
+        kinds[spec.family] = known[key]
     unknown = [family for family, k in kinds.items() if k is None]
     if unknown:
         return (
