@@ -190,8 +190,8 @@ class Deployment:
 
         With `guard_distill_shift` > 0, images (inputs of shape (n, c, h, w)) are shifted by up
         to that many pixels each way, afresh every batch, and the teacher labels each shifted
-        batch (a few dozen images alone show the student too little of what the teacher knows;
-        off by default, see GuardConfig)."""
+        batch: a few dozen images alone show the student too little of what the teacher knows.
+        Each epoch then shows `guard_distill_views` such views of every image, a pass each."""
         algo = self.algorithm
         cfg, optim = algo.config, algo.finetune_optim()
         assert isinstance(cfg, GuardConfig) and optim is not None
@@ -212,7 +212,8 @@ class Deployment:
         epochs, most = cfg.guard_distill_epochs, cfg.guard_distill_shift
 
         def moved_batches() -> Iterator[tuple[torch.Tensor, ...]]:
-            for x, y in trainer.epochs(d.x_train, d.y_train, optim.batch_size, epochs):
+            passes = epochs * cfg.guard_distill_views
+            for x, y in trainer.epochs(d.x_train, d.y_train, optim.batch_size, passes):
                 moved = shifted(x, most, trainer.generator)
                 yield moved, y, trainer.logits(teacher[1], moved)
 

@@ -42,7 +42,7 @@ from edge_sdk.algorithms.base import (
     register_algorithm,
 )
 from edge_sdk.algorithms.candidates import Candidate
-from edge_sdk.algorithms.guard_config import GuardConfig
+from edge_sdk.algorithms.guard_config import PatientGuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import cross_entropy, kl_distill, weighted
 from model_zoo import ArchSpec
@@ -50,7 +50,7 @@ from model_zoo import ArchSpec
 __all__ = ["FedMe", "FedMeConfig"]
 
 
-class FedMeConfig(AlgorithmConfig, GuardConfig):
+class FedMeConfig(AlgorithmConfig, PatientGuardConfig):
     # preset = "paper": CE + KL at 1:1 every round, no gate.
     paper: ClassVar[dict[str, Any]] = {"kl_gate": "off"}
 

@@ -51,7 +51,7 @@ from edge_sdk.algorithms.base import (
 )
 from edge_sdk.algorithms.candidates import PERSONAL, Candidate
 from edge_sdk.algorithms.fedavg import FedAvgConfig
-from edge_sdk.algorithms.guard_config import GuardConfig
+from edge_sdk.algorithms.guard_config import PatientGuardConfig
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.losses import distillation_loss
 from model_zoo import ArchSpec
@@ -86,7 +86,7 @@ def archive_round(name: str) -> int | None:
     return int(tail)
 
 
-class PersFLConfig(FedAvgConfig, GuardConfig):
+class PersFLConfig(FedAvgConfig, PatientGuardConfig):
     distill_loss: Literal["kl", "gd"] = "kl"  # "gd": PersFL-GD (soft cross-entropy) [paper]
     # [ours] λ/T grids (the paper's chosen values range over λ 0–0.75, T 1–25): 5 students, each
     # trained on the local budget (distill_epochs). λ = 0 is the undistilled student. The grid

@@ -66,7 +66,8 @@ def test_fml_adds_the_guards_fine_tuning_epochs_by_default():
 
 def test_the_guards_students_of_a_default_outside_the_budget_are_counted():
     # By default: the weighed default outside the MLP device's budget is distilled into two
-    # students of 40 epochs (one from the personalized model, one afresh)
+    # students of 40 epochs (one from the personalized model, one afresh); features, so one view
+    # of each sample an epoch
     client = _client("fml", MLP, students=True, **EPOCHS_CFG)
     assert client.config.guard_distill_epochs == 40
     assert _run(client, _glob()) == (ROUNDS * EPOCHS + FT + 2 * 40) * N

@@ -143,6 +143,7 @@ def _client(budget, kind=_Stuck, data=None, **cfg):
         "alpha_gate": "off",
         "alpha": 1.0,  # the personalized model learns from the labels alone
         "guard_ft_epochs": 4,
+        "guard_distill_views": 1,  # GuardConfig's, enough for these tiny students
     }
     return kind(ctx, FMLConfig(**(base | cfg)))
 
@@ -691,13 +692,13 @@ def _image_client(**cfg):
     data = ClientData(*(t for pair in zip(images, labels, strict=True) for t in pair), CLASSES)
     cpu = torch.device("cpu")
     ctx = ClientContext("c0", IMAGE, data, cpu, 0, Trainer(cpu, seed=0), budget=OWN)
-    return FML(ctx, FMLConfig(batch_size=8, guard_distill_epochs=3, **cfg))
+    return FML(ctx, FMLConfig(**({"batch_size": 8, "guard_distill_epochs": 3} | cfg)))
 
 
 def test_a_student_of_images_learns_from_the_teachers_labels_of_shifted_copies():
     # Prepare: a client of 24 training images, shifts of up to 2 pixels, its teacher recording
     # what it labels
-    client = _image_client(guard_distill_shift=2)
+    client = _image_client(guard_distill_shift=2, guard_distill_views=1)
     teacher = _Seen(36)
 
     # Execute
@@ -719,9 +720,9 @@ def test_a_student_of_images_learns_from_the_teachers_labels_of_shifted_copies()
 
 @pytest.mark.parametrize("images", [True, False])
 def test_without_a_shift_or_images_the_teacher_labels_the_training_split_once(images):
-    # Prepare: images without a shift (the default); features (12) with one
+    # Prepare: images without a shift (PFML's and FedeRiCo's default); features (12) with one
     if images:
-        client, teacher = _image_client(), _Seen(36)
+        client, teacher = _image_client(guard_distill_shift=0), _Seen(36)
     else:
         client = _client(OWN, guard_distill_epochs=3, guard_distill_shift=2)
         teacher = _Seen(FEATURES)
@@ -732,3 +733,31 @@ def test_without_a_shift_or_images_the_teacher_labels_the_training_split_once(im
     # Assert: once, the training split as it is
     x_train = client.ctx.data.x_train
     assert len(teacher.seen) == 1 and torch.equal(teacher.seen[0], x_train)
+
+
+@pytest.mark.parametrize("views", [1, 3])
+def test_each_epoch_of_a_student_of_images_shows_it_its_views_of_every_image(views):
+    # Prepare: 24 training images in batches of 8, 2 epochs, shifts of a pixel
+    client = _image_client(guard_distill_epochs=2, guard_distill_shift=1, guard_distill_views=views)
+    teacher, before = _Seen(36), client.ctx.trainer.samples
+
+    # Execute
+    client.deployment.distil(2, (MLR, teacher), None)
+
+    # Assert: the teacher labelled 3 batches a pass, a pass per view of each epoch, and each
+    # pass counts as processed
+    assert len(teacher.seen) == 3 * 2 * views
+    assert client.ctx.trainer.samples - before == 24 * 2 * views
+
+
+def test_a_student_of_features_trains_its_epochs_alone_whatever_the_views():
+    # Prepare: features (12), 3 epochs, four views asked for
+    client = _client(OWN, guard_distill_epochs=3, guard_distill_shift=1, guard_distill_views=4)
+    teacher, before = _Seen(FEATURES), client.ctx.trainer.samples
+
+    # Execute
+    client.deployment.distil(2, (MLR, teacher), None)
+
+    # Assert: labelled once, and 3 passes over the training split processed
+    assert len(teacher.seen) == 1
+    assert client.ctx.trainer.samples - before == 3 * len(client.ctx.data.x_train)
