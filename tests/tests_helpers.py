@@ -67,12 +67,6 @@ def tiny_config(**flags: Any) -> Any:
     fields = algorithm_class(base["algorithm"]).config_cls.model_fields
     if "local_epochs" not in fields or (base["algorithm"] == "pfml" and not epochs_given):
         del training["local_epochs"]  # pfml counts its own iterations unless given epochs
-    algorithm = base["algorithm"]
-    if "guard_distill_views" in fields and algorithm not in base:
-        # The guard's students see one view of each image an epoch, not FML's, PersFL's and
-        # FedMe's four (made for a few dozen images), unless a test says otherwise: a few
-        # hundred tiny images need no more, and the suite stays fast.
-        overrides = {f"{algorithm}.guard_distill_views": 1, **overrides}
     return load_config(None, base, overrides, training=training)
 
 
