@@ -86,16 +86,8 @@ class Stacking:
             None if self.mode == "always" else unpaid(specs, device, clients, parallel, self._kinds)
         )
         if why is not None:
-            key = (cls, *(spec.to_json() for spec in specs))
-            if key not in self._told:
-                self._told.add(key)
-                log.info(
-                    "%s: %d clients of %s train one by one: %s",
-                    cls.name,
-                    clients,
-                    specs[0].family,
-                    why,
-                )
+            what = f"{clients} clients of {specs[0].family} train one by one: {why}"
+            self._tell(cls, what, key=(cls, *(spec.to_json() for spec in specs)))
         return why is None
 
     def _why_alone(self, cls: type[ClientAlgorithm]) -> str | None:
@@ -242,11 +234,15 @@ class Stacking:
         self._told.discard(cls)
         self._tell(cls, f"its clients train one by one for the rest of the run: {why}", True)
 
-    def _tell(self, cls: type[ClientAlgorithm], what: str, warn: bool = False) -> None:
-        """Once per algorithm class (once more when it is refused): whether it stacks."""
-        if cls in self._told:
+    def _tell(
+        self, cls: type[ClientAlgorithm], what: str, warn: bool = False, key: object = None
+    ) -> None:
+        """Once per algorithm class (once more when it is refused), or per `key` where given
+        (a class and the architectures that do not pay): whether it stacks."""
+        key = cls if key is None else key
+        if key in self._told:
             return
-        self._told.add(cls)
+        self._told.add(key)
         log.log(logging.WARNING if warn else logging.INFO, "%s: %s", cls.name, what)
 
 
