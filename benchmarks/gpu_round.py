@@ -25,19 +25,18 @@ Parts (`--parts`):
   them: milliseconds per step of a round after the first, captured in a CUDA graph (kept from
   round to round) and eager (on CUDA); what one more step costs, and what a round costs besides.
 
-Each federation runs twice in this process, side by side: **batched** (the default: clients of
-one architecture as one stacked program, `cohort = true`) and **client by client**
-(`cohort = false`), with `--parallel` groups at once (default 1: one stream of work). Round
-times are wall seconds (median of rounds 2.., the first includes building and capturing);
-`cpu_s` the process's CPU seconds a round. Separate runs per mode count the **torch operator
-calls** of a round (a TorchDispatchMode over every aten call, the coordinator's included): the
-calls between the ends of a two-round run's two rounds, i.e. a round before the last (training,
-evaluation, the guard, aggregation; the finalize after the last round left out), with steps run
-eagerly so that the count does not depend on the device (a CUDA graph replays its kernels
-without calling operators; only a stacked convolution's input, made channels-last on the CPU,
-takes a call more there), next to its floor: the ratio of the longest client's local steps to
-all clients' (`ops_floor`), below which no stacking can go.
-Accuracies are the final mean
+Each federation runs twice in this process, side by side: **batched** (clients of one
+architecture as one stacked program, every group however small, `cohort = "always"`) and
+**client by client** (`cohort = "never"`), with `--parallel` groups at once (default 1: one
+stream of work). Round times are wall seconds (median of rounds 2.., the first includes building
+and capturing); `cpu_s` the process's CPU seconds a round. Separate runs per mode count the
+**torch operator calls** of a round (a TorchDispatchMode over every aten call, the coordinator's
+included): the calls between the ends of a two-round run's two rounds, i.e. a round before the
+last (training, evaluation, the guard, aggregation; the finalize after the last round left out),
+with steps run eagerly so that the count does not depend on the device (a CUDA graph replays its
+kernels without calling operators; only a stacked convolution's input, made channels-last on the
+CPU, takes a call more there), next to its floor: the ratio of the longest client's local steps
+to all clients' (`ops_floor`), below which no stacking can go. Accuracies are the final mean
 personalized accuracies: batched and client by client should agree.
 
     python benchmarks/gpu_round.py --device cuda                 # on a GPU machine
