@@ -20,17 +20,22 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests_helpers import exit_codes, key_flags, simulated_fml_accuracies
+from tests_helpers import (
+    ARCHS,
+    ONE_VIEW,
+    SETS,
+    TRAIN,
+    exit_codes,
+    key_flags,
+    simulated_fml_accuracies,
+)
 
 from edge_sdk import topics
 from edge_sdk.protocol import Reply, Shutdown, Task, decode, encode
 from edge_sdk.transport.mqtt import MqttTransport
 
 ROUNDS = 6
-ARCHS = ["mlr", "mlp", "cnn1"]
 DATA = ["--dataset", "digits", "--max-samples", "800", "--partition", "iid"]
-SETS = ["--set", 'data.options={"size": 8}', "--set", "device=cpu"]
-TRAIN = ["--local-epochs", "2", "--batch-size", "32", "--lr", "0.1"]
 # A process that imports the CLI, waits for its trigger file, then runs it: it joins at once
 # when triggered instead of spending tens of seconds importing torch first.
 LATER = (
@@ -137,7 +142,7 @@ def test_a_hostile_open_broker_changes_nothing_in_the_run(mosquitto, tmp_path):
         "coordinator",
         [*edgefl, "coordinator", *common, "--algorithm", "fml", "--clients", "3", "-v"],
         ["--rounds", str(ROUNDS), "--global-model", "mlr", "--out", str(out)],
-        ["--metrics-port", "0", *TRAIN, *SETS, *keys["coordinator"]],  # any free port
+        ["--metrics-port", "0", *TRAIN, *ONE_VIEW, *SETS, *keys["coordinator"]],  # any free port
     )
     for i, arch in enumerate(ARCHS):
         me = ["--id", f"c{i}", "--model", arch, "--index", str(i), "--seed", "0"]

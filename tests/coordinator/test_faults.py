@@ -5,23 +5,24 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from tests_helpers import key_flags, simulated_fml_accuracies
+from tests_helpers import (
+    ARCHS,
+    DATA,
+    EDGEFL,
+    ONE_VIEW,
+    SETS,
+    TRAIN,
+    key_flags,
+    simulated_fml_accuracies,
+)
 
 from coordinator.broker import MosquittoBroker
 from edge_sdk import topics
 from edge_sdk.state import load_state
 from edge_sdk.transport.mqtt import MqttTransport
-
-EDGEFL = str(Path(sys.executable).parent / "edgefl")
-ARCHS = ["mlr", "mlp", "cnn1"]
-DATA = ["--dataset", "digits", "--max-samples", "800", "--partition", "iid", "--clients", "3"]
-SETS = ["--set", 'data.options={"size": 8}', "--set", "device=cpu"]
-TRAIN = ["--local-epochs", "2", "--batch-size", "32", "--lr", "0.1"]
 
 
 class Fleet:
@@ -38,7 +39,7 @@ class Fleet:
 
     def _command(self, name):
         if name == "coordinator":
-            run = ["--algorithm", "fml", "--clients", "3", "--rounds", str(self.rounds)]
+            run = ["--algorithm", "fml", "--clients", "3", "--rounds", str(self.rounds), *ONE_VIEW]
             extra = [x for s in self.round_sets for x in ("--set", s)]
             out = ["--out", str(self.out), "--global-model", "mlr"]
             keys = self.keys["coordinator"]

@@ -14,14 +14,22 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import trustme
-from tests_helpers import exit_codes, simulated_fml_accuracies
+from tests_helpers import (
+    ARCHS,
+    DATA,
+    EDGEFL,
+    ONE_VIEW,
+    SETS,
+    TRAIN,
+    exit_codes,
+    simulated_fml_accuracies,
+)
 
 from coordinator.acl import BROKER_USER
 from coordinator.broker import free_port, mosquitto_path
@@ -29,12 +37,7 @@ from edge_sdk import topics
 from edge_sdk.transport.base import ConnectError
 from edge_sdk.transport.mqtt import BrokerSettings, MqttTransport
 
-EDGEFL = str(Path(sys.executable).parent / "edgefl")
-ARCHS = ["mlr", "mlp", "cnn1"]
 ROUNDS = 3
-DATA = ["--dataset", "digits", "--max-samples", "800", "--partition", "iid", "--clients", "3"]
-SETS = ["--set", 'data.options={"size": 8}', "--set", "device=cpu"]
-TRAIN = ["--local-epochs", "2", "--batch-size", "32", "--lr", "0.1"]
 
 pytestmark = pytest.mark.skipif(
     mosquitto_path() is None or os.geteuid() != 0,
@@ -132,7 +135,7 @@ def test_the_readme_secure_setup_runs_as_printed_and_no_credential_takes_a_sessi
             "coordinator",
             [EDGEFL, "coordinator", "--broker", f"mqtts://coordinator@{url}", *run, "-v"],
             ["--algorithm", "fml", "--clients", "3", "--rounds", str(ROUNDS)],
-            ["--global-model", "mlr", "--out", str(etc / "out"), *TRAIN, *SETS],
+            ["--global-model", "mlr", "--out", str(etc / "out"), *TRAIN, *ONE_VIEW, *SETS],
         )
         for i, arch in enumerate(ARCHS):
             me = ["--id", f"c{i}", "--model", arch, "--index", str(i), "--seed", "0", "-v"]
