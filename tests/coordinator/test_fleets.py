@@ -34,6 +34,10 @@ SETTINGS = {
         "persfl.distill_epochs": 1,
         "persfl.distill_lambdas": [0.0, 0.5],
         "persfl.distill_temperatures": [2.0],
+        # PersFL's default, not tiny_config's one view: with one, client 1's student ends two
+        # validation samples apart, stacked or one by one (its teacher differs by float
+        # rounding); with four, it has learnt what it can and the two agree.
+        "persfl.guard_distill_views": 4,
     },
     "fedme": {"fedme.unlabeled_size": 60},
     "federico": {"federico.neighbours": 2, "federico.lr": 0.05},
