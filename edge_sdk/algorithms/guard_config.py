@@ -44,7 +44,7 @@ class GuardConfig(BaseModel):
     # [ours] The weights w of the personalized model tried for the "mixture" default,
     # w·personal + (1 − w)·finetuned; each client keeps the one with the lowest validation
     # loss (the first of equal ones). 1: the personalized model alone, 0: the fine-tuned one,
-    # [0.5]: the equal mixture of earlier versions.
+    # [0.5]: the equal mixture of earlier versions, FedMe's default (FedMeConfig).
     guard_mix_weights: list[float] = Field(
         default_factory=lambda: [1.0, 0.75, 0.5, 0.25, 0.0], min_length=1
     )

@@ -30,6 +30,10 @@ def test_every_algorithm_has_a_section_with_the_documented_defaults():
     assert cfg.fedme.guard_ft_epochs == 20
     assert cfg.fml.guard_ft_epochs == cfg.pfml.guard_ft_epochs == 5
     assert cfg.persfl.guard_ft_epochs == cfg.federico.guard_ft_epochs == 5
+    # ours, measured: FedMe's guard mixes its two models equally; the others weigh them per client
+    assert cfg.fedme.guard_mix_weights == [0.5]
+    for weighed in (cfg.fml, cfg.persfl, cfg.pfml, cfg.federico):
+        assert weighed.guard_mix_weights == [1, 0.75, 0.5, 0.25, 0]
 
 
 def test_precedence_defaults_toml_flags_overrides(tmp_path):
