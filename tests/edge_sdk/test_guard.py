@@ -6,6 +6,7 @@ is the point, and checks the guard's choice against scores computed here from th
 
 import gc
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -865,3 +866,23 @@ def test_an_algorithm_let_go_is_freed_at_once_with_its_deployment():
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_a_kept_pick_saved_and_loaded_is_the_same_pick_and_an_older_state_reads_its_defaults():
+    # Prepare: a distilled student the guard kept, with its size and its teacher
+    torch.manual_seed(0)
+    model = WireModel.of(MLR, build(MLR))
+    hits = torch.tensor([True, False, True])
+    pick = Pick("distilled", 3, True, hits, 0.25, model=model, params=650, teacher="finetuned")
+
+    # Execute: through a state file's dict, and a state written before `params` and `teacher`
+    loaded = Pick.from_state(pick.to_state())
+    older = {k: v for k, v in pick.to_state().items() if k not in ("params", "teacher")}
+    old = Pick.from_state(older)
+
+    # Assert: every field comes back; the older state reads 0 parameters and no teacher
+    assert (loaded.name, loaded.round, loaded.final, loaded.loss) == ("distilled", 3, True, 0.25)
+    assert torch.equal(loaded.hits, hits) and loaded.correct == 2 and loaded.model is model
+    assert (loaded.params, loaded.teacher) == (650, "finetuned")
+    assert (old.params, old.teacher) == (0, None)
+    assert Pick.from_state(replace(pick, teacher=None).to_state()).teacher is None
