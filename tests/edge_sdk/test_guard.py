@@ -876,8 +876,9 @@ def test_a_kept_pick_saved_and_loaded_is_the_same_pick_and_an_older_state_reads_
     pick = Pick("distilled", 3, True, hits, 0.25, model=model, params=650, teacher="finetuned")
 
     # Execute: through a state file's dict, and a state written before `params` and `teacher`
-    loaded = Pick.from_state(pick.to_state())
-    older = {k: v for k, v in pick.to_state().items() if k not in ("params", "teacher")}
+    state = pick.to_state()
+    loaded = Pick.from_state(state)
+    older = {k: v for k, v in state.items() if k not in ("params", "teacher")}
     old = Pick.from_state(older)
 
     # Assert: every field comes back; the older state reads 0 parameters and no teacher
