@@ -56,13 +56,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -441,28 +442,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_parts(a: argparse.Namespace, device: str, out: dict[str, Any]) -> None:
-    if "fml" in a.parts:
-        out["fml"] = compare(fml_overrides(device), a)
-    if "pfml" in a.parts:
-        out["pfml"] = compare(pfml_overrides(device), a)
-    if "fml100" in a.parts:
-        out["fml100"] = {f: compare(fml100_overrides(device, f), a) for f in a.families}
-    if "fml20" in a.parts:
-        out["fml20"] = {f: compare(fml100_overrides(device, f, 20), a) for f in a.families}
-    if "fedme100" in a.parts:
-        # The coordinator's KMeans loads scikit-learn on its first clustering (1.4 s here):
-        # once a process, so before either mode's rounds rather than inside the first's.
-        import sklearn.cluster  # noqa: F401
+    def families(**kw: Any) -> dict[str, Any]:
+        return {f: compare(fml100_overrides(device, f, **kw), a) for f in a.families}
 
-        out["fedme100"] = {
-            f: compare(fml100_overrides(device, f, algorithm="fedme"), a) for f in a.families
-        }
-    if "persfl100" in a.parts:
-        out["persfl100"] = {
-            f: compare(fml100_overrides(device, f, algorithm="persfl"), a) for f in a.families
-        }
-    if "step" in a.parts and not a.ops_only:
-        out["step"] = step_part(device, a.steps)
+    runs: dict[str, Callable[[], Any]] = {
+        "fml": lambda: compare(fml_overrides(device), a),
+        "pfml": lambda: compare(pfml_overrides(device), a),
+        "fml100": lambda: families(),
+        "fml20": lambda: families(clients=20),
+        "fedme100": lambda: families(algorithm="fedme"),
+        "persfl100": lambda: families(algorithm="persfl"),
+        "step": lambda: step_part(device, a.steps),
+    }
+    for part, run in runs.items():
+        if part not in a.parts or (part == "step" and a.ops_only):
+            continue
+        if part == "fedme100":
+            # The coordinator's KMeans loads scikit-learn on its first clustering (1.4 s here):
+            # once a process, so before either mode's rounds rather than inside the first's.
+            import sklearn.cluster  # noqa: F401
+        out[part] = run()
+        if a.json_out:  # the parts so far: a run cut short by a time limit keeps them
+            a.json_out.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

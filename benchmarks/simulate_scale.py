@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -178,6 +179,16 @@ def _cpu_s() -> float:
     return t.user + t.system
 
 
+def _gpu_marks() -> dict[str, int]:
+    """The GPU's high-water marks so far (tensors, and torch's cache); none off a GPU."""
+    if not torch.cuda.is_initialized():
+        return {}
+    return {
+        "gpu_peak_allocated_mb": torch.cuda.max_memory_allocated() >> 20,
+        "gpu_peak_reserved_mb": torch.cuda.max_memory_reserved() >> 20,
+    }
+
+
 def _child(overrides: dict[str, Any], conn: Any) -> None:
     torch.set_num_threads(1)
     cfg = load_config(overrides=overrides, environ=False)
@@ -196,20 +207,20 @@ def _child(overrides: dict[str, Any], conn: Any) -> None:
                 "s": round(rec.seconds, 3),
                 "cpu_s": round(cpu[-1] - cpu[-2], 3),
                 "rss_mb": _rss() >> 20,
+                **_gpu_marks(),
             }
         )
+        # Said at once: a run cut short by its time limit (the finalize of 10,000 clients on a
+        # lent GPU) still leaves its rounds' memory in the log.
+        print(f"round {json.dumps(rounds[-1])}", file=sys.stderr, flush=True)
 
     out = run_federation(cfg, fed, cfg.algorithm, on_round=on_round)
     accs = [c.personal_acc for c in out.clients if c.personal_acc is not None]
     # ru_maxrss is in KiB on Linux: the high-water mark, which polling would miss.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-    gpu = {}
-    if torch.cuda.is_initialized():  # the GPU's high-water marks: tensors, and torch's cache
-        gpu = {
-            "gpu_peak_allocated_mb": torch.cuda.max_memory_allocated() >> 20,
-            "gpu_peak_reserved_mb": torch.cuda.max_memory_reserved() >> 20,
-            "gpu": torch.cuda.get_device_name(),
-        }
+    gpu: dict[str, Any] = dict(_gpu_marks())
+    if gpu:
+        gpu["gpu"] = torch.cuda.get_device_name()
     conn.send(
         {
             "rss_after_data_mb": after_data >> 20,

@@ -10,12 +10,18 @@
 # Parts (each under its own time limit, in seconds, an environment variable):
 #   tests       the CUDA-only tests (`pytest -m cuda`)                                 T_TESTS=240
 #   ranks       1, 2 and 4 ranks sharing the GPU (benchmarks/ranks.py)                 T_RANKS=150
-#   population  GPU memory of POP_SIZES clients (default 10000; 1,000 was measured), mlp and
-#               lenet5, idle on the GPU or the host: four runs side by side    T_POP=420
-#               (benchmarks/simulate_scale.py; memory, not time)
-#   round       stacked against client by client (benchmarks/gpu_round.py)            T_ROUND=120
+#   population  GPU memory of POP_SIZES clients (default 10000; 1,000 was measured), POP_FAMILIES
+#               (mlp lenet5), idle on the GPU or the host: four runs side by side    T_POP=420
+#               (benchmarks/simulate_scale.py; memory, not time). Each round's memory is
+#               logged as it ends, so a run its limit cuts short still has its rounds'.
+#   round       stacked against client by client (benchmarks/gpu_round.py), the parts
+#               ROUND_PARTS (default fml20 pfml fml100: all seven do not fit)          T_ROUND=120
+#   papers      paper rows at their full size (benchmarks/reproduce.py run ROW --device cuda
+#               --checkpoint), the rows PAPER_ROWS side by side, started in the background:
+#               the parts after it run beside them, and the script waits for them at the end.
+#               A row cut short keeps its finished runs (checkpoint)                   T_PAPERS=360
 # One call may run 600 s: `tests ranks round` fit in one (the default), `population` in another.
-# Timed parts (ranks, round) run alone.
+# Timed parts (ranks, round) run alone: put them before `papers`.
 set -u
 cd "$(dirname "$0")/.."
 O=${OUT:-/tmp/gpu_checks_out}
@@ -55,7 +61,7 @@ ranks() {
 population() {
   local fam n idle
   for n in ${POP_SIZES:-10000}; do
-    for fam in mlp lenet5; do
+    for fam in ${POP_FAMILIES:-mlp lenet5}; do
       for idle in memory host; do
         timeout "${T_POP:-420}" python3 benchmarks/simulate_scale.py --parts population \
           --device cuda --data-root "$D" --population-families $fam --population-sizes $n \
@@ -68,15 +74,26 @@ population() {
 }
 
 round() {
+  # shellcheck disable=SC2086 # ROUND_PARTS is a list of words
   timeout "${T_ROUND:-120}" python3 benchmarks/gpu_round.py --device cuda --no-ops --rounds 3 \
-    --json-out "$W/gpu_round.json" > "$W/gpu_round.txt" 2>&1
+    --parts ${ROUND_PARTS:-fml20 pfml fml100} --json-out "$W/gpu_round.json" > "$W/gpu_round.txt" 2>&1
+}
+
+papers() {
+  local row
+  for row in ${PAPER_ROWS:-fml-fmnist-p6-lenet5}; do
+    timeout "${T_PAPERS:-360}" python3 benchmarks/reproduce.py run "$row" --device cuda \
+      --checkpoint --data-root "$D" --out "$W/reproduce" > "$W/paper_$row.txt" 2>&1 &
+  done
 }
 
 parts=("$@")
 [[ ${#parts[@]} -gt 0 ]] || parts=(tests ranks round)
 for part in "${parts[@]}"; do
   case $part in
-    tests | ranks | population | round) say "$part: start"; "$part"; say "$part: exit $?"; pack ;;
-    *) say "unknown part $part (tests, ranks, population, round)"; exit 2 ;;
+    tests | ranks | population | round | papers) say "$part: start"; "$part"; say "$part: exit $?"; pack ;;
+    *) say "unknown part $part (tests, ranks, population, round, papers)"; exit 2 ;;
   esac
 done
+wait  # the papers' rows, where they run in the background
+say "done"
