@@ -13,7 +13,10 @@ the wall time); `table` reads every row under OUT and prints the paper's numbers
 
 Overrides (`--rounds`, `--max-samples`, `--local-epochs`, `--set key=value`) shorten a row to
 fit a machine; a row run with any of them is marked "shortened" in the table, and row.json
-lists them. Adding a row for another algorithm is one `register(Row(...))` call below.
+lists them. `--device`, `--data-root` and `--checkpoint` (keep each finished run and round in
+OUT/<row>/checkpoint, so that a row stopped partway continues where it stopped) say where and
+how a row runs, and shorten nothing. Adding a row for another algorithm is one
+`register(Row(...))` call below.
 """
 
 from __future__ import annotations
@@ -285,8 +288,17 @@ def _sections() -> set[str]:
     return set(algorithm_names())
 
 
-def run_row(row: Row, out: Path, overrides: dict[str, Any], argv: list[str]) -> Path:
-    flags = _nest(row.flags) | {"out": str(out / row.name), "device": "cpu"}
+def run_row(
+    row: Row,
+    out: Path,
+    overrides: dict[str, Any],
+    argv: list[str],
+    where: dict[str, Any] | None = None,
+) -> Path:
+    """Simulate `row` into OUT/<row>. `overrides` change the experiment (the row is marked
+    shortened); `where` only where and how it runs (device, data root, checkpoint): not marked."""
+    where = {"device": "cpu"} | (where or {})
+    flags = _nest(row.flags | where) | {"out": str(out / row.name)}
     cfg = load_config(ROOT / row.config if row.config else None, flags, overrides)
     t0 = time.perf_counter()
     simulate(cfg, progress=True)
@@ -298,6 +310,7 @@ def run_row(row: Row, out: Path, overrides: dict[str, Any], argv: list[str]) -> 
         "overrides": overrides,
         "shortened": bool(overrides),
         "rounds": cfg.rounds,
+        "device": cfg.device,
         "wall_seconds": round(wall, 1),
     }
     path = out / row.name / "row.json"
@@ -482,6 +495,14 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--max-samples", type=int, help="a seeded subset of the dataset")
     run.add_argument("--local-epochs", type=int, help="epochs of every epoch-trained run")
     run.add_argument("--set", action="append", default=[], help="any field: key=value")
+    run.add_argument("--device", default="cpu", help="where it trains, e.g. cuda (not shortening)")
+    run.add_argument("--data-root", help="the dataset's files, where not in the default place")
+    run.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="keep each finished run (the algorithm, each baseline) in OUT/ROW/checkpoint: "
+        "started again, the row skips them",
+    )
     for p in (run, sub.add_parser("table", help="the summary table of the rows run so far")):
         p.add_argument("--out", type=Path, default=ROOT / "runs" / "reproduce")
     args = ap.parse_args(argv)
@@ -511,7 +532,10 @@ def main(argv: list[str] | None = None) -> int:
             if "local_epochs" in algorithm_class(name).config_cls.model_fields:
                 overrides[f"{name}.local_epochs"] = args.local_epochs
     args.out.mkdir(parents=True, exist_ok=True)
-    run_row(row, args.out, overrides, argv)
+    where: dict[str, Any] = {"device": args.device, "checkpoint": args.checkpoint}
+    if args.data_root:
+        where["data.root"] = args.data_root
+    run_row(row, args.out, overrides, argv, where)
     print(table(args.out))
     return 0
 

@@ -1,6 +1,7 @@
 """benchmarks/reproduce.py: every registered row resolves to a valid run config."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -56,3 +57,26 @@ def test_pooled_accuracy_weighs_each_client_by_its_test_samples():
     got = reproduce._pooled({"a": 1.0, "b": 0.5, "c": None, "d": 0.0}, sizes)
     assert got == pytest.approx((10 * 1.0 + 30 * 0.5) / 40)
     assert reproduce._pooled({}, sizes) is None
+
+
+def test_where_a_row_runs_reaches_its_config_and_is_not_a_shortening(tmp_path, monkeypatch):
+    # Device, data root and checkpoint say where and how a row runs: its row.json says so, and
+    # only --rounds and the like mark it shortened.
+    seen = []
+
+    def simulate(cfg, progress):  # what the row would run, not run: the run writes OUT/<row>
+        seen.append(cfg)
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+
+    monkeypatch.setattr(reproduce, "simulate", simulate)
+    monkeypatch.setattr(reproduce, "table", lambda out: "")
+    row, root = "fml-fmnist-p6-lenet5", str(tmp_path / "fm")
+    where = ["--device", "cuda", "--data-root", root, "--checkpoint", "--out", str(tmp_path)]
+    assert reproduce.main(["run", row, *where]) == 0
+    cfg = seen[-1]
+    assert (cfg.device, cfg.data.root, cfg.checkpoint, cfg.rounds) == ("cuda", root, True, 200)
+    meta = json.loads((tmp_path / row / "row.json").read_text())
+    assert (meta["device"], meta["shortened"], meta["overrides"]) == ("cuda", False, {})
+    assert reproduce.main(["run", row, "--rounds", "3", "--out", str(tmp_path)]) == 0
+    assert (seen[-1].device, seen[-1].checkpoint, seen[-1].rounds) == ("cpu", False, 3)
+    assert json.loads((tmp_path / row / "row.json").read_text())["shortened"] is True
