@@ -118,7 +118,7 @@ def test_federico_history_survives_a_checkpoint():
     assert fresh.results() == s.results() and len(fresh.results()["collaboration_history"]) == 2
 
 
-def test_federico_history_stops_at_the_client_history_limit_and_keeps_the_latest_rows():
+def test_federico_history_stops_at_the_client_history_limit_and_keeps_the_latest_rows(caplog):
     # Prepare: 3 clients, so a round's matrix is 9 entries; room for two rounds, not three.
     s = _strategy()
     s.history_limit = 2 * 9
@@ -126,8 +126,14 @@ def test_federico_history_stops_at_the_client_history_limit_and_keeps_the_latest
     s.aggregate_step(2, "update", {"c1": _weights("c1", c1=1.0)})
     assert len(s.results()["collaboration_history"]) == 2
 
-    # Execute: the third round would hold 27 entries.
-    s.aggregate_step(3, "update", {"c2": _weights("c2", c0=0.25, c2=0.75)})
+    # Execute: the third round would hold 27 entries; the log says so, in numbers.
+    with caplog.at_level("INFO", logger="coordinator.strategies.federico"):
+        s.aggregate_step(3, "update", {"c2": _weights("c2", c0=0.25, c2=0.75)})
+    assert "collaboration_history" not in s.results()
+    assert [r.getMessage() for r in caplog.records] == [
+        "federico: 3 rounds of 3×3 collaboration matrices exceed round.client_history (18): "
+        "results keep the latest matrix only"
+    ]
     s.aggregate_step(4, "update", {"c0": _weights("c0", c0=1.0)})
 
     # Assert: no history any more (not a partial one), and still every client's latest row,

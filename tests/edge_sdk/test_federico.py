@@ -575,11 +575,19 @@ def test_a_peers_absurd_model_gets_no_weight_and_its_gradients_are_bounded(kind,
     c.peers.publish = lambda name, model, version: publish(name, absurd(model), version)
     c.peers.send = lambda to, name, r, grad: send(to, name, r, WireModel(
         grad.spec, {k: 1000 * t for k, t in grad.weights.items()}))  # fmt: skip
+    for i, other in (("a", "b"), ("b", "a")):  # each fetches c's model first, then the other's
+        algos[i]._sample = lambda members, other=other: ["c", other]
     # Execute
+    sent_to = []
     for round_ in (1, 2, 3):
-        replies = _round(algos, round_)
-    # Assert: c's model has no weight with a and b, is not held, gets no gradient from them;
-    # c's gradients were bounded, and a and b still predict their labels.
+        ex = _step(algos, round_, "exchange", {c: {"members": IDS} for c in IDS})
+        sent_to.append({i: ex[i].details["sent_to"] for i in ("a", "b")})
+        senders = _senders(ex)
+        replies = _step(algos, round_, "update", {c: {"from": senders[c]} for c in IDS})
+    # Assert: c's model has no weight with a and b, is not held, gets no gradient from them,
+    # and a and b go on to the peer after it every round; c's gradients were bounded, and a
+    # and b still predict their labels.
+    assert sent_to == [{"a": "b", "b": "a"}] * 3
     for i in ("a", "b"):
         algo = algos[i]
         assert algo.losses["c"] == math.inf and algo.weights["c"] == 0.0
@@ -590,7 +598,8 @@ def test_a_peers_absurd_model_gets_no_weight_and_its_gradients_are_bounded(kind,
             algo.ctx.trainer.evaluate(algo.personalized_model()[1], d.x_test, d.y_test).accuracy
             == 1.0
         )
-    assert "model is absurd on our data: no weight" in caplog.text
+    said = {r.getMessage() for r in caplog.records}
+    assert {f"{i}: c's model is absurd on our data: no weight" for i in ("a", "b")} <= said
     assert "'s gradient (norm" in caplog.text
 
 
@@ -642,3 +651,108 @@ def test_federico_offers_the_highest_weight_peer_of_its_architecture_not_the_las
     # ... none where its own model weighs as much as the best peer's (its own is preferred)
     a.losses = {"a": 10.0, "b": 10.0, "c": 20.0}
     assert "peer" not in a.guard_candidates()
+
+
+# -- bounds on peers: absurd models, clipped gradients -------------------------------------------
+def _lone(data: ClientData, **cfg):
+    """One FedeRiCo client on `data` (an mlr of its classes), its peer channel on a broker of
+    its own: what it receives is put in by the test."""
+    spec = ArchSpec(family="mlr", num_classes=data.num_classes, input_shape=SHAPE)
+    peers = PeerChannel(InMemoryBroker().connect("peer-a"), "run", "a").open()
+    cpu = torch.device("cpu")
+    ctx = ClientContext("a", spec, data, cpu, 0, Trainer(cpu, seed=0), peers=peers)
+    cls = algorithm_class("federico")
+    return cls(ctx, cls.config_cls(**cfg))
+
+
+def _two_class_data(val_flipped: bool) -> ClientData:
+    """Two classes (log 2 nats at chance); the validation split the training one's first 16
+    samples, their labels flipped or not."""
+    d = _data("y", 0)
+    y_val = 1 - d.y_train[:16] if val_flipped else d.y_train[:16]
+    return ClientData(
+        d.x_train, d.y_train, d.x_train[:16], y_val, d.x_test, d.y_test, num_classes=2
+    )
+
+
+def test_a_peer_model_is_absurd_above_absurd_nats_times_log_classes_on_validation_data():
+    # Prepare: a model that fits the training labels; on 2 classes a chance model scores
+    # log 2 nats, so the bound is absurd_nats × log 2.
+    fit = _lone(_two_class_data(False), optimizer="sgd", lr=0.002, batch_size=N)
+    for r in range(3):
+        fit.ctx.task = TaskInfo("update", {"from": []})
+        fit.fit(r + 1, 99, {})
+    model = fit.model
+    on = {
+        flipped: fit.ctx.trainer.evaluate(
+            model, *(lambda d: (d.x_val, d.y_val))(_two_class_data(flipped))
+        ).loss
+        for flipped in (False, True)
+    }
+    assert on[False] < math.log(2) < on[True]
+    fits = on[False] / math.log(2)  # its validation loss in units of log 2: below 1
+
+    def absurd(nats: float, flipped: bool = False) -> bool:
+        return _lone(_two_class_data(flipped), absurd_nats=nats)._absurd(model)
+
+    # Execute, assert: just below the bound and just above it. The bound is absurd_nats
+    # (here below 1) times log 2 (2 classes, not 3), multiplied, not divided.
+    assert absurd(0.95 * fits) and not absurd(1.05 * fits)
+    # The validation split decides where a client has one: the flipped labels are far above
+    # twice the bound, the training labels (which the model fits) below it.
+    assert absurd(2 * fits, flipped=True) and not absurd(2 * fits)
+    # absurd_nats = 0 turns the bound off: only a loss that is not finite is absurd
+    assert not absurd(0.0, flipped=True)
+
+
+def _update_with(a, peer: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`a`'s update step (no weights yet: its own gradient at weight 1) with `peer` received
+    from b; its parameters after it."""
+    names = [k for k, _ in a.model.named_parameters()]
+    sent = WireModel(a.ctx.spec, dict(zip(names, peer, strict=True)))
+    a.peers.receive = lambda *args, **kw: {"b": sent}
+    a.ctx.task = TaskInfo("update", {"from": ["b"]})
+    a.fit(1, 9, {})
+    return _params(a)
+
+
+def _norm(ts: list[torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in ts)))
+
+
+@pytest.mark.parametrize(
+    ("clip", "times", "clipped"),
+    [(0.5, 100.0, True), (10.0, 0.1, False), (0.0, 100.0, False)],
+    ids=["above the bound", "below it", "peer_clip 0: off"],
+)
+def test_a_peers_gradient_above_peer_clip_times_the_rounds_lower_median_norm_is_scaled_to_it(
+    clip, times, clipped, caplog
+):
+    # Prepare: a's own gradient g on its whole set, and b's: `times` × a fixed draw of g's
+    # shapes. With two norms the lower median is the smaller one.
+    a = _lone(_data("y", 0), optimizer="sgd", lr=0.01, batch_size=N, peer_clip=clip)
+    before = _params(a)
+    own = _grad(before, a.ctx.data)
+    g = torch.Generator().manual_seed(5)
+    peer = [times * _norm(own) * torch.randn(t.shape, generator=g) for t in own]
+    bound = clip * min(_norm(own), _norm(peer))
+    scale = bound / _norm(peer) if clipped else 1.0
+    # Execute
+    with caplog.at_level("WARNING", logger="edge_sdk.algorithms.federico"):
+        after = _update_with(a, peer)
+    # Assert: one SGD step on g + scale · b's gradient; the warning names both, in numbers
+    want = [p - 0.01 * (o + scale * q) for p, o, q in zip(before, own, peer, strict=True)]
+    for got, w in zip(after, want, strict=True):
+        assert torch.allclose(got, w, **TOL), (got - w).abs().max()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ([f"a: b's gradient (norm {_norm(peer):.3g}) clipped to {bound:.3g}"] * clipped)
+
+
+def test_the_typical_norm_counts_a_client_of_weight_zero_as_norm_zero():
+    # Its own gradient was scaled by its weight: unscaled, it is unknown at weight 0.
+    fed = algorithm_class("federico")
+    total = {"w": torch.full((2,), 3.0)}  # norm 4.24..., at weight 0.5 unscaled: 8.49
+    small, large = (WireModel(SPEC, {"w": torch.full((2,), v)}) for v in (0.25, 4.0))
+    assert fed._typical(total, 0.0, {"b": small, "c": large}) == pytest.approx(0.25 * 2**0.5)
+    assert fed._typical(total, 0.0, {"b": large}) == 0.0
+    assert fed._typical(total, 0.5, {"b": small, "c": large}) == pytest.approx(4.0 * 2**0.5)
