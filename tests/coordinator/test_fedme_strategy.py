@@ -21,6 +21,7 @@ from coordinator.strategies.fedme import (
     exchange_partners,
     model_logits,
     per_model_average,
+    trained_copies,
 )
 from edge_sdk.algorithms.fedme import FedMeConfig
 from edge_sdk.codec import WireModel
@@ -275,6 +276,22 @@ def test_per_model_average_is_the_owner_and_its_copies_over_s_plus_one():
     assert set(out) == set(expected)
     for m, value in expected.items():
         assert all(torch.allclose(v, torch.full_like(v, value)) for v in out[m].values()), m
+
+
+def test_the_trained_copies_of_a_model_start_with_its_owners_own():
+    # c2's copy of c0's model arrives before c0's own reply: the owner's still comes first, the
+    # copy whose start the robust aggregation measures the others against.
+    exchange = {"c2": "c0", "c0": "c1", "c1": "c0"}
+    replies = {
+        c: _reply(c, WireModel(MLR, _filled(MLR, i)), WireModel(MLR, _filled(MLR, 10 + i)), 0)
+        for i, c in enumerate(exchange)
+    }
+    got = {
+        m: [copy.client for copy in copies]
+        for m, copies in trained_copies(replies, exchange).items()
+    }
+    assert got == {"c2": ["c2"], "c0": ["c0", "c2", "c1"], "c1": ["c1", "c0"]}
+    assert float(trained_copies(replies, exchange)["c0"][0].state["linear.bias"][0]) == 1.0
 
 
 def test_fedme_returns_each_client_the_aggregate_of_the_model_it_chose():

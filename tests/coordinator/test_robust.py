@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from tests_helpers import load_benchmark, small_federation
+from tests_helpers import load_benchmark, raises_exactly, small_federation
 from typer.testing import CliRunner
 
 from coordinator.cli import app
@@ -216,7 +216,11 @@ def test_krum_with_too_few_replies_and_fedme_with_krum_are_refused_with_what_to_
     replies = {c: FitReply(c, {"model": WireModel(MLR, start)}, n_samples=20) for c in clients}
     with pytest.raises(StrategyError, match=r"at least 5 updates \(2f \+ 3\); this round has 3"):
         s.aggregate_fit(1, replies)
-    with pytest.raises(StrategyError, match=r"use robust\.aggregator = median or trimmed_mean"):
+    with raises_exactly(
+        StrategyError,
+        "fedme averages each model over its owner's copy and the two or three copies others "
+        "trained: too few for krum (2f + 3); use robust.aggregator = median or trimmed_mean",
+    ):
         krum = RobustConfig(aggregator="krum")
         _strategy("fedme", _clients(MLR, MLR), global_spec=None, robust=krum)
 
