@@ -59,17 +59,19 @@ ranks() {
 }
 
 population() {
-  local fam n idle
+  local fam n idle pids
   for n in ${POP_SIZES:-10000}; do
+    pids=()
     for fam in ${POP_FAMILIES:-mlp lenet5}; do
       for idle in memory host; do
         timeout "${T_POP:-420}" python3 benchmarks/simulate_scale.py --parts population \
           --device cuda --data-root "$D" --population-families $fam --population-sizes $n \
           --idle $idle --scale-rounds 1 --threads 1 --json-out "$W/pop_${fam}_${n}_${idle}.json" \
           > "$W/pop_${fam}_${n}_${idle}.txt" 2>&1 &
+        pids+=($!)
       done
     done
-    wait
+    wait "${pids[@]}"  # these runs, not a papers row started before them
   done
 }
 
