@@ -279,8 +279,8 @@ def test_per_model_average_is_the_owner_and_its_copies_over_s_plus_one():
 
 
 def test_the_trained_copies_of_a_model_start_with_its_owners_own():
-    # c2's copy of c0's model arrives before c0's own reply: the owner's still comes first, the
-    # copy whose start the robust aggregation measures the others against.
+    # c2's copy of c0's model arrives before c0's own reply: the owner's still comes first, so
+    # each model's sum runs in one order whatever order the replies came in.
     exchange = {"c2": "c0", "c0": "c1", "c1": "c0"}
     replies = {
         c: _reply(c, WireModel(MLR, _filled(MLR, i)), WireModel(MLR, _filled(MLR, 10 + i)), 0)
