@@ -141,6 +141,8 @@ def test_a_model_whose_outputs_overflow_sits_alone_instead_of_crashing_the_clust
     assert np.isfinite(features).all() and np.abs(features).max() == LOGIT_LIMIT
     assert np.array_equal(features[:2], sane)
     assert set(plan) == set(s.clients) and all(s.exchange[c] != "c4" for c in ("c0", "c1"))
+    # outputs that are NaN (not a number at all, no sign to clip to) read as 0
+    assert not model_logits([WireModel(MLR, _filled(MLR, float("nan")))], U).any()
 
 
 # Twelve models' outputs whose 3-cluster KMeans solution depends on the initialisations tried.
