@@ -10,12 +10,17 @@ from pathlib import Path
 from typing import Any
 
 
+def save(out: dict[str, Any], json_out: Path | None) -> str:
+    """`out` as the JSON these scripts write, written to `json_out` when given."""
+    text = json.dumps(out, indent=1)
+    if json_out:
+        json_out.write_text(text + "\n")
+    return text
+
+
 def emit(
     out: dict[str, Any], json_out: Path | None, table: Callable[[dict[str, Any]], str]
 ) -> None:
     out["machine"]["loadavg_end"] = os.getloadavg()
-    text = json.dumps(out, indent=1)
-    if json_out:
-        json_out.write_text(text + "\n")
-    print(text)
+    print(save(out, json_out))
     print(table(out))

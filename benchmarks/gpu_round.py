@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import platform
@@ -69,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _report import emit
+from _report import emit, save
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from coordinator.config import load_config
@@ -462,8 +461,7 @@ def _run_parts(a: argparse.Namespace, device: str, out: dict[str, Any]) -> None:
             # once a process, so before either mode's rounds rather than inside the first's.
             import sklearn.cluster  # noqa: F401
         out[part] = run()
-        if a.json_out:  # the parts so far: a run cut short by a time limit keeps them
-            a.json_out.write_text(json.dumps(out, indent=1) + "\n")
+        save(out, a.json_out)  # the parts so far: a run cut short by a time limit keeps them
 
 
 if __name__ == "__main__":

@@ -293,11 +293,10 @@ def run_row(
     out: Path,
     overrides: dict[str, Any],
     argv: list[str],
-    where: dict[str, Any] | None = None,
+    where: dict[str, Any],
 ) -> Path:
     """Simulate `row` into OUT/<row>. `overrides` change the experiment (the row is marked
     shortened); `where` only where and how it runs (device, data root, checkpoint): not marked."""
-    where = {"device": "cpu"} | (where or {})
     flags = _nest(row.flags | where) | {"out": str(out / row.name)}
     cfg = load_config(ROOT / row.config if row.config else None, flags, overrides)
     t0 = time.perf_counter()
