@@ -16,7 +16,7 @@ from typing import Generic, TypeVar
 import torch
 from torch.utils.data import Dataset as TorchDataset
 
-__all__ = ["ClientData", "IdentityCache", "row_range", "shifted"]
+__all__ = ["ClientData", "IdentityCache", "moved_by", "row_range", "shift_draws", "shifted"]
 
 V = TypeVar("V")
 
@@ -179,14 +179,26 @@ def _layout(t: torch.Tensor) -> torch.Tensor:
 
 def shifted(x: torch.Tensor, most: int, generator: torch.Generator) -> torch.Tensor:
     """Images `x` (n, c, h, w), each moved by its own random whole-pixel offset of up to `most`
-    each way (drawn from `generator`, on its device), the uncovered border repeating the
+    each way (`shift_draws` from `generator`, on its device), the uncovered border repeating the
     image's edge (its background, not a value normalization may have made meaningful); laid
     out as ClientData holds images (`_layout`)."""
+    return _layout(moved_by(x, most, shift_draws(len(x), most, generator, x.device)))
+
+
+def shift_draws(
+    n: int, most: int, generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """(2, n, 1): the rows and columns n images are read from, 0 to 2·`most` (`moved_by`)."""
+    return torch.randint(0, 2 * most + 1, (2, n, 1), generator=generator, device=device)
+
+
+def moved_by(x: torch.Tensor, most: int, draws: torch.Tensor) -> torch.Tensor:
+    """Images `x` (n, c, h, w) moved by `draws` (`shift_draws`: offset + `most` each way)."""
     n, _, h, w = x.shape
     padded = torch.nn.functional.pad(x, (most, most, most, most), mode="replicate")
-    dy, dx = torch.randint(0, 2 * most + 1, (2, n, 1), generator=generator, device=x.device)
+    dy, dx = draws
     rows = (dy + torch.arange(h, device=x.device))[:, None, :, None]  # (n, 1, h, 1)
     cols = (dx + torch.arange(w, device=x.device))[:, None, None, :]  # (n, 1, 1, w)
     index = torch.arange(n, device=x.device)[:, None, None, None]
     channel = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
-    return _layout(padded[index, channel, rows, cols])
+    return padded[index, channel, rows, cols]

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from edge_sdk.client_data import ClientData
+from edge_sdk.client_data import ClientData, shifted
 from edge_sdk.device import autocast_dtype
 from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.losses import cross_entropy
@@ -190,6 +190,31 @@ class Trainer:
         return itertools.chain.from_iterable(
             self.batches(x, y, batch_size, *more) for _ in range(epochs)
         )
+
+    def distillation_batches(
+        self,
+        teacher: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        batch_size: int,
+        epochs: int,
+        shift: int = 0,
+        views: int = 1,
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
+        """(inputs, labels, the teacher's logits) batches for `epochs` epochs of distilling
+        `teacher`. With `shift` > 0 and images (n, c, h, w): each epoch shows `views` views of
+        every image, every batch moved by up to `shift` pixels each way afresh (`shifted`, from
+        this trainer's random stream) and labelled by the teacher as moved. Otherwise the
+        images as they are, and the teacher's logits computed once (it is fixed)."""
+        if shift > 0 and x.dim() == 4:
+
+            def moved() -> Iterator[tuple[torch.Tensor, ...]]:
+                for xb, yb in self.epochs(x, y, batch_size, epochs * views):
+                    xb = shifted(xb, shift, self.generator)
+                    yield xb, yb, self.logits(teacher, xb)
+
+            return moved()
+        return self.epochs(x, y, batch_size, epochs, self.logits(teacher, x))
 
     def rng_state(self) -> Any:
         """The state of the random stream batches are drawn from (`set_rng_state` restores

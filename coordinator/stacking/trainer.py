@@ -41,6 +41,7 @@ from torch import nn
 from coordinator.stacking.frozen import Frozen, Stepping
 from coordinator.stacking.stacked_data import Packed, cumulative
 from edge_sdk.algorithms.members import CohortUnsupported, PerMember
+from edge_sdk.client_data import moved_by, shift_draws
 from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.losses import StackedBatch, stacked_batch
 from edge_sdk.trainer import Score, Step, Trainer, _check_finite
@@ -70,14 +71,16 @@ class StackedEval:
 # -- one stacked step ---------------------------------------------------------------------------
 class _Batch(tuple[torch.Tensor | None, ...]):
     """A stacked batch for `CohortTrainer.run`: (inputs, labels, *more, weights, active) and,
-    on the host, which members take this step (`taking`)."""
+    on the host, which members take this step (`taking`) and how many of their samples it
+    holds (`counts`)."""
 
     taking: list[bool]
+    counts: list[int]
 
 
-def _batch(tensors: Sequence[torch.Tensor | None], taking: list[bool]) -> _Batch:
+def _batch(tensors: Sequence[torch.Tensor | None], taking: list[bool], counts: list[int]) -> _Batch:
     out = _Batch(tensors)
-    out.taking = taking
+    out.taking, out.counts = taking, counts
     return out
 
 
@@ -165,7 +168,7 @@ class CohortTrainer(Trainer):
             w = weights[s, :rows] if weights is not None and padded[s] else None
             active = actives[s] if actives is not None else None
             tensors = [p.gather(local, rows) for p in (xs, ys, *extra)]
-            yield _batch((*tensors, w, active), taking)
+            yield _batch((*tensors, w, active), taking, counts[s])
 
     def fresh_batches(
         self, x: torch.Tensor, y: torch.Tensor, batch_size: int, count: int
@@ -184,7 +187,8 @@ class CohortTrainer(Trainer):
         self._uneven = False
         rows = self.size
         for local in self._fresh_tables(ys.sizes, batch_size, count, width):
-            yield _batch((xs.gather(local, rows), ys.gather(local, rows), weights, active), taking)
+            batch = (xs.gather(local, rows), ys.gather(local, rows), weights, active)
+            yield _batch(batch, taking, sizes)
 
     def _fresh_tables(
         self, sizes: Sequence[int], batch_size: int, count: int, width: int
@@ -216,6 +220,50 @@ class CohortTrainer(Trainer):
 
     def epoch(self, n: int, batch_size: int) -> Any:
         raise CohortUnsupported("index batches are per client")
+
+    def distillation_batches(
+        self,
+        teacher: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        batch_size: int,
+        epochs: int,
+        shift: int = 0,
+        views: int = 1,
+    ) -> Iterator[Any]:
+        """`Trainer.distillation_batches` for the stack. Shifted, each member's images are moved
+        as they would be alone (its offsets drawn from its own random stream, one per sample of
+        its batch, after its permutation), and the stacked teacher labels the stacked batch;
+        otherwise the teacher's logits once (packed), rows of each member's batches."""
+        if shift <= 0 or _packed(x).base.dim() != 4:
+            return self.epochs(x, y, batch_size, epochs, self.logits(teacher, x))
+
+        def moved() -> Iterator[_Batch]:
+            for stacked in self.epochs(x, y, batch_size, epochs * views):
+                batch = cast(_Batch, stacked)
+                inputs, yb, weights, active = batch
+                xb = cast(torch.Tensor, inputs)
+                rows, width = xb.shape[:2]
+                draws = torch.zeros(2, rows, width, 1, dtype=torch.int64, device=self.device)
+                for i, (t, c) in enumerate(zip(self.members[:rows], batch.counts, strict=False)):
+                    if c:  # (padding, and a member sitting the step out, draw nothing)
+                        draws[:, i, :c] = shift_draws(c, shift, t.generator, self.device)
+                xb = moved_by(xb.flatten(0, 1), shift, draws.flatten(1, 2)).view(xb.shape)
+                labels = self._labels(teacher, xb)
+                yield _batch((xb, yb, labels, weights, active), batch.taking, batch.counts)
+
+        return moved()
+
+    @torch.no_grad()
+    def _labels(self, teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The stacked `teacher`'s logits (fp32) for a stacked batch `x` (rows, B, ...)."""
+        was_training = teacher.training
+        teacher.eval()
+        try:
+            with self.autocast():
+                return teacher(x).float()
+        finally:
+            teacher.train(was_training)
 
     def rng_state(self) -> Any:
         """Every member's random stream's state, in the stack's order."""

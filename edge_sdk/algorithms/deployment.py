@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -24,7 +24,6 @@ from edge_sdk.algorithms.context import FitResult
 from edge_sdk.algorithms.guard import Distil, Guard
 from edge_sdk.algorithms.guard_config import GuardConfig
 from edge_sdk.budget import arch_name, footprint
-from edge_sdk.client_data import shifted
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import distillation_loss
 from edge_sdk.trainer import Score
@@ -209,19 +208,15 @@ class Deployment:
             loss = distillation_loss("kl", z_s, z_t, y, lam, temperature)
             return (trainer.step(loss, [opt]),)
 
-        epochs, most = cfg.guard_distill_epochs, cfg.guard_distill_shift
-
-        def moved_batches() -> Iterator[tuple[torch.Tensor, ...]]:
-            passes = epochs * cfg.guard_distill_views
-            for x, y in trainer.epochs(d.x_train, d.y_train, optim.batch_size, passes):
-                moved = shifted(x, most, trainer.generator)
-                yield moved, y, trainer.logits(teacher[1], moved)
-
-        if most > 0 and d.x_train.dim() == 4:
-            batches = moved_batches()
-        else:  # the teacher is fixed: its logits once
-            z_teacher = trainer.logits(teacher[1], d.x_train)
-            batches = trainer.epochs(d.x_train, d.y_train, optim.batch_size, epochs, z_teacher)
+        batches = trainer.distillation_batches(
+            teacher[1],
+            d.x_train,
+            d.y_train,
+            optim.batch_size,
+            cfg.guard_distill_epochs,
+            shift=cfg.guard_distill_shift,
+            views=cfg.guard_distill_views,
+        )
         try:
             trainer.run(step, batches)
         except FloatingPointError as exc:

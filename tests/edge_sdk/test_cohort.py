@@ -332,6 +332,51 @@ def test_stacked_persfl_members_keep_their_own_teacher_and_distil_their_own_stud
     }
 
 
+@pytest.mark.parametrize("family", ["mlp", "lenet5"])
+def test_stacked_persfl_students_see_each_members_own_shifted_views(family):
+    # Prepare: PersFL clients of images (of three sizes), alone and stacked, stage 2 on images
+    # shifted by up to a pixel; a global model of the other family, so the students start afresh
+    image = (1, 12, 12)
+    spec = ArchSpec(family=family, num_classes=CLASSES, input_shape=image)
+    other = "lenet5" if family == "mlp" else "mlp"
+    glob = ArchSpec(family=other, num_classes=CLASSES, input_shape=image)
+    # (the guard's students, trained after stage 2 client by client, kept short: 160 passes
+    # grow stage 2's float rounding past the comparison's tolerance)
+    cfg = PersFL.config_cls(
+        **SETTINGS["persfl"], distill_shift=1, distill_lambdas=[0.0, 0.5], guard_distill_epochs=2
+    )
+    g = torch.Generator().manual_seed(5)
+    pixels = {n: [torch.rand(k, *image, generator=g) for k in (n, 6, 6)] for n in SIZES}
+    sides = []
+    for _ in range(2):
+        clients = []
+        for i, n in enumerate(SIZES):
+            labels = [torch.arange(len(x)) % CLASSES for x in pixels[n]]
+            d = ClientData(*(t for p in zip(pixels[n], labels, strict=True) for t in p), CLASSES)
+            ctx = ClientContext(f"c{i}", spec, d, CPU, i, Trainer(CPU, seed=i))
+            clients.append(PersFL(ctx, cfg))
+        sides.append(clients)
+    alone, stacked = sides
+    rounds = 2
+    for round_ in range(1, rounds + 1):
+        models = [{"global": _global(glob, seed=11 * round_)}] * 3
+        for a, m in zip(alone, models, strict=True):
+            a.fit(round_, rounds, m)
+        run_stacked(stacked, "fit", round_, rounds, models)
+
+    # Execute: stage 2 (the grid, on shifted views) and the guard
+    final = [{"global": _global(glob, seed=99)}] * 3
+    expected = [a.finalize(rounds, rounds, m) for a, m in zip(alone, final, strict=True)]
+    got = run_stacked(stacked, "finalize", rounds, rounds, final)
+
+    # Assert: every member's grid, student and random stream as alone
+    for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
+        _assert_close(g.details, e.details, "details")
+        _assert_close(g.metrics, e.metrics, "metrics")
+        _assert_close(s.state_dict(), a.state_dict(), f"{a.ctx.client_id} state")
+        assert torch.equal(s.ctx.trainer.generator.get_state(), a.ctx.trainer.generator.get_state())
+
+
 def _with_data(algo, **splits):
     """`algo`'s data with the given splits replaced."""
     d = algo.ctx.data

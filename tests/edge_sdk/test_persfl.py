@@ -257,10 +257,10 @@ def test_persfl_each_grid_point_starts_from_the_same_student_and_batch_order():
 class _DivergesAtHalf(PersFL):
     """A client whose distillation blows up at λ = 0.5 (as a too-large λ·T step would)."""
 
-    def distill(self, student, z_teacher, lam, temperature):
+    def distill(self, student, teacher, lam, temperature):
         if lam == 0.5:
             raise FloatingPointError("training loss became nan; lower the learning rate")
-        return super().distill(student, z_teacher, lam, temperature)
+        return super().distill(student, teacher, lam, temperature)
 
 
 def test_persfl_grid_search_skips_a_point_that_diverges(caplog):
@@ -396,10 +396,13 @@ def test_persfl_stage2_distillation_steps_match_a_hand_written_loop(kind):
     g = torch.Generator().manual_seed(9)
     student = build(MLR, seed=4)
     w0, b0 = student.linear.weight.detach().clone(), student.linear.bias.detach().clone()
-    z_t = 2 * torch.randn(len(data.y_train), CLASSES, generator=g)
+    w_t, b_t = 2 * torch.randn(CLASSES, FEATURES, generator=g), torch.randn(CLASSES, generator=g)
+    teacher = build(MLR, seed=5)
+    teacher.load_state_dict({"linear.weight": w_t, "linear.bias": b_t})
+    z_t = data.x_train @ w_t.T + b_t
 
     # Execute
-    mean_loss = client.distill(student, z_t, lam, t)
+    mean_loss = client.distill(student, teacher, lam, t)
 
     # Assert: the same steps, and the mean of their losses returned
     w, b = w0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
@@ -415,6 +418,59 @@ def test_persfl_stage2_distillation_steps_match_a_hand_written_loop(kind):
     assert torch.allclose(student.linear.weight.detach(), w.detach(), atol=1e-5)
     assert torch.allclose(student.linear.bias.detach(), b.detach(), atol=1e-5)
     assert mean_loss == pytest.approx(sum(losses) / 2, rel=1e-5)
+
+
+class _Seen(torch.nn.Module):
+    """A teacher of 1×5×5 images that records every input it labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(25, CLASSES)
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x):
+        self.seen.append(x.clone())
+        return self.linear(x.flatten(1))
+
+
+def _within_a_pixel(image: torch.Tensor, of: torch.Tensor) -> bool:
+    """`image` is `of` moved by at most a pixel each way, its edge repeated."""
+    _, h, w = of.shape
+    for dy in (-1, 0, 1):
+        for dx in (-1, 0, 1):
+            rows, cols = (
+                (torch.arange(h) + dy).clamp(0, h - 1),
+                (torch.arange(w) + dx).clamp(0, w - 1),
+            )
+            if torch.equal(image, of[:, rows][:, :, cols]):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_persfl_stage2_on_images_shifts_each_batch_for_the_teacher_to_label_with_a_shift(shift):
+    # Prepare: 16 training images of 5×5 in batches of 8, 2 epochs
+    g = torch.Generator().manual_seed(1)
+    x = [torch.rand(n, 1, 5, 5, generator=g) for n in (16, 6, 6)]
+    y = [torch.arange(n) % CLASSES for n in (16, 6, 6)]
+    data = ClientData(x[0], y[0], x[1], y[1], x[2], y[2], num_classes=CLASSES)
+    image = ArchSpec(family="mlr", num_classes=CLASSES, input_shape=(1, 5, 5))
+    client = _client(image, data, distill_epochs=2, batch_size=8, distill_shift=shift)
+    teacher = _Seen()
+
+    # Execute
+    client.distill(build(image, seed=1), teacher, 0.5, 2.0)
+
+    # Assert: without a shift the teacher labels the training split once, as it is; with one,
+    # every batch of the 2 epochs (4), each image within a pixel of a training image, not all
+    # of them where they were
+    if shift == 0:
+        assert len(teacher.seen) == 1 and torch.equal(teacher.seen[0], data.x_train)
+        return
+    assert [len(b) for b in teacher.seen] == [8] * 4
+    seen = torch.cat(teacher.seen)
+    assert all(any(_within_a_pixel(a, o) for o in data.x_train) for a in seen)
+    assert any(not any(torch.equal(a, o) for o in data.x_train) for a in seen)
 
 
 # -- what it evaluates and deploys ---------------------------------------------------------------
