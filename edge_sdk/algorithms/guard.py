@@ -131,16 +131,15 @@ class Guard:
     def active(self) -> bool:
         return len(self.data.y_val) > 0
 
-    def _fit(self, cand: Candidate) -> tuple[int, str | None]:
-        """`cand`'s parameters, and why the budget refuses it (None: it admits it)."""
+    def _refusal(self, cand: Candidate) -> str | None:
+        """Why the budget refuses `cand` (None: it admits it)."""
         spec, model = cand
-        params = footprint(model).params
         if self.own is None:
-            return params, None
-        return params, self.budget.refusal(spec, self.own, params)
+            return None
+        return self.budget.refusal(spec, self.own, footprint(model).params)
 
     def admits(self, cand: Candidate) -> bool:
-        return self._fit(cand)[1] is None
+        return self._refusal(cand) is None
 
     def _score(self, name: str, cand: Candidate, round_: int, final: bool) -> Pick:
         _, model = cand
@@ -148,8 +147,7 @@ class Guard:
         z = self.trainer.logits(model, self.data.x_val)
         hits = (z.argmax(1) == y).cpu()
         loss = float(F.cross_entropy(z, y))
-        params, refusal = self._fit(cand)
-        return Pick(name, round_, final, hits, loss, source=cand, params=params, refusal=refusal)
+        return Pick(name, round_, final, hits, loss, source=cand, refusal=self._refusal(cand))
 
     def observe(
         self,
@@ -163,14 +161,11 @@ class Guard:
         if not self.active:
             return
         for name, cand in candidates.items():
-            params, refusal = self._fit(cand)
-            if refusal is not None:
+            if self._refusal(cand) is not None:
                 continue
             if scores is not None and name in scores:
                 hits, loss, correct = scores[name]
-                pick = Pick(
-                    name, round_, False, hits, loss, source=cand, correct=correct, params=params
-                )
+                pick = Pick(name, round_, False, hits, loss, source=cand, correct=correct)
             else:
                 pick = self._score(name, cand, round_, final=False)
             if pick.beats(self.best):
@@ -294,7 +289,7 @@ class Guard:
         not, a student of the device's own architecture distilled from it (`distil`, starting
         from the first model the budget admits), or without one that first admitted model."""
         self.deployed = None
-        picks = [_unscored(name, c, *self._fit(c)) for name, c in final.items()]
+        picks = [_unscored(name, c, self._refusal(c)) for name, c in final.items()]
         first = picks[0]
         chosen = next((p for p in picks if p.refusal is None), None)
         reason = f"{_cap(first.prose)}: the algorithm's final model ({why})"
@@ -338,7 +333,7 @@ class Guard:
             if self.active:
                 pick = self._score(DISTILLED, made, rounds, final=True)
             else:
-                pick = _unscored(DISTILLED, made, *self._fit(made))
+                pick = _unscored(DISTILLED, made, self._refusal(made))
             if best is None or pick.beats(best):
                 best = pick
         return None if best is None else replace(best, teacher=teacher.prose)
@@ -366,10 +361,10 @@ class Guard:
         self.deployed = None if deployed is None else Pick.from_state(deployed)
 
 
-def _unscored(name: str, cand: Candidate, params: int, refusal: str | None) -> Pick:
+def _unscored(name: str, cand: Candidate, refusal: str | None) -> Pick:
     """A final candidate deployed without scoring it (no validation data, or the guard off)."""
     none = torch.zeros(0, dtype=torch.bool)
-    return Pick(name, 0, True, none, 0.0, source=cand, params=params, refusal=refusal)
+    return Pick(name, 0, True, none, 0.0, source=cand, refusal=refusal)
 
 
 def _built(pick: Pick) -> nn.Module:

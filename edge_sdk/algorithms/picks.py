@@ -56,7 +56,6 @@ class Pick:
     # never copied: the guard scores a few each round, on every client).
     source: Candidate | None = field(default=None, compare=False, repr=False)
     correct: int = -1  # hits' count; counted here unless given (a stack counts its members')
-    params: int = 0  # the model's parameters
     refusal: str | None = None  # why the device's budget does not admit it; None: it does
     teacher: str | None = None  # a distilled student's: the teacher's label
 
@@ -119,7 +118,6 @@ class Pick:
             "hits": self.hits,
             "loss": self.loss,
             "model": self.model,
-            "params": self.params,
             "teacher": self.teacher or "",
         }
 
@@ -132,6 +130,5 @@ class Pick:
             hits=state["hits"].to(torch.bool),
             loss=float(state["loss"]),
             model=state["model"],
-            params=int(state.get("params", 0)),  # (states saved before it was kept: 0)
             teacher=str(state.get("teacher", "")) or None,
         )

@@ -280,6 +280,24 @@ def test_per_model_average_is_the_owner_and_its_copies_over_s_plus_one():
         assert all(torch.allclose(v, torch.full_like(v, value)) for v in out[m].values()), m
 
 
+def test_per_model_average_pulls_a_far_copy_in_and_flags_nobody():
+    # c0's model and five copies of it: four at 1, one at 100. Five or more: centered clipping
+    # pulls the far one in to the others, all at the median (the uniform mean would be 17.5);
+    # per_model_average has no round to flag it in.
+    exchange = {"c0": "c1", **{f"c{i}": "c0" for i in range(1, 6)}}
+    replies = {
+        c: _reply(
+            c,
+            WireModel(MLR, _filled(MLR, 1.0)),
+            WireModel(MLR, _filled(MLR, 100.0 if c == "c5" else 1.0)),
+            0,
+        )
+        for c in exchange
+    }
+    out = per_model_average(replies, exchange)
+    assert all(torch.equal(v, torch.ones_like(v)) for v in out["c0"].values())
+
+
 def test_the_trained_copies_of_a_model_start_with_its_owners_own():
     # c2's copy of c0's model arrives before c0's own reply: the owner's still comes first, so
     # each model's sum runs in one order whatever order the replies came in.

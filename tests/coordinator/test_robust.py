@@ -404,6 +404,9 @@ def test_moved_by_is_how_far_leaving_the_suspects_out_moves_the_aggregate():
     # Nobody to leave out: not moved; a group of suspects alone: nothing else to aggregate
     assert moved_by({"g": group}, [], off) == 0.0
     assert moved_by({"g": group[3:], "h": group[:3]}, ["c3"], off) == float("inf")
+    # Another outlier left in: bounded in both recomputations, flagged in neither's round
+    c4 = Contribution("c4", {"w": start["w"] + torch.tensor([0.0, -40.0, 30.0])}, start)
+    assert 0 < moved_by({"g": [*group, c4]}, ["c3"], RobustConfig()) < 0.1
 
 
 def test_a_drop_while_the_suspects_were_bounded_is_kept_not_undone_again_and_again(

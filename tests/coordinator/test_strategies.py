@@ -70,6 +70,21 @@ def test_fedavg_weights_by_samples_or_uniformly(name):
     assert all(torch.allclose(v, torch.full_like(v, 7 / 3)) for v in u.global_weights.values())
 
 
+def test_a_strategy_has_combined_nothing_before_its_first_aggregation():
+    s = _strategy("fedavg", _clients(MLR, MLR))
+    assert s.cohort == {} and s.flags == {}
+
+
+def test_weights_of_another_count_than_the_states_are_refused_not_cut_short():
+    s = _strategy("fedavg", _clients(MLR, MLR))
+    states = {"c0": _state(1.0), "c1": _state(3.0)}
+    with pytest.raises(ValueError, match="zip"):
+        s._aggregate(states, [1.0])
+    with pytest.raises(ValueError, match="zip"):
+        s._aggregate(states, [1.0, 1.0, 1.0])
+    assert torch.allclose(s._aggregate(states, [1.0, 1.0])["linear.bias"], torch.full((2,), 2.0))
+
+
 def test_fedavg_refuses_different_architectures():
     mlp = ArchSpec(family="mlp", num_classes=2, input_shape=(2,))
     with pytest.raises(IncompatibleClients, match="fml, pfml"):

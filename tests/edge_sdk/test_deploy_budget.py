@@ -413,6 +413,21 @@ def test_the_students_and_the_fine_tunings_rate_is_the_last_rounds_and_a_fresh_s
         assert torch.equal(v, start[1].state_dict()[k]), k
 
 
+def test_the_finalize_hands_the_guard_students_of_its_last_round(monkeypatch):
+    client = _client(OWN, lr_schedule="step", lr_gamma=0.5)
+    deployment, rounds = client.deployment, []
+    distil = deployment.distil
+
+    def recorded(r, teacher, start):
+        rounds.append(r)
+        return distil(r, teacher, start)
+
+    monkeypatch.setattr(deployment, "distil", recorded)
+    out = _run(client, rounds=3)
+    assert out.details["deployed"] == f"{DISTILLED} (final, mlp)"
+    assert rounds and set(rounds) == {3}
+
+
 class _MemeOnly(_Stuck):
     """The stuck client whose final model is its MLR meme alone: with the guard off, nothing it
     names is within the default budget."""
@@ -762,3 +777,121 @@ def test_a_student_of_features_trains_its_epochs_alone_whatever_the_views():
     # Assert: labelled once, and 3 passes over the training split processed
     assert len(teacher.seen) == 1
     assert client.ctx.trainer.samples - before == 3 * len(client.ctx.data.x_train)
+
+
+# -- the two students and their starts ---------------------------------------------------------
+def _stuck_mlp():
+    """An MLP that predicts class 0 everywhere: 8 of the 32 validation samples right."""
+    stuck = build(MLP, seed=1)
+    with torch.no_grad():
+        stuck.layers[-1].weight.zero_()
+        stuck.layers[-1].bias.copy_(torch.tensor([1.0, 0, 0, 0]))
+    return stuck
+
+
+def _knowing_mlp():
+    """An MLP that knows the data: a real student of the trained MLR (32/32 on validation)."""
+    client = _client(OWN)  # (kept: its deployment holds it weakly)
+    _, model = client.deployment.distil(2, (MLR, _trained_global()["global"].build()), None)
+    return model
+
+
+def _copy_of(model):
+    out = build(MLP, seed=7)
+    out.load_state_dict(model.state_dict())
+    return out
+
+
+def _decide(distil):
+    """The guard between the stuck MLP (the default) and the trained MLR outside the budget,
+    whose students `distil` makes (teacher, start) -> candidate or None."""
+    guard = Guard(Trainer(torch.device("cpu"), seed=0), _data(), z=2.0, budget=OWN, own=MLP)
+    trained = _trained_global()["global"].build()
+    return guard.decide(2, {PERSONAL: (MLP, _stuck_mlp()), "global": (MLR, trained)}, distil)
+
+
+OUTSIDE = "The final global model (mlr) had 32/32 but mlr is not an architecture this device runs"
+
+
+def test_where_the_student_from_its_start_fails_the_fresh_one_is_still_made():
+    knowing, starts = _knowing_mlp(), []
+
+    def diverges_from_its_start(teacher, start):
+        starts.append(start is not None)
+        return None if start is not None else (MLP, _copy_of(knowing))
+
+    out = _decide(diverges_from_its_start)
+    assert starts == [True, False]
+    assert out["deployed"] == f"{DISTILLED} (final, mlp)"
+    assert out["deployed_outside_budget"] == (
+        f"{OUTSIDE}; a student of its own architecture learnt from it."
+    )
+
+
+@pytest.mark.parametrize("better", ["from its start", "afresh"])
+def test_of_the_two_students_the_better_on_validation_is_the_one_kept(better):
+    # One of the two students knows the data (32/32), the other is stuck (8/32): whichever was
+    # made first, the student that knows it replaces the stuck default.
+    knowing, stuck = _knowing_mlp(), _stuck_mlp()
+
+    def one_knows(teacher, start):
+        knows = (start is not None) == (better == "from its start")
+        return MLP, _copy_of(knowing if knows else stuck)
+
+    out = _decide(one_knows)
+    assert out["deployed"] == f"{DISTILLED} (final, mlp)"
+    assert out["deployed_reason"] == (
+        "A student (mlp) of the final global model (mlr) had 32/32 right on validation, against "
+        "8/32 for its personalized model (mlp)."
+    )
+
+
+def test_where_no_student_can_be_made_the_choice_stays_and_the_reason_says_no_more():
+    out = _decide(lambda teacher, start: None)
+    assert out["deployed"] == "personal (final, mlp)"
+    assert out["deployed_outside_budget"] == OUTSIDE + "."
+
+
+def test_a_kept_copy_as_the_students_start_is_rebuilt_from_its_weights():
+    # Prepare: the choice is a kept copy (the best of an earlier round: no live model behind it)
+    guard = Guard(Trainer(torch.device("cpu"), seed=0), _data(), z=2.0, budget=OWN, own=MLP)
+    earlier = build(MLP, seed=4)
+    guard.observe(1, {PERSONAL: (MLP, earlier)})
+    kept = guard.best
+    assert kept is not None and kept.source is None
+    teacher = guard._score("global", (MLR, _trained_global()["global"].build()), 2, final=True)
+    starts = []
+
+    def record(teacher, start):
+        starts.append(start)
+        return None
+
+    # Execute
+    assert guard._student(teacher, kept, record, 2) is None
+
+    # Assert: a student from the kept weights (an MLP built from them), then one afresh
+    (spec, model), fresh = starts
+    assert spec == MLP and fresh is None
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), earlier.state_dict().values(), strict=True)
+    )
+
+
+def test_a_candidate_outside_the_budget_does_not_stop_the_rounds_best_from_being_kept():
+    guard = Guard(Trainer(torch.device("cpu"), seed=0), _data(), z=2.0, budget=OWN, own=MLP)
+    trained, personal = _trained_global()["global"].build(), build(MLP, seed=4)
+    guard.observe(1, {"global": (MLR, trained), PERSONAL: (MLP, personal)})
+    assert guard.best is not None and (guard.best.name, guard.best.spec) == (PERSONAL, MLP)
+
+
+@pytest.mark.parametrize(("wins", "replaces"), [(2, False), (7, True)])
+def test_a_student_replaces_the_choice_only_when_clearly_better(wins, replaces):
+    # 2 samples more right and none fewer: 2 ≤ 2·√2, not clear; 7 > 2·√7 ≈ 5.3, clear
+    guard = Guard(Trainer(torch.device("cpu"), seed=0), _data(), z=2.0, budget=OWN, own=MLP)
+    chosen_hits = torch.zeros(32, dtype=torch.bool)
+    student_hits = chosen_hits.clone()
+    student_hits[:wins] = True
+    chosen = Pick(PERSONAL, 2, True, chosen_hits, 1.0)
+    student = Pick(DISTILLED, 2, True, student_hits, 1.0)
+    assert guard.replaces(student, chosen) is replaces

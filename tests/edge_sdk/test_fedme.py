@@ -139,6 +139,16 @@ def test_fedme_evaluates_the_model_the_coordinator_returned_whatever_its_archite
     assert out.n_samples == 20
 
 
+def test_fedme_takes_a_returned_model_of_a_new_architecture_after_its_first():
+    client = _client(local_epochs=0, guard=False)
+    client.evaluate({"personal": WireModel.of(MLR, build(MLR, seed=1))})
+    returned = WireModel.of(MLP, build(MLP, seed=3))
+    client.evaluate({"personal": returned})
+    spec, model = client.personalized_model()
+    assert spec == MLP
+    assert torch.equal(model.layers[0].weight.detach(), returned.weights["layers.0.weight"])
+
+
 def test_fedme_has_no_personalized_model_before_the_coordinator_sends_one():
     msg = "fedme: no personalized model before the coordinator sent one"
     with raises_exactly(RuntimeError, msg):
