@@ -196,11 +196,13 @@ def _child(overrides: dict[str, Any], conn: Any) -> None:
     after_data = _rss()
     rounds: list[dict[str, Any]] = []
     cpu = [_cpu_s()]
+    ended = [time.perf_counter()]  # when the last round's record came
 
     def on_round(rec: RoundRecord) -> None:
         # The process's CPU seconds in the round (all threads): the work done, which a machine
         # shared with other jobs stretches less than the wall time.
         cpu.append(_cpu_s())
+        ended[0] = time.perf_counter()
         rounds.append(
             {
                 "round": rec.round,
@@ -215,6 +217,8 @@ def _child(overrides: dict[str, Any], conn: Any) -> None:
         print(f"round {json.dumps(rounds[-1])}", file=sys.stderr, flush=True)
 
     out = run_federation(cfg, fed, cfg.algorithm, on_round=on_round)
+    # After the last round: every client's finalize (its guard's fine-tuning and students).
+    finalize_s = round(time.perf_counter() - ended[0], 2)
     accs = [c.personal_acc for c in out.clients if c.personal_acc is not None]
     # ru_maxrss is in KiB on Linux: the high-water mark, which polling would miss.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
@@ -226,6 +230,7 @@ def _child(overrides: dict[str, Any], conn: Any) -> None:
             "rss_after_data_mb": after_data >> 20,
             "peak_rss_mb": peak >> 20,
             "rounds": rounds,
+            "finalize_s": finalize_s,
             "mean_personal_acc": round(sum(accs) / len(accs), 4) if accs else None,
             "deployed": deployment_summary(out.clients),
             **gpu,
@@ -358,7 +363,7 @@ def run_population(
 def _population_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         f"{'model':>7}{'clients':>9}{'idle':>8}{'after data':>12}{'peak':>8}"
-        f"{'peak KiB/client':>17}{'GPU peak':>10}{'wall s':>8}{'acc':>8}"
+        f"{'peak KiB/client':>17}{'GPU peak':>10}{'wall s':>8}{'finalize s':>12}{'acc':>8}"
     ]
     for r in rows:
         acc = r["mean_personal_acc"]
@@ -366,7 +371,8 @@ def _population_lines(rows: list[dict[str, Any]]) -> list[str]:
             f"{r['family']:>7}{r['clients']:>9}{r['idle_state']:>8}{r['rss_after_data_mb']:>12}"
             f"{r['peak_rss_mb']:>8}{r['peak_kib_per_client']:>17}"
             f"{r.get('gpu_peak_allocated_mb', '-'):>10}"
-            f"{r['wall_s']:>8.0f}{'-' if acc is None else f'{acc:.4f}':>8}"
+            f"{r['wall_s']:>8.0f}{r.get('finalize_s', '-'):>12}"
+            f"{'-' if acc is None else f'{acc:.4f}':>8}"
         )
     return lines
 

@@ -26,6 +26,7 @@ from coordinator.run_config import CohortMode
 from coordinator.stacking.cohort import run_stacked
 from coordinator.stacking.kept import KeptStacks
 from coordinator.stacking.pays import unpaid
+from coordinator.stacking.state import state_kind
 from edge_sdk.algorithms import ClientAlgorithm, FitResult
 from edge_sdk.algorithms.members import CohortUnsupported
 from edge_sdk.codec import WireModel
@@ -139,11 +140,13 @@ class Stacking:
         key = (first.name, first.ctx.spec.to_json(), str(first.ctx.device))
         limit = self.limits.get(key, len(algos))
         # Members whose tasks carry models of other architectures (FedMe's exchanged models)
-        # stack apart: a stack's incoming models are one architecture each.
-        kinds: dict[tuple[tuple[str, str], ...], list[int]] = {}
+        # stack apart: a stack's incoming models are one architecture each. So do members whose
+        # state differs in kind (`state_kind`: in a population, clients never sampled hold no
+        # meme or optimizer yet).
+        kinds: dict[tuple[Any, ...], list[int]] = {}
         for i, t in enumerate(tasks):
-            kind = tuple(sorted((name, m.spec.to_json()) for name, m in t.models.items()))
-            kinds.setdefault(kind, []).append(i)
+            models = tuple(sorted((name, m.spec.to_json()) for name, m in t.models.items()))
+            kinds.setdefault((models, state_kind(algos[i])), []).append(i)
         pending = [
             group[i : i + limit] for group in kinds.values() for i in range(0, len(group), limit)
         ]

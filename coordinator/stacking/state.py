@@ -21,7 +21,7 @@ from edge_sdk.algorithms.base import (
 from edge_sdk.algorithms.members import CohortUnsupported, PerMember
 from edge_sdk.codec import WireModel, clones
 
-__all__ = ["stack_models", "stack_state", "unstack_state"]
+__all__ = ["stack_models", "stack_state", "state_kind", "unstack_state"]
 
 
 # -- stacking and unstacking algorithm state ---------------------------------------------------
@@ -45,6 +45,23 @@ def stack_state(
     if not any(isinstance(v, nn.Module | torch.optim.Optimizer | torch.Tensor) for v in values):
         return copy.deepcopy(first if _equal(values) else PerMember(values))
     raise CohortUnsupported(f"the members' {name!r} differ in kind or hold what cannot stack")
+
+
+def state_kind(algo: ClientAlgorithm) -> tuple[str, ...]:
+    """What `stack_state` needs alike of the members of one stack, per persistent attribute: a
+    module's architecture, an optimizer, a tensor, or a plain value (None included). Members
+    of a population that never trained (no meme, no optimizer yet) and those that did stack
+    apart, not client by client."""
+
+    def kind(v: Any) -> str:
+        if isinstance(v, nn.Module):
+            spec = getattr(v, SPEC_ATTR, None)
+            return f"module {type(v).__name__} {spec.to_json() if spec is not None else ''}"
+        if isinstance(v, torch.optim.Optimizer):
+            return f"optimizer {type(v).__name__}"
+        return "tensor" if isinstance(v, torch.Tensor) else "plain"
+
+    return tuple(kind(getattr(algo, name)) for name in type(algo).persistent)
 
 
 def _equal(values: Sequence[Any]) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -69,48 +69,59 @@ class Deployment:
         models: Mapping[str, WireModel],
         result: FitResult,
         tuned: Candidate | None = None,
+        students: Sequence[Candidate] = (),
     ) -> FitResult:
         """The choice of the model to deploy, after the algorithm's `finish` (a cohort calls it
         per member): the guard's where the config has it on, else the algorithm's final model,
         within the device's budget either way. The reply's details say what it deployed
         (architecture, parameters, size) and why, and how many training samples this client
-        processed. `tuned`: this client's fine-tuned final model when a stack of clients trained
-        theirs at once (coordinator.stacking); otherwise it is trained here."""
+        processed. `tuned`: this client's fine-tuned final model, and `students`: the first
+        students the guard asks for (`Guard.first_student`), when a stack of clients trained
+        theirs at once (coordinator.stacking); otherwise they are trained here."""
         algo = self.algorithm
-        final = algo.guard_candidates()
         distil = self._distiller(rounds)
         if self.guarded:
-            glob = algo._full_global(models)
-            if glob is not None:
-                final.setdefault("global", (glob.spec, algo.ctx.materialize(glob)))
-            if tuned is None and self.finetunes:
-                try:
-                    tuned = self.finetune(rounds, models)
-                except FloatingPointError as exc:  # not a candidate; the others remain
-                    log.warning(
-                        "%s: the guard's fine-tuning diverged (%s)", algo.ctx.client_id, exc
-                    )
-            if tuned is not None:
-                final[FINETUNED] = tuned
-                assert isinstance(algo.config, GuardConfig)
-                if algo.config.guard_default == "mixture" and PERSONAL in final:
-                    w, name, mixed = self.guard.weigh(
-                        final[PERSONAL], tuned, algo.config.guard_mix_weights
-                    )
-                    final = {name: mixed, **final}  # first: the default
-                    result.details["guard_mix_weight"] = w
-            result.details |= self.guard.decide(rounds, final, distil)
+            final, w = self.final_candidates(rounds, models, tuned)
+            if w is not None:
+                result.details["guard_mix_weight"] = w
+            result.details |= self.guard.decide(rounds, final, _served(students, distil))
             m = result.metrics
             if m.get("personal_total"):  # the algorithm's own model on the test split, for reports
                 result.details["guard_unguarded_acc"] = m["personal_correct"] / m["personal_total"]
         else:
             why = "the guard is off" if isinstance(algo.config, GuardConfig) else "no guard"
-            result.details |= self.guard.deploy_first(final, distil, why)
+            result.details |= self.guard.deploy_first(algo.guard_candidates(), distil, why)
         if self.guard.deployed is not None:
             result.metrics |= algo._scores("personal", self.model()[1])
         result.details |= self.details()
         result.details["samples_processed"] = algo.ctx.trainer.samples
         return result
+
+    def final_candidates(
+        self, rounds: int, models: Mapping[str, WireModel], tuned: Candidate | None = None
+    ) -> tuple[dict[str, Candidate], float | None]:
+        """What the guard chooses among after the last round, the default first: the
+        algorithm's candidates, the final global model, the fine-tuned one (trained here
+        unless given: `tuned`) and, with the mixture default, the personalized and the
+        fine-tuned model mixed at the weight `Guard.weigh` chooses (returned, else None)."""
+        algo = self.algorithm
+        final = algo.guard_candidates()
+        glob = algo._full_global(models)
+        if glob is not None:
+            final.setdefault("global", (glob.spec, algo.ctx.materialize(glob)))
+        if tuned is None and self.finetunes:
+            try:
+                tuned = self.finetune(rounds, models)
+            except FloatingPointError as exc:  # not a candidate; the others remain
+                log.warning("%s: the guard's fine-tuning diverged (%s)", algo.ctx.client_id, exc)
+        if tuned is None:
+            return final, None
+        final[FINETUNED] = tuned
+        assert isinstance(algo.config, GuardConfig)
+        if algo.config.guard_default != "mixture" or PERSONAL not in final:
+            return final, None
+        w, name, mixed = self.guard.weigh(final[PERSONAL], tuned, algo.config.guard_mix_weights)
+        return {name: mixed, **final}, w  # first: the default
 
     def model(self) -> tuple[ArchSpec, nn.Module]:
         """The model this client deploys (and exports to ONNX): the guard's choice after the
@@ -223,3 +234,18 @@ class Deployment:
             log.warning("%s: the guard's distillation diverged (%s)", algo.ctx.client_id, exc)
             return None
         return algo.ctx.spec, student
+
+
+def _served(made: Sequence[Candidate], distil: Distil | None) -> Distil | None:
+    """`distil`, except that its first calls are answered with `made` (students trained
+    already, in the order the guard asks for them)."""
+    if not made:
+        return distil
+    queue = list(made)
+
+    def served(teacher: Candidate, start: Candidate | None) -> Candidate | None:
+        if queue:
+            return queue.pop(0)
+        return distil(teacher, start) if distil is not None else None
+
+    return served

@@ -59,7 +59,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -280,6 +280,31 @@ class Guard:
         details: dict[str, Any] = {"guard_val_acc": chosen.correct / chosen.total}
         details |= self._record(chosen, reason, outside)
         return details
+
+    def first_student(
+        self, rounds: int, final: Mapping[str, Candidate]
+    ) -> tuple[Candidate, Candidate | None] | None:
+        """The teacher and start of the first student `decide` makes for `final` (None: it makes
+        none), found by running it up to that student and taking nothing of the run: where a
+        stack of clients distils theirs at once (coordinator.stacking). Until its first
+        student, `decide` draws no random numbers and changes nothing but what it deploys."""
+
+        class _Wanted(Exception):
+            pass
+
+        def wanted(teacher: Candidate, start: Candidate | None) -> Candidate | None:
+            raise _Wanted(teacher, start)
+
+        deployed = self.deployed
+        try:
+            self.decide(rounds, final, wanted)
+        except _Wanted as request:
+            return cast(tuple[Candidate, Candidate | None], request.args)
+        except RuntimeError:  # nothing within the budget: `decide` itself says so
+            return None
+        finally:
+            self.deployed = deployed
+        return None
 
     def deploy_first(
         self, final: Mapping[str, Candidate], distil: Distil | None, why: str

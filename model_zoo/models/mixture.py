@@ -31,8 +31,11 @@ class Mixture(nn.Module):
         self.register_buffer("log_weights", torch.log(w / w.sum()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logp = torch.stack([F.log_softmax(member(x), dim=1) for member in self.members])  # (K,B,C)
-        return torch.logsumexp(logp + self.log_weights.view(-1, 1, 1), dim=0)  # (B, C)
+        # (K, ..., C): the members' log-probabilities over the last dimension, so that members
+        # stacked over clients (coordinator.stacking: (clients, B, C)) mix as one member does
+        logp = torch.stack([F.log_softmax(member(x), dim=-1) for member in self.members])
+        shape = (-1,) + (1,) * (logp.dim() - 1)
+        return torch.logsumexp(logp + self.log_weights.view(shape), dim=0)  # (..., C)
 
 
 def _member_specs(input_shape: tuple[int, ...], num_classes: int, members: Any) -> list[ArchSpec]:

@@ -377,6 +377,71 @@ def test_stacked_persfl_students_see_each_members_own_shifted_views(family):
         assert torch.equal(s.ctx.trainer.generator.get_state(), a.ctx.trainer.generator.get_state())
 
 
+def _image_clients(algorithm, spec, **cfg):
+    """Clients of `algorithm` on 12×12 images (of SIZES training images each), twice: to run
+    alone and stacked."""
+    g = torch.Generator().manual_seed(5)
+    pixels = {n: [torch.rand(k, *spec.input_shape, generator=g) for k in (n, 6, 6)] for n in SIZES}
+    cls = algorithm_class(algorithm)
+    config = cls.config_cls(**(SETTINGS[algorithm] | cfg))
+    sides = []
+    for _ in range(2):
+        clients = []
+        for i, n in enumerate(SIZES):
+            labels = [torch.arange(len(x)) % CLASSES for x in pixels[n]]
+            d = ClientData(*(t for p in zip(pixels[n], labels, strict=True) for t in p), CLASSES)
+            clients.append(
+                cls(ClientContext(f"c{i}", spec, d, CPU, i, Trainer(CPU, seed=i)), config)
+            )
+        sides.append(clients)
+    return sides
+
+
+@pytest.mark.parametrize("diverges", [False, True], ids=["at-once", "client-by-client"])
+def test_the_guards_students_of_a_stack_train_at_once_as_each_would_alone(monkeypatch, diverges):
+    # Prepare: FML clients of an mlp on images, a lenet5 global model: the guard's default, the
+    # personalized and the fine-tuned model mixed, is outside each device's budget, so each
+    # guard distils two students of it (from its mlp and afresh), four shifted views an epoch
+    image = (1, 12, 12)
+    spec = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=image)
+    glob = ArchSpec(family="lenet5", num_classes=CLASSES, input_shape=image)
+    # (short students: their float rounding grows with their steps past the tolerance)
+    alone, stacked = _image_clients("fml", spec, guard_distill_epochs=2, guard_mix_weights=[0.5])
+    at_once = []
+    students = cohort._students_at_once
+
+    def spied(group, *args):
+        # (`diverges`: the stack's students trained, then taken as diverged: each member's
+        # guard trains its own from where its random stream was)
+        made = None if diverges and students(group, *args) else students(group, *args)
+        at_once.append((len(group), None if made is None else [len(m) for m in made]))
+        return made
+
+    monkeypatch.setattr(cohort, "_students_at_once", spied)
+    rounds = 2
+    for round_ in range(1, rounds + 1):
+        models = [{"global": _global(glob, seed=11 * round_)}] * 3
+        for a, m in zip(alone, models, strict=True):
+            a.fit(round_, rounds, m)
+        run_stacked(stacked, "fit", round_, rounds, models)
+
+    # Execute
+    final = [{"global": _global(glob, seed=99)}] * 3
+    expected = [a.finalize(rounds, rounds, m) for a, m in zip(alone, final, strict=True)]
+    got = run_stacked(stacked, "finalize", rounds, rounds, final)
+
+    # Assert: the three members' two students each were trained as one stack (or, diverged,
+    # by each member's guard), and every member deployed the student it deploys alone, its
+    # samples and random stream as alone
+    assert at_once == [(3, [2, 2, 2])] if not diverges else [(3, None)]
+    for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
+        assert e.details["deployed"] == "distilled (final, mlp)"
+        _assert_close(g.details, e.details, "details")
+        _assert_close(g.metrics, e.metrics, "metrics")
+        _assert_close(s.state_dict(), a.state_dict(), f"{a.ctx.client_id} state")
+        assert torch.equal(s.ctx.trainer.generator.get_state(), a.ctx.trainer.generator.get_state())
+
+
 def _with_data(algo, **splits):
     """`algo`'s data with the given splits replaced."""
     d = algo.ctx.data
@@ -1367,6 +1432,29 @@ def test_a_stack_that_runs_out_of_memory_trains_in_halves(stacked_fits, monkeypa
     _, other = _clients("fml", sizes=(20, 18, 16, 14))
     _together(other, models, Stacking())
     assert tried[5:] == [4, 2, 2]
+
+
+def test_a_population_stacks_its_sampled_and_its_never_sampled_clients_apart(stacked_fits):
+    # Prepare: FML, 8 clients of which 4 train (a round of a cohort of 4); the 4 never sampled
+    # hold no meme or optimizer, the 4 sampled do
+    flags = dict(algorithm="fml", rounds=1, clients=8, clients_per_round=4, lr=0.05)
+    one_by_one_cfg = tiny_config(**flags, cohort=False)
+    stacked_cfg = tiny_config(**flags, cohort="always")
+
+    # Execute
+    one_by_one = run_federation(one_by_one_cfg, prepare_federation(one_by_one_cfg), "fml")
+    stacked = run_federation(stacked_cfg, prepare_federation(stacked_cfg), "fml")
+
+    # Assert: every stack tried ran (none refused for members of two kinds), and the
+    # evaluation and the finalize of the 8 ran stacked but for clients alone of their kind in
+    # their group; every client ends where it ended alone
+    assert all(isinstance(n, int) for _, n in stacked_fits.phases), stacked_fits.phases
+    for phase in ("evaluate", "finalize"):
+        assert sum(n for p, n in stacked_fits.phases if p == phase) >= 6, phase
+    assert [c.personal_acc for c in stacked.clients] == [c.personal_acc for c in one_by_one.clients]
+    assert [c.details.get("deployed") for c in stacked.clients] == [
+        c.details.get("deployed") for c in one_by_one.clients
+    ]
 
 
 def test_simulated_pfml_trains_stacked_with_the_results_of_one_client_at_a_time(stacked_fits):

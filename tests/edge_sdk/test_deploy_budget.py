@@ -895,3 +895,20 @@ def test_a_student_replaces_the_choice_only_when_clearly_better(wins, replaces):
     chosen = Pick(PERSONAL, 2, True, chosen_hits, 1.0)
     student = Pick(DISTILLED, 2, True, student_hits, 1.0)
     assert guard.replaces(student, chosen) is replaces
+
+
+def test_the_first_student_is_found_without_making_it_or_changing_what_is_deployed():
+    guard = Guard(Trainer(torch.device("cpu"), seed=0), _data(), z=2.0, budget=OWN, own=MLP)
+    stuck, trained = _stuck_mlp(), _trained_global()["global"].build()
+    final = {PERSONAL: (MLP, stuck), "global": (MLR, trained)}
+    before = guard.trainer.rng_state()
+    earlier = Pick(PERSONAL, 1, False, torch.zeros(32, dtype=torch.bool), 1.0)
+    guard.deployed = earlier
+
+    # The global model outside the budget is clearly better than the stuck default: its
+    # student starts from the stuck model (the choice)
+    (teacher, start) = guard.first_student(2, final)
+    assert teacher == final["global"] and start == final[PERSONAL]
+    assert guard.deployed is earlier and torch.equal(guard.trainer.rng_state(), before)
+    # Nothing outside the budget is better: no student
+    assert guard.first_student(2, {PERSONAL: (MLP, _copy_of(_knowing_mlp()))}) is None
