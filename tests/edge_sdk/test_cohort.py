@@ -332,51 +332,6 @@ def test_stacked_persfl_members_keep_their_own_teacher_and_distil_their_own_stud
     }
 
 
-@pytest.mark.parametrize("family", ["mlp", "lenet5"])
-def test_stacked_persfl_students_see_each_members_own_shifted_views(family):
-    # Prepare: PersFL clients of images (of three sizes), alone and stacked, stage 2 on images
-    # shifted by up to a pixel; a global model of the other family, so the students start afresh
-    image = (1, 12, 12)
-    spec = ArchSpec(family=family, num_classes=CLASSES, input_shape=image)
-    other = "lenet5" if family == "mlp" else "mlp"
-    glob = ArchSpec(family=other, num_classes=CLASSES, input_shape=image)
-    # (the guard's students, trained after stage 2 client by client, kept short: 160 passes
-    # grow stage 2's float rounding past the comparison's tolerance)
-    cfg = PersFL.config_cls(
-        **SETTINGS["persfl"], distill_shift=1, distill_lambdas=[0.0, 0.5], guard_distill_epochs=2
-    )
-    g = torch.Generator().manual_seed(5)
-    pixels = {n: [torch.rand(k, *image, generator=g) for k in (n, 6, 6)] for n in SIZES}
-    sides = []
-    for _ in range(2):
-        clients = []
-        for i, n in enumerate(SIZES):
-            labels = [torch.arange(len(x)) % CLASSES for x in pixels[n]]
-            d = ClientData(*(t for p in zip(pixels[n], labels, strict=True) for t in p), CLASSES)
-            ctx = ClientContext(f"c{i}", spec, d, CPU, i, Trainer(CPU, seed=i))
-            clients.append(PersFL(ctx, cfg))
-        sides.append(clients)
-    alone, stacked = sides
-    rounds = 2
-    for round_ in range(1, rounds + 1):
-        models = [{"global": _global(glob, seed=11 * round_)}] * 3
-        for a, m in zip(alone, models, strict=True):
-            a.fit(round_, rounds, m)
-        run_stacked(stacked, "fit", round_, rounds, models)
-
-    # Execute: stage 2 (the grid, on shifted views) and the guard
-    final = [{"global": _global(glob, seed=99)}] * 3
-    expected = [a.finalize(rounds, rounds, m) for a, m in zip(alone, final, strict=True)]
-    got = run_stacked(stacked, "finalize", rounds, rounds, final)
-
-    # Assert: every member's grid, student and random stream as alone
-    for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
-        _assert_close(g.details, e.details, "details")
-        _assert_close(g.metrics, e.metrics, "metrics")
-        _assert_close(s.state_dict(), a.state_dict(), f"{a.ctx.client_id} state")
-        assert torch.equal(s.ctx.trainer.generator.get_state(), a.ctx.trainer.generator.get_state())
-
-
 def _image_clients(algorithm, spec, **cfg):
     """Clients of `algorithm` on 12×12 images (of SIZES training images each), twice: to run
     alone and stacked."""
@@ -395,6 +350,49 @@ def _image_clients(algorithm, spec, **cfg):
             )
         sides.append(clients)
     return sides
+
+
+def _finalized_both_ways(alone, stacked, glob, rounds=2):
+    """Each side's fits (a global model of `glob`, another every round), alone and stacked,
+    then its finalize: (the replies alone, the stack's)."""
+    for round_ in range(1, rounds + 1):
+        models = [{"global": _global(glob, seed=11 * round_)}] * 3
+        for a, m in zip(alone, models, strict=True):
+            a.fit(round_, rounds, m)
+        run_stacked(stacked, "fit", round_, rounds, models)
+    final = [{"global": _global(glob, seed=99)}] * 3
+    expected = [a.finalize(rounds, rounds, m) for a, m in zip(alone, final, strict=True)]
+    return expected, run_stacked(stacked, "finalize", rounds, rounds, final)
+
+
+def _assert_each_as_alone(expected, got, alone, stacked):
+    """Each member's finalize reply, state and random stream as alone."""
+    for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
+        _assert_close(g.details, e.details, "details")
+        _assert_close(g.metrics, e.metrics, "metrics")
+        _assert_close(s.state_dict(), a.state_dict(), f"{a.ctx.client_id} state")
+        assert torch.equal(s.ctx.trainer.generator.get_state(), a.ctx.trainer.generator.get_state())
+
+
+@pytest.mark.parametrize("family", ["mlp", "lenet5"])
+def test_stacked_persfl_students_see_each_members_own_shifted_views(family):
+    # Prepare: PersFL clients of images (of three sizes), alone and stacked, stage 2 on images
+    # shifted by up to a pixel; a global model of the other family, so the students start afresh
+    image = (1, 12, 12)
+    spec = ArchSpec(family=family, num_classes=CLASSES, input_shape=image)
+    other = "lenet5" if family == "mlp" else "mlp"
+    glob = ArchSpec(family=other, num_classes=CLASSES, input_shape=image)
+    # (the guard's students, trained after stage 2, kept short: 160 passes grow stage 2's float
+    # rounding past the comparison's tolerance)
+    alone, stacked = _image_clients(
+        "persfl", spec, distill_shift=1, distill_lambdas=[0.0, 0.5], guard_distill_epochs=2
+    )
+
+    # Execute: stage 1, then stage 2 (the grid, on shifted views) and the guard
+    expected, got = _finalized_both_ways(alone, stacked, glob)
+
+    # Assert: every member's grid, student and random stream as alone
+    _assert_each_as_alone(expected, got, alone, stacked)
 
 
 @pytest.mark.parametrize("diverges", [False, True], ids=["at-once", "client-by-client"])
@@ -418,28 +416,16 @@ def test_the_guards_students_of_a_stack_train_at_once_as_each_would_alone(monkey
         return made
 
     monkeypatch.setattr(cohort, "_students_at_once", spied)
-    rounds = 2
-    for round_ in range(1, rounds + 1):
-        models = [{"global": _global(glob, seed=11 * round_)}] * 3
-        for a, m in zip(alone, models, strict=True):
-            a.fit(round_, rounds, m)
-        run_stacked(stacked, "fit", round_, rounds, models)
 
     # Execute
-    final = [{"global": _global(glob, seed=99)}] * 3
-    expected = [a.finalize(rounds, rounds, m) for a, m in zip(alone, final, strict=True)]
-    got = run_stacked(stacked, "finalize", rounds, rounds, final)
+    expected, got = _finalized_both_ways(alone, stacked, glob)
 
     # Assert: the three members' two students each were trained as one stack (or, diverged,
     # by each member's guard), and every member deployed the student it deploys alone, its
     # samples and random stream as alone
-    assert at_once == [(3, [2, 2, 2])] if not diverges else [(3, None)]
-    for e, g, a, s in zip(expected, got, alone, stacked, strict=True):
-        assert e.details["deployed"] == "distilled (final, mlp)"
-        _assert_close(g.details, e.details, "details")
-        _assert_close(g.metrics, e.metrics, "metrics")
-        _assert_close(s.state_dict(), a.state_dict(), f"{a.ctx.client_id} state")
-        assert torch.equal(s.ctx.trainer.generator.get_state(), a.ctx.trainer.generator.get_state())
+    assert at_once == ([(3, None)] if diverges else [(3, [2, 2, 2])])
+    assert all(e.details["deployed"] == "distilled (final, mlp)" for e in expected)
+    _assert_each_as_alone(expected, got, alone, stacked)
 
 
 def _with_data(algo, **splits):
