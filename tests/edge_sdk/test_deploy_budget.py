@@ -12,6 +12,7 @@ from tests_helpers import raises_exactly
 
 from edge_sdk.algorithms import ClientContext, algorithm_class
 from edge_sdk.algorithms.candidates import DISTILLED, PERSONAL
+from edge_sdk.algorithms.deployment import _served
 from edge_sdk.algorithms.fml import FML, FMLConfig
 from edge_sdk.algorithms.guard import _REASON_CHARS, Guard, Pick, _sentence
 from edge_sdk.budget import DeployBudget, arch_name, footprint
@@ -912,3 +913,25 @@ def test_the_first_student_is_found_without_making_it_or_changing_what_is_deploy
     assert guard.deployed is earlier and torch.equal(guard.trainer.rng_state(), before)
     # Nothing outside the budget is better: no student
     assert guard.first_student(2, {PERSONAL: (MLP, _copy_of(_knowing_mlp()))}) is None
+
+
+def test_students_trained_already_answer_the_guards_first_asks_and_the_rest_are_made():
+    # A stack's students (coordinator.stacking) answer the first asks in order; a later ask
+    # (a model outside the budget clearly better than the choice) is distilled as usual, with
+    # its own teacher and start; without a distiller, nothing.
+    made = [(MLP, build(MLP, seed=1)), (MLP, build(MLP, seed=2))]
+    asked = []
+
+    def distil(teacher, start):
+        asked.append((teacher, start))
+        return MLP, build(MLP, seed=3)
+
+    served = _served(made, distil)
+    teacher, start = (MLR, build(MLR)), (MLP, build(MLP))
+    assert served(teacher, start) is made[0] and served(teacher, None) is made[1]
+    later = served(teacher, start)
+    assert later is not None and asked == [(teacher, start)]
+    alone = _served([made[0]], None)
+    assert alone is not None and alone(teacher, start) is made[0]
+    assert alone(teacher, start) is None
+    assert _served([], distil) is distil
