@@ -203,18 +203,26 @@ class Trainer:
     ) -> Iterator[tuple[torch.Tensor, ...]]:
         """(inputs, labels, the teacher's logits) batches for `epochs` epochs of distilling
         `teacher`. With `shift` > 0 and images (n, c, h, w): each epoch shows `views` views of
-        every image, every batch moved by up to `shift` pixels each way afresh (`shifted`, from
-        this trainer's random stream) and labelled by the teacher as moved. Otherwise the
-        images as they are, and the teacher's logits computed once (it is fixed)."""
-        if shift > 0 and x.dim() == 4:
+        every image, every batch moved by up to `shift` pixels each way afresh and labelled by
+        the teacher as moved (`_moved`). Otherwise the images as they are, and the teacher's
+        logits computed once (it is fixed)."""
+        if shift <= 0 or not self._images(x):
+            return self.epochs(x, y, batch_size, epochs, self.logits(teacher, x))
+        return (
+            self._moved(batch, shift, teacher)
+            for batch in self.epochs(x, y, batch_size, epochs * views)
+        )
 
-            def moved() -> Iterator[tuple[torch.Tensor, ...]]:
-                for xb, yb in self.epochs(x, y, batch_size, epochs * views):
-                    xb = shifted(xb, shift, self.generator)
-                    yield xb, yb, self.logits(teacher, xb)
+    def _images(self, x: torch.Tensor) -> bool:
+        """Whether `x` holds images (n, c, h, w), which a distillation may shift."""
+        return x.dim() == 4
 
-            return moved()
-        return self.epochs(x, y, batch_size, epochs, self.logits(teacher, x))
+    def _moved(self, batch: tuple[Any, ...], shift: int, teacher: nn.Module) -> tuple[Any, ...]:
+        """A batch's images moved (`shifted`, from this trainer's random stream), their labels,
+        and the teacher's logits for the moved images."""
+        xb, yb = batch
+        xb = shifted(xb, shift, self.generator)
+        return xb, yb, self.logits(teacher, xb)
 
     def rng_state(self) -> Any:
         """The state of the random stream batches are drawn from (`set_rng_state` restores

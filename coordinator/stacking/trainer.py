@@ -221,38 +221,24 @@ class CohortTrainer(Trainer):
     def epoch(self, n: int, batch_size: int) -> Any:
         raise CohortUnsupported("index batches are per client")
 
-    def distillation_batches(
-        self,
-        teacher: nn.Module,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        batch_size: int,
-        epochs: int,
-        shift: int = 0,
-        views: int = 1,
-    ) -> Iterator[Any]:
-        """`Trainer.distillation_batches` for the stack. Shifted, each member's images are moved
-        as they would be alone (its offsets drawn from its own random stream, one per sample of
-        its batch, after its permutation), and the stacked teacher labels the stacked batch;
-        otherwise the teacher's logits once (packed), rows of each member's batches."""
-        if shift <= 0 or _packed(x).base.dim() != 4:
-            return self.epochs(x, y, batch_size, epochs, self.logits(teacher, x))
+    def _images(self, x: torch.Tensor) -> bool:
+        return _packed(x).base.dim() == 4
 
-        def moved() -> Iterator[_Batch]:
-            for stacked in self.epochs(x, y, batch_size, epochs * views):
-                batch = cast(_Batch, stacked)
-                inputs, yb, weights, active = batch
-                xb = cast(torch.Tensor, inputs)
-                rows, width = xb.shape[:2]
-                draws = torch.zeros(2, rows, width, 1, dtype=torch.int64, device=self.device)
-                for i, (t, c) in enumerate(zip(self.members[:rows], batch.counts, strict=False)):
-                    if c:  # (padding, and a member sitting the step out, draw nothing)
-                        draws[:, i, :c] = shift_draws(c, shift, t.generator, self.device)
-                xb = moved_by(xb.flatten(0, 1), shift, draws.flatten(1, 2)).view(xb.shape)
-                labels = self._labels(teacher, xb)
-                yield _batch((xb, yb, labels, weights, active), batch.taking, batch.counts)
-
-        return moved()
+    def _moved(self, batch: tuple[Any, ...], shift: int, teacher: nn.Module) -> _Batch:
+        """`Trainer._moved` for the stack: each member's images moved as they would be alone
+        (its offsets drawn from its own random stream, one per sample of its batch, after its
+        permutation), and the stacked teacher labelling the stacked batch."""
+        stacked = cast(_Batch, batch)
+        inputs, yb, weights, active = stacked
+        xb = cast(torch.Tensor, inputs)
+        rows, width = xb.shape[:2]
+        draws = torch.zeros(2, rows, width, 1, dtype=torch.int64, device=self.device)
+        for i, (t, c) in enumerate(zip(self.members[:rows], stacked.counts, strict=False)):
+            if c:  # (padding, and a member sitting the step out, draw nothing)
+                draws[:, i, :c] = shift_draws(c, shift, t.generator, self.device)
+        xb = moved_by(xb.flatten(0, 1), shift, draws.flatten(1, 2)).view(xb.shape)
+        labels = self._labels(teacher, xb)
+        return _batch((xb, yb, labels, weights, active), stacked.taking, stacked.counts)
 
     @torch.no_grad()
     def _labels(self, teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
