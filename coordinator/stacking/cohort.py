@@ -54,6 +54,7 @@ from edge_sdk.algorithms.base import (
     FitResult,
     TaskInfo,
 )
+from edge_sdk.algorithms.deployment import Final
 from edge_sdk.algorithms.members import CohortUnsupported
 from edge_sdk.codec import WireModel
 from edge_sdk.trainer import Score
@@ -201,22 +202,26 @@ def run_stacked(
     if keep is not None:
         keep.put(members, stacked)
     rows = _split_result(result, len(members))
-    tuned: list[Candidate | None] = [None] * len(members)
+    finals: list[Final | None] = [None] * len(members)
     students: list[list[Candidate]] = [[] for _ in members]
     if phase == "finalize" and all(a.deployment.finetunes for a in members):
         tuned = _finetuned_rows(stacked, members, rounds, incoming)
         if None not in tuned:
-            students = _student_rows(members, rounds, [models[i] for i in order], tuned, masked)
+            finals = [
+                a.deployment.final_candidates(rounds, models[i], t)
+                for a, i, t in zip(members, order, tuned, strict=True)
+            ]
+            students = _student_rows(members, rounds, cast(list[Final], finals), masked)
     scores: list[dict[str, Score] | None] = [None] * len(members)
     if phase == "fit" and all(a.deployment.guarded and a.deployment.guard.active for a in members):
         scores = _guard_scores(stacked)
     out: list[FitResult] = [rows[0]] * len(algos)
-    for a, row, i, t, sc, made in zip(members, rows, order, tuned, scores, students, strict=True):
+    for a, row, i, f, sc, made in zip(members, rows, order, finals, scores, students, strict=True):
         # What `fit` and `finalize` do after the stacked part, member by member (the guard).
         if phase == "fit":
             a.deployment.after_fit(round_, sc)
         elif phase == "finalize":
-            row = a.deployment.after_finish(rounds, models[i], row, tuned=t, students=made)
+            row = a.deployment.after_finish(rounds, models[i], row, final=f, students=made)
         out[i] = row
     return out
 
@@ -234,13 +239,10 @@ def _rewind(members: Sequence[ClientAlgorithm], positions: list[tuple[Any, int]]
 
 
 def _student_rows(
-    members: Sequence[ClientAlgorithm],
-    rounds: int,
-    models: Sequence[Mapping[str, WireModel]],
-    tuned: Sequence[Candidate | None],
-    masked: bool | None,
+    members: Sequence[ClientAlgorithm], rounds: int, finals: Sequence[Final], masked: bool | None
 ) -> list[list[Candidate]]:
-    """The first students each member's guard asks for (`Guard.first_student`: of a default
+    """The first students each member's guard asks for among its `finals`
+    (`Deployment.first_student`: of a default
     outside the device's budget, or of a model outside it that is clearly better, one from the
     device's model and one afresh), trained at once for the members that ask for the same kind
     (the teacher's architecture, the start's), each member's batches and shifts from its own
@@ -252,11 +254,10 @@ def _student_rows(
     out: list[list[Candidate]] = [[] for _ in members]
     asked: dict[Any, list[int]] = {}
     requests: list[tuple[Candidate, Candidate | None] | None] = []
-    for k, (a, t, m) in enumerate(zip(members, tuned, models, strict=True)):
-        final, _ = a.deployment.final_candidates(rounds, m, t)
-        request = a.deployment.guard.first_student(rounds, final) if a.deployment.guarded else None
+    for k, (a, (final, _)) in enumerate(zip(members, finals, strict=True)):
+        request = a.deployment.first_student(rounds, final)
         requests.append(request)
-        if request is not None and a.deployment._distiller(rounds) is not None:
+        if request is not None:
             (spec, _), start = request
             kind = (spec.model_dump_json(), None if start is None else start[0].model_dump_json())
             asked.setdefault(kind, []).append(k)

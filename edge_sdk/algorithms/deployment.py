@@ -32,7 +32,11 @@ from model_zoo import ArchSpec
 if TYPE_CHECKING:
     from edge_sdk.algorithms.base import ClientAlgorithm
 
-__all__ = ["Deployment"]
+__all__ = ["Deployment", "Final"]
+
+# What the guard chooses among after the last round, the default first, and the mixture's weight
+# of the personalized model where the default is a weighed mixture (`Deployment.final_candidates`).
+Final = tuple[dict[str, Candidate], float | None]
 
 log = logging.getLogger(__name__)
 
@@ -68,23 +72,24 @@ class Deployment:
         rounds: int,
         models: Mapping[str, WireModel],
         result: FitResult,
-        tuned: Candidate | None = None,
+        final: Final | None = None,
         students: Sequence[Candidate] = (),
     ) -> FitResult:
         """The choice of the model to deploy, after the algorithm's `finish` (a cohort calls it
         per member): the guard's where the config has it on, else the algorithm's final model,
         within the device's budget either way. The reply's details say what it deployed
         (architecture, parameters, size) and why, and how many training samples this client
-        processed. `tuned`: this client's fine-tuned final model, and `students`: the first
-        students the guard asks for (`Guard.first_student`), when a stack of clients trained
-        theirs at once (coordinator.stacking); otherwise they are trained here."""
+        processed. `final`: the candidates (`final_candidates`, with this client's fine-tuned
+        final model), and `students`: the first students the guard asks for (`first_student`),
+        where a stack of clients trained theirs at once (coordinator.stacking); otherwise they
+        are made here."""
         algo = self.algorithm
         distil = self._distiller(rounds)
         if self.guarded:
-            final, w = self.final_candidates(rounds, models, tuned)
+            candidates, w = final if final is not None else self.final_candidates(rounds, models)
             if w is not None:
                 result.details["guard_mix_weight"] = w
-            result.details |= self.guard.decide(rounds, final, _served(students, distil))
+            result.details |= self.guard.decide(rounds, candidates, _served(students, distil))
             m = result.metrics
             if m.get("personal_total"):  # the algorithm's own model on the test split, for reports
                 result.details["guard_unguarded_acc"] = m["personal_correct"] / m["personal_total"]
@@ -99,7 +104,7 @@ class Deployment:
 
     def final_candidates(
         self, rounds: int, models: Mapping[str, WireModel], tuned: Candidate | None = None
-    ) -> tuple[dict[str, Candidate], float | None]:
+    ) -> Final:
         """What the guard chooses among after the last round, the default first: the
         algorithm's candidates, the final global model, the fine-tuned one (trained here
         unless given: `tuned`) and, with the mixture default, the personalized and the
@@ -122,6 +127,16 @@ class Deployment:
             return final, None
         w, name, mixed = self.guard.weigh(final[PERSONAL], tuned, algo.config.guard_mix_weights)
         return {name: mixed, **final}, w  # first: the default
+
+    def first_student(
+        self, rounds: int, final: Mapping[str, Candidate]
+    ) -> tuple[Candidate, Candidate | None] | None:
+        """The teacher and start of the first student the guard makes after the last round,
+        among `final` (`Guard.first_student`); None where it makes none (the guard off, or no
+        students in the config)."""
+        if not self.guarded or self._distiller(rounds) is None:
+            return None
+        return self.guard.first_student(rounds, final)
 
     def model(self) -> tuple[ArchSpec, nn.Module]:
         """The model this client deploys (and exports to ONNX): the guard's choice after the

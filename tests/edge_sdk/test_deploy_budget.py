@@ -935,3 +935,21 @@ def test_students_trained_already_answer_the_guards_first_asks_and_the_rest_are_
     assert alone is not None and alone(teacher, start) is made[0]
     assert alone(teacher, start) is None
     assert _served([], distil) is distil
+
+
+@pytest.mark.parametrize(
+    ("cfg", "asks"),
+    [({}, True), ({"guard": False}, False), ({"guard_distill_epochs": 0}, False)],
+    ids=["students", "guard-off", "no-students"],
+)
+def test_a_deployment_asks_for_a_first_student_only_where_its_guard_makes_students(cfg, asks):
+    # The stuck client after its rounds: its default, the mixture, is outside the budget
+    client = _client(OWN, **cfg)
+    for r in (1, 2):
+        client.fit(r, 2, _trained_global())
+    final, _ = client.deployment.final_candidates(2, _trained_global())
+    request = client.deployment.first_student(2, final)
+    assert (request is not None) == asks
+    if asks:  # a student of the default (the fine-tuned MLR here), from its own MLP
+        teacher, start = request
+        assert teacher is next(iter(final.values())) and start is final[PERSONAL]
