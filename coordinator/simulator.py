@@ -454,20 +454,36 @@ def _finished_path(cfg: RunConfig, name: str) -> Path | None:
     return kept / f"{name}.finished.json" if kept else None
 
 
+def _unrun_sections(cfg: RunConfig) -> set[str]:
+    """The config sections of the algorithms `cfg` does not run (neither its algorithm nor a
+    baseline): nothing of the run depends on them."""
+    from edge_sdk.algorithms import algorithm_names
+
+    return set(algorithm_names()) - set(cfg.runs)
+
+
 def _finished_runs(cfg: RunConfig) -> dict[str, RunResult]:
     """The runs (the algorithm, baselines) an earlier start of this simulation finished, read
-    back from its checkpoint; none without one. A checkpoint of other settings is refused."""
+    back from its checkpoint; none without one. A checkpoint of other settings is refused;
+    the sections of algorithms the run does not run are not compared (a later edgefl that adds
+    a setting to another algorithm continues the checkpoint of an earlier one)."""
     kept = checkpoint_dir(cfg)
     if kept is None:
         return {}
     kept.mkdir(parents=True, exist_ok=True)
     settings = kept / "settings.json"
+    unrun = _unrun_sections(cfg)
     ours = cfg.model_dump_json(exclude=set(distributed.LOCAL_SETTINGS))
-    if settings.exists() and settings.read_text() != ours:
-        raise ConfigError(
-            f"{kept} was written by a simulation with other settings: remove it (or choose "
-            "another --out) to start over, or run with the settings that wrote it"
-        )
+    if settings.exists():
+        try:
+            theirs = json.loads(settings.read_text())
+        except ValueError as exc:
+            raise ConfigError(f"{settings} is not the JSON a simulation writes ({exc})") from exc
+        if _without(theirs, unrun) != _without(json.loads(ours), unrun):
+            raise ConfigError(
+                f"{kept} was written by a simulation with other settings: remove it (or choose "
+                "another --out) to start over, or run with the settings that wrote it"
+            )
     write_atomic(settings, ours)
     done = {}
     for name in cfg.runs:
@@ -475,6 +491,14 @@ def _finished_runs(cfg: RunConfig) -> dict[str, RunResult]:
         if path is not None and path.exists():
             done[name] = RunResult.from_dict(json.loads(path.read_text()))
     return done
+
+
+def _without(settings: Any, sections: set[str]) -> Any:
+    return (
+        {k: v for k, v in settings.items() if k not in sections}
+        if isinstance(settings, dict)
+        else settings
+    )
 
 
 def serve_runs(cfg: RunConfig) -> None:

@@ -19,7 +19,9 @@
 #   papers      paper rows at their full size (benchmarks/reproduce.py run ROW --device cuda
 #               --checkpoint), the rows PAPER_ROWS side by side, started in the background:
 #               the parts after it run beside them, and the script waits for them at the end.
-#               A row cut short keeps its finished runs (checkpoint)                   T_PAPERS=360
+#               A row cut short keeps its finished runs (checkpoint); PAPER_FROM, a folder
+#               holding an earlier call's reproduce/ROW (carried, e.g. .device/reproduce),
+#               continues each row from its checkpoint there                          T_PAPERS=360
 # One call may run 600 s: `tests ranks round` fit in one (the default), `population` in another.
 # Timed parts (ranks, round) run alone: put them before `papers`.
 set -u
@@ -84,6 +86,9 @@ round() {
 papers() {
   local row
   for row in ${PAPER_ROWS:-fml-fmnist-p6-lenet5}; do
+    if [[ -n ${PAPER_FROM:-} && -d $PAPER_FROM/$row ]]; then
+      mkdir -p "$W/reproduce" && cp -r "$PAPER_FROM/$row" "$W/reproduce/" && say "$row: from $PAPER_FROM"
+    fi
     timeout "${T_PAPERS:-360}" python3 benchmarks/reproduce.py run "$row" --device cuda \
       --checkpoint --data-root "$D" --out "$W/reproduce" > "$W/paper_$row.txt" 2>&1 &
   done

@@ -4,6 +4,7 @@ exactly as clients kept live, for every algorithm; memory holds the cohort, not 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,37 @@ def test_a_parked_client_is_written_again_only_after_a_task_that_changed_it(monk
     # written, and the 8 evaluations after a fit are not (the fit's bytes stay).
     assert writes[:4] == ["unchanged"] * 4
     assert writes[4:] == ["changed"] * (4 * 2 + 4)
+
+
+def test_a_checkpoint_continues_under_new_settings_of_algorithms_it_does_not_run(
+    monkeypatch, tmp_path
+):
+    # Prepare: a finished checkpointed run (FedAvg, the local baseline); its settings file as a
+    # later or earlier edgefl would find it: a section of an algorithm it does not run gone, a
+    # setting added to another.
+    cfg = tiny_config(checkpoint=True, out=str(tmp_path / "out"), baselines=["local"])
+    first = simulate(cfg, progress=False)
+    path = tmp_path / "out" / "checkpoint" / "settings.json"
+    written = json.loads(path.read_text())
+    edited = {k: v for k, v in written.items() if k != "persfl"}
+    edited["fml"] = {**edited["fml"], "a_setting_of_another_version": 1}
+    path.write_text(json.dumps(edited))
+
+    def never(self):
+        raise AssertionError(f"{self.algorithm} ran again")
+
+    monkeypatch.setattr(Coordinator, "run", never)
+
+    # Execute
+    again = simulate(cfg, progress=False)
+
+    # Assert: both runs read back as they finished, and the settings written as this version's
+    assert [c.personal_acc for c in again.clients] == [c.personal_acc for c in first.clients]
+    assert json.loads(path.read_text()) == written
+    # ... while a setting of a run it runs, or a file that is not settings, is refused.
+    path.write_text(json.dumps({**written, "local": {**written["local"], "lr": 0.5}}))
+    with pytest.raises(ConfigError, match="was written by a simulation with other settings"):
+        simulate(cfg, progress=False)
+    path.write_text("{")
+    with pytest.raises(ConfigError, match=r"settings.json is not the JSON a simulation writes"):
+        simulate(cfg, progress=False)
