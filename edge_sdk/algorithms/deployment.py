@@ -122,10 +122,14 @@ class Deployment:
         if tuned is None:
             return final, None
         final[FINETUNED] = tuned
-        assert isinstance(algo.config, GuardConfig)
-        if algo.config.guard_default != "mixture" or PERSONAL not in final:
+        cfg = algo.config
+        assert isinstance(cfg, GuardConfig)
+        if cfg.guard_default != "mixture" or PERSONAL not in final:
             return final, None
-        w, name, mixed = self.guard.weigh(final[PERSONAL], tuned, algo.config.guard_mix_weights)
+        weights = cfg.guard_mix_weights
+        if cfg.guard_mix_weights_other_arch is not None and final[PERSONAL][0] != tuned[0]:
+            weights = cfg.guard_mix_weights_other_arch
+        w, name, mixed = self.guard.weigh(final[PERSONAL], tuned, weights)
         return {name: mixed, **final}, w  # first: the default
 
     def first_student(

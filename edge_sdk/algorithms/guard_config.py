@@ -48,6 +48,12 @@ class GuardConfig(BaseModel):
     guard_mix_weights: list[float] = Field(
         default_factory=lambda: [1.0, 0.75, 0.5, 0.25, 0.0], min_length=1
     )
+    # [ours] The weights tried instead where the personalized model's architecture is not the
+    # fine-tuned model's (for FML, PFML and PersFL: on a device of another architecture than
+    # the global one); None: `guard_mix_weights`. Without 1, the default there is never the
+    # personalized model alone: under a budget of its own architecture, a student of the mixture
+    # (PersFL's default: [0.75, 0.5, 0.25, 0], PersFLConfig).
+    guard_mix_weights_other_arch: list[float] | None = Field(None, min_length=1)
     # [ours] Where the default is outside the device's budget (a mixture, a global model of
     # another architecture), or a model outside it is clearly better on validation than what it
     # may deploy, a student of the device's own architecture learns from it for this many epochs
@@ -80,10 +86,10 @@ class GuardConfig(BaseModel):
             return {**cls.PAPER, **cls.paper, **data}
         return data
 
-    @field_validator("guard_mix_weights")
+    @field_validator("guard_mix_weights", "guard_mix_weights_other_arch")
     @classmethod
-    def _weights_in_0_1(cls, weights: list[float]) -> list[float]:
-        if not all(0 <= w <= 1 for w in weights):
+    def _weights_in_0_1(cls, weights: list[float] | None) -> list[float] | None:
+        if weights is not None and not all(0 <= w <= 1 for w in weights):
             raise ValueError(f"each weight of the personalized model is in [0, 1], got {weights}")
         return weights
 

@@ -105,6 +105,14 @@ class PersFLConfig(FedAvgConfig, PatientGuardConfig):
     # shifted. 1 gained on the long digits split and lost on the long Fashion-MNIST one and on
     # most quick splits (docs/algorithms.md, "Defaults measured at two sizes"): 0 stays.
     distill_shift: int = Field(0, ge=0)
+    # [ours] On a device of another architecture than the global one, the guard's default is
+    # never PersFL's student alone: a student of its mixture with the fine-tuned global model
+    # (under a budget of its own architecture), starting from PersFL's student and afresh;
+    # PersFL's student is deployed where it is clearly better. It gained at the long size and
+    # was level at the quick one (docs/algorithms.md, "Defaults measured at two sizes").
+    guard_mix_weights_other_arch: list[float] | None = Field(
+        default_factory=lambda: [0.75, 0.5, 0.25, 0.0], min_length=1
+    )
     # Coordinator: how many of the latest global models it keeps for new participants [ours].
     archive_size: int = Field(10, ge=0)
 

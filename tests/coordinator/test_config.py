@@ -34,6 +34,11 @@ def test_every_algorithm_has_a_section_with_the_documented_defaults():
     assert cfg.fedme.guard_mix_weights == [0.5]
     for weighed in (cfg.fml, cfg.persfl, cfg.pfml, cfg.federico):
         assert weighed.guard_mix_weights == [1, 0.75, 0.5, 0.25, 0]
+    # ours, measured: on a device of another architecture, PersFL's guard never defaults to
+    # PersFL's student alone; the others weigh as everywhere
+    assert cfg.persfl.guard_mix_weights_other_arch == [0.75, 0.5, 0.25, 0]
+    for same in (cfg.fml, cfg.fedme, cfg.pfml, cfg.federico):
+        assert same.guard_mix_weights_other_arch is None
 
 
 def test_precedence_defaults_toml_flags_overrides(tmp_path):

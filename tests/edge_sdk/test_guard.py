@@ -389,6 +389,30 @@ def test_the_default_mixes_the_two_with_the_weight_of_lowest_validation_loss(
     assert torch.allclose(_probs(deployed, x), want, atol=1e-5)
 
 
+@pytest.mark.parametrize(("glob_spec", "weight"), [(MLR, 0.5), (MLP, 1.0)])
+def test_the_other_arch_weights_are_tried_where_the_two_models_differ_in_architecture(
+    glob_spec, weight
+):
+    # Prepare: the global model of another architecture (MLR) than the personalized model's,
+    # or of the same (MLP); one weight to try for each case, so the weight says which was tried.
+    def run(**cfg):
+        client = _client(guard_ft_epochs=1, **cfg, **FT_CFG)
+        glob = {r: {"global": WireModel.of(glob_spec, build(glob_spec, seed=r))} for r in (1, 2, 9)}
+        for round_ in (1, 2):
+            client.fit(round_, 2, glob[round_])
+        out = client.finalize(2, 2, glob[9])
+        return out.details, _copy(client.personalized_model()[1])
+
+    # Execute
+    details, deployed = run(guard_mix_weights=[1.0], guard_mix_weights_other_arch=[0.5])
+
+    # Assert: the other-arch weights where the architectures differ; and the client ends as one
+    # whose weights are those alone.
+    assert details["guard_mix_weight"] == weight
+    twin, twin_deployed = run(guard_mix_weights=[weight])
+    assert details == twin and _same(deployed, twin_deployed)
+
+
 def test_on_equal_validation_losses_the_first_weight_wins():
     # Two copies of one model: every mixture has the same validation loss.
     client = _client()
@@ -529,10 +553,11 @@ def test_blend_weighs_its_two_candidates_and_refuses_a_weight_of_zero_or_one():
             blend((MLR, a), (MLP, b), weight)
 
 
+@pytest.mark.parametrize("field", ["guard_mix_weights", "guard_mix_weights_other_arch"])
 @pytest.mark.parametrize("weights", [[], [1.5], [0.5, -0.25]])
-def test_guard_mix_weights_outside_zero_to_one_are_refused(weights):
-    with pytest.raises(ValueError, match="guard_mix_weights"):
-        FMLConfig(guard_mix_weights=weights)
+def test_guard_mix_weights_outside_zero_to_one_are_refused(field, weights):
+    with pytest.raises(ValueError, match=field):
+        FMLConfig(**{field: weights})
 
 
 def test_blend_flattens_a_mixture_into_its_members_with_halved_weights():
