@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from coordinator import distributed
-from coordinator.config import ConfigError
+from coordinator.config import ConfigError, load_config
 from coordinator.federation import (
     Federation,
     build_coordinator,
@@ -464,25 +464,41 @@ def _unrun_sections(cfg: RunConfig) -> set[str]:
 
 def _finished_runs(cfg: RunConfig) -> dict[str, RunResult]:
     """The runs (the algorithm, baselines) an earlier start of this simulation finished, read
-    back from its checkpoint; none without one. A checkpoint of other settings is refused;
-    the sections of algorithms the run does not run are not compared (a later edgefl that adds
-    a setting to another algorithm continues the checkpoint of an earlier one)."""
+    back from its checkpoint; none without one. A checkpoint of other settings is refused,
+    naming them. What an edgefl of another version adds is no difference: the sections of
+    algorithms the run does not run are not compared, and a setting the checkpoint lacks is
+    taken at its default (logged)."""
     kept = checkpoint_dir(cfg)
     if kept is None:
         return {}
     kept.mkdir(parents=True, exist_ok=True)
     settings = kept / "settings.json"
-    unrun = _unrun_sections(cfg)
-    ours = cfg.model_dump_json(exclude=set(distributed.LOCAL_SETTINGS))
+    local = set(distributed.LOCAL_SETTINGS)
+    ours = cfg.model_dump_json(exclude=local)
     if settings.exists():
         try:
             theirs = json.loads(settings.read_text())
         except ValueError as exc:
             raise ConfigError(f"{settings} is not the JSON a simulation writes ({exc})") from exc
-        if _without(theirs, unrun) != _without(json.loads(ours), unrun):
+        unrun = local | _unrun_sections(cfg)
+        if isinstance(theirs, dict):
+            theirs = {k: v for k, v in theirs.items() if k not in unrun}
+        defaults = json.loads(load_config(environ=False).model_dump_json(exclude=unrun))
+        differ, lacked = _differences(
+            theirs, json.loads(cfg.model_dump_json(exclude=unrun)), defaults
+        )
+        if differ:
             raise ConfigError(
-                f"{kept} was written by a simulation with other settings: remove it (or choose "
-                "another --out) to start over, or run with the settings that wrote it"
+                f"{kept} was written by a simulation with other settings ({', '.join(differ[:5])}"
+                f"{', …' if len(differ) > 5 else ''}): remove it (or choose another --out) to "
+                "start over, or run with the settings that wrote it"
+            )
+        if lacked:
+            log.warning(
+                "%s was written without the settings %s (an edgefl of another version): "
+                "continuing with their defaults",
+                kept,
+                ", ".join(lacked),
             )
     write_atomic(settings, ours)
     done = {}
@@ -493,12 +509,28 @@ def _finished_runs(cfg: RunConfig) -> dict[str, RunResult]:
     return done
 
 
-def _without(settings: Any, sections: set[str]) -> Any:
-    return (
-        {k: v for k, v in settings.items() if k not in sections}
-        if isinstance(settings, dict)
-        else settings
-    )
+def _differences(
+    theirs: Any, ours: Any, defaults: Any, at: str = ""
+) -> tuple[list[str], list[str]]:
+    """The settings (dotted) in which a checkpoint's `theirs` and this run's `ours` differ, and
+    those `theirs` lacks where `ours` holds the default (`defaults`). A setting `theirs` holds
+    and `ours` lacks differs: this edgefl no longer has it."""
+    if not (isinstance(theirs, dict) and isinstance(ours, dict)):
+        return ([at] if theirs != ours else []), []
+    differ: list[str] = []
+    lacked: list[str] = []
+    base = defaults if isinstance(defaults, dict) else {}
+    for key in sorted(theirs.keys() | ours.keys()):
+        name = f"{at}.{key}" if at else key
+        if key not in theirs:
+            (lacked if key in base and ours[key] == base[key] else differ).append(name)
+        elif key not in ours:
+            differ.append(name)
+        else:
+            d, lk = _differences(theirs[key], ours[key], base.get(key), name)
+            differ += d
+            lacked += lk
+    return differ, lacked
 
 
 def serve_runs(cfg: RunConfig) -> None:

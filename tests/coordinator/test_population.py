@@ -163,18 +163,19 @@ def test_a_parked_client_is_written_again_only_after_a_task_that_changed_it(monk
     assert writes[4:] == ["changed"] * (4 * 2 + 4)
 
 
-def test_a_checkpoint_continues_under_new_settings_of_algorithms_it_does_not_run(
-    monkeypatch, tmp_path
+def test_a_checkpoint_continues_under_settings_an_edgefl_of_another_version_adds(
+    monkeypatch, tmp_path, caplog
 ):
-    # Prepare: a finished checkpointed run (FedAvg, the local baseline); its settings file as a
-    # later or earlier edgefl would find it: a section of an algorithm it does not run gone, a
-    # setting added to another.
+    # Prepare: a finished checkpointed run (FedAvg, the local baseline); its settings file as
+    # an edgefl of another version would have written it: a section of an algorithm it does
+    # not run gone, a setting added to another, and a setting of its own missing.
     cfg = tiny_config(checkpoint=True, out=str(tmp_path / "out"), baselines=["local"])
     first = simulate(cfg, progress=False)
     path = tmp_path / "out" / "checkpoint" / "settings.json"
     written = json.loads(path.read_text())
     edited = {k: v for k, v in written.items() if k != "persfl"}
     edited["fml"] = {**edited["fml"], "a_setting_of_another_version": 1}
+    edited["local"] = {k: v for k, v in edited["local"].items() if k != "lr_gamma"}
     path.write_text(json.dumps(edited))
 
     def never(self):
@@ -185,13 +186,20 @@ def test_a_checkpoint_continues_under_new_settings_of_algorithms_it_does_not_run
     # Execute
     again = simulate(cfg, progress=False)
 
-    # Assert: both runs read back as they finished, and the settings written as this version's
+    # Assert: both runs read back as they finished, the missing setting said and taken at its
+    # default, and the settings written as this version's
     assert [c.personal_acc for c in again.clients] == [c.personal_acc for c in first.clients]
+    assert "without the settings local.lr_gamma" in caplog.text
     assert json.loads(path.read_text()) == written
-    # ... while a setting of a run it runs, or a file that is not settings, is refused.
-    path.write_text(json.dumps({**written, "local": {**written["local"], "lr": 0.5}}))
-    with pytest.raises(ConfigError, match="was written by a simulation with other settings"):
-        simulate(cfg, progress=False)
+    # ... while another value of a setting of a run it runs, a missing setting not at its
+    # default, or a file that is not settings, is refused, naming the setting.
+    for changed in (
+        {**written, "local": {**written["local"], "lr": 0.5}},
+        {**written, "local": {k: v for k, v in written["local"].items() if k != "lr"}},
+    ):
+        path.write_text(json.dumps(changed))
+        with pytest.raises(ConfigError, match=r"with other settings \(local\.lr\)"):
+            simulate(cfg, progress=False)
     path.write_text("{")
     with pytest.raises(ConfigError, match=r"settings.json is not the JSON a simulation writes"):
         simulate(cfg, progress=False)
