@@ -480,12 +480,16 @@ def _finished_runs(cfg: RunConfig) -> dict[str, RunResult]:
             theirs = json.loads(settings.read_text())
         except ValueError as exc:
             raise ConfigError(f"{settings} is not the JSON a simulation writes ({exc})") from exc
-        unrun = local | _unrun_sections(cfg)
-        if isinstance(theirs, dict):
-            theirs = {k: v for k, v in theirs.items() if k not in unrun}
-        defaults = json.loads(load_config(environ=False).model_dump_json(exclude=unrun))
+        unrun = _unrun_sections(cfg)
+
+        def compared(doc: Any) -> Any:  # the sections of what the run runs
+            return (
+                {k: v for k, v in doc.items() if k not in unrun} if isinstance(doc, dict) else doc
+            )
+
+        defaults = json.loads(load_config(environ=False).model_dump_json(exclude=local))
         differ, lacked = _differences(
-            theirs, json.loads(cfg.model_dump_json(exclude=unrun)), defaults
+            compared(theirs), compared(json.loads(ours)), compared(defaults)
         )
         if differ:
             raise ConfigError(
