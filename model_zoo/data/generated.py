@@ -14,7 +14,10 @@ so a seed gives the same data set as pFedMe's script seeded with it.
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import logging
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,14 +43,11 @@ def load_digits(
     interpolation (28 by default, so the MNIST conv nets take it). With `normalize`, the mean and
     std of the resized [0, 1] images are applied and recorded.
     """
-    from sklearn.datasets import load_digits as _sk_load_digits  # bundled: never downloads
-
     if not isinstance(size, int) or size < 1:
         raise DatasetError(f"digits: size must be a positive integer (8, 28, 32...), got {size!r}")
-    bunch = _sk_load_digits()
-    labels = np.asarray(bunch.target, dtype=np.int64)
+    pixels, labels = _digits_arrays()
     keep = stratified_indices(labels, max_samples, seed)
-    images = np.asarray(bunch.data, dtype=np.float32)[keep].reshape(-1, 1, 8, 8) / 16.0
+    images = pixels[keep].reshape(-1, 1, 8, 8) / 16.0
     x = torch.from_numpy(images)
     if size != 8:
         x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
@@ -65,6 +65,26 @@ def load_digits(
         input_shape=tuple(x.shape[1:]),
         normalization=norm,
     )
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The 1,797 digits as float32 pixels (N, 64), 0..16, and int64 labels (N,).
+
+    Read from the CSV scikit-learn bundles (never downloaded), without importing scikit-learn:
+    its import costs most of a second, which every `edgefl` process on digits paid before it
+    trained (the demo's devices, a deployment's clients). Where the file is not at its place
+    in the installed package, scikit-learn's own loader reads it."""
+    spec = importlib.util.find_spec("sklearn")
+    roots = spec.submodule_search_locations if spec is not None else None
+    path = Path(next(iter(roots))) / "datasets" / "data" / "digits.csv.gz" if roots else None
+    if path is not None and path.is_file():
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            table = np.loadtxt(f, delimiter=",", dtype=np.float32)
+        return np.ascontiguousarray(table[:, :-1]), table[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits as _sk_load_digits  # bundled: never downloads
+
+    bunch = _sk_load_digits()
+    return np.asarray(bunch.data, dtype=np.float32), np.asarray(bunch.target, dtype=np.int64)
 
 
 def synthetic_arrays(

@@ -350,6 +350,28 @@ def test_digits_resized_to_28_and_raw_8():
     assert big.num_classes == 10 and abs(float(big.x.mean())) < 1e-4
 
 
+def test_digits_are_scikit_learns_without_importing_it(monkeypatch):
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from model_zoo.data import generated
+
+    want = load_digits()
+    raw = load_dataset("digits", size=8, normalize=False)
+    assert torch.equal(raw.y, torch.from_numpy(want.target.astype(np.int64)))
+    assert torch.equal(raw.x.reshape(-1, 64) * 16, torch.from_numpy(want.data.astype(np.float32)))
+    # A process that loads them never imports scikit-learn (most of a second, every process)
+    code = "import sys; from model_zoo.data import load_dataset; load_dataset('digits', size=8)"
+    code += "; print('sklearn' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "False", run.stderr
+    # ...and where the file is not where scikit-learn keeps it, its loader reads the same.
+    monkeypatch.setattr(generated.importlib.util, "find_spec", lambda name: None)
+    assert torch.equal(load_dataset("digits", size=8, normalize=False).x, raw.x)
+
+
 def test_synthetic_defaults_follow_the_pfedme_recipe():
     ds = load_dataset("synthetic")
 
