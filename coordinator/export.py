@@ -193,6 +193,7 @@ def export_clients(
             calibration_inputs=data.x_train[:calibration_samples],
             class_names=fed.dataset.classes,
             normalization=fed.dataset.normalization,
+            exporter=cfg.onnx_exporter,
         )
         result = ClientExport(cid, spec.family, reports, skipped)
         if on_client is not None:

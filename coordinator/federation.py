@@ -278,6 +278,7 @@ def build_node(
         state_dir=state_dir,
         dataset=fed.dataset.name,
         budget=cfg.deploy.for_client(cid),
+        onnx_exporter=cfg.onnx_exporter,
     )
 
 

@@ -86,6 +86,14 @@ class RunConfig(BaseModel):
         description="write OUT/onnx/<client>.onnx, and keep each client's state in OUT/state for "
         "`edgefl export`",
     )
+    onnx_exporter: Literal["auto", "dynamo", "legacy"] = Field(
+        "auto",
+        description="the torch exporter of every ONNX file a run writes (a client's model after "
+        "the run, export_onnx, --onnx-int8, `edgefl export`): auto (torch.export's, and "
+        "TorchScript's where it fails), dynamo or legacy (TorchScript's: deprecated in torch "
+        "2.14, but 0.1 s where torch.export's takes 3 s in a fresh process, and 35-110x faster "
+        "after: the docs' ONNX export benchmark)",
+    )
     broker: BrokerSettings = BrokerSettings()  # with a url: over this MQTT broker, not in memory
     # This participant's signing key and the run's public keys (edgefl keys), or open mode.
     auth: AuthSettings = AuthSettings()

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,6 +49,9 @@ from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec
 
 __all__ = ["ClientNode", "NodeTask"]
+
+if TYPE_CHECKING:
+    from edge_sdk.export import Exporter
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +94,8 @@ class ClientNode:
     other clients (decentralized algorithms), set by the runtime that hosts the node.
     `dataset`: the name of the data set it trains on (its registration reports it, with its
     device and precision, so a run's results say what the federation ran). `budget`: what the
-    device may deploy (edge_sdk.budget; default: its own architecture only).
+    device may deploy (edge_sdk.budget; default: its own architecture only). `onnx_exporter`:
+    the torch exporter `export_onnx` uses ("auto", "dynamo" or "legacy": edge_sdk.export).
     """
 
     def __init__(
@@ -110,6 +114,7 @@ class ClientNode:
         peers: Peers | None = None,
         dataset: str | None = None,
         budget: DeployBudget | None = None,
+        onnx_exporter: Exporter = "auto",
     ) -> None:
         self.client_id = topics.check_id(client_id, "client id")
         self.run_id = topics.check_id(run_id, "run id")
@@ -124,6 +129,15 @@ class ClientNode:
         self.data = data.to(self.device)  # moved to the device once
         self.seed = seed
         self.onnx_path = Path(onnx_path) if onnx_path else None
+        if onnx_exporter != "auto":  # checked now, not after the last round (loads onnx: only then)
+            from edge_sdk.export import EXPORTERS
+
+            if onnx_exporter not in EXPORTERS:
+                raise ValueError(
+                    f"{client_id}: onnx_exporter must be one of {', '.join(EXPORTERS)}, got "
+                    f"{onnx_exporter!r}"
+                )
+        self.onnx_exporter = onnx_exporter
         self.class_names = class_names
         # Checked now, not at the export after the last round: {"mean": [...], "std": [...]}.
         if normalization is not None:
@@ -403,5 +417,6 @@ class ClientNode:
             target,
             class_names=self.class_names,
             normalization=self.normalization,
+            exporter=self.onnx_exporter,
             sample_inputs=self.data.x_test[:8].cpu() if len(self.data.x_test) else None,
         )

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_sdk.export import cpu_session, export_onnx
+from edge_sdk.export import Exporter, cpu_session, export_onnx
 from edge_sdk.onnx_format import INPUT_NAME, OUTPUT_NAME
 from edge_sdk.quantization import convert_fp16, quantize_dynamic_int8, quantize_static_int8
 from model_zoo.spec import ArchSpec, input_dtype
@@ -101,6 +101,7 @@ def export_variants(
     calibration_inputs: torch.Tensor | None = None,
     class_names: Sequence[str] | None = None,
     normalization: Mapping[str, Sequence[float]] | None = None,
+    exporter: Exporter = "auto",
 ) -> list[VariantReport]:
     """Write `model` to `path` (fp32) and in every other format of `formats`; compare each
     file with PyTorch on `eval_inputs` (model inputs, preprocessed as in training).
@@ -109,6 +110,7 @@ def export_variants(
     always written and reported first: the others are made from it. An unknown format, or one
     the model cannot take (`unsupported`: static int8 for an LSTM, which onnxruntime has no
     kernel for; `int8-dynamic` quantizes LSTMs), raises `ValueError` before anything is written.
+    `exporter`: the torch exporter of the fp32 file (`export_onnx`'s).
     """
     wanted = ["fp32", *[f for f in FORMATS[1:] if f in formats]]
     unknown = [f for f in formats if f not in FORMATS]
@@ -135,6 +137,7 @@ def export_variants(
         path,
         class_names=class_names,
         normalization=normalization,
+        exporter=exporter,
         sample_inputs=x[:8],
     )
     reports = []

@@ -205,3 +205,38 @@ def test_a_rerun_into_the_same_output_starts_from_scratch(tmp_path):
         accuracies.append([c["personal_acc"] for c in results["clients"]])
     assert accuracies[0] == accuracies[1]
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["c0.state", "c1.state"]
+
+
+def test_onnx_exporter_chooses_the_torch_exporter_of_every_file_a_run_writes(simulated, tmp_path):
+    from coordinator.export import export_clients
+    from edge_sdk.export import EXPORTERS, read_metadata
+    from edge_sdk.node import ClientNode
+    from model_zoo import ArchSpec
+
+    # The simulated run's files: torch.export's (auto, the default).
+    out, _ = simulated
+    assert read_metadata(out / "onnx" / "c0.onnx").exporter == "dynamo"
+    # `edgefl export` (its --config) with the setting: TorchScript's.
+    results, data = _client_data(out)
+    cfg = run_config_model().model_validate({**results["config"], "onnx_exporter": "legacy"})
+    export_clients(out, ["fp32"], out=tmp_path / "x", clients=["c0"], config=cfg)
+    assert read_metadata(tmp_path / "x" / "c0.onnx").exporter == "legacy"
+    # A simulation's --export-onnx with it (the same path a deployed client exports through).
+    args = ["simulate", "--algorithm", "local", "--dataset", "digits", "--max-samples", "200",
+            "--partition", "iid", "--models", "mlr", "--clients", "2", "--rounds", "1",
+            "--local-epochs", "1", "--device", "cpu", "--export-onnx", "-q",
+            "--set", 'data.options={"size": 8}', "--set", "onnx_exporter=legacy",
+            "-o", str(tmp_path / "run")]  # fmt: skip
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    files = sorted((tmp_path / "run" / "onnx").glob("c*.onnx"))
+    assert [f.name for f in files] == ["c0.onnx", "c1.onnx"]
+    assert {read_metadata(f).exporter for f in files} == {"legacy"}
+    # The setting's choices are the exporter's; another is refused where a node is built.
+    field = run_config_model().model_fields["onnx_exporter"]
+    assert field.default == "auto" and tuple(field.annotation.__args__) == EXPORTERS
+    res = runner.invoke(app, [*args[:-2], "--set", "onnx_exporter=fast", "-o", str(tmp_path)])
+    assert res.exit_code == 2 and "onnx_exporter" in res.output
+    spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 28, 28))
+    with pytest.raises(ValueError, match=r"onnx_exporter must be one of auto, dynamo, legacy"):
+        ClientNode("c9", spec, data[0], onnx_exporter="fast")  # type: ignore[arg-type]
