@@ -159,6 +159,11 @@ TRAIN = ["--local-epochs", "2", "--batch-size", "32", "--lr", "0.1"]
 # The coordinator's: its FML students see one view an epoch, as tiny_config's do, so that a run
 # over a broker equals `simulated_fml_accuracies` (and the suite stays fast).
 ONE_VIEW = ["--set", "fml.guard_distill_views=1"]
+# Client processes of tests whose subject is the transport (faults, brokers, bridges, attacks)
+# export their model with TorchScript's exporter: torch.export's costs about 3 s of CPU in every
+# process, a quarter of the suite's CPU time (benchmarks/onnx_export.py). The default exporter's
+# end-to-end path stays in test_deploy's first test, the examples, the demo and the plugin test.
+FAST_EXPORT = ["--set", "onnx_exporter=legacy"]
 FML = ["--algorithm", "fml", "--global-model", "mlr", "--local-epochs", "2", "--lr", "0.1"]
 FML += ONE_VIEW
 FEDERICO = ["--algorithm", "federico", "--set", "federico.lr=0.01"]

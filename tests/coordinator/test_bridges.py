@@ -5,7 +5,14 @@ exactly as on one broker."""
 from collections.abc import Iterator
 
 import pytest
-from tests_helpers import ARCHS, FEDERICO, deploy, simulated_federico, simulated_fml_accuracies
+from tests_helpers import (
+    ARCHS,
+    FAST_EXPORT,
+    FEDERICO,
+    deploy,
+    simulated_federico,
+    simulated_fml_accuracies,
+)
 
 from coordinator.broker import MosquittoBroker, bridge_config, mosquitto_path
 from coordinator.results_model import Results
@@ -33,7 +40,8 @@ def _spread(central, a, b):
 
 
 def test_fml_over_bridged_site_brokers_gives_the_single_broker_accuracies(sites, tmp_path):
-    out, logs = deploy(_spread(*sites), tmp_path, "bridged-fml", timeout=120)
+    urls = _spread(*sites)
+    out, logs = deploy(urls, tmp_path, "bridged-fml", client_flags=FAST_EXPORT, timeout=120)
     results = Results.read(out / "results.json")
     assert [c.arch for c in results.clients] == ARCHS
     assert "round 2/2 ok" in logs[0]
@@ -49,7 +57,7 @@ def test_federico_peers_on_different_sites_collaborate_as_on_one_broker(sites, t
         tmp_path,
         "bridged-federico",
         FEDERICO,
-        client_flags=["--deploy", "any"],
+        client_flags=["--deploy", "any", *FAST_EXPORT],
         timeout=120,
     )
     assert "round 2/2 ok" in logs[0]

@@ -6,7 +6,15 @@ import threading
 import urllib.request
 
 import pytest
-from tests_helpers import ARCHS, EDGEFL, FEDERICO, deploy, simulated_federico, tiny_config
+from tests_helpers import (
+    ARCHS,
+    EDGEFL,
+    FAST_EXPORT,
+    FEDERICO,
+    deploy,
+    simulated_federico,
+    tiny_config,
+)
 
 from coordinator.broker import free_port
 from coordinator.deploy import RoundsLog, run_coordinator
@@ -73,7 +81,7 @@ def test_coordinator_and_three_client_processes_run_fml_over_mosquitto(mosquitto
 
 
 def test_the_same_deployment_runs_over_the_embedded_amqtt_broker(amqtt_broker, tmp_path):
-    out, _ = deploy(amqtt_broker.url, tmp_path, "e2e-amqtt")
+    out, _ = deploy(amqtt_broker.url, tmp_path, "e2e-amqtt", client_flags=FAST_EXPORT)
     _check_deployment(out, tmp_path)
 
 
