@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from coordinator.config import load_config, parse_overrides  # noqa: E402
-from coordinator.simulator import simulate  # noqa: E402
+from coordinator.simulator import settings_differences, simulate  # noqa: E402
 from edge_sdk.algorithms import algorithm_names  # noqa: E402
 from model_zoo.data import load_dataset  # noqa: E402
 from model_zoo.data.base import stratified_indices  # noqa: E402
@@ -301,6 +301,16 @@ def _own(config: dict[str, Any], algorithm: str) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k not in others}
 
 
+def _differs(kept: dict[str, Any], config: dict[str, Any], algorithm: str) -> bool:
+    """Whether a kept run's config is not `config`: a setting the kept one lacks differs only
+    where `config` holds it at other than its default (coordinator.simulator's rule)."""
+    defaults = json.loads(load_config(environ=False).model_dump_json())
+    differ, _ = settings_differences(
+        _own(kept, algorithm), _own(config, algorithm), _own(defaults, algorithm)
+    )
+    return bool(differ)
+
+
 def run_one(
     split: Split,
     seed: int,
@@ -342,7 +352,8 @@ def run_one(
     config = json.loads(cfg.model_dump_json())
     if path.is_file():  # kept from an earlier run: reused only if it ran this very config
         kept = Run(**json.loads(path.read_text()))
-        if kept.config is not None and _own(kept.config, algorithm) == _own(config, algorithm):
+        # (a setting added since, at its default here, is no difference: as a checkpoint's)
+        if kept.config is not None and not _differs(kept.config, config, algorithm):
             return kept
         logging.info(
             "%s %s seed %d: the kept run's config differs; running it again", tag, split.name, seed

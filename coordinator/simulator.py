@@ -488,7 +488,7 @@ def _finished_runs(cfg: RunConfig) -> dict[str, RunResult]:
             )
 
         defaults = json.loads(load_config(environ=False).model_dump_json(exclude=local))
-        differ, lacked = _differences(
+        differ, lacked = settings_differences(
             compared(theirs), compared(json.loads(ours)), compared(defaults)
         )
         if differ:
@@ -513,12 +513,13 @@ def _finished_runs(cfg: RunConfig) -> dict[str, RunResult]:
     return done
 
 
-def _differences(
+def settings_differences(
     theirs: Any, ours: Any, defaults: Any, at: str = ""
 ) -> tuple[list[str], list[str]]:
     """The settings (dotted) in which a checkpoint's `theirs` and this run's `ours` differ, and
     those `theirs` lacks where `ours` holds the default (`defaults`). A setting `theirs` holds
-    and `ours` lacks differs: this edgefl no longer has it."""
+    and `ours` lacks differs: this edgefl no longer has it. (Also how benchmarks/ tell whether
+    a run they kept ran the config they would run.)"""
     if not (isinstance(theirs, dict) and isinstance(ours, dict)):
         return ([at] if theirs != ours else []), []
     differ: list[str] = []
@@ -531,7 +532,7 @@ def _differences(
         elif key not in ours:
             differ.append(name)
         else:
-            d, lk = _differences(theirs[key], ours[key], base.get(key), name)
+            d, lk = settings_differences(theirs[key], ours[key], base.get(key), name)
             differ += d
             lacked += lk
     return differ, lacked

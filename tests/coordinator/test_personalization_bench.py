@@ -2,6 +2,7 @@
 summary's arithmetic (win/tie/loss, the t-interval, passes) matches values computed here."""
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -121,18 +122,28 @@ def test_a_kept_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "simulate", lambda cfg, **kw: runs.append(cfg) or real(cfg, **kw))
 
     # Execute: the same run twice, once more with another algorithm's field changed (it does
-    # not run), then with its own changed, then on another subset
+    # not run), as kept by an edgefl without a setting, then with settings of its own changed,
+    # then on another subset
     first = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN)
     again = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN)
     not_its_own = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN, {"fml.guard_z": 2})
     assert len(runs) == 1 and again == first and not_its_own == first
-    bench.run_one(split, 0, "local", size, tmp_path, bench.OWN, {"local.lr": 0.02})
+    # kept by an edgefl without a setting: reused where this run holds it at its default
+    path = tmp_path / "runs" / "tiny" / "0" / "local-own.json"
+    kept = json.loads(path.read_text())
+    del kept["config"]["onnx_exporter"]
+    path.write_text(json.dumps(kept))
+    reused = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN)
+    assert len(runs) == 1 and reused.clients == first.clients
+    bench.run_one(split, 0, "local", size, tmp_path, bench.OWN, {"onnx_exporter": "legacy"})
     assert len(runs) == 2
+    bench.run_one(split, 0, "local", size, tmp_path, bench.OWN, {"local.lr": 0.02})
+    assert len(runs) == 3
     other = bench.Split(split.name, split.title, split.flags | {"data.max_samples": 180}, ("mlr",))
     changed = bench.run_one(other, 0, "local", size, tmp_path, bench.OWN)
 
     # Assert
-    assert len(runs) == 3
+    assert len(runs) == 4
     assert sum(c["n_test"] for c in changed.clients) < sum(c["n_test"] for c in first.clients)
 
 
