@@ -20,8 +20,10 @@ that move it (`Event`), and one table of the legal moves (`TRANSITIONS`), applie
   REGISTERING (or, when that one says "finished", to DOUBTING).
 - REFUSED: the coordinator refused this process (`reason`), the run was over, or the client
   cannot sign while its coordinator checks signatures. Terminal: `run()` raises.
-- FINISHED: the run ended (a shutdown from the accepting incarnation), or the client joined it
-  late from its archive. Terminal.
+- FINISHED: the run ended (a shutdown from the accepting incarnation, or its retained
+  "finished" status, which it publishes after every shutdown: a shutdown can be lost where
+  another connection under this client's MQTT id took its session meanwhile), or the client
+  joined it late from its archive. Terminal.
 
 A reconnection changes nothing here: the broker keeps the session, the coordinator knows the
 process by its session id, and the client only says it is online again.
@@ -124,7 +126,9 @@ class Registration:
         """What a coordinator status of `incarnation` (saying "finished" or not) is here."""
         accepted = self.state is State.ACCEPTED
         bound = self.incarnation if accepted else self.registering
-        if incarnation == bound and (accepted or not finished):
+        if incarnation == bound and accepted and finished:
+            return Event.SHUTDOWN  # the run that accepted us is over, as its shutdown says
+        if incarnation == bound and not finished:
             return Event.STATUS
         return Event.FINISHED_STATUS if finished else Event.NEW_COORDINATOR
 

@@ -219,7 +219,7 @@ class Serving:
                 return True  # the run is over
         else:
             log.warning("%s: ignoring unexpected %s message", self.client_id, msg.kind)
-        return self._stop.is_set()
+        return self._stop.is_set() or self.registration.done
 
     def _believe_finished(self) -> bool:
         """Whether a "finished" status seen before registering has stood for FINISHED_GRACE_S
@@ -318,7 +318,9 @@ class Serving:
         event = reg.status_event(status.incarnation, status.phase == "finished")
         if not reg.fire(event, incarnation=status.incarnation, now=_now()):
             return
-        if event is Event.NEW_COORDINATOR:  # else an unanswered one is retried on its timer
+        if event is Event.SHUTDOWN:
+            log.info("%s: the run is over (its coordinator's status says so)", self.client_id)
+        elif event is Event.NEW_COORDINATOR:  # else an unanswered one is retried on its timer
             self._send_registration(again=False)
         elif reg.state is State.ACCEPTED and _now() - self._back_at < REANNOUNCE_S:
             self._try_send(self._presence(self.transport.connection, online=True))

@@ -15,7 +15,7 @@ from edge_sdk.auth import Keyring
 from edge_sdk.client import EdgeClient
 from edge_sdk.client_data import ClientData
 from edge_sdk.node import ClientNode
-from edge_sdk.protocol import Register, Status
+from edge_sdk.protocol import Register, Registered, Status
 from edge_sdk.registration import TRANSITIONS, Event, Registration, State
 from edge_sdk.transport import InMemoryBroker
 from edge_sdk.wire import Endpoint
@@ -166,7 +166,7 @@ def test_a_refusal_keeps_its_reason_or_says_none_was_given():
         (D, 8, False, Event.NEW_COORDINATOR),
         (D, 7, True, Event.FINISHED_STATUS),
         (A, 7, False, Event.STATUS),
-        (A, 7, True, Event.STATUS),  # its own coordinator finishing: the shutdown says so
+        (A, 7, True, Event.SHUTDOWN),  # its own coordinator finished (its shutdown was lost?)
         (A, 8, False, Event.NEW_COORDINATOR),
         (A, 8, True, Event.FINISHED_STATUS),
     ],
@@ -204,6 +204,20 @@ def _client(monkeypatch, clock):
             client.step(None)
         return client.step(env)
 
+    def accept(incarnation):
+        msg = Registered(
+            run="default",
+            sender=topics.COORDINATOR,
+            accepted=True,
+            session=client.session,
+            incarnation=incarnation,
+        )
+        coordinator.send(topics.down("default", "c0"), msg)
+        while (env := client.endpoint.receive(timeout=10)) is None:
+            client.step(None)
+        return client.step(env)
+
+    status.accept = accept  # type: ignore[attr-defined]
     return client, status
 
 
@@ -246,4 +260,21 @@ def test_a_client_registers_once_per_incarnation_and_retries_only_on_its_timer(m
     clock[0] += 3 * serving_mod.REGISTER_RETRY_S  # past the retry (jitter at most 1.5x)
     assert not client.step(None)
     assert [m.incarnation for m in sent] == [7, 8, 8]
+    client.stop()
+
+
+def test_an_accepted_client_whose_shutdown_was_lost_ends_on_its_coordinators_finished_status(
+    monkeypatch,
+):
+    # Another connection under the client's MQTT id (a duplicate process, or anyone on an open
+    # broker) can hold its session as the shutdown is sent, and take it. The coordinator's
+    # "finished" status, retained and published after every shutdown, ends the run all the
+    # same; before, the client waited for the shutdown forever.
+    clock = [1000.0]
+    client, status = _client(monkeypatch, clock)
+    status(7, "registering")
+    assert not status.accept(7) and client.registration.state is State.ACCEPTED
+    assert not status(7, "fit")
+    assert status(7, "finished")  # done
+    assert client.registration.state is State.FINISHED and client.finished
     client.stop()
