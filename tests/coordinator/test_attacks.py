@@ -22,7 +22,6 @@ from pathlib import Path
 
 from tests_helpers import (
     ARCHS,
-    FAST_EXPORT,
     ONE_VIEW,
     SETS,
     TRAIN,
@@ -149,7 +148,7 @@ def test_a_hostile_open_broker_changes_nothing_in_the_run(mosquitto, tmp_path):
         me = ["--id", f"c{i}", "--model", arch, "--index", str(i), "--seed", "0"]
         state = ["--state-dir", str(tmp_path / f"state{i}"), "--threads", "1"]
         client = [*edgefl, "client", *common, *me, *DATA, "--clients", "3"]
-        start(f"c{i}", client, state, SETS, FAST_EXPORT, keys[f"c{i}"])
+        start(f"c{i}", client, state, SETS, keys[f"c{i}"])
     trigger = tmp_path / "go"
     # c1 again, as another architecture, with c1's key; and a fourth client after the start.
     dup = ["--id", "c1", "--model", "mlr", "--index", "1", "--clients", "3"]
