@@ -42,6 +42,7 @@ algorithm runs on the same split.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -304,11 +305,16 @@ def _own(config: dict[str, Any], algorithm: str) -> dict[str, Any]:
 def _differs(kept: dict[str, Any], config: dict[str, Any], algorithm: str) -> bool:
     """Whether a kept run's config is not `config`: a setting the kept one lacks differs only
     where `config` holds it at other than its default (coordinator.simulator's rule)."""
-    defaults = json.loads(load_config(environ=False).model_dump_json())
     differ, _ = settings_differences(
-        _own(kept, algorithm), _own(config, algorithm), _own(defaults, algorithm)
+        _own(kept, algorithm), _own(config, algorithm), _own(_defaults(), algorithm)
     )
     return bool(differ)
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """Every setting at its default, as a run's config is kept (validated once, not per run)."""
+    return dict(json.loads(load_config(environ=False).model_dump_json()))
 
 
 def run_one(
