@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 _RANKS: Ranks | None = None
 # Settings that may differ between machines, or between starts of one simulation, without
 # changing a result (what the ranks compare, and what a checkpoint must match, leave them out).
-LOCAL_SETTINGS = ("out", "threads", "parallel", "idle_dir")
+# onnx_exporter changes how the ONNX files are written, not the models or accuracies.
+LOCAL_SETTINGS = ("out", "threads", "parallel", "idle_dir", "onnx_exporter")
 
 
 class RankFailed(RuntimeError):

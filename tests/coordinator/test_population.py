@@ -126,13 +126,14 @@ def test_a_checkpointed_simulation_stopped_mid_run_resumes_and_ends_the_same(
     assert _simulate(out, *extra) == live
 
     # Assert: and a third start finds every run finished (no coordinator runs again) and
-    # writes the same results; other settings are refused.
+    # writes the same results, with another ONNX exporter too (a setting of the files, not of
+    # the results); other settings are refused.
     def never(self):
         raise AssertionError(f"{self.algorithm} ran again")
 
     monkeypatch.setattr(Coordinator, "run", never)
     (out / "results.json").unlink()
-    assert _simulate(out, *extra) == live
+    assert _simulate(out, *extra, "--set", "onnx_exporter=legacy") == live
     res = CliRunner().invoke(app, ["simulate", *ARGS, *extra, "--lr", "0.1", "--out", str(out)])
     assert res.exit_code == 2 and "was written by a simulation with other settings" in res.output
 
