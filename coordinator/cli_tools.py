@@ -88,7 +88,9 @@ def export(
     set_: Annotated[
         list[str] | None,
         typer.Option(
-            "--set", help="override a setting of the run's config: key=value", callback=key_values
+            "--set",
+            help="override a setting of the run's config (--config or the one found): key=value",
+            callback=key_values,
         ),
     ] = None,
 ) -> None:
@@ -104,11 +106,8 @@ def export(
     from coordinator.export import export_clients
 
     chosen = guard(lambda: _formats(formats))
-    cfg = None
-    if config is not None or set_:
-        if config is None:
-            raise fail("--set needs the run's --config to apply to")
-        cfg = guard(lambda: load_config(config, None, parse_overrides(set_ or [])))
+    overrides = guard(lambda: parse_overrides(set_ or []))
+    cfg = None if config is None else guard(lambda: load_config(config, None, overrides))
     done = guard(
         lambda: export_clients(
             source,
@@ -116,6 +115,7 @@ def export(
             out=out,
             clients=csv_list(client_ids),
             config=cfg,
+            overrides=overrides,
             calibration_samples=calibration_samples,
             on_client=print_export,
         )

@@ -65,6 +65,7 @@ __all__ = [
     "setting_field",
     "setting_keys",
     "unknown_env_settings",
+    "validate_tree",
     "write_config",
 ]
 
@@ -235,6 +236,23 @@ def load_config(
             for text in [error_text(e)]
         )
         raise ConfigError(f"invalid config: {msgs}") from exc
+
+
+def validate_tree(
+    tree: Mapping[str, Any], overrides: Mapping[str, Any] | None = None, *, source: str = ""
+) -> RunConfig:
+    """The run config a written config `tree` holds (results.json's `config`), with `overrides`
+    (dotted keys, as `--set` gives them) set; an invalid one is a ConfigError naming the key and
+    `source`."""
+    edited = copy.deepcopy(dict(tree))
+    for key, value in (overrides or {}).items():
+        _set_dotted(edited, key, value)
+    try:
+        return run_config_model().model_validate(edited)
+    except ValidationError as exc:
+        where = f" ({source})" if source else ""
+        texts = "; ".join(error_text(e) for e in exc.errors())
+        raise ConfigError(f"invalid config{where}: {texts}") from exc
 
 
 def _dotted(tree: Mapping[str, Any], prefix: str = "") -> Iterator[str]:

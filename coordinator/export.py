@@ -6,7 +6,7 @@ under a run's output: the demo's `devices/<id>/`, `simulate --export-onnx`'s `st
 config, needed to rebuild the client's data (for static int8 calibration and the accuracy
 check), comes from `--config`, else from what the run wrote next to the state: `<id>.run.toml`
 (`edgefl client`), `demo.toml` (the demo) or `results.json` (`simulate`), looked for from the
-state's folder up to the source folder.
+state's folder up to the source folder. `--set` overrides a setting of either.
 
 Every format is checked against PyTorch on the client's own test split (`edge_sdk.variants`).
 """
@@ -22,9 +22,9 @@ from typing import Any, Final
 
 import torch
 
-from coordinator.config import ConfigError, load_config
+from coordinator.config import ConfigError, load_config, validate_tree
 from coordinator.federation import Federation, client_seed, client_spec, prepare_federation
-from coordinator.run_config import RunConfig, run_config_model
+from coordinator.run_config import RunConfig
 from edge_sdk.algorithms import ClientContext, algorithm_class
 from edge_sdk.state import load_state
 from edge_sdk.trainer import Trainer
@@ -84,22 +84,24 @@ def find_states(source: Path) -> dict[str, Path]:
     return found
 
 
-def _config_near(state: Path, source: Path) -> RunConfig | None:
-    """The run config the run wrote nearest to `state`, up to `source`."""
+def _config_near(
+    state: Path, source: Path, overrides: Mapping[str, Any] | None = None
+) -> RunConfig | None:
+    """The run config the run wrote nearest to `state`, up to `source`, with `overrides`."""
     own = state.with_name(state.stem + RUN_CONFIG_SUFFIX)
     if own.is_file():
-        return load_config(own)
+        return load_config(own, None, overrides)
     folder = state.parent
     stop = source if source.is_dir() else source.parent
     while True:
         if (folder / "demo.toml").is_file():
-            return load_config(folder / "demo.toml")
+            return load_config(folder / "demo.toml", None, overrides)
         results = folder / "results.json"
         if results.is_file():
             tree = json.loads(results.read_text()).get("config")
             if isinstance(tree, dict):
                 tree.pop("broker", None)  # not needed here, and never a password
-                return run_config_model().model_validate(tree)
+                return validate_tree(tree, overrides, source=str(results))
         if folder == stop or folder.parent == folder or stop not in folder.parents:
             return None
         folder = folder.parent
@@ -149,13 +151,16 @@ def export_clients(
     out: Path | None = None,
     clients: Sequence[str] | None = None,
     config: RunConfig | None = None,
+    overrides: Mapping[str, Any] | None = None,
     calibration_samples: int = CALIBRATION_SAMPLES,
     on_client: Callable[[ClientExport], None] | None = None,
 ) -> list[ClientExport]:
     """Export the personalized model of every client state under `source` (or of `clients`)
     in `formats`, each checked against PyTorch on the client's own test split. Files go to
     `out/<id>.onnx` (and `<id>.<format>.onnx`), by default next to each state file. A format a
-    client's model cannot take is skipped for that client, with the reason in `skipped`."""
+    client's model cannot take is skipped for that client, with the reason in `skipped`.
+    Without `config`, each client's run config is the one its run wrote nearest to its state,
+    with `overrides` (dotted keys, as `--set` gives them) set."""
     states = find_states(source)
     if clients:
         missing = [c for c in clients if c not in states]
@@ -167,7 +172,7 @@ def export_clients(
     feds: dict[str, Federation] = {}  # one split per distinct config
     done = []
     for cid, path in states.items():
-        cfg = config or _config_near(path, source)
+        cfg = config or _config_near(path, source, overrides)
         if cfg is None:
             raise ExportError(
                 f"no run config for {cid} near {path} (<id>{RUN_CONFIG_SUFFIX}, demo.toml or "

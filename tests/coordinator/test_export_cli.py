@@ -216,11 +216,21 @@ def test_onnx_exporter_chooses_the_torch_exporter_of_every_file_a_run_writes(sim
     # The simulated run's files: torch.export's (auto, the default).
     out, _ = simulated
     assert read_metadata(out / "onnx" / "c0.onnx").exporter == "dynamo"
-    # `edgefl export` (its --config) with the setting: TorchScript's.
+    # `edgefl export` with the setting, set on the config the run wrote (no --config):
+    # TorchScript's; a value it cannot take is refused naming the key and the file.
+    export = ["export", str(out), "--format", "fp32", "--client", "c0", "--out"]
+    res = runner.invoke(app, [*export, str(tmp_path / "x"), "--set", "onnx_exporter=legacy"])
+    assert res.exit_code == 0, res.output
+    assert read_metadata(tmp_path / "x" / "c0.onnx").exporter == "legacy"
+    res = runner.invoke(app, [*export, str(tmp_path / "y"), "--set", "onnx_exporter=fast"])
+    assert res.exit_code == 2
+    assert f"invalid config ({out / 'results.json'}): onnx_exporter" in res.output
+    assert not (tmp_path / "y").exists()
+    # ... and on the --config given, from Python as well.
     results, data = _client_data(out)
     cfg = run_config_model().model_validate({**results["config"], "onnx_exporter": "legacy"})
-    export_clients(out, ["fp32"], out=tmp_path / "x", clients=["c0"], config=cfg)
-    assert read_metadata(tmp_path / "x" / "c0.onnx").exporter == "legacy"
+    export_clients(out, ["fp32"], out=tmp_path / "z", clients=["c0"], config=cfg)
+    assert read_metadata(tmp_path / "z" / "c0.onnx").exporter == "legacy"
     # A simulation's --export-onnx with it (the same path a deployed client exports through).
     args = ["simulate", "--algorithm", "local", "--dataset", "digits", "--max-samples", "200",
             "--partition", "iid", "--models", "mlr", "--clients", "2", "--rounds", "1",
