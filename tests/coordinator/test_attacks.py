@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tests_helpers import (
     ARCHS,
+    FAST_EXPORT,
     ONE_VIEW,
     SETS,
     TRAIN,
@@ -36,10 +37,11 @@ from edge_sdk.transport.mqtt import MqttTransport
 
 ROUNDS = 6
 DATA = ["--dataset", "digits", "--max-samples", "800", "--partition", "iid"]
-# A process that imports the CLI, waits for its trigger file, then runs it: it joins at once
-# when triggered instead of spending tens of seconds importing torch first.
+# A process that imports the CLI and what its client command runs, waits for its trigger file,
+# then runs it: it joins at once when triggered instead of spending seconds importing torch.
 LATER = (
     "import sys, time, pathlib, coordinator.cli as cli\n"
+    "import coordinator.deploy, coordinator.export, coordinator.federation, edge_sdk.client\n"
     "trigger = pathlib.Path(sys.argv[1])\n"
     "deadline = time.monotonic() + 300\n"
     "while not trigger.exists() and time.monotonic() < deadline: time.sleep(0.05)\n"
@@ -148,7 +150,7 @@ def test_a_hostile_open_broker_changes_nothing_in_the_run(mosquitto, tmp_path):
         me = ["--id", f"c{i}", "--model", arch, "--index", str(i), "--seed", "0"]
         state = ["--state-dir", str(tmp_path / f"state{i}"), "--threads", "1"]
         client = [*edgefl, "client", *common, *me, *DATA, "--clients", "3"]
-        start(f"c{i}", client, state, SETS, keys[f"c{i}"])
+        start(f"c{i}", client, state, SETS, FAST_EXPORT, keys[f"c{i}"])
     trigger = tmp_path / "go"
     # c1 again, as another architecture, with c1's key; and a fourth client after the start.
     dup = ["--id", "c1", "--model", "mlr", "--index", "1", "--clients", "3"]
@@ -163,7 +165,7 @@ def test_a_hostile_open_broker_changes_nothing_in_the_run(mosquitto, tmp_path):
     try:
         deadline = time.monotonic() + 400
         while procs["coordinator"].poll() is None and time.monotonic() < deadline:
-            if not trigger.exists() and rounds_log.exists() and rounds_log.read_text().strip():
+            if not trigger.exists() and "3 clients registered" in logs["coordinator"].read_text():
                 trigger.touch()  # the run has started: now the duplicate and the latecomer
                 attacker.flood()
                 attacker.take_sessions()
