@@ -65,7 +65,6 @@ __all__ = [
     "setting_field",
     "setting_keys",
     "unknown_env_settings",
-    "validate_tree",
     "write_config",
 ]
 
@@ -178,9 +177,13 @@ def load_config(
     *,
     training: Mapping[str, Any] | None = None,
     environ: bool = True,
+    written: Mapping[str, Any] | None = None,
 ) -> RunConfig:
     """Defaults < TOML at `path` < `EDGEFL_*` environment < `flags` (dotted keys, None = not
     given) < `overrides`.
+
+    `written`: a config a run wrote (results.json's `config`), taken in place of the TOML
+    file; `path` then only names where it came from, in errors.
 
     `training` holds the common local-training flags (local_epochs, batch_size, lr): each
     applies to the run's algorithm and to every baseline whose config has that field, so all are
@@ -190,7 +193,10 @@ def load_config(
     run takes is an error (federico takes one gradient step per round, not epochs).
     """
     tree: dict[str, Any] = {}
-    if path is not None:
+    if written is not None:
+        tree = copy.deepcopy(dict(written))
+        _refuse_secrets(tree, f"the written config {path}")
+    elif path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
@@ -236,23 +242,6 @@ def load_config(
             for text in [error_text(e)]
         )
         raise ConfigError(f"invalid config: {msgs}") from exc
-
-
-def validate_tree(
-    tree: Mapping[str, Any], overrides: Mapping[str, Any] | None = None, *, source: str = ""
-) -> RunConfig:
-    """The run config a written config `tree` holds (results.json's `config`), with `overrides`
-    (dotted keys, as `--set` gives them) set; an invalid one is a ConfigError naming the key and
-    `source`."""
-    edited = copy.deepcopy(dict(tree))
-    for key, value in (overrides or {}).items():
-        _set_dotted(edited, key, value)
-    try:
-        return run_config_model().model_validate(edited)
-    except ValidationError as exc:
-        where = f" ({source})" if source else ""
-        texts = "; ".join(error_text(e) for e in exc.errors())
-        raise ConfigError(f"invalid config{where}: {texts}") from exc
 
 
 def _dotted(tree: Mapping[str, Any], prefix: str = "") -> Iterator[str]:

@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import torch
 
-from coordinator.config import ConfigError, load_config, validate_tree
+from coordinator.config import ConfigError, load_config
 from coordinator.federation import Federation, client_seed, client_spec, prepare_federation
 from coordinator.run_config import RunConfig
 from edge_sdk.algorithms import ClientContext, algorithm_class
@@ -101,7 +101,7 @@ def _config_near(
             tree = json.loads(results.read_text()).get("config")
             if isinstance(tree, dict):
                 tree.pop("broker", None)  # not needed here, and never a password
-                return validate_tree(tree, overrides, source=str(results))
+                return load_config(results, None, overrides, written=tree)
         if folder == stop or folder.parent == folder or stop not in folder.parents:
             return None
         folder = folder.parent

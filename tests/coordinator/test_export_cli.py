@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -216,16 +217,31 @@ def test_onnx_exporter_chooses_the_torch_exporter_of_every_file_a_run_writes(sim
     # The simulated run's files: torch.export's (auto, the default).
     out, _ = simulated
     assert read_metadata(out / "onnx" / "c0.onnx").exporter == "dynamo"
-    # `edgefl export` with the setting, set on the config the run wrote (no --config):
-    # TorchScript's; a value it cannot take is refused naming the key and the file.
+    # `edgefl export` with the setting, set on the config the run wrote (no --config), by --set
+    # or by the environment as for every command: TorchScript's. A value it cannot take is
+    # refused naming the key, and the file only where the value came from the file.
     export = ["export", str(out), "--format", "fp32", "--client", "c0", "--out"]
     res = runner.invoke(app, [*export, str(tmp_path / "x"), "--set", "onnx_exporter=legacy"])
     assert res.exit_code == 0, res.output
     assert read_metadata(tmp_path / "x" / "c0.onnx").exporter == "legacy"
+    res = runner.invoke(app, [*export, str(tmp_path / "e")], env={"EDGEFL_ONNX_EXPORTER": "legacy"})
+    assert res.exit_code == 0, res.output
+    assert read_metadata(tmp_path / "e" / "c0.onnx").exporter == "legacy"
     res = runner.invoke(app, [*export, str(tmp_path / "y"), "--set", "onnx_exporter=fast"])
     assert res.exit_code == 2
-    assert f"invalid config ({out / 'results.json'}): onnx_exporter" in res.output
+    assert "invalid config: onnx_exporter" in res.output and "results.json" not in res.output
     assert not (tmp_path / "y").exists()
+    edited = tmp_path / "edited"
+    shutil.copytree(out, edited)
+    results = json.loads((edited / "results.json").read_text())
+    results["config"]["onnx_exporter"] = "fast"
+    (edited / "results.json").write_text(json.dumps(results))
+    res = runner.invoke(
+        app, ["export", str(edited), "--client", "c0", "--out", str(tmp_path / "w")]
+    )
+    assert res.exit_code == 2
+    assert f"invalid config: {edited / 'results.json'}: onnx_exporter" in res.output
+    assert not (tmp_path / "w").exists()
     # ... and on the --config given, from Python as well.
     results, data = _client_data(out)
     cfg = run_config_model().model_validate({**results["config"], "onnx_exporter": "legacy"})
