@@ -295,19 +295,13 @@ def _unlabeled(split: Split, seed: int, count: int, out: Path) -> Path:
     return path
 
 
-def _own(config: dict[str, Any], algorithm: str) -> dict[str, Any]:
-    """A run's config without the sections of the algorithms it does not run (their fields,
-    a new guard setting say, change nothing in it: it is not run again for them)."""
-    others = set(algorithm_names()) - {algorithm}
-    return {k: v for k, v in config.items() if k not in others}
-
-
 def _differs(kept: dict[str, Any], config: dict[str, Any], algorithm: str) -> bool:
     """Whether a kept run's config is not `config`: a setting the kept one lacks differs only
-    where `config` holds it at other than its default (coordinator.simulator's rule)."""
-    differ, _ = settings_differences(
-        _own(kept, algorithm), _own(config, algorithm), _own(_defaults(), algorithm)
-    )
+    where `config` holds it at other than its default (coordinator.simulator's rule). The
+    sections of the algorithms it does not run (a new guard setting of theirs, say) change
+    nothing in it: it is not run again for them."""
+    others = set(algorithm_names()) - {algorithm}
+    differ, _ = settings_differences(kept, config, _defaults(), skip=others)
     return bool(differ)
 
 

@@ -18,7 +18,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -480,16 +480,9 @@ def _finished_runs(cfg: RunConfig) -> dict[str, RunResult]:
             theirs = json.loads(settings.read_text())
         except ValueError as exc:
             raise ConfigError(f"{settings} is not the JSON a simulation writes ({exc})") from exc
-        unrun = _unrun_sections(cfg)
-
-        def compared(doc: Any) -> Any:  # the sections of what the run runs
-            return (
-                {k: v for k, v in doc.items() if k not in unrun} if isinstance(doc, dict) else doc
-            )
-
         defaults = json.loads(load_config(environ=False).model_dump_json(exclude=local))
         differ, lacked = settings_differences(
-            compared(theirs), compared(json.loads(ours)), compared(defaults)
+            theirs, json.loads(ours), defaults, skip=_unrun_sections(cfg)
         )
         if differ:
             raise ConfigError(
@@ -514,18 +507,19 @@ def _finished_runs(cfg: RunConfig) -> dict[str, RunResult]:
 
 
 def settings_differences(
-    theirs: Any, ours: Any, defaults: Any, at: str = ""
+    theirs: Any, ours: Any, defaults: Any, at: str = "", *, skip: Collection[str] = ()
 ) -> tuple[list[str], list[str]]:
     """The settings (dotted) in which a checkpoint's `theirs` and this run's `ours` differ, and
     those `theirs` lacks where `ours` holds the default (`defaults`). A setting `theirs` holds
-    and `ours` lacks differs: this edgefl no longer has it. (Also how benchmarks/ tell whether
-    a run they kept ran the config they would run.)"""
+    and `ours` lacks differs: this edgefl no longer has it. `skip`: top-level settings not
+    compared (the sections of algorithms a run does not run). (Also how benchmarks/ tell
+    whether a run they kept ran the config they would run.)"""
     if not (isinstance(theirs, dict) and isinstance(ours, dict)):
         return ([at] if theirs != ours else []), []
     differ: list[str] = []
     lacked: list[str] = []
     base = defaults if isinstance(defaults, dict) else {}
-    for key in sorted(theirs.keys() | ours.keys()):
+    for key in sorted((theirs.keys() | ours.keys()) - set(skip)):
         name = f"{at}.{key}" if at else key
         if key not in theirs:
             (lacked if key in base and ours[key] == base[key] else differ).append(name)

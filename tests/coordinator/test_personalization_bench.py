@@ -126,7 +126,7 @@ def test_a_kept_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch):
     # then on another subset
     first = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN)
     again = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN)
-    not_its_own = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN, {"fml.guard_z": 2})
+    not_its_own = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN, {"fml.guard_z": 3})
     assert len(runs) == 1 and again == first and not_its_own == first
     # kept by an edgefl without a setting: reused where this run holds it at its default
     path = tmp_path / "runs" / "tiny" / "0" / "local-own.json"
