@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test docs lint system-packages clean mutation
+.PHONY: install demo test docs lint system-packages clean mutation check-demo-figures
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ system-packages:
 
 demo: $(STAMP)
 	$(BIN)/edgefl demo
+
+# The demo, then its figures that the docs quote checked against it (not part of `make test`).
+check-demo-figures: demo
+	$(BIN)/python tools/check_demo_figures.py
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
