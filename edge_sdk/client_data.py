@@ -16,7 +16,15 @@ from typing import Generic, TypeVar
 import torch
 from torch.utils.data import Dataset as TorchDataset
 
-__all__ = ["ClientData", "IdentityCache", "moved_by", "row_range", "shift_draws", "shifted"]
+__all__ = [
+    "ClientData",
+    "IdentityCache",
+    "mixed",
+    "moved_by",
+    "row_range",
+    "shift_draws",
+    "shifted",
+]
 
 V = TypeVar("V")
 
@@ -183,6 +191,23 @@ def shifted(x: torch.Tensor, most: int, generator: torch.Generator) -> torch.Ten
     image's edge (its background, not a value normalization may have made meaningful); laid
     out as ClientData holds images (`_layout`)."""
     return _layout(moved_by(x, most, shift_draws(len(x), most, generator, x.device)))
+
+
+def mixed(
+    x: torch.Tensor, y: torch.Tensor, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images `x` (n, c, h, w), each mixed with another of them: λ·x_i + (1 − λ)·x_p(i), with a
+    random permutation p and λ uniform in [0, 1] for each image (from `generator`, on its
+    device), and their labels `y`, each the label of its image's larger part (y_i where
+    λ ≥ 0.5); laid out as ClientData holds images. A batch of one is left as it is."""
+    n = len(y)
+    if n < 2:
+        return x, y
+    perm = torch.randperm(n, generator=generator, device=x.device)
+    lam = torch.rand(n, generator=generator, device=x.device)
+    weights = lam.view(n, *([1] * (x.dim() - 1)))
+    x = _layout(weights * x + (1 - weights) * x.index_select(0, perm))
+    return x, torch.where(lam >= 0.5, y, y.index_select(0, perm))
 
 
 def shift_draws(

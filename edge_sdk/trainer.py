@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from edge_sdk.client_data import ClientData, shifted
+from edge_sdk.client_data import ClientData, mixed, shifted
 from edge_sdk.device import autocast_dtype
 from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.losses import cross_entropy
@@ -200,16 +200,18 @@ class Trainer:
         epochs: int,
         shift: int = 0,
         views: int = 1,
+        mix: bool = False,
     ) -> Iterator[tuple[torch.Tensor, ...]]:
         """(inputs, labels, the teacher's logits) batches for `epochs` epochs of distilling
-        `teacher`. With `shift` > 0 and images (n, c, h, w): each epoch shows `views` views of
-        every image, every batch moved by up to `shift` pixels each way afresh and labelled by
-        the teacher as moved (`_moved`). Otherwise the images as they are, and the teacher's
-        logits computed once (it is fixed)."""
-        if shift <= 0 or not self._images(x):
+        `teacher`. With `shift` > 0 or `mix`, and images (n, c, h, w): each epoch shows `views`
+        views of every image, every batch moved by up to `shift` pixels each way afresh, with
+        `mix` each image mixed with another of its batch (`mixed`), and labelled by the teacher
+        as it is then (`_moved`). Otherwise the images as they are, and the teacher's logits
+        computed once (it is fixed)."""
+        if (shift <= 0 and not mix) or not self._images(x):
             return self.epochs(x, y, batch_size, epochs, self.logits(teacher, x))
         return (
-            self._moved(batch, shift, teacher)
+            self._moved(batch, shift, teacher, mix)
             for batch in self.epochs(x, y, batch_size, epochs * views)
         )
 
@@ -217,11 +219,17 @@ class Trainer:
         """Whether `x` holds images (n, c, h, w), which a distillation may shift."""
         return x.dim() == 4
 
-    def _moved(self, batch: tuple[Any, ...], shift: int, teacher: nn.Module) -> tuple[Any, ...]:
-        """A batch's images moved (`shifted`, from this trainer's random stream), their labels,
-        and the teacher's logits for the moved images."""
+    def _moved(
+        self, batch: tuple[Any, ...], shift: int, teacher: nn.Module, mix: bool = False
+    ) -> tuple[Any, ...]:
+        """A batch's images moved (`shifted`, from this trainer's random stream), then with
+        `mix` mixed (`mixed`, from the same stream), their labels, and the teacher's logits
+        for the images as they are then."""
         xb, yb = batch
-        xb = shifted(xb, shift, self.generator)
+        if shift > 0:
+            xb = shifted(xb, shift, self.generator)
+        if mix:
+            xb, yb = mixed(xb, yb, self.generator)
         return xb, yb, self.logits(teacher, xb)
 
     def rng_state(self) -> Any:

@@ -224,10 +224,15 @@ class CohortTrainer(Trainer):
     def _images(self, x: torch.Tensor) -> bool:
         return _packed(x).base.dim() == 4
 
-    def _moved(self, batch: tuple[Any, ...], shift: int, teacher: nn.Module) -> _Batch:
+    def _moved(
+        self, batch: tuple[Any, ...], shift: int, teacher: nn.Module, mix: bool = False
+    ) -> _Batch:
         """`Trainer._moved` for the stack: each member's images moved as they would be alone
         (its offsets drawn from its own random stream, one per sample of its batch, after its
-        permutation), and the stacked teacher labelling the stacked batch."""
+        permutation), and the stacked teacher labelling the stacked batch. Mixed views are
+        drawn client by client (CohortUnsupported: the students train one by one)."""
+        if mix:
+            raise CohortUnsupported("mixed views are drawn client by client")
         stacked = cast(_Batch, batch)
         inputs, yb, weights, active = stacked
         xb = cast(torch.Tensor, inputs)

@@ -220,7 +220,9 @@ class Deployment:
         With `guard_distill_shift` > 0, images (inputs of shape (n, c, h, w)) are shifted by up
         to that many pixels each way, afresh every batch, and the teacher labels each shifted
         batch: a few dozen images alone show the student too little of what the teacher knows.
-        Each epoch then shows `guard_distill_views` such views of every image, a pass each."""
+        With `guard_distill_mix`, each image of a view is also mixed with another of its batch
+        (`edge_sdk.client_data.mixed`). Each epoch then shows `guard_distill_views` such views of
+        every image, a pass each."""
         algo = self.algorithm
         cfg, optim = algo.config, algo.finetune_optim()
         assert isinstance(cfg, GuardConfig) and optim is not None
@@ -246,6 +248,7 @@ class Deployment:
             cfg.guard_distill_epochs,
             shift=cfg.guard_distill_shift,
             views=cfg.guard_distill_views,
+            mix=cfg.guard_distill_mix,
         )
         try:
             trainer.run(step, batches)

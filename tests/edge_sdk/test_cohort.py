@@ -428,6 +428,36 @@ def test_the_guards_students_of_a_stack_train_at_once_as_each_would_alone(monkey
     _assert_each_as_alone(expected, got, alone, stacked)
 
 
+def test_the_guards_mixed_students_of_a_stack_train_client_by_client_as_each_would_alone(
+    monkeypatch,
+):
+    # Prepare: the stack of the test above, its students shown mixed views (drawn client by
+    # client, so they cannot train as one stack)
+    image = (1, 12, 12)
+    spec = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=image)
+    glob = ArchSpec(family="lenet5", num_classes=CLASSES, input_shape=image)
+    alone, stacked = _image_clients(
+        "fml", spec, guard_distill_epochs=2, guard_mix_weights=[0.5], guard_distill_mix=True
+    )
+    tried, students = [], cohort._students_at_once
+
+    def spied(group, *args):
+        tried.append(len(group))
+        return students(group, *args)
+
+    monkeypatch.setattr(cohort, "_students_at_once", spied)
+
+    # Execute
+    expected, got = _finalized_both_ways(alone, stacked, glob)
+
+    # Assert: the stack tried its three members' students (and gave them to each member's
+    # guard), and every member deployed the student it deploys alone, its samples and random
+    # stream as alone
+    assert tried == [3]
+    assert all(e.details["deployed"] == "distilled (final, mlp)" for e in expected)
+    _assert_each_as_alone(expected, got, alone, stacked)
+
+
 def _with_data(algo, **splits):
     """`algo`'s data with the given splits replaced."""
     d = algo.ctx.data

@@ -752,6 +752,52 @@ def test_without_a_shift_or_images_the_teacher_labels_the_training_split_once(im
     assert len(teacher.seen) == 1 and torch.equal(teacher.seen[0], x_train)
 
 
+def test_mixed_views_mix_each_image_with_another_labelled_by_its_larger_part():
+    # Prepare: 24 one-pixel images (image k lights pixel k), labels k % 4, a linear teacher
+    x = torch.eye(24).view(24, 1, 4, 6)
+    y = torch.arange(24) % CLASSES
+    teacher = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(24, CLASSES))
+    trainer = Trainer(torch.device("cpu"), seed=0)
+
+    # Execute: 2 epochs of batches of 8, mixed, unshifted
+    batches = list(trainer.distillation_batches(teacher, x, y, 8, 2, mix=True))
+
+    # Assert: each input holds two images' pixels (or one, mixed with itself), weights summing
+    # to 1; its label is its larger part's; the teacher's logits are its own for it; some
+    # images are mixed
+    assert len(batches) == 6
+    mixes = 0
+    for xb, yb, zb in batches:
+        flat = xb.flatten(1)
+        assert torch.all(flat >= 0) and torch.allclose(flat.sum(1), torch.ones(8))
+        assert all(int((row > 0).sum()) <= 2 for row in flat)
+        assert torch.equal(yb, flat.argmax(1) % CLASSES)
+        torch.testing.assert_close(zb, teacher(xb))
+        mixes += int(((flat > 0).sum(1) == 2).sum())
+    assert mixes > 24
+
+
+def test_a_guard_with_mixed_views_shows_its_teacher_mixtures_of_its_images_alone():
+    # Prepare: 24 training images, mixed views without a shift; and a client of features
+    client = _image_client(guard_distill_shift=0, guard_distill_views=1, guard_distill_mix=True)
+    teacher = _Seen(36)
+    features = _client(OWN, guard_distill_epochs=3, guard_distill_mix=True)
+    seen_features = _Seen(FEATURES)
+
+    # Execute
+    client.deployment.distil(2, (MLR, teacher), None)
+    features.deployment.distil(2, (MLR, seen_features), None)
+
+    # Assert: the teacher labelled every batch of the 3 epochs, images none of the training
+    # split holds among them; the features were labelled once, as they are
+    x_train = client.ctx.data.x_train
+    assert [len(x) for x in teacher.seen] == [8] * 9
+    seen = torch.cat(teacher.seen)
+    assert not all(any(torch.equal(s, t) for t in x_train) for s in seen)
+    assert len(seen_features.seen) == 1
+    assert torch.equal(seen_features.seen[0], features.ctx.data.x_train)
+
+
 @pytest.mark.parametrize("views", [1, 3])
 def test_each_epoch_of_a_student_of_images_shows_it_its_views_of_every_image(views):
     # Prepare: 24 training images in batches of 8, 2 epochs, shifts of a pixel
