@@ -72,10 +72,10 @@ class GuardConfig(BaseModel):
     # inputs (features, sequences) are never shifted. At 2 (40 epochs) it gained on digits and
     # lost on most Fashion-MNIST splits (docs/algorithms.md, "Defaults measured at two sizes").
     guard_distill_shift: int = Field(0, ge=0)
-    # [ours] With a shift, each of a student's epochs shows it this many shifted views of every
-    # image, a pass each (counted in samples_processed); students of other inputs, with nothing
-    # new to see, train `guard_distill_epochs` alone. 1 (PFML's default); FML, PersFL, FedMe
-    # and FedeRiCo: 4 (PatientGuardConfig).
+    # [ours] With a shift (or mixing), each of a student's epochs shows it this many views of
+    # every image, a pass each (counted in samples_processed); students of other inputs, with
+    # nothing new to see, train `guard_distill_epochs` alone. 1 (PFML's default); FML, PersFL,
+    # FedMe and FedeRiCo: 4 (PatientGuardConfig).
     guard_distill_views: int = Field(1, ge=1)
     # [ours] A student distilled on images sees each view mixed with another image of its batch,
     # λ·x + (1 − λ)·x', λ drawn uniformly in [0, 1] for each image, and labelled by the teacher
