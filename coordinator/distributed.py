@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from importlib.metadata import PackageNotFoundError, version
@@ -103,12 +104,19 @@ def check_launch(cfg: RunConfig, ranks: int) -> None:
     check_ranks(ranks, cfg.clients)
 
 
-def rank_threads(cfg: RunConfig) -> int:
-    """The CPU threads of one rank: `threads`, else its share of the cores (this machine's ranks
-    share them: LOCAL_WORLD_SIZE)."""
+def rank_threads(cfg: RunConfig, machine_ranks: int) -> int:
+    """The CPU threads of one rank: `threads`, else its share of the cores of its machine, which
+    `machine_ranks` ranks share (itself included)."""
     from edge_sdk.device import cpu_threads
 
-    return cfg.threads or max(1, cpu_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return cfg.threads or max(1, cpu_threads() // max(1, machine_ranks))
+
+
+def ranks_on_machine(hosts: Sequence[str], rank: int) -> int:
+    """How many ranks run on `rank`'s machine, itself included, from every rank's host name:
+    however they were started (one launcher's processes, or several launches on one machine,
+    which each count only their own in LOCAL_WORLD_SIZE)."""
+    return sum(host == hosts[rank] for host in hosts)
 
 
 def rank_gpu(local_rank: int, gpus: int) -> int:
@@ -140,7 +148,6 @@ def join(cfg: RunConfig) -> tuple[Ranks, RunConfig]:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(rank_threads(cfg))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     check_launch(cfg, world)
     device = place(cfg)
@@ -159,11 +166,14 @@ def join(cfg: RunConfig) -> tuple[Ranks, RunConfig]:
     group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
     assert isinstance(group, dist.ProcessGroup)
     prints: list[Any] = [None] * world
-    dist.all_gather_object(prints, (fingerprint(cfg), cfg.out, device), group=group)
-    why = disagreement([p for p, _, _ in prints])
+    here = (fingerprint(cfg), cfg.out, device, socket.gethostname())
+    dist.all_gather_object(prints, here, group=group)
+    why = disagreement([p[0] for p in prints])
     if why is not None:
         raise ValueError(f"rank {rank}: {why}")
-    ranks = Ranks(rank, world, group, devices=tuple(d for _, _, d in prints))
+    sharing = ranks_on_machine([p[3] for p in prints], rank)
+    torch.set_num_threads(rank_threads(cfg, sharing))
+    ranks = Ranks(rank, world, group, devices=tuple(p[2] for p in prints), machine_ranks=sharing)
     _RANKS = ranks
     return ranks, cfg.model_copy(update={"out": prints[0][1]})
 

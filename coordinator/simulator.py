@@ -245,7 +245,7 @@ def _over_ranks(
 ) -> RunResult | None:
     """This rank's part of a run sharded over ranks: rank 0 coordinates (its result), the
     others serve their shard's phases (None). A rank's threads: its share of the machine's."""
-    threads = distributed.rank_threads(cfg)
+    threads = distributed.rank_threads(cfg, ranks.machine_ranks)
     shard = ShardFleet(
         nodes, ranks, parallel=cfg.parallel or threads, threads=threads, **_local_options(cfg)
     )

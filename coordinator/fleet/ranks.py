@@ -80,6 +80,7 @@ class Ranks:
     world: int
     group: Any = None  # the process group (None: the default one)
     devices: tuple[str, ...] = ()  # what each rank trains on (cpu, cuda:N), by rank
+    machine_ranks: int = 1  # the ranks on its machine, itself included: they share the cores
 
 
 # -- shards ------------------------------------------------------------------------------------

@@ -25,9 +25,10 @@ from typer.testing import CliRunner
 
 from coordinator.broker import free_port
 from coordinator.cli import app
-from coordinator.distributed import disagreement, rank_gpu
+from coordinator.distributed import disagreement, rank_gpu, rank_threads, ranks_on_machine
 from coordinator.fleet.ranks import balance, client_cost, dumps, loads
 from coordinator.results import device_record
+from coordinator.run_config import RunConfig
 from edge_sdk.algorithms import algorithm_names
 from edge_sdk.device import DeviceChoice
 from model_zoo import ArchSpec
@@ -253,6 +254,18 @@ def test_a_rank_takes_its_machines_gpu_in_turn():
     assert [rank_gpu(r, 2) for r in range(5)] == [0, 1, 0, 1, 0]
     with pytest.raises(ValueError, match="no GPU to place rank 1 on"):
         rank_gpu(1, 0)
+
+
+def test_ranks_on_one_machine_share_its_cores_however_they_were_launched(monkeypatch):
+    # Two torchrun launches on one machine each see LOCAL_WORLD_SIZE=1; their host names say
+    # that they share it. A rank with all the cores would round its matmuls otherwise than one
+    # process's jobs (MKL sums in an order that depends on the threads), and results drift.
+    hosts = ["gpu-a", "gpu-b", "gpu-a", "gpu-a"]
+    assert [ranks_on_machine(hosts, r) for r in range(4)] == [3, 1, 3, 3]
+    monkeypatch.setenv("OMP_NUM_THREADS", "12")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)))
+    assert [rank_threads(RunConfig(), n) for n in (1, 3, 12, 13)] == [12, 4, 1, 1]
+    assert rank_threads(RunConfig(threads=5), 3) == 5  # --threads is taken as given
 
 
 def test_the_results_name_each_ranks_device():
