@@ -68,23 +68,22 @@ class GuardConfig(BaseModel):
     guard_distill_temperature: float = Field(2.0, gt=0)  # [ours] T
     # [ours] A student distilled on images sees each batch shifted by up to this many pixels
     # each way, at random, and labelled by the teacher as shifted; 0: the images as they are
-    # (PFML's and FedeRiCo's default; FML, PersFL and FedMe: 1, PatientGuardConfig). Other
+    # (PFML's default; FML, PersFL, FedMe and FedeRiCo: 1, PatientGuardConfig). Other
     # inputs (features, sequences) are never shifted. At 2 (40 epochs) it gained on digits and
     # lost on most Fashion-MNIST splits (docs/algorithms.md, "Defaults measured at two sizes").
     guard_distill_shift: int = Field(0, ge=0)
     # [ours] With a shift (or mixing), each of a student's epochs shows it this many views of
     # every image, a pass each (counted in samples_processed); students of other inputs, with
-    # nothing new to see, train `guard_distill_epochs` alone. 1 (PFML's and FedeRiCo's
-    # default); FML, PersFL and FedMe: 4 (PatientGuardConfig).
+    # nothing new to see, train `guard_distill_epochs` alone. 1 (PFML's default); FML, PersFL,
+    # FedMe and FedeRiCo: 4 (PatientGuardConfig).
     guard_distill_views: int = Field(1, ge=1)
     # [ours] A student distilled on images sees each view mixed with another image of its batch,
     # λ·x + (1 − λ)·x', λ drawn uniformly in [0, 1] for each image, and labelled by the teacher
     # as mixed; its label term takes the label of the larger part. The mixtures show it what
     # the teacher says between the device's images, where a few dozen of them alone say little
     # (mixup, as in Beyer et al.'s patient and consistent distillation). Other inputs are never
-    # mixed. False: the views as they are, every algorithm's default (measured for FedeRiCo, where
-    # it won at both sizes but is not its default yet, and for FML, PersFL and FedMe, where it
-    # lost or gained little: docs/algorithms.md).
+    # mixed. False: the views as they are (FedeRiCo's default: True, FedeRiCoConfig; it lost
+    # for FedMe and gained little for FML and PersFL: docs/algorithms.md).
     guard_distill_mix: bool = False
 
     @model_validator(mode="before")
@@ -104,17 +103,17 @@ class GuardConfig(BaseModel):
 
 
 class PatientGuardConfig(GuardConfig):
-    """The guard of FML, PersFL and FedMe, whose students of images learn from more of them:
-    each epoch, four views of every image, each shifted by up to a pixel its own way and
-    labelled by the teacher as shifted (160 passes in 40 epochs), not the images as they are.
+    """The guard of FML, PersFL, FedMe and FedeRiCo, whose students of images learn from more
+    of them: each epoch, four views of every image, each shifted by up to a pixel its own way
+    and labelled by the teacher as shifted (160 passes in 40 epochs), not the images as they
+    are; FedeRiCo's views are also mixed (`guard_distill_mix`, FedeRiCoConfig).
 
     Their students (on the devices of another architecture than the global one) ended 2-3
     points below the teacher they learnt from, at the long size of
     benchmarks/personalization.py: 24 images show a student little of what the teacher knows.
     These views closed part of that gap on digits and on Fashion-MNIST, at both sizes
     (docs/algorithms.md, "Defaults measured at two sizes"). Students of features or sequences
-    train as before. PFML and FedeRiCo keep GuardConfig's values (FedeRiCo's, measured with
-    them, is held back: docs/algorithms.md)."""
+    train as before. PFML keeps GuardConfig's values: these were not measured for it."""
 
     guard_distill_shift: int = Field(1, ge=0)  # [ours]
     guard_distill_views: int = Field(4, ge=1)  # [ours]
