@@ -12,11 +12,13 @@ what they run: a hash of the config (less what may differ between machines: `out
 `parallel`) and the edgefl and torch versions. Rank 0's `out` is every rank's (clients export
 there). The federation is sharded by `coordinator.fleet.ranks`; `coordinator.simulator` runs it.
 
-On GPUs (`--device auto|cuda` where CUDA is available), each rank trains on one GPU of its
-machine: its LOCAL_RANK modulo the machine's GPUs (`rank_gpu`), so one rank per GPU, and ranks
-beyond the GPUs share them. The ranks still exchange through gloo: what crosses is pickled
-host memory (a phase's tasks and replies, see `coordinator.fleet.ranks`), and NCCL refuses two
-ranks on one GPU, which is how a single GPU is shared.
+The ranks of one machine (`on_machine`: by host name, however they were started) share its CPU
+cores (`rank_threads`). On GPUs (`--device auto|cuda` where CUDA is available), each rank trains
+on one GPU of its machine: its place among the machine's ranks (LOCAL_RANK under one launcher a
+machine) modulo the machine's GPUs (`rank_gpu`), so one rank per GPU, and ranks beyond the GPUs
+share them. The ranks still exchange through gloo: what crosses is pickled host memory (a
+phase's tasks and replies, see `coordinator.fleet.ranks`), and NCCL refuses two ranks on one
+GPU, which is how a single GPU is shared.
 """
 
 from __future__ import annotations
@@ -112,31 +114,34 @@ def rank_threads(cfg: RunConfig, machine_ranks: int) -> int:
     return cfg.threads or max(1, cpu_threads() // max(1, machine_ranks))
 
 
-def ranks_on_machine(hosts: Sequence[str], rank: int) -> int:
-    """How many ranks run on `rank`'s machine, itself included, from every rank's host name:
-    however they were started (one launcher's processes, or several launches on one machine,
-    which each count only their own in LOCAL_WORLD_SIZE)."""
-    return sum(host == hosts[rank] for host in hosts)
+def on_machine(hosts: Sequence[str], rank: int) -> tuple[int, int]:
+    """`rank`'s place among the ranks of its machine (0 for the lowest rank there) and how many
+    there are, itself included, from every rank's host name: however they were started (one
+    launcher's processes, whose place is their LOCAL_RANK, or several launches on one machine,
+    each of which counts only its own in LOCAL_RANK and LOCAL_WORLD_SIZE)."""
+    mine = [r for r, host in enumerate(hosts) if host == hosts[rank]]
+    return mine.index(rank), len(mine)
 
 
 def rank_gpu(local_rank: int, gpus: int) -> int:
-    """The GPU of the `local_rank`-th rank of a machine with `gpus` GPUs: one rank per GPU, and
-    ranks beyond them share the GPUs in turn."""
+    """The GPU of the `local_rank`-th rank of a machine (`on_machine`) with `gpus` GPUs: one
+    rank per GPU, and ranks beyond them share the GPUs in turn."""
     if gpus < 1:
         raise ValueError(f"no GPU to place rank {local_rank} on")
     return local_rank % gpus
 
 
-def place(cfg: RunConfig) -> str:
-    """Make this rank's GPU (`rank_gpu` of LOCAL_RANK) torch's current device when the run
-    trains on CUDA; the device this rank trains on, as results name it (`cpu`, `cuda:N`)."""
+def place(cfg: RunConfig, local_rank: int) -> str:
+    """Make this rank's GPU (`rank_gpu` of its place on its machine) torch's current device when
+    the run trains on CUDA; the device this rank trains on, as results name it (`cpu`,
+    `cuda:N`)."""
     import torch
 
     from edge_sdk.device import choose_device
 
     if choose_device(cfg.device).device.type != "cuda":
         return "cpu"
-    index = rank_gpu(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count())
+    index = rank_gpu(local_rank, torch.cuda.device_count())
     torch.cuda.set_device(index)
     return f"cuda:{index}"
 
@@ -150,7 +155,6 @@ def join(cfg: RunConfig) -> tuple[Ranks, RunConfig]:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     check_launch(cfg, world)
-    device = place(cfg)
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     wait = cfg.round.register_timeout_s
     try:
@@ -166,14 +170,16 @@ def join(cfg: RunConfig) -> tuple[Ranks, RunConfig]:
     group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
     assert isinstance(group, dist.ProcessGroup)
     prints: list[Any] = [None] * world
-    here = (fingerprint(cfg), cfg.out, device, socket.gethostname())
+    here = (fingerprint(cfg), cfg.out, socket.gethostname())
     dist.all_gather_object(prints, here, group=group)
     why = disagreement([p[0] for p in prints])
     if why is not None:
         raise ValueError(f"rank {rank}: {why}")
-    sharing = ranks_on_machine([p[3] for p in prints], rank)
+    local_rank, sharing = on_machine([p[2] for p in prints], rank)
     torch.set_num_threads(rank_threads(cfg, sharing))
-    ranks = Ranks(rank, world, group, devices=tuple(p[2] for p in prints), machine_ranks=sharing)
+    devices: list[Any] = [None] * world
+    dist.all_gather_object(devices, place(cfg, local_rank), group=group)
+    ranks = Ranks(rank, world, group, devices=tuple(devices), machine_ranks=sharing)
     _RANKS = ranks
     return ranks, cfg.model_copy(update={"out": prints[0][1]})
 

@@ -332,7 +332,7 @@ def device_record(choice: DeviceChoice, ranks: Sequence[str] = ()) -> DeviceReco
         each = ", ".join(f"{d} ×{n}" for d, n in sorted(Counter(ranks).items()))
         used = f"{each} ({len(ranks)} ranks)"
         if "cuda" in each:
-            reason += "; a rank per GPU of its machine (LOCAL_RANK mod its GPUs)"
+            reason += "; a rank per GPU of its machine (its place there mod its GPUs)"
     return DeviceRecord(
         requested=choice.requested, used=used, reason=reason, precision=choice.precision
     )

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from coordinator.broker import free_port
 from coordinator.cli import app
-from coordinator.distributed import disagreement, rank_gpu, rank_threads, ranks_on_machine
+from coordinator.distributed import disagreement, on_machine, rank_gpu, rank_threads
 from coordinator.fleet.ranks import balance, client_cost, dumps, loads
 from coordinator.results import device_record
 from coordinator.run_config import RunConfig
@@ -148,8 +148,9 @@ def test_ranks_on_cuda_take_a_gpu_each_in_turn_and_agree_with_one_process(tmp_pa
     # Execute: 3 ranks (more than one GPU machine has: they share the GPUs in turn)
     three = _edgefl("simulate", *args, "--workers", "3", "--out", str(tmp_path / "3"), timeout=300)
 
-    # Assert: each rank on its GPU (LOCAL_RANK mod GPUs), and the results of one process, up to
-    # what other stack sizes change in a GPU's reduced-precision sums (a test image or two)
+    # Assert: each rank on its GPU (its place on the machine mod GPUs), and the results of one
+    # process, up to what other stack sizes change in a GPU's reduced-precision sums (a test
+    # image or two)
     assert three.returncode == 0, three.stdout + three.stderr
     doc = json.loads((tmp_path / "3" / "results.json").read_text())
     gpus = Counter(f"cuda:{r % torch.cuda.device_count()}" for r in range(3))
@@ -256,12 +257,13 @@ def test_a_rank_takes_its_machines_gpu_in_turn():
         rank_gpu(1, 0)
 
 
-def test_ranks_on_one_machine_share_its_cores_however_they_were_launched(monkeypatch):
-    # Two torchrun launches on one machine each see LOCAL_WORLD_SIZE=1; their host names say
-    # that they share it. A rank with all the cores would round its matmuls otherwise than one
-    # process's jobs (MKL sums in an order that depends on the threads), and results drift.
+def test_ranks_on_one_machine_share_its_cores_and_gpus_however_they_were_launched(monkeypatch):
+    # Two torchrun launches on one machine each see LOCAL_RANK=0 and LOCAL_WORLD_SIZE=1; their
+    # host names say that they share it. A rank with all the cores would round its matmuls
+    # otherwise than one process's jobs (MKL sums in an order that depends on the threads), and
+    # results drift; both would train on GPU 0.
     hosts = ["gpu-a", "gpu-b", "gpu-a", "gpu-a"]
-    assert [ranks_on_machine(hosts, r) for r in range(4)] == [3, 1, 3, 3]
+    assert [on_machine(hosts, r) for r in range(4)] == [(0, 3), (0, 1), (1, 3), (2, 3)]
     monkeypatch.setenv("OMP_NUM_THREADS", "12")
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)))
     assert [rank_threads(RunConfig(), n) for n in (1, 3, 12, 13)] == [12, 4, 1, 1]
@@ -275,7 +277,7 @@ def test_the_results_name_each_ranks_device():
     two = device_record(cpu, ["cuda:1", "cuda:0", "cuda:1", "cpu"])
     assert two.used == "cpu ×1, cuda:0 ×1, cuda:1 ×2 (4 ranks)"
     assert two.reason == (
-        "auto: CUDA is not available; a rank per GPU of its machine (LOCAL_RANK mod its GPUs)"
+        "auto: CUDA is not available; a rank per GPU of its machine (its place there mod its GPUs)"
     )
     assert device_record(cpu, ["cpu", "cpu"]).reason == "auto: CUDA is not available"
 
