@@ -12,7 +12,7 @@ what they run: a hash of the config (less what may differ between machines: `out
 `parallel`) and the edgefl and torch versions. Rank 0's `out` is every rank's (clients export
 there). The federation is sharded by `coordinator.fleet.ranks`; `coordinator.simulator` runs it.
 
-The ranks of one machine (`on_machine`: by host name, however they were started) share its CPU
+The ranks of one machine (`on_machine`: by `machine()`, however they were started) share its CPU
 cores (`rank_threads`). On GPUs (`--device auto|cuda` where CUDA is available), each rank trains
 on one GPU of its machine: its place among the machine's ranks (LOCAL_RANK under one launcher a
 machine) modulo the machine's GPUs (`rank_gpu`), so one rank per GPU, and ranks beyond the GPUs
@@ -30,6 +30,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coordinator.fleet.ranks import Ranks, check_ranks
@@ -114,9 +115,20 @@ def rank_threads(cfg: RunConfig, machine_ranks: int) -> int:
     return cfg.threads or max(1, cpu_threads() // max(1, machine_ranks))
 
 
+def machine() -> str:
+    """What tells this machine from the others of a launch: its host name (containers on one
+    host have their own, and their own cores) and, on Linux, the kernel's boot id (machines
+    given one host name by a careless image still differ)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()} {boot}".strip()
+
+
 def on_machine(hosts: Sequence[str], rank: int) -> tuple[int, int]:
     """`rank`'s place among the ranks of its machine (0 for the lowest rank there) and how many
-    there are, itself included, from every rank's host name: however they were started (one
+    there are, itself included, from every rank's `machine()`: however they were started (one
     launcher's processes, whose place is their LOCAL_RANK, or several launches on one machine,
     each of which counts only its own in LOCAL_RANK and LOCAL_WORLD_SIZE)."""
     mine = [r for r, host in enumerate(hosts) if host == hosts[rank]]
@@ -170,7 +182,7 @@ def join(cfg: RunConfig) -> tuple[Ranks, RunConfig]:
     group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
     assert isinstance(group, dist.ProcessGroup)
     prints: list[Any] = [None] * world
-    here = (fingerprint(cfg), cfg.out, socket.gethostname())
+    here = (fingerprint(cfg), cfg.out, machine())
     dist.all_gather_object(prints, here, group=group)
     why = disagreement([p[0] for p in prints])
     if why is not None:

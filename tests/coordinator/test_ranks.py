@@ -12,6 +12,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from typer.testing import CliRunner
 
 from coordinator.broker import free_port
 from coordinator.cli import app
-from coordinator.distributed import disagreement, on_machine, rank_gpu, rank_threads
+from coordinator.distributed import disagreement, machine, on_machine, rank_gpu, rank_threads
 from coordinator.fleet.ranks import balance, client_cost, dumps, loads
 from coordinator.results import device_record
 from coordinator.run_config import RunConfig
@@ -264,6 +265,8 @@ def test_ranks_on_one_machine_share_its_cores_and_gpus_however_they_were_launche
     # results drift; both would train on GPU 0.
     hosts = ["gpu-a", "gpu-b", "gpu-a", "gpu-a"]
     assert [on_machine(hosts, r) for r in range(4)] == [(0, 3), (0, 1), (1, 3), (2, 3)]
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert machine() == f"{socket.gethostname()} {boot}"  # another machine has another boot id
     monkeypatch.setenv("OMP_NUM_THREADS", "12")
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)))
     assert [rank_threads(RunConfig(), n) for n in (1, 3, 12, 13)] == [12, 4, 1, 1]
