@@ -47,7 +47,7 @@ from edge_sdk.algorithms.base import (
     register_algorithm,
 )
 from edge_sdk.algorithms.candidates import PERSONAL, Candidate
-from edge_sdk.algorithms.guard_config import PatientGuardConfig
+from edge_sdk.algorithms.guard_config import MixingGuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import cross_entropy
 from edge_sdk.optim import SGD, Adam
@@ -64,7 +64,7 @@ MODEL, GRAD = "model", "grad"
 log = logging.getLogger(__name__)
 
 
-class FedeRiCoConfig(BaseAlgorithmConfig, PatientGuardConfig):
+class FedeRiCoConfig(BaseAlgorithmConfig, MixingGuardConfig):
     # preset = "paper": Adam at 1e-3 on batches of 50 [paper]; M = 3 is the paper's too. ε, m,
     # τ and the mixture's size are lost from the paper's text: ours stay.
     paper: ClassVar[dict[str, Any]] = {"lr": 1e-3, "batch_size": 50}
@@ -89,12 +89,6 @@ class FedeRiCoConfig(BaseAlgorithmConfig, PatientGuardConfig):
     # A peer's model whose mean cross-entropy on our validation data is above this × log(classes)
     # (10: far worse than a uniform guess), or not finite, gets no weight (0: any finite one).
     absurd_nats: float = Field(10.0, ge=0)
-    # [ours] The guard's students (on every device whose budget refuses FedeRiCo's mixture) see
-    # four shifted views of each image an epoch (PatientGuardConfig), mixed: at the long size
-    # the mixture they learn from scored 97.0 and 87.6 on the label-skew splits where they
-    # scored 93.3 and 83.1 seeing the images as they are (GuardConfig's values, the default
-    # before), and 95.0 and 85.0 now (docs/algorithms.md, "Defaults measured at two sizes").
-    guard_distill_mix: bool = True
 
 
 def posterior_weights(losses: Mapping[str, float], temperature: float) -> dict[str, float]:

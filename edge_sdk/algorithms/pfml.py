@@ -34,7 +34,7 @@ from edge_sdk.algorithms.base import (
     register_algorithm,
 )
 from edge_sdk.algorithms.candidates import PERSONAL, Candidate
-from edge_sdk.algorithms.guard_config import GuardConfig
+from edge_sdk.algorithms.guard_config import MixingGuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import DistillTarget, ce_plus_kl, distill_target
 from edge_sdk.optim_config import OptimConfig
@@ -46,7 +46,7 @@ __all__ = ["PFML", "PFMLConfig"]
 _PLAIN_STEPS = "pfml takes the plain gradient steps of Algorithm 1 (lr η only)"
 
 
-class PFMLConfig(BaseAlgorithmConfig, GuardConfig):
+class PFMLConfig(BaseAlgorithmConfig, MixingGuardConfig):
     # preset = "paper": E = 10 iterations of batches of 200 (the figure captions), η = 0.01 and
     # λ = 20 [paper]. The auxiliary model persists (`aux_init`): re-initialising it from the
     # global model, as the literal Algorithm 1 does, is undefined for one of another
