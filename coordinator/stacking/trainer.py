@@ -227,23 +227,43 @@ class CohortTrainer(Trainer):
     def _moved(
         self, batch: tuple[Any, ...], shift: int, teacher: nn.Module, mix: bool = False
     ) -> _Batch:
-        """`Trainer._moved` for the stack: each member's images moved as they would be alone
-        (its offsets drawn from its own random stream, one per sample of its batch, after its
-        permutation), and the stacked teacher labelling the stacked batch. Mixed views are
-        drawn client by client (CohortUnsupported: the students train one by one)."""
-        if mix:
-            raise CohortUnsupported("mixed views are drawn client by client")
+        """`Trainer._moved` for the stack: each member's images moved, then with `mix` mixed,
+        as they would be alone (its offsets, permutation and weights drawn from its own random
+        stream, for the samples of its batch, in the order alone draws them), and the stacked
+        teacher labelling the stacked batch."""
         stacked = cast(_Batch, batch)
         inputs, yb, weights, active = stacked
         xb = cast(torch.Tensor, inputs)
         rows, width = xb.shape[:2]
-        draws = torch.zeros(2, rows, width, 1, dtype=torch.int64, device=self.device)
-        for i, (t, c) in enumerate(zip(self.members[:rows], stacked.counts, strict=False)):
-            if c:  # (padding, and a member sitting the step out, draw nothing)
-                draws[:, i, :c] = shift_draws(c, shift, t.generator, self.device)
-        xb = moved_by(xb.flatten(0, 1), shift, draws.flatten(1, 2)).view(xb.shape)
+        members = list(zip(self.members[:rows], stacked.counts, strict=False))
+        if shift > 0:
+            draws = torch.zeros(2, rows, width, 1, dtype=torch.int64, device=self.device)
+            for i, (t, c) in enumerate(members):
+                if c:  # (padding, and a member sitting the step out, draw nothing)
+                    draws[:, i, :c] = shift_draws(c, shift, t.generator, self.device)
+            xb = moved_by(xb.flatten(0, 1), shift, draws.flatten(1, 2)).view(xb.shape)
+        if mix:
+            xb, yb = self._mixed(xb, cast(torch.Tensor, yb), members)
         labels = self._labels(teacher, xb)
         return _batch((xb, yb, labels, weights, active), stacked.taking, stacked.counts)
+
+    def _mixed(
+        self, xb: torch.Tensor, yb: torch.Tensor, members: list[tuple[Trainer, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A stacked batch (rows, B, ...) mixed member by member as `mixed` mixes one batch:
+        each member's permutation and weights from its own stream (none for fewer than two
+        samples), its padding mixed with itself at weight 1, which leaves it as it was."""
+        rows, width = yb.shape
+        other = torch.arange(width, device=self.device).repeat(rows, 1)
+        lam = torch.ones(rows, width, device=self.device)
+        for i, (t, c) in enumerate(members):
+            if c >= 2:
+                other[i, :c] = torch.randperm(c, generator=t.generator, device=self.device)
+                lam[i, :c] = torch.rand(c, generator=t.generator, device=self.device)
+        row = torch.arange(rows, device=self.device)[:, None]
+        w = lam.view(rows, width, *([1] * (xb.dim() - 2)))
+        xb = w * xb + (1 - w) * xb[row, other]
+        return xb, torch.where(lam >= 0.5, yb, yb[row, other])
 
     @torch.no_grad()
     def _labels(self, teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -428,32 +428,36 @@ def test_the_guards_students_of_a_stack_train_at_once_as_each_would_alone(monkey
     _assert_each_as_alone(expected, got, alone, stacked)
 
 
-def test_the_guards_mixed_students_of_a_stack_train_client_by_client_as_each_would_alone(
-    monkeypatch,
-):
-    # Prepare: the stack of the test above, its students shown mixed views (drawn client by
-    # client, so they cannot train as one stack)
+@pytest.mark.parametrize("shift", [1, 0], ids=["shifted", "unshifted"])
+def test_the_guards_mixed_students_of_a_stack_train_at_once_as_each_would_alone(monkeypatch, shift):
+    # Prepare: the stack of the test above, its students shown mixed views (each member's
+    # permutation and weights drawn from its own stream), with and without the shift
     image = (1, 12, 12)
     spec = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=image)
     glob = ArchSpec(family="lenet5", num_classes=CLASSES, input_shape=image)
     alone, stacked = _image_clients(
-        "fml", spec, guard_distill_epochs=2, guard_mix_weights=[0.5], guard_distill_mix=True
+        "fml",
+        spec,
+        guard_distill_epochs=2,
+        guard_mix_weights=[0.5],
+        guard_distill_mix=True,
+        guard_distill_shift=shift,
     )
-    tried, students = [], cohort._students_at_once
+    at_once, students = [], cohort._students_at_once
 
     def spied(group, *args):
-        tried.append(len(group))
-        return students(group, *args)
+        made = students(group, *args)
+        at_once.append((len(group), None if made is None else [len(m) for m in made]))
+        return made
 
     monkeypatch.setattr(cohort, "_students_at_once", spied)
 
     # Execute
     expected, got = _finalized_both_ways(alone, stacked, glob)
 
-    # Assert: the stack tried its three members' students (and gave them to each member's
-    # guard), and every member deployed the student it deploys alone, its samples and random
-    # stream as alone
-    assert tried == [3]
+    # Assert: the three members' two students each were trained as one stack, and every member
+    # deployed the student it deploys alone, its samples and random stream as alone
+    assert at_once == [(3, [2, 2, 2])]
     assert all(e.details["deployed"] == "distilled (final, mlp)" for e in expected)
     _assert_each_as_alone(expected, got, alone, stacked)
 
