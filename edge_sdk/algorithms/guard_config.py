@@ -68,15 +68,14 @@ class GuardConfig(BaseModel):
     guard_distill_temperature: float = Field(2.0, gt=0)  # [ours] T
     # [ours] A student distilled on images sees each batch shifted by up to this many pixels
     # each way, at random, and labelled by the teacher as shifted; 0: the images as they are
-    # (every algorithm's guard measured it: FML, PersFL, FedMe, FedeRiCo and PFML take 1,
-    # PatientGuardConfig). Other
+    # (every algorithm with a guard takes 1, PatientGuardConfig, as measured for each). Other
     # inputs (features, sequences) are never shifted. At 2 (40 epochs) it gained on digits and
     # lost on most Fashion-MNIST splits (docs/algorithms.md, "Defaults measured at two sizes").
     guard_distill_shift: int = Field(0, ge=0)
     # [ours] With a shift (or mixing), each of a student's epochs shows it this many views of
     # every image, a pass each (counted in samples_processed); students of other inputs, with
-    # nothing new to see, train `guard_distill_epochs` alone. 1; FML, PersFL, FedMe, FedeRiCo
-    # and PFML: 4 (PatientGuardConfig).
+    # nothing new to see, train `guard_distill_epochs` alone. 1; every algorithm with a guard:
+    # 4 (PatientGuardConfig).
     guard_distill_views: int = Field(1, ge=1)
     # [ours] A student distilled on images sees each view mixed with another image of its batch,
     # λ·x + (1 − λ)·x', λ drawn uniformly in [0, 1] for each image, and labelled by the teacher
