@@ -19,7 +19,9 @@ from torch.utils.data import Dataset as TorchDataset
 __all__ = [
     "ClientData",
     "IdentityCache",
+    "mix_draws",
     "mixed",
+    "mixed_by",
     "moved_by",
     "row_range",
     "shift_draws",
@@ -196,18 +198,33 @@ def shifted(x: torch.Tensor, most: int, generator: torch.Generator) -> torch.Ten
 def mixed(
     x: torch.Tensor, y: torch.Tensor, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images `x` (n, c, h, w), each mixed with another of them: λ·x_i + (1 − λ)·x_p(i), with a
-    random permutation p and λ uniform in [0, 1] for each image (from `generator`, on its
-    device), and their labels `y`, each the label of its image's larger part (y_i where
-    λ ≥ 0.5); laid out as ClientData holds images. A batch of one is left as it is."""
-    n = len(y)
-    if n < 2:
+    """Images `x` (n, c, h, w), each mixed with another of them (`mixed_by` the `mix_draws` of
+    `generator`, on its device), and their labels `y`; laid out as ClientData holds images. A
+    batch of one is left as it is."""
+    if len(y) < 2:
         return x, y
-    perm = torch.randperm(n, generator=generator, device=x.device)
-    lam = torch.rand(n, generator=generator, device=x.device)
-    weights = lam.view(n, *([1] * (x.dim() - 1)))
-    x = _layout(weights * x + (1 - weights) * x.index_select(0, perm))
-    return x, torch.where(lam >= 0.5, y, y.index_select(0, perm))
+    x, y = mixed_by(x, y, *mix_draws(len(y), generator, x.device))
+    return _layout(x), y
+
+
+def mix_draws(
+    n: int, generator: torch.Generator, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For n images: a random permutation p (image i is mixed with image p(i)) and λ uniform in
+    [0, 1] for each image, drawn in that order (`mixed_by`)."""
+    perm = torch.randperm(n, generator=generator, device=device)
+    return perm, torch.rand(n, generator=generator, device=device)
+
+
+def mixed_by(
+    x: torch.Tensor, y: torch.Tensor, other: torch.Tensor, lam: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs `x` (n, ...) mixed as λ·x_i + (1 − λ)·x_other(i), `lam` and `other` (indices into
+    x) one each per input, and labels `y`, each the label of its input's larger part (y_i where
+    λ ≥ 0.5). An input mixed with itself at λ = 1 stays as it is."""
+    weights = lam.view(len(lam), *([1] * (x.dim() - 1)))
+    x = weights * x + (1 - weights) * x.index_select(0, other)
+    return x, torch.where(lam >= 0.5, y, y.index_select(0, other))
 
 
 def shift_draws(

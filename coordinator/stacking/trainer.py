@@ -41,7 +41,7 @@ from torch import nn
 from coordinator.stacking.frozen import Frozen, Stepping
 from coordinator.stacking.stacked_data import Packed, cumulative
 from edge_sdk.algorithms.members import CohortUnsupported, PerMember
-from edge_sdk.client_data import moved_by, shift_draws
+from edge_sdk.client_data import mix_draws, mixed_by, moved_by, shift_draws
 from edge_sdk.graphs import StepRunner, footprint
 from edge_sdk.losses import StackedBatch, stacked_batch
 from edge_sdk.trainer import Score, Step, Trainer, _check_finite
@@ -251,19 +251,17 @@ class CohortTrainer(Trainer):
         self, xb: torch.Tensor, yb: torch.Tensor, members: list[tuple[Trainer, int]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A stacked batch (rows, B, ...) mixed member by member as `mixed` mixes one batch:
-        each member's permutation and weights from its own stream (none for fewer than two
-        samples), its padding mixed with itself at weight 1, which leaves it as it was."""
+        each member's `mix_draws` from its own stream (none for fewer than two samples), its
+        padding mixed with itself at weight 1, which leaves it as it was."""
         rows, width = yb.shape
-        other = torch.arange(width, device=self.device).repeat(rows, 1)
+        other = torch.arange(rows * width, device=self.device).view(rows, width)
         lam = torch.ones(rows, width, device=self.device)
         for i, (t, c) in enumerate(members):
             if c >= 2:
-                other[i, :c] = torch.randperm(c, generator=t.generator, device=self.device)
-                lam[i, :c] = torch.rand(c, generator=t.generator, device=self.device)
-        row = torch.arange(rows, device=self.device)[:, None]
-        w = lam.view(rows, width, *([1] * (xb.dim() - 2)))
-        xb = w * xb + (1 - w) * xb[row, other]
-        return xb, torch.where(lam >= 0.5, yb, yb[row, other])
+                perm, lam[i, :c] = mix_draws(c, t.generator, self.device)
+                other[i, :c] = perm + i * width
+        x, y = mixed_by(xb.flatten(0, 1), yb.flatten(), other.flatten(), lam.flatten())
+        return x.view(xb.shape), y.view(yb.shape)
 
     @torch.no_grad()
     def _labels(self, teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
