@@ -188,10 +188,11 @@ def join(cfg: RunConfig) -> tuple[Ranks, RunConfig]:
     if why is not None:
         raise ValueError(f"rank {rank}: {why}")
     local_rank, sharing = on_machine([p[2] for p in prints], rank)
-    torch.set_num_threads(rank_threads(cfg, sharing))
+    threads = rank_threads(cfg, sharing)
+    torch.set_num_threads(threads)
     devices: list[Any] = [None] * world
     dist.all_gather_object(devices, place(cfg, local_rank), group=group)
-    ranks = Ranks(rank, world, group, devices=tuple(devices), machine_ranks=sharing)
+    ranks = Ranks(rank, world, group, devices=tuple(devices), threads=threads)
     _RANKS = ranks
     return ranks, cfg.model_copy(update={"out": prints[0][1]})
 

@@ -245,9 +245,12 @@ def _over_ranks(
 ) -> RunResult | None:
     """This rank's part of a run sharded over ranks: rank 0 coordinates (its result), the
     others serve their shard's phases (None). A rank's threads: its share of the machine's."""
-    threads = distributed.rank_threads(cfg, ranks.machine_ranks)
     shard = ShardFleet(
-        nodes, ranks, parallel=cfg.parallel or threads, threads=threads, **_local_options(cfg)
+        nodes,
+        ranks,
+        parallel=cfg.parallel or ranks.threads,
+        threads=ranks.threads,
+        **_local_options(cfg),
     )
     log.info("rank %d of %d (pid %d): clients %s", ranks.rank, ranks.world, os.getpid(),
              ", ".join(n.client_id for n in nodes))  # fmt: skip

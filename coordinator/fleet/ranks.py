@@ -80,7 +80,9 @@ class Ranks:
     world: int
     group: Any = None  # the process group (None: the default one)
     devices: tuple[str, ...] = ()  # what each rank trains on (cpu, cuda:N), by rank
-    machine_ranks: int = 1  # the ranks on its machine, itself included: they share the cores
+    # its intra-op threads: its share of its machine's cores, among the ranks there
+    # (coordinator.distributed.rank_threads, set once at the rendezvous)
+    threads: int = 1
 
 
 # -- shards ------------------------------------------------------------------------------------
