@@ -6,6 +6,12 @@ safetensors and the rest as JSON in the file's metadata (never pickle), atomical
 file in the same folder, fsync, rename, fsync of the folder (`model_zoo.files`), readable by its
 owner only. A reader sees the old file or the new one, never half of one. `load_state` is its
 inverse.
+
+Each file says the layout it was written in (`STATE_FORMAT`, in its metadata; files without it,
+written before the stamp, are format 1). A reader refuses a format it does not read with an
+error that says what to do, not a missing key: a device whose SDK was downgraded, or handed a
+file from a newer coordinator. A change of what a state holds that today's reader cannot take
+as it is raises `STATE_FORMAT`; one it can (a value added with a default) keeps it.
 """
 
 from __future__ import annotations
@@ -23,10 +29,19 @@ from safetensors.torch import save as st_save
 
 from model_zoo.files import write_atomic
 
-__all__ = ["StateError", "load_state", "save_state", "state_bytes", "state_from_bytes"]
+__all__ = [
+    "STATE_FORMAT",
+    "StateError",
+    "load_state",
+    "save_state",
+    "state_bytes",
+    "state_from_bytes",
+]
 
 _TREE = "edgefl.state"
+_FORMAT = "edgefl.state_format"
 _TENSOR = "__tensor__"
+STATE_FORMAT = 1  # the layout this version writes, and the only one it reads
 
 
 class StateError(ValueError):
@@ -72,7 +87,7 @@ def state_bytes(state: Mapping[str, Any]) -> bytes:
     """`state` as the bytes of a state file (safetensors; its tensors copied to the host)."""
     tensors: dict[str, torch.Tensor] = {}
     tree = _flatten(state, "state", tensors)
-    return st_save(tensors, metadata={_TREE: json.dumps(tree)})
+    return st_save(tensors, metadata={_TREE: json.dumps(tree), _FORMAT: str(STATE_FORMAT)})
 
 
 def state_from_bytes(data: bytes, what: str = "the state") -> dict[str, Any]:
@@ -85,6 +100,18 @@ def state_from_bytes(data: bytes, what: str = "the state") -> dict[str, Any]:
         tree = json.loads(meta[_TREE])
     except (SafetensorError, ValueError, KeyError, RuntimeError) as exc:
         raise StateError(f"{what} is not an edgefl state file: {exc}") from exc
+    written = meta.get(_FORMAT, "1")
+    if written != str(STATE_FORMAT):
+        newer = written.isdigit() and int(written) > STATE_FORMAT
+        raise StateError(
+            f"{what} is in state format {written}, which this version of edgefl does not read "
+            f"(it reads {STATE_FORMAT}): "
+            + (
+                "it was written by a newer edgefl; upgrade edgefl here to resume from it"
+                if newer
+                else "resume with the edgefl that wrote it, or remove the file to start afresh"
+            )
+        )
     state = _unflatten(tree, tensors)
     if not isinstance(state, dict):
         raise StateError(f"{what} holds no state mapping")

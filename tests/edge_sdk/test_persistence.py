@@ -1,6 +1,10 @@
 """A client's algorithm state survives a restart: saved, loaded, and continued exactly."""
 
+import json
+
 import pytest
+import safetensors
+import safetensors.torch
 import torch
 
 from coordinator.stacking.cohort import run_stacked
@@ -94,6 +98,38 @@ def test_a_state_file_that_is_not_one_is_refused(tmp_path):
     with pytest.raises(StateError, match="cannot save"):
         save_state(tmp_path / "x", {"opaque": object()})
     assert not (tmp_path / "x").exists()  # nothing half-written
+
+
+def _file(tmp_path, stamp):
+    """A state file {"w": [1, 2]} made here with safetensors, stamped with `stamp` (None: no
+    stamp, as files were written before the format was)."""
+    meta = {"edgefl.state": json.dumps({"w": {"__tensor__": "t0"}})}
+    if stamp is not None:
+        meta["edgefl.state_format"] = stamp
+    path = tmp_path / f"format-{stamp}.state"
+    path.write_bytes(safetensors.torch.save({"t0": torch.tensor([1.0, 2.0])}, metadata=meta))
+    return path
+
+
+def test_a_state_file_says_its_format_and_one_in_another_is_refused_with_what_to_do(tmp_path):
+    # Prepare: a file written here, and files made with safetensors alone
+    ours = save_state(tmp_path / "ours.state", {"w": torch.tensor([1.0, 2.0])})
+    with safetensors.safe_open(ours, "pt") as f:
+        written = f.metadata()["edgefl.state_format"]
+
+    # Assert: this version writes format 1 and reads it, stamped or (written before the stamp)
+    # not; a newer format asks for a newer edgefl, an older or unknown one names the way back
+    assert written == "1"
+    for path in (ours, _file(tmp_path, "1"), _file(tmp_path, None)):
+        assert torch.equal(load_state(path)["w"], torch.tensor([1.0, 2.0]))
+    newer = _file(tmp_path, "2")
+    with pytest.raises(StateError, match=r"format-2\.state is in state format 2, .*reads 1\): "
+                       r"it was written by a newer edgefl; upgrade edgefl here"):  # fmt: skip
+        load_state(newer)
+    for stamp in ("0", "x"):
+        with pytest.raises(StateError, match=rf"in state format {stamp}, .*resume with the "
+                           "edgefl that wrote it, or remove the file"):  # fmt: skip
+            load_state(_file(tmp_path, stamp))
 
 
 def test_state_files_hold_nested_tensors_and_plain_values(tmp_path):
