@@ -1,13 +1,48 @@
-"""How `gpu_round.py` and `simulate_scale.py` end: the load at the end in the machine record, the
-JSON (printed, and written to `--json-out` when given), then the table made from it."""
+"""What every benchmark here writes of the machine it ran on, and how most of them end: the load at
+the end in that record, the JSON (printed, and written to `--json-out` when given), then the table
+made from it."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+def _processor() -> str:
+    """The CPU's model name (/proc/cpuinfo's; `platform.processor()` is often empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(**extra: Any) -> dict[str, Any]:
+    """The machine record of a benchmark's JSON: the software, the CPU, the cores this process may
+    use and the load average when it starts (what else loads a shared machine weighs on absolute
+    times), then `extra`. `emit` or `ended` adds the load at the end."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": importlib.metadata.version("torch"),
+        "platform": platform.platform(),
+        "processor": _processor(),
+        "cpus": os.cpu_count(),
+        "cpus_allowed": len(os.sched_getaffinity(0)),
+        "loadavg_start": os.getloadavg(),
+    }
+    return info | extra
+
+
+def ended(out: dict[str, Any]) -> None:
+    """The load average at the end, beside the one at the start in `out`'s machine record."""
+    out["machine"]["loadavg_end"] = os.getloadavg()
 
 
 def save(out: dict[str, Any], json_out: Path | None) -> str:
@@ -21,6 +56,6 @@ def save(out: dict[str, Any], json_out: Path | None) -> str:
 def emit(
     out: dict[str, Any], json_out: Path | None, table: Callable[[dict[str, Any]], str]
 ) -> None:
-    out["machine"]["loadavg_end"] = os.getloadavg()
+    ended(out)
     print(save(out, json_out))
     print(table(out))

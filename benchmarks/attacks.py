@@ -44,7 +44,6 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -59,6 +58,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _report import ended, machine  # noqa: E402
 
 from coordinator.config import RunConfig, load_config, parse_overrides  # noqa: E402
 from coordinator.federation import prepare_federation  # noqa: E402
@@ -563,19 +564,14 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("coordinator", "edge_sdk", "model_zoo"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     doc: dict[str, Any] = {
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "python": sys.version.split()[0],
-            "loadavg_start": os.getloadavg(),
-        },
+        "machine": machine(),
         "settings": {k: v for k, v in vars(args).items() if k != "json_out"},
     }
     if args.part in ("attacks", "all"):
         doc["attacks"] = attacks_part(args)
     if args.part in ("flood", "all"):
         doc["flood"] = flood_part(args)
-    doc["machine"]["loadavg_end"] = os.getloadavg()
+    ended(doc)
     text = json.dumps(doc, indent=1)
     if args.json_out:
         args.json_out.write_text(text + "\n")

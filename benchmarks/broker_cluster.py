@@ -19,8 +19,6 @@ Skips with the reason (exit 0) where `rabbitmq-server` is not installed.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -34,7 +32,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit
+from _report import emit, machine
 from rabbitmq_cluster import RabbitCluster, rabbitmq_missing
 
 from coordinator.config import load_config
@@ -254,13 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300, help="per federation, seconds")
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args(argv)
-    out: dict[str, Any] = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "loadavg_start": os.getloadavg(),
-        }
-    }
+    out: dict[str, Any] = {"machine": machine()}
     why = rabbitmq_missing()
     if why is not None:
         out["skipped"] = why

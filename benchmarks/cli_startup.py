@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit
+from _report import emit, machine
 
 HEAVY = ("torch", "paho")
 
@@ -77,11 +76,7 @@ def measure(sources: dict[str, Path], repeat: int) -> dict[str, Any]:
         for label, per in runs.items()
     }
     return {
-        "machine": {
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "loadavg_start": os.getloadavg(),
-        },
+        "machine": machine(),
         "repeat": repeat,
         "sources": {label: str(path) for label, path in sources.items()},
         "results": results,

@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import random
 import resource
 import selectors
@@ -52,7 +51,7 @@ import numpy as np
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit
+from _report import emit, machine
 
 RUN = "fleet"
 EDGEFL = str(Path(sys.executable).parent / "edgefl")
@@ -691,13 +690,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     result = {
         "benchmark": "fleet_scale",
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "load_before": os.getloadavg(),
-            "fd_limit": fds,
-        },
+        "machine": machine(fd_limit=fds),
         "args": {k: v for k, v in vars(args).items() if k not in ("worker", "first", "count")},
         "rows": rows,
         "slopes": {k: _slope(rows, k) for k, _, _ in COLUMNS[2:]},

@@ -58,7 +58,6 @@ import argparse
 import itertools
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -68,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _report import emit, save
+from _report import emit, machine, save
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from coordinator.config import load_config
@@ -349,17 +348,8 @@ def step_part(device: str, steps: int) -> dict[str, Any]:
 
 
 # -- the report --------------------------------------------------------------------------------
-def machine(device: str) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "torch": torch.__version__,
-        "device": device,
-        "cpu_threads": cpu_threads(),
-        "torch_threads": torch.get_num_threads(),
-        "cpus_allowed": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "loadavg_start": os.getloadavg(),
-    }
+def machine_on(device: str) -> dict[str, Any]:
+    info = machine(device=device, cpu_threads=cpu_threads(), torch_threads=torch.get_num_threads())
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(0)
         info["amp"] = Trainer(torch.device(device)).amp_dtype
@@ -434,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads or cpu_threads())
     settings = ({"graphs": False} if a.eager else {}) | ({"amp": False} if a.fp32 else {})
     with trainer_settings(**settings):
-        out: dict[str, Any] = {"machine": machine(device) | {"settings": settings}}
+        out: dict[str, Any] = {"machine": machine_on(device) | {"settings": settings}}
         _run_parts(a, device, out)
     emit(out, a.json_out, table)
     return 0

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -41,6 +39,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import ended, machine
 
 from edge_sdk.algorithms import ClientContext, algorithm_class
 from edge_sdk.client_data import ClientData
@@ -266,26 +267,11 @@ def bench_family(
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info: dict[str, Any] = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": str(device),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "interop_threads": torch.get_num_interop_threads(),
-    }
-    if hasattr(os, "getloadavg"):  # other jobs on a shared machine skew absolute numbers
-        info["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    info = machine(
+        device=str(device),
+        threads=torch.get_num_threads(),
+        interop_threads=torch.get_num_interop_threads(),
+    )
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["note"] = "ours runs under bf16/fp16 autocast on CUDA (the SDK's default); ref in fp32"
@@ -379,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
+    start = machine_info(device)  # the load before the run, as every record here
     unknown = sorted(set(args.families) - set(FAMILIES))
     if unknown:
         print(f"warning: {', '.join(unknown)} not among {FAMILIES}; trying anyway", file=sys.stderr)
@@ -399,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     report = {
         "benchmark": "one FML local epoch (alpha=beta=0.5), samples/second",
-        "machine": machine_info(device),
+        "machine": start,
         "settings": {
             "data": data_desc,
             "input_shape": list(INPUT_SHAPE),
@@ -413,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "families": results,
     }
+    ended(report)
     text = json.dumps(report, indent=2)
     print(text)
     if args.json_out is not None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit
+from _report import emit, machine
 
 EXPORTERS = ("dynamo", "legacy")
 FAMILIES = ("mlr", "mlp", "cnn1", "lenet5", "lstm")
@@ -63,7 +62,7 @@ def one_process(family: str, exporter: str, repeat: int) -> dict[str, Any]:
 
 
 def measure(families: list[str], rounds: int, repeat: int) -> dict[str, Any]:
-    load = os.getloadavg()
+    start = machine()
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         e: {f: [] for f in families} for e in EXPORTERS
     }
@@ -83,11 +82,7 @@ def measure(families: list[str], rounds: int, repeat: int) -> dict[str, Any]:
         for exporter, per in runs.items()
     }
     return {
-        "machine": {
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "loadavg_start": load,
-        },
+        "machine": start,
         "rounds": rounds,
         "repeat": repeat,
         "threads": 1,

@@ -35,7 +35,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -43,7 +42,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _report import emit
+from _report import emit, machine
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ["1x1", "1x2", "2x1"]  # ranks x threads per rank
@@ -203,7 +202,7 @@ def main() -> None:
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()
     rows = []
-    load = os.getloadavg()
+    start = machine()
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]
     tries: dict[tuple[int, ...], list[dict[str, Any]]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
@@ -223,13 +222,7 @@ def main() -> None:
             "json_out": str(args.json_out) if args.json_out else None,
             "data_root": str(args.data_root) if args.data_root else None,
         },
-        "machine": {
-            "python": platform.python_version(),
-            "cores": len(os.sched_getaffinity(0)),
-            "loadavg_start": load,
-            "loadavg_end": os.getloadavg(),
-            "gpu": _gpu(),
-        },
+        "machine": start | {"gpu": _gpu()},
         "rows": rows,
         "projection": _projection(rows, args.clients, args.device != "cpu"),
     }

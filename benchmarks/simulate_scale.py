@@ -49,7 +49,6 @@ import importlib.util
 import json
 import multiprocessing as mp
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -60,7 +59,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _report import emit
+from _report import emit, machine
 
 from coordinator.config import load_config
 from coordinator.federation import prepare_federation
@@ -456,15 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    out: dict[str, Any] = {
-        "machine": {
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "threads": torch.get_num_threads(),
-            "platform": platform.platform(),
-            "loadavg_start": os.getloadavg(),
-        }
-    }
+    out: dict[str, Any] = {"machine": machine(threads=torch.get_num_threads())}
     if "pfml" in a.parts:
         out["pfml"] = run_pfml(a.rounds, a.eval_every, a.reference, a.fleets)
     if "fml" in a.parts:

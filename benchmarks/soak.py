@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -42,6 +41,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import ended, machine
 
 from coordinator.broker import MosquittoBroker
 from edge_sdk import topics
@@ -193,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attacks", action="store_true", help="flood, forge, take over (see above)")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
+    start = machine()
     n, rounds, early = args.clients, args.rounds, min(args.checkpoint_round, args.rounds)
     work = Path(tempfile.mkdtemp(prefix="edgefl-soak-"))
     keys = issue_keys(work / "keys", [f"c{i}" for i in range(n)])
@@ -283,11 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         if early in readings and name in readings[early]
     }
     report: dict[str, Any] = {
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "python": sys.version.split()[0],
-        },
+        "machine": start,
         "settings": {
             "clients": n,
             "rounds": rounds,
@@ -320,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             "rejected_by_reason": rejected,
             "accuracies_equal_undisturbed_run": same,
         }
+    ended(report)
     text = json.dumps(report, indent=2)
     print(text)
     if args.json_out:

@@ -24,7 +24,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _report import emit
+from _report import emit, machine
 
 ROOT = Path(__file__).resolve().parents[1]
 FMNIST = "/usr/share/datasets/fashion-mnist"
@@ -113,11 +112,7 @@ def main() -> None:
 
     trees = {"this": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
     out: dict[str, Any] = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "loadavg_start": os.getloadavg(),
-        },
+        "machine": machine(),
         "rounds": args.rounds,
         "flags": args.flags,
         "burn": args.burn,

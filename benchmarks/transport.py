@@ -42,7 +42,6 @@ import importlib.metadata
 import json
 import multiprocessing
 import os
-import platform
 import random
 import statistics
 import sys
@@ -54,6 +53,9 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import torch
 from paho.mqtt.enums import CallbackAPIVersion
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _report import ended, machine
 
 from coordinator.broker import MosquittoBroker
 from coordinator.config import load_config
@@ -587,14 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(c) for c in args.clients.split(",")]
     torch.set_num_threads(1)
     report: dict[str, Any] = {
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "paho": importlib.metadata.version("paho-mqtt"),
-            "load_avg": os.getloadavg(),
-        },
+        "machine": machine(paho=importlib.metadata.version("paho-mqtt")),
         "delivery": [],
         "processes": [],
         "rounds": {},
@@ -617,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
                         report["processes"].append(processes_row(broker.url, size, n))
         if "rounds" in parts:
             report["rounds"] = bench_rounds(broker.url, args.rounds)
-    report["machine"]["load_avg_after"] = os.getloadavg()
+    ended(report)
     text = json.dumps(report, indent=2)
     print(text)
     if args.json_out:
