@@ -13,26 +13,17 @@ from pathlib import Path
 from typing import Any
 
 
-def _processor() -> str:
-    """The CPU's model name (/proc/cpuinfo's; `platform.processor()` is often empty on Linux)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine(**extra: Any) -> dict[str, Any]:
     """The machine record of a benchmark's JSON: the software, the CPU, the cores this process may
     use and the load average when it starts (what else loads a shared machine weighs on absolute
     times), then `extra`. `emit` or `ended` adds the load at the end."""
+    from edge_sdk.device import cpu_name
+
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": importlib.metadata.version("torch"),
         "platform": platform.platform(),
-        "processor": _processor(),
+        "processor": cpu_name(),
         "cpus": os.cpu_count(),
         "cpus_allowed": len(os.sched_getaffinity(0)),
         "loadavg_start": os.getloadavg(),

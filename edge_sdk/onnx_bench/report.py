@@ -6,12 +6,12 @@ import contextlib
 import os
 import platform
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import onnxruntime as ort
 import torch
 
+from edge_sdk.device import cpu_name
 from edge_sdk.onnx_bench.measure import BenchRow, BenchSettings
 from edge_sdk.onnx_bench.runners import onnx_providers
 
@@ -34,18 +34,10 @@ def _versions() -> dict[str, str]:
     return found
 
 
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def machine_info(settings: BenchSettings) -> dict[str, Any]:
     """CPU, thread counts, providers, GPU and versions: what the numbers depend on."""
     info: dict[str, Any] = {
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "device": settings.device,
