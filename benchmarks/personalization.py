@@ -25,8 +25,11 @@ fine-tuning are extra passes).
     python benchmarks/personalization.py --quick --algorithms fedavg_ft --set robust.weight_cap=0
 
 Every run's per-client results are kept under `--out` (default runs/personalization/<size>),
-one JSON file per run with its config, and a finished run is not run again while its config is
-the same: an interrupted benchmark resumes, and a changed split or setting runs again.
+one JSON file per run with its config and a digest of the code that ran it, and a finished run
+is not run again while both are the same: an interrupted benchmark resumes, and a changed split,
+setting or source file of coordinator/, edge_sdk/ or model_zoo/ runs again. After a change known
+to leave results alone (a refactor, a docstring), `--reuse-other-code` keeps runs of other code;
+the summary counts them.
 It prints the summary as JSON, then as a table (also written to OUT/summary.json and
 OUT/summary.md).
 
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -231,6 +235,7 @@ class Run:
     wall_seconds: float
     clients: list[dict[str, Any]] = field(default_factory=list)
     config: dict[str, Any] | None = None  # the run's whole config, as results.json holds it
+    code: str | None = None  # code_digest() of what ran it (None: kept before digests)
 
 
 _KEEP = (
@@ -306,6 +311,20 @@ def _differs(kept: dict[str, Any], config: dict[str, Any], algorithm: str) -> bo
 
 
 @functools.cache
+def code_digest() -> str:
+    """A digest of what trains and scores a run: the sources of the three packages and torch's
+    version. A kept run of other code is not reused unless asked (`--reuse-other-code`)."""
+    import torch
+
+    digest = hashlib.sha256(torch.__version__.encode())
+    for package in ("coordinator", "edge_sdk", "model_zoo"):
+        for source in sorted((ROOT / package).rglob("*.py")):
+            digest.update(f"\0{source.relative_to(ROOT)}\0".encode())
+            digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
 def _defaults() -> dict[str, Any]:
     """Every setting at its default, as a run's config is kept (validated once, not per run)."""
     return dict(json.loads(load_config(environ=False).model_dump_json()))
@@ -320,11 +339,13 @@ def run_one(
     family: str,
     overrides: dict[str, Any] | None = None,
     variant: str = "",
+    reuse_other_code: bool = False,
 ) -> Run:
-    """One algorithm on one split and seed (cached under `out`). fedavg_ft trains `family` on
-    every client; the others give each client the split's architecture for it (round-robin),
-    and the personalized algorithms have `family` as their global one (FML's meme, PFML's local
-    model, PersFL's teacher)."""
+    """One algorithm on one split and seed (cached under `out`: a kept run of the same config,
+    and of the same code unless `reuse_other_code`, is not run again). fedavg_ft trains `family`
+    on every client; the others give each client the split's architecture for it
+    (round-robin), and the personalized algorithms have `family` as their global one (FML's
+    meme, PFML's local model, PersFL's teacher)."""
     tag = f"{algorithm}-{family}" + (f"-{variant}" if variant else "")
     path = out / "runs" / split.name / str(seed) / f"{tag}.json"
     models = [family] if algorithm == "fedavg_ft" else list(split.models)
@@ -343,7 +364,7 @@ def run_one(
     if algorithm == "fedme":
         flags["fedme.unlabeled_path"] = str(_unlabeled(split, seed, size.unlabeled, out))
     if algorithm == "federico":
-        local = run_one(split, seed, "local", size, out, OWN)
+        local = run_one(split, seed, "local", size, out, OWN, reuse_other_code=reuse_other_code)
         own = load_config(None, {"algorithm": "federico"}, overrides, environ=False)
         flags["rounds"] = federico_rounds(
             size, [c["n_train"] for c in local.clients], own.federico.batch_size
@@ -353,11 +374,11 @@ def run_one(
     if path.is_file():  # kept from an earlier run: reused only if it ran this very config
         kept = Run(**json.loads(path.read_text()))
         # (a setting added since, at its default here, is no difference: as a checkpoint's)
-        if kept.config is not None and not _differs(kept.config, config, algorithm):
+        same = kept.config is not None and not _differs(kept.config, config, algorithm)
+        if same and (reuse_other_code or kept.code == code_digest()):
             return kept
-        logging.info(
-            "%s %s seed %d: the kept run's config differs; running it again", tag, split.name, seed
-        )
+        why = "its config differs" if not same else "other code made it"
+        logging.info("%s %s seed %d: kept, but %s; running it again", tag, split.name, seed, why)
     t0 = time.perf_counter()
     res = json.loads(simulate(cfg, progress=False).to_json())  # results.json's document
     n_test = {c["id"]: c["n_test"] for c in res["split"]["clients"]}
@@ -369,6 +390,7 @@ def run_one(
         round(time.perf_counter() - t0, 1),
         [{**{k: c.get(k) for k in _KEEP}, "n_test": n_test[c["id"]]} for c in res["clients"]],
         config,
+        code_digest(),
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(run.__dict__, indent=1) + "\n")
@@ -486,10 +508,16 @@ def summarize(
     algorithms: Sequence[str],
     overrides: dict[str, Any] | None = None,
     variant: str = "",
+    reuse_other_code: bool = False,
 ) -> list[dict[str, Any]]:
-    local = [run_one(split, s, "local", size, out, OWN) for s in seeds]
-    reseeded = [run_one(split, s, "local", size, out, OWN, reseed(s), "reseeded") for s in seeds]
-    fts = {f: [run_one(split, s, "fedavg_ft", size, out, f) for s in seeds] for f in split.models}
+    def run(algorithm: str, seed: int, family: str, *more: Any) -> Run:
+        return run_one(
+            split, seed, algorithm, size, out, family, *more, reuse_other_code=reuse_other_code
+        )
+
+    local = [run("local", s, OWN) for s in seeds]
+    reseeded = [run("local", s, OWN, reseed(s), "reseeded") for s in seeds]
+    fts = {f: [run("fedavg_ft", s, f) for s in seeds] for f in split.models}
     best = max(fts, key=lambda f: statistics.mean(_mean_acc(r) for r in fts[f]))
     baselines = {"local": local, RESEEDED: reseeded, "fedavg_ft": fts[best]}
     local_pc, ft_pc = _per_client(local), _per_client(fts[best])
@@ -499,7 +527,7 @@ def summarize(
     # overrides (what a setting does to the baseline), beside the baseline itself
     for i, name in enumerate(["local", RESEEDED, "fedavg_ft", *algorithms]):
         runs = baselines[name] if i < 3 else [
-            run_one(split, s, name, size, out, best, overrides, variant) for s in seeds
+            run(name, s, best, overrides, variant) for s in seeds
         ]  # fmt: skip
         means = [_mean_acc(r) for r in runs]
         pc = _per_client(runs)
@@ -528,6 +556,8 @@ def summarize(
             "goal": goal(min(gaps), floor),
             "passes": _passes(runs),
             "wall_seconds": sum(r.wall_seconds for r in runs),
+            # runs kept from other code (`--reuse-other-code`): not what this code gives
+            "other_code": sum(r.code != code_digest() for r in runs),
         }
         if name in ALGORITHMS:
             deployed = Counter(_deployed(_choice(c)) for r in runs for c in r.clients)
@@ -565,6 +595,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     ]
     for r in rows:
         name = r["algorithm"] + (f" ({r['architecture']})" if r["algorithm"] == "fedavg_ft" else "")
+        if r.get("other_code"):
+            name += f" ({r['other_code']} of {len(r['seeds'])} runs by other code)"
         guard = ""
         if "deployed" in r:
             guard = ", ".join(f"{k} {v}" for k, v in r["deployed"].items())
@@ -604,6 +636,12 @@ def main(argv: list[str] | None = None) -> int:
         help="override a field of the personalized algorithms' runs, e.g. fml.alpha=0.3 (the "
         "runs are kept apart, under a name made of the overrides)",
     )
+    ap.add_argument(
+        "--reuse-other-code",
+        action="store_true",
+        help="reuse kept runs of the same config made by other code (after a change known to "
+        "leave results alone); the table counts them",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("coordinator", "edge_sdk", "model_zoo"):
@@ -626,13 +664,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         r
         for n in names
-        for r in summarize(chosen[n], seeds, size, out, algorithms, overrides, variant)
+        for r in summarize(
+            chosen[n], seeds, size, out, algorithms, overrides, variant, args.reuse_other_code
+        )
     ]
     doc = {
         "size": size_name,
         "budget": size.__dict__,
         "seeds": seeds,
         "overrides": overrides,
+        "code": code_digest(),
         "wall_seconds": round(time.perf_counter() - t0, 1),
         "rows": rows,
     }

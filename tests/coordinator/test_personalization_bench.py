@@ -147,6 +147,37 @@ def test_a_kept_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch):
     assert sum(c["n_test"] for c in changed.clients) < sum(c["n_test"] for c in first.clients)
 
 
+def test_a_kept_run_of_other_code_runs_again_unless_reuse_is_asked(tmp_path, monkeypatch):
+    # Prepare: a tiny run kept, and a count of the simulations really run
+    split = bench.Split("tiny", "digits", {"data.dataset": "digits", "clients": 2}, ("mlr",))
+    size = bench.Size(1, 1, 16, 0.01, clients=2, samples=200, group_samples=200, unlabeled=50)
+    runs = []
+    real = bench.simulate
+    monkeypatch.setattr(bench, "simulate", lambda cfg, **kw: runs.append(cfg) or real(cfg, **kw))
+    first = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN)
+    path = tmp_path / "runs" / "tiny" / "0" / "local-own.json"
+    kept = json.loads(path.read_text())
+
+    # Execute and assert: the digest is of the packages' sources; a run of this code is reused,
+    # one of other code (or kept before digests) runs again, unless reuse is asked
+    assert kept["code"] == bench.code_digest() and len(runs) == 1
+    for other in ("0123456789abcdef", None):
+        path.write_text(json.dumps(kept | {"code": other}))
+        reused = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN, reuse_other_code=True)
+        assert len(runs) == 1 and reused.code == other
+        again = bench.run_one(split, 0, "local", size, tmp_path, bench.OWN)
+        assert len(runs) == 2 and again.code == bench.code_digest()
+        assert again.clients == first.clients  # the same config and code: the same results
+        runs.clear()
+        runs.append(None)
+    rows = bench.summarize(split, [0], size, tmp_path, [], reuse_other_code=True)
+    assert [r["other_code"] for r in rows] == [0, 0, 0]
+    path.write_text(json.dumps(kept | {"code": "0123456789abcdef"}))
+    rows = bench.summarize(split, [0], size, tmp_path, [], reuse_other_code=True)
+    assert [r["other_code"] for r in rows] == [1, 0, 0]
+    assert "(1 of 1 runs by other code)" in bench.table(rows).splitlines()[2]
+
+
 def test_the_noise_floor_is_local_training_on_the_same_split_with_another_seed(tmp_path):
     # Prepare: a tiny label-skewed split and budget
     split = bench.Split(
@@ -202,3 +233,30 @@ def test_the_guards_goal_holds_within_two_points_or_within_the_splits_noise_floo
     worst, floor, verdict
 ):
     assert bench.goal(worst, floor) == verdict
+
+
+def test_the_code_digest_follows_the_packages_sources_and_nothing_else(tmp_path, monkeypatch):
+    # Prepare: a tree of the three packages, one source file each
+    for package in ("coordinator", "edge_sdk", "model_zoo"):
+        (tmp_path / package / "sub").mkdir(parents=True)
+        (tmp_path / package / "sub" / "a.py").write_text("x = 1\n")
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+
+    def digest() -> str:
+        bench.code_digest.cache_clear()
+        return bench.code_digest()
+
+    # Execute and assert
+    try:
+        first = digest()
+        assert digest() == first
+        (tmp_path / "README.md").write_text("prose")
+        (tmp_path / "edge_sdk" / "notes.txt").write_text("not a source")
+        assert digest() == first
+        (tmp_path / "model_zoo" / "sub" / "a.py").write_text("x = 2\n")
+        changed = digest()
+        assert changed != first
+        (tmp_path / "model_zoo" / "sub" / "a.py").rename(tmp_path / "model_zoo" / "b.py")
+        assert digest() not in (first, changed)  # the same text under another name
+    finally:
+        bench.code_digest.cache_clear()
