@@ -55,6 +55,7 @@ def heavy_imports(source: Path, args: list[str]) -> list[str]:
 def measure(sources: dict[str, Path], repeat: int) -> dict[str, Any]:
     from coordinator.cli import command_paths  # this checkout's commands (loads no torch)
 
+    start = machine()
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {} for s in sources}
     for _ in range(repeat):
         for args in command_paths():
@@ -76,7 +77,7 @@ def measure(sources: dict[str, Path], repeat: int) -> dict[str, Any]:
         for label, per in runs.items()
     }
     return {
-        "machine": machine(),
+        "machine": start,
         "repeat": repeat,
         "sources": {label: str(path) for label, path in sources.items()},
         "results": results,

@@ -683,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     fds = _raise_fd_limit()
     if args.worker:
         return worker(args)
+    start = machine(fd_limit=fds)
     base = Path(tempfile.mkdtemp(prefix="edgefl-fleet-"))
     rows = []
     for n in args.devices:
@@ -690,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     result = {
         "benchmark": "fleet_scale",
-        "machine": machine(fd_limit=fds),
+        "machine": start,
         "args": {k: v for k, v in vars(args).items() if k not in ("worker", "first", "count")},
         "rows": rows,
         "slopes": {k: _slope(rows, k) for k, _, _ in COLUMNS[2:]},
