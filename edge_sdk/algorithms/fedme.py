@@ -10,9 +10,10 @@ of models with similar outputs. The client then:
    SGD with momentum 0.9 and weight decay 1e-4, both optimizers re-created each round, each
    model's gradient clipped to norm 20;
 2. *model tuning*: adopts the exchanged model, architecture included, exactly when its validation
-   cross-entropy is lower than its own model's and the device's deployment budget admits it
-   (edge_sdk.budget: by default a device keeps its own architecture; the paper's devices may
-   adopt any, `DeployBudget(allow=["any"])`);
+   cross-entropy is lower than its own model's (beyond float rounding, `ADOPT_MARGIN`) and,
+   with `adopt = "budget"`, the device's deployment budget admits it (edge_sdk.budget: by
+   default a device keeps its own architecture); with `adopt = "any"`, any, as the paper's
+   devices do;
 3. sends both trained models back. The coordinator averages every trained copy of each model
    and returns to each client the aggregate of the model it chose (the next task's "personal").
 
@@ -49,6 +50,12 @@ from model_zoo import ArchSpec
 
 __all__ = ["FedMe", "FedMeConfig"]
 
+# Model tuning adopts the exchanged model when its validation loss is lower than the personalized
+# model's by more than this share of it. Two copies of one model (two clients that adopted the
+# same aggregate can be paired) score alike but for float rounding, which differs between clients
+# trained stacked and one by one: on such a tie a client keeps its own, whichever way it trains.
+ADOPT_MARGIN = 1e-5
+
 
 class FedMeConfig(AlgorithmConfig, PatientGuardConfig):
     # preset = "paper": CE + KL at 1:1 every round, no gate.
@@ -65,6 +72,12 @@ class FedMeConfig(AlgorithmConfig, PatientGuardConfig):
     # the labels alone. "soft": the KL term weighted by min(1, L_personal / L_exchanged), their
     # validation losses. "off": always (the paper's 1:1).
     kl_gate: Literal["validation", "soft", "off"] = "validation"
+    # [ours] Which exchanged models a device adopts (model tuning): "budget", only those its
+    # deployment budget admits (edge_sdk.budget); "any", any architecture, as the paper's
+    # devices do (a device trains the exchanged model whatever its architecture, step 1), and
+    # where its budget refuses the model it ends with, the guard deploys a student of it of the
+    # device's own architecture (edge_sdk.algorithms.guard).
+    adopt: Literal["budget", "any"] = "budget"
     # Coordinator: KMeans cluster counts and the fraction of the rounds at which each starts
     # (1, 2, 3, 4 clusters from 0, 50, 75, 90 % of the rounds) [paper].
     cluster_counts: list[int] = Field(default_factory=lambda: [1, 2, 3, 4], min_length=1)
@@ -186,9 +199,11 @@ class FedMe(ClientAlgorithm):
             "personal": WireModel.of(personal_spec, personal),
             "exchanged": WireModel.of(ex_wire.spec, exchanged),
         }
-        # A device adopts only a model its deployment budget admits (edge_sdk.budget).
-        allowed = self._admits(ex_wire.spec, exchanged)
-        adopted = self._per_client(lambda e, p: float(e < p and allowed), val_ex, val_p)
+        # A device adopting within its budget (`adopt`) adopts only a model it admits.
+        allowed = cfg.adopt == "any" or self._admits(ex_wire.spec, exchanged)
+        adopted = self._per_client(
+            lambda e, p: float(e < p * (1 - ADOPT_MARGIN) and allowed), val_ex, val_p
+        )
         spec, self.personal = self._choose(
             adopted, (ex_wire.spec, exchanged), (personal_spec, personal)
         )

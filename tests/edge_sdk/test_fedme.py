@@ -6,7 +6,7 @@ import torch
 from tests_helpers import raises_exactly
 
 from edge_sdk.algorithms import AlgorithmError, ClientContext
-from edge_sdk.algorithms.fedme import FedMe, FedMeConfig
+from edge_sdk.algorithms.fedme import ADOPT_MARGIN, FedMe, FedMeConfig
 from edge_sdk.budget import DeployBudget
 from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
@@ -59,10 +59,17 @@ def _kl(z_student: torch.Tensor, z_teacher: torch.Tensor) -> torch.Tensor:
 
 # -- model tuning ------------------------------------------------------------------------------
 @pytest.mark.parametrize("seed", range(6))
-def test_fedme_adopts_the_exchanged_model_exactly_when_its_validation_ce_is_lower(seed):
+@pytest.mark.parametrize(
+    ("budget", "adopt"),
+    [(ANY, "budget"), (DeployBudget(), "any")],
+    ids=["budget-of-any", "own-budget-adopting-any"],
+)
+def test_fedme_adopts_the_exchanged_model_exactly_when_its_validation_ce_is_lower(
+    seed, budget, adopt
+):
     # Prepare: no local epochs, so the validation CEs are those of the models as sent.
     data = _data()
-    client = _client(data, local_epochs=0)
+    client = _client(data, local_epochs=0, budget=budget, adopt=adopt)
     personal = WireModel.of(MLR, build(MLR, seed=100 + seed))
     exchanged = WireModel.of(MLP, build(MLP, seed=200 + seed))
     ce_p = float(_ce(_logits(personal, data.x_val), data.y_val))
@@ -72,7 +79,7 @@ def test_fedme_adopts_the_exchanged_model_exactly_when_its_validation_ce_is_lowe
     out = client.fit(1, 10, {"personal": personal, "exchanged": exchanged})
 
     # Assert
-    adopt = ce_ex < ce_p
+    adopt = ce_ex < ce_p * (1 - ADOPT_MARGIN)
     assert out.metrics["adopted"] == float(adopt)
     assert out.metrics["val_loss_personal"] == pytest.approx(ce_p, rel=1e-5)
     assert out.metrics["val_loss_exchanged"] == pytest.approx(ce_ex, rel=1e-5)
@@ -81,17 +88,47 @@ def test_fedme_adopts_the_exchanged_model_exactly_when_its_validation_ce_is_lowe
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_a_device_that_runs_its_own_architecture_only_never_adopts_another(seed):
-    # The cases above, with the default budget: the better MLP is trained and sent back (its
-    # owner's aggregate learns), but this device keeps its MLR.
+def test_a_device_adopting_within_its_budget_never_adopts_another_architecture(seed):
+    # The cases above, with the default budget and adopting within it: the better MLP is
+    # trained and sent back (its owner's aggregate learns), but this device keeps its MLR.
     data = _data()
-    client = _client(data, local_epochs=0, budget=DeployBudget())
+    client = _client(data, local_epochs=0, budget=DeployBudget(), adopt="budget")
     personal = WireModel.of(MLR, build(MLR, seed=seed))
     exchanged = WireModel.of(MLP, build(MLP, seed=100 + seed))
     out = client.fit(1, 3, {"personal": personal, "exchanged": exchanged})
     assert out.metrics["adopted"] == 0.0
     assert client.personalized_model()[0] == MLR and out.details == {"arch": "mlr"}
     assert set(out.models) == {"personal", "exchanged"}
+
+
+def test_a_device_adopting_any_architecture_deploys_a_student_of_its_own():
+    # Prepare: an own-architecture budget, adopting any; the exchanged MLP trained on the data,
+    # so that the device adopts it over its untrained MLR
+    data = _data()
+    client = _client(data, budget=DeployBudget(), adopt="any")
+    mlp = build(MLP, seed=7)
+    opt = torch.optim.SGD(mlp.parameters(), lr=0.5)
+    for _ in range(60):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(mlp(data.x_train), data.y_train).backward()
+        opt.step()
+    sent = {"personal": WireModel.of(MLR, build(MLR, seed=1)), "exchanged": WireModel.of(MLP, mlp)}
+
+    # Execute: a round, then the finalize with the aggregate of the model it chose
+    out = client.fit(1, 2, sent)
+    spec, model = client.personalized_model()
+    final = client.finalize(2, 2, {"personal": WireModel.of(spec, model)})
+
+    # Assert: it trained and adopted the MLP, and deploys a student of its own MLR
+    assert out.metrics["adopted"] == 1.0 and spec == MLP
+    assert (final.details["arch_start"], final.details["arch_end"]) == ("mlr", "mlp")
+    assert final.details["deployed"] == "distilled (final, mlr)"
+    assert final.details["deployed_arch"] == "mlr"
+    assert final.details["deployed_params"] == final.details["own_params"]
+    assert (
+        "a student of its own architecture learnt from it"
+        in (final.details["deployed_outside_budget"])
+    )
 
 
 def test_fedme_adoption_outcomes_both_occur_in_the_parametrized_cases():
@@ -106,6 +143,35 @@ def test_fedme_adoption_outcomes_both_occur_in_the_parametrized_cases():
             < float(_ce(_logits(p, data.x_val), data.y_val))
         )
     assert outcomes == {True, False}
+
+
+@pytest.mark.parametrize(("lower_by", "adopted"), [(3e-6, 0.0), (3e-5, 1.0)])
+def test_fedme_adopts_only_a_validation_loss_lower_beyond_float_rounding(lower_by, adopted):
+    # Prepare: the exchanged model is the personalized one with its logits scaled, so that its
+    # validation CE is lower by about `lower_by` of it (a copy of one model trained stacked
+    # scores so, or one by one: float rounding)
+    data = _data()
+    personal = WireModel.of(MLR, build(MLR, seed=4))
+    ce_p = float(_ce(_logits(personal, data.x_val), data.y_val))
+
+    def scaled(s: float) -> WireModel:
+        return WireModel(MLR, {k: v * s for k, v in personal.weights.items()})
+
+    def lower(s: float) -> float:
+        return 1 - float(_ce(_logits(scaled(s), data.x_val), data.y_val)) / ce_p
+
+    up = lower(1.01) > 0  # the direction of the scale that lowers the CE
+    s = min(
+        (1 + d if up else 1 - d for d in torch.linspace(1e-7, 1e-3, 4000).tolist()),
+        key=lambda s: abs(lower(s) - lower_by),
+    )
+    assert lower(s) == pytest.approx(lower_by, rel=0.2)
+
+    # Execute
+    out = _client(data, local_epochs=0).fit(1, 3, {"personal": personal, "exchanged": scaled(s)})
+
+    # Assert: kept as a tie within ADOPT_MARGIN, adopted beyond it
+    assert out.metrics["adopted"] == adopted
 
 
 def test_fedme_keeps_its_model_when_the_exchanged_one_is_only_as_good():
