@@ -30,10 +30,17 @@ def test_a_state_saved_by_an_earlier_version_resumes_to_the_same_results(name):
     # Without the guard's students: since 2026-11-30 a default outside the device's budget is
     # replaced by a student of it, a decision of today's guard (test_deploy_budget), not of the
     # state; the earlier version made no student here. FedMe's guard fine-tuned 5 epochs then
-    # (20 since 2026-11-30) and weighed its mixture per client (the equal mixture since
-    # 2026-11-30, later): defaults of the config, not of the state.
+    # (20 since 2026-11-30), weighed its mixture per client (the equal mixture since
+    # 2026-11-30, later), gated its KL term on validation and adopted within the budget (the
+    # paper's 1:1 and any architecture since 2026-12-01): defaults of the config, not of the
+    # state.
     fine_tuning = (
-        {"guard_ft_epochs": 5, "guard_mix_weights": [1, 0.75, 0.5, 0.25, 0]}
+        {
+            "guard_ft_epochs": 5,
+            "guard_mix_weights": [1, 0.75, 0.5, 0.25, 0],
+            "kl_gate": "validation",
+            "adopt": "budget",
+        }
         if name == "fedme"
         else {}
     )
