@@ -77,10 +77,10 @@ class FedMeConfig(AlgorithmConfig, PatientGuardConfig):
     # and where its deployment budget refuses the model it ends with, the guard deploys a
     # student of it of the device's own architecture (edge_sdk.algorithms.guard); [ours]
     # "budget", only those the budget admits (edge_sdk.budget).
-    # With "budget" the gate "validation" beat the paper's 1:1 at both sizes and was the default
-    # (with "budget") until 2026-12-01. Adopting any beat adopting within the budget at both
-    # sizes, and with it the gate no longer won at both (it lost at the quick size), so both are
-    # the paper's now: docs/algorithms.md, "Defaults measured at two sizes".
+    # Until 2026-12-01 the defaults were "budget" and the gate "validation", which beat 1:1 at
+    # both sizes there. Adopting any beat adopting within the budget at both sizes, and with it
+    # the gate no longer won at both (it lost at the quick size), so both are the paper's now:
+    # docs/algorithms.md, "Defaults measured at two sizes".
     adopt: Literal["budget", "any"] = "any"
     # Coordinator: KMeans cluster counts and the fraction of the rounds at which each starts
     # (1, 2, 3, 4 clusters from 0, 50, 75, 90 % of the rounds) [paper].
@@ -101,8 +101,8 @@ class FedMeConfig(AlgorithmConfig, PatientGuardConfig):
     # [ours] The guard's default is the equal mixture of the personalized model and the
     # fine-tuned aggregate (where the device's budget refuses a mixture, as its own architecture
     # does, a student of it), not the weight each client reads from the lowest validation loss
-    # (GuardConfig's [1, 0.75, 0.5, 0.25, 0]). FedMe has no global model: both are models of the
-    # device's architecture, and a few dozen validation samples pick the weight by chance. The
+    # (GuardConfig's [1, 0.75, 0.5, 0.25, 0]). FedMe has no global model: both are models of one
+    # architecture, and a few dozen validation samples pick the weight by chance. The
     # equal mixture won on every seed at the long size, on digits and Fashion-MNIST, and at the
     # quick size (docs/algorithms.md, "Defaults measured at two sizes"); FML and PersFL lost
     # with it.
