@@ -174,6 +174,32 @@ def test_fedme_adopts_only_a_validation_loss_lower_beyond_float_rounding(lower_b
     assert out.metrics["adopted"] == adopted
 
 
+def test_fedme_keeps_its_model_when_both_score_a_validation_loss_of_zero():
+    # Prepare: validation images each a clear one-hot of its class, and two MLRs (different
+    # weights) that put their class 1000 logits ahead: each one's cross-entropy is exactly 0
+    y = torch.arange(9) % CLASSES
+    x = torch.zeros(9, FEATURES)
+    x[torch.arange(9), y] = 10.0
+    data = ClientData(x, y, x, y, x, y, num_classes=CLASSES)
+
+    def certain(scale: float) -> WireModel:
+        w = torch.zeros(CLASSES, FEATURES)
+        w[torch.arange(CLASSES), torch.arange(CLASSES)] = scale
+        return WireModel(MLR, {"linear.weight": w, "linear.bias": torch.zeros(CLASSES)})
+
+    personal, exchanged = certain(100.0), certain(150.0)
+    assert float(_ce(_logits(exchanged, x), y)) == float(_ce(_logits(personal, x), y)) == 0.0
+
+    # Execute
+    client = _client(data, local_epochs=0)
+    out = client.fit(1, 3, {"personal": personal, "exchanged": exchanged})
+
+    # Assert: a tie, so it keeps its own
+    assert out.metrics["adopted"] == 0.0
+    kept = client.personalized_model()[1].linear.weight.detach()
+    assert torch.equal(kept, personal.weights["linear.weight"])
+
+
 def test_fedme_keeps_its_model_when_the_exchanged_one_is_only_as_good():
     same = WireModel.of(MLR, build(MLR, seed=1))
     client = _client(local_epochs=0)
