@@ -65,6 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from coordinator.config import load_config, parse_overrides  # noqa: E402
+from coordinator.distributed import PACKAGES, source_digest  # noqa: E402
 from coordinator.simulator import settings_differences, simulate  # noqa: E402
 from edge_sdk.algorithms import algorithm_names  # noqa: E402
 from model_zoo.data import load_dataset  # noqa: E402
@@ -316,12 +317,8 @@ def code_digest() -> str:
     version. A kept run of other code is not reused unless asked (`--reuse-other-code`)."""
     import torch
 
-    digest = hashlib.sha256(torch.__version__.encode())
-    for package in ("coordinator", "edge_sdk", "model_zoo"):
-        for source in sorted((ROOT / package).rglob("*.py")):
-            digest.update(f"\0{source.relative_to(ROOT)}\0".encode())
-            digest.update(source.read_bytes())
-    return digest.hexdigest()[:16]
+    sources = source_digest([ROOT / package for package in PACKAGES])
+    return hashlib.sha256(f"{torch.__version__}\0{sources}".encode()).hexdigest()[:16]
 
 
 @functools.cache

@@ -9,8 +9,10 @@ Two ways to start the ranks, one code path once they run (`run_rank`):
 
 At start (`join`) the ranks meet at the rendezvous within `round.register_timeout_s` and compare
 what they run: a hash of the config (less what may differ between machines: `out`, `threads`,
-`parallel`) and the edgefl and torch versions. Rank 0's `out` is every rank's (clients export
-there). The federation is sharded by `coordinator.fleet.ranks`; `coordinator.simulator` runs it.
+`parallel`), the edgefl and torch versions, and a digest of edgefl's code (`source_digest`: two
+checkouts of one version with different code differ there). Rank 0's `out` is every rank's
+(clients export there). The federation is sharded by `coordinator.fleet.ranks`;
+`coordinator.simulator` runs it.
 
 The ranks of one machine (`on_machine`: by `machine()`, however they were started) share its CPU
 cores (`rank_threads`). On GPUs (`--device auto|cuda` where CUDA is available), each rank trains
@@ -24,6 +26,7 @@ GPU, which is how a single GPU is shared.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
 import socket
@@ -65,9 +68,26 @@ def in_launch(environ: Mapping[str, str] | None = None) -> bool:
     return int(env.get("WORLD_SIZE", "1")) > 1
 
 
-def fingerprint(cfg: RunConfig) -> tuple[str, str, str]:
-    """What every rank must agree on: the edgefl version, torch's, and a hash of the config
-    (less the settings of one machine)."""
+# edgefl's code: what `source_digest` reads by default.
+PACKAGES = ("coordinator", "edge_sdk", "model_zoo")
+
+
+def source_digest(roots: Sequence[Path] | None = None) -> str:
+    """A digest of the Python sources under `roots`, their names (from each root's own name)
+    and contents: by default the packages of `PACKAGES` as imported here, wherever installed."""
+    if roots is None:
+        roots = [Path(str(importlib.import_module(p).__file__)).parent for p in PACKAGES]
+    digest = hashlib.sha256()
+    for root in roots:
+        for source in sorted(root.rglob("*.py")):
+            digest.update(f"\0{root.name}/{source.relative_to(root).as_posix()}\0".encode())
+            digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint(cfg: RunConfig) -> tuple[str, str, str, str]:
+    """What every rank must agree on: the edgefl version, torch's, a digest of edgefl's code and
+    a hash of the config (less the settings of one machine)."""
     import torch
 
     try:
@@ -75,26 +95,27 @@ def fingerprint(cfg: RunConfig) -> tuple[str, str, str]:
     except PackageNotFoundError:
         ours = "not installed"
     settings = cfg.model_dump_json(exclude=set(LOCAL_SETTINGS))
-    return ours, torch.__version__, hashlib.sha256(settings.encode()).hexdigest()[:16]
+    config = hashlib.sha256(settings.encode()).hexdigest()[:16]
+    return ours, torch.__version__, source_digest(), config
 
 
-def disagreement(prints: Sequence[tuple[str, str, str]]) -> str | None:
+def disagreement(prints: Sequence[tuple[str, ...]]) -> str | None:
     """Why the ranks' fingerprints cannot run one federation, or None when they agree."""
     odd = [r for r, p in enumerate(prints) if p != prints[0]]
     if not odd:
         return None
-    what = ["the edgefl version", "the torch version", "the config"]
+    what = ["the edgefl version", "the torch version", "the code", "the config"]
     lines = [
         f"rank {r}: {what[k]} {prints[r][k]} where rank 0 has {prints[0][k]}"
         for r in odd
-        for k in range(3)
+        for k in range(len(what))
         if prints[r][k] != prints[0][k]
     ]
     return (
         "the ranks disagree on what they run: "
         + "; ".join(lines)
         + ". Start every rank with the same command, config file, environment and edgefl "
-        "version (`edgefl settings` shows a config)"
+        "(the same version and code: `edgefl settings` shows a config)"
     )
 
 

@@ -7,10 +7,12 @@ digits, 2 rounds."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,7 +28,15 @@ from typer.testing import CliRunner
 
 from coordinator.broker import free_port
 from coordinator.cli import app
-from coordinator.distributed import disagreement, machine, on_machine, rank_gpu, rank_threads
+from coordinator.distributed import (
+    PACKAGES,
+    disagreement,
+    machine,
+    on_machine,
+    rank_gpu,
+    rank_threads,
+    source_digest,
+)
 from coordinator.fleet.ranks import balance, client_cost, dumps, loads
 from coordinator.results import device_record
 from coordinator.run_config import RunConfig
@@ -332,8 +342,33 @@ def test_what_crosses_ranks_loads_as_it_was():
 
 
 def test_disagreement_names_the_rank_and_what_differs():
-    same = ("1.0", "2.14.1", "abc")
+    same = ("1.0", "2.14.1", "c0de", "abc")
     assert disagreement([same, same]) is None
-    why = disagreement([same, same, ("1.1", "2.14.1", "abc")])
+    why = disagreement([same, same, ("1.1", "2.14.1", "c0de", "abc")])
     assert why is not None and "rank 2: the edgefl version 1.1 where rank 0 has 1.0" in why
     assert "rank 1" not in why
+    why = disagreement([same, ("1.0", "2.14.1", "e1se", "abc")])
+    assert why is not None and "rank 1: the code e1se where rank 0 has c0de" in why
+    assert "the edgefl version" not in why and "the config" not in why
+
+
+def test_the_code_digest_is_of_edgefls_sources_wherever_they_are(tmp_path):
+    # Prepare: a copy of the three packages, elsewhere
+    for package in PACKAGES:
+        here = Path(importlib.import_module(package).__file__).parent
+        shutil.copytree(here, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    copies = [tmp_path / package for package in PACKAGES]
+
+    # Execute and assert: the copy's digest is the code's; a file that is not Python changes
+    # nothing; a changed source or a source under another name does
+    assert source_digest(copies) == source_digest()
+    (tmp_path / "edge_sdk" / "notes.txt").write_text("not code")
+    assert source_digest(copies) == source_digest()
+    edited = tmp_path / "model_zoo" / "spec.py"
+    text = edited.read_text()
+    edited.write_text(text + "\n# edited\n")
+    assert source_digest(copies) != source_digest()
+    edited.write_text(text)
+    assert source_digest(copies) == source_digest()
+    edited.rename(tmp_path / "model_zoo" / "spec_renamed.py")
+    assert source_digest(copies) != source_digest()
