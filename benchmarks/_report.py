@@ -12,13 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from edge_sdk.host import cpu_name
+
 
 def machine(**extra: Any) -> dict[str, Any]:
     """The machine record of a benchmark's JSON: the software, the CPU, the cores this process may
     use and the load average when it starts (what else loads a shared machine weighs on absolute
     times), then `extra`. `emit` or `ended` adds the load at the end."""
-    from edge_sdk.device import cpu_name
-
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": importlib.metadata.version("torch"),

@@ -1,6 +1,5 @@
 """Device selection: chosen once (`auto` = CUDA when available, else CPU) and passed down; how
-many CPU threads this process should use, and the CPU's name; and a GPU held by one training task
-at a time.
+many CPU threads this process should use; and a GPU held by one training task at a time.
 
 `choose_device` also says why (what was asked, and what `auto` found) and what precision the
 SDK's trainer computes in there, so that a run can report the device it actually used.
@@ -8,14 +7,11 @@ SDK's trainer computes in there, so that a run can report the device it actually
 
 from __future__ import annotations
 
-import contextlib
 import os
-import platform
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -25,7 +21,6 @@ __all__ = [
     "DeviceName",
     "autocast_dtype",
     "choose_device",
-    "cpu_name",
     "cpu_threads",
     "exclusive",
     "precision",
@@ -89,16 +84,6 @@ def precision(device: torch.device) -> str:
     """How the trainer computes on `device`, in words: `float32`, or `bfloat16 autocast`."""
     dtype = autocast_dtype(device)
     return "float32" if dtype is None else f"{str(dtype).removeprefix('torch.')} autocast"
-
-
-def cpu_name() -> str:
-    """The CPU's model name, as /proc/cpuinfo gives it (`platform.processor()` is often empty on
-    Linux), else what `platform` knows: what a benchmark's figures depend on."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def cpu_threads(environ: Mapping[str, str] | None = None) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 import onnxruntime as ort
 import torch
 
-from edge_sdk.device import cpu_name
+from edge_sdk.host import cpu_name
 from edge_sdk.onnx_bench.measure import BenchRow, BenchSettings
 from edge_sdk.onnx_bench.runners import onnx_providers
 

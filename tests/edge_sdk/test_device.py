@@ -5,22 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-from pathlib import Path
 
 import pytest
 import torch
 from tests_helpers import needs_cuda
 
 from coordinator.fleet import LocalFleet
-from edge_sdk.device import (
-    autocast_dtype,
-    choose_device,
-    cpu_name,
-    cpu_threads,
-    precision,
-    resolve_device,
-)
+from edge_sdk.device import autocast_dtype, choose_device, cpu_threads, precision, resolve_device
 from edge_sdk.protocol import PROTOCOL_VERSION, Register, decode
 from edge_sdk.trainer import Trainer
 
@@ -80,23 +71,6 @@ def three_of_sixty_four(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-
-
-def test_the_cpu_is_named_by_its_model_and_by_platform_where_proc_cpuinfo_is_missing(
-    tmp_path, monkeypatch
-):
-    info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nvendor_id\t: Acme\nmodel name\t: Acme Z9 8-Core  \n")
-
-    def at(path):  # /proc/cpuinfo, here or missing
-        return info if path == "/proc/cpuinfo" else Path(path)
-
-    monkeypatch.setattr("edge_sdk.device.Path", at)
-    assert cpu_name() == "Acme Z9 8-Core"
-    info.unlink()
-    monkeypatch.setattr(platform, "processor", lambda: "")
-    monkeypatch.setattr(platform, "machine", lambda: "riscv64")
-    assert cpu_name() == "riscv64"
 
 
 @pytest.mark.parametrize(
