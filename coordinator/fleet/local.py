@@ -21,6 +21,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +55,55 @@ __all__ = ["IdleState", "LocalFleet"]
 IdleState = Literal["memory", "host", "disk"]
 
 log = logging.getLogger(__name__)
+
+IDLE_PREFIX = "edgefl-idle-"  # idle_state = "disk" without an idle_dir: a temporary folder
+IDLE_OWNER = "owner"  # in it: "HOST PID" of the process it belongs to
+
+
+def idle_scratch() -> tempfile.TemporaryDirectory[str]:
+    """A temporary folder for parked client states, which the process removes as it exits,
+    stamped with this process. A process that was killed (SIGKILL, the OOM killer, a launcher
+    stopping its ranks) cannot remove its own, and a population's states can be gigabytes: the
+    folders of such processes on this host are removed first (`sweep_idle_scratch`)."""
+    sweep_idle_scratch()
+    scratch = tempfile.TemporaryDirectory(prefix=IDLE_PREFIX)
+    (Path(scratch.name) / IDLE_OWNER).write_text(f"{socket.gethostname()} {os.getpid()}")
+    return scratch
+
+
+def sweep_idle_scratch(root: str | Path | None = None) -> list[Path]:
+    """Remove the `idle_scratch` folders under `root` (default: the temporary folder) whose
+    process, on this host and of this user, no longer runs; the folders removed. A folder of
+    another host or user, without its stamp, or whose process still runs is left alone."""
+    if os.name != "posix":  # os.kill(pid, 0) is how a process is found, POSIX only
+        return []
+    host, gone = socket.gethostname(), []
+    for folder in sorted(Path(root or tempfile.gettempdir()).glob(IDLE_PREFIX + "*")):
+        try:
+            owner_host, pid = (folder / IDLE_OWNER).read_text().split()
+            if owner_host != host or folder.stat().st_uid != os.getuid() or _runs(int(pid)):
+                continue
+        except (OSError, ValueError):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        gone.append(folder)
+    if gone:
+        log.info(
+            "removed %d folder(s) of parked client states left by processes that were killed: %s",
+            len(gone),
+            ", ".join(str(f) for f in gone),
+        )
+    return gone
+
+
+def _runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 class LocalFleet(Fleet):
@@ -97,7 +149,7 @@ class LocalFleet(Fleet):
         self._scratch: tempfile.TemporaryDirectory[str] | None = None
         if idle == "disk":
             if idle_dir is None:
-                self._scratch = tempfile.TemporaryDirectory(prefix="edgefl-idle-")
+                self._scratch = idle_scratch()
                 idle_dir = self._scratch.name
             self._idle_dir = Path(idle_dir)
             self._idle_dir.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,12 @@ exactly as clients kept live, for every algorithm; memory holds the cohort, not 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +19,7 @@ from typer.testing import CliRunner
 
 from coordinator.cli import app
 from coordinator.config import ConfigError
+from coordinator.fleet.local import IDLE_OWNER, IDLE_PREFIX, LocalFleet, sweep_idle_scratch
 from coordinator.server import Coordinator
 from coordinator.simulator import simulate
 from edge_sdk.algorithms import algorithm_names
@@ -204,3 +211,64 @@ def test_a_checkpoint_continues_under_settings_an_edgefl_of_another_version_adds
     path.write_text("{")
     with pytest.raises(ConfigError, match=r"settings.json is not the JSON a simulation writes"):
         simulate(cfg, progress=False)
+
+
+def test_the_temporary_folder_of_a_killed_process_is_removed_by_the_next_one(monkeypatch, tmp_path):
+    # Prepare: a process parking on disk in a temporary folder of its own, killed (SIGKILL: it
+    # cannot remove the folder), and one that still runs
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    code = (
+        "from coordinator.fleet.local import LocalFleet; f = LocalFleet([], idle='disk'); "
+        "print(f._idle_dir, flush=True); import time; time.sleep(120)"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
+    killed, running = (Path(p.stdout.readline().strip()) for p in procs)  # type: ignore[union-attr]
+    procs[0].send_signal(signal.SIGKILL)
+    procs[0].wait(30)
+    (killed / "c0.state").write_bytes(b"x" * 1000)
+    assert killed.is_dir()
+
+    # Execute: the next fleet that parks on disk
+    try:
+        fleet = LocalFleet([], idle="disk")
+        ours = fleet._idle_dir
+    finally:
+        procs[1].kill()
+        procs[1].wait(30)
+
+    # Assert: the killed process's folder is gone; the running one's and the new one stay
+    assert not killed.exists()
+    assert running.is_dir() and ours is not None and ours.is_dir()
+    assert (ours / IDLE_OWNER).read_text() == f"{socket.gethostname()} {os.getpid()}"
+
+
+def test_only_folders_stamped_by_a_gone_process_of_this_host_are_swept(tmp_path):
+    # Prepare: the pid of a process that has ended
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait(30)
+    host = socket.gethostname()
+    stamps = {
+        "gone": f"{host} {ended.pid}",
+        "alive": f"{host} {os.getpid()}",
+        "other-host": f"not-{host} {ended.pid}",
+        "garbled": "nonsense",
+        "unstamped": None,
+    }
+    for name, stamp in stamps.items():
+        (tmp_path / (IDLE_PREFIX + name)).mkdir()
+        if stamp is not None:
+            (tmp_path / (IDLE_PREFIX + name) / IDLE_OWNER).write_text(stamp)
+    (tmp_path / "not-ours").mkdir()
+    (tmp_path / "not-ours" / IDLE_OWNER).write_text(f"{host} {ended.pid}")
+
+    # Execute
+    gone = sweep_idle_scratch(tmp_path)
+
+    # Assert
+    assert gone == [tmp_path / (IDLE_PREFIX + "gone")]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(["not-ours", *(IDLE_PREFIX + n for n in stamps if n != "gone")])
