@@ -18,13 +18,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# mosquitto (MQTT tests), chromium (report.html test) and Fashion-MNIST (real-data tests).
+# mosquitto (MQTT tests), chromium (report.html test), Fashion-MNIST (real-data tests) and
+# rabbitmq-server (the SDK against RabbitMQ's MQTT plugin).
 # Installed only when missing and when we are root; otherwise the tests that need them skip with the reason.
 system-packages:
 	@missing=""; \
 	command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || missing="$$missing mosquitto"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	[ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || missing="$$missing dataset-fashion-mnist"; \
+	[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing="$$missing rabbitmq-server"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing Debian packages:$$missing"; \

@@ -1,7 +1,7 @@
 """The SDK against RabbitMQ's MQTT plugin (Debian's rabbitmq-server 3.10), one node started by
 benchmarks/rabbitmq_cluster.py: what works, and the clear error where it lacks what the SDK needs.
-Skipped where rabbitmq-server is not installed (CI does not install it; the broker-cluster
-benchmark runs three nodes)."""
+Skipped where rabbitmq-server is not installed (`make test` installs it as root; the
+broker-cluster benchmark runs three nodes)."""
 
 import threading
 import uuid
