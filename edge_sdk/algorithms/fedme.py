@@ -96,7 +96,8 @@ class FedMeConfig(AlgorithmConfig, PatientGuardConfig):
     # and can arrive far from this client's (on 3 of 10 long digit runs, 17-30 points below
     # training alone on one architecture); 5 epochs of batch 40 on a few dozen images are 5
     # steps, and the guard deployed it. Measured at both sizes: docs/algorithms.md, "Defaults
-    # measured at two sizes".
+    # measured at two sizes". Measured again with `adopt = "any"`, neither won at both sizes
+    # (within the seeds' spread); 20 kept every quick client within the noise floor.
     guard_ft_epochs: int = Field(20, ge=0)
     # [ours] The guard's default is the equal mixture of the personalized model and the
     # fine-tuned aggregate (where the device's budget refuses a mixture, as its own architecture
@@ -104,8 +105,8 @@ class FedMeConfig(AlgorithmConfig, PatientGuardConfig):
     # (GuardConfig's [1, 0.75, 0.5, 0.25, 0]). FedMe has no global model: both are models of one
     # architecture, and a few dozen validation samples pick the weight by chance. The
     # equal mixture won on every seed at the long size, on digits and Fashion-MNIST, and at the
-    # quick size (docs/algorithms.md, "Defaults measured at two sizes"); FML and PersFL lost
-    # with it.
+    # quick size (docs/algorithms.md, "Defaults measured at two sizes"), and again at both
+    # sizes with `adopt = "any"`; FML and PersFL lost with it.
     guard_mix_weights: list[float] = Field(default_factory=lambda: [0.5], min_length=1)
 
     @model_validator(mode="after")
