@@ -40,6 +40,7 @@ def save(out: dict[str, Any], json_out: Path | None) -> str:
     """`out` as the JSON these scripts write, written to `json_out` when given."""
     text = json.dumps(out, indent=1)
     if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(text + "\n")
     return text
 

@@ -59,7 +59,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _report import ended, machine  # noqa: E402
+from _report import ended, machine, save  # noqa: E402
 
 from coordinator.config import RunConfig, load_config, parse_overrides  # noqa: E402
 from coordinator.federation import prepare_federation  # noqa: E402
@@ -572,10 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("flood", "all"):
         doc["flood"] = flood_part(args)
     ended(doc)
-    text = json.dumps(doc, indent=1)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
-    print(text)
+    print(save(doc, args.json_out))
     if "attacks" in doc:
         print(attack_table(doc["attacks"]["rows"]))
     if "flood" in doc:

@@ -28,7 +28,6 @@ the side-by-side ratios (speedup) mean anything.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import ended, machine
+from _report import ended, machine, save
 
 from edge_sdk.algorithms import ClientContext, algorithm_class
 from edge_sdk.client_data import ClientData
@@ -401,11 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         "families": results,
     }
     ended(report)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json_out is not None:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(text + "\n")
+    print(save(report, args.json_out))
     print()
     print(
         f"FML local epoch, {device}, {torch.get_num_threads()} threads, torch {torch.__version__}"

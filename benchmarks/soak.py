@@ -43,7 +43,7 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import ended, machine
+from _report import ended, machine, save
 
 from coordinator.broker import MosquittoBroker
 from edge_sdk import topics
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument("--checkpoint-round", type=int, default=10, help="the early RSS reading")
     p.add_argument("--attacks", action="store_true", help="flood, forge, take over (see above)")
-    p.add_argument("--json-out")
+    p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
     start = machine()
     n, rounds, early = args.clients, args.rounds, min(args.checkpoint_round, args.rounds)
@@ -320,10 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             "accuracies_equal_undisturbed_run": same,
         }
     ended(report)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    print(save(report, args.json_out))
     print()
     head = f"peak RSS @ round {early} (MB)"
     print(f"{'process':<12}{head:>28}{f'@ round {rounds}':>14}{'growth':>9}")

@@ -39,7 +39,6 @@ import argparse
 import functools
 import hashlib
 import importlib.metadata
-import json
 import multiprocessing
 import os
 import random
@@ -48,6 +47,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -55,7 +55,7 @@ import torch
 from paho.mqtt.enums import CallbackAPIVersion
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import ended, machine
+from _report import ended, machine, save
 
 from coordinator.broker import MosquittoBroker
 from coordinator.config import load_config
@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         help="which parts: delivery, processes, rounds (comma-separated)",
     )
     p.add_argument("--repeat", type=int, default=1, help="measure each delivery row this often")
-    p.add_argument("--json-out", help="also write the JSON here")
+    p.add_argument("--json-out", type=Path, help="also write the JSON here")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.clients, args.rounds = "1,10", "1,5", 3
@@ -613,11 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         if "rounds" in parts:
             report["rounds"] = bench_rounds(broker.url, args.rounds)
     ended(report)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text + "\n")
+    print(save(report, args.json_out))
     print()
     if report["delivery"]:
         print_delivery(report["delivery"])
