@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import shutil
-import socket
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -57,31 +56,39 @@ IdleState = Literal["memory", "host", "disk"]
 log = logging.getLogger(__name__)
 
 IDLE_PREFIX = "edgefl-idle-"  # idle_state = "disk" without an idle_dir: a temporary folder
-IDLE_OWNER = "owner"  # in it: "HOST PID" of the process it belongs to
+IDLE_OWNER = "owner"  # in it: "MACHINE PID" of the process it belongs to (`_machine`)
 
 
 def idle_scratch() -> tempfile.TemporaryDirectory[str]:
     """A temporary folder for parked client states, which the process removes as it exits,
     stamped with this process. A process that was killed (SIGKILL, the OOM killer, a launcher
     stopping its ranks) cannot remove its own, and a population's states can be gigabytes: the
-    folders of such processes on this host are removed first (`sweep_idle_scratch`)."""
+    folders of such processes on this machine are removed first (`sweep_idle_scratch`)."""
     sweep_idle_scratch()
     scratch = tempfile.TemporaryDirectory(prefix=IDLE_PREFIX)
-    (Path(scratch.name) / IDLE_OWNER).write_text(f"{socket.gethostname()} {os.getpid()}")
+    (Path(scratch.name) / IDLE_OWNER).write_text(f"{_machine()} {os.getpid()}")
     return scratch
+
+
+def _machine() -> str:
+    """This machine, as the ranks tell machines apart (`coordinator.distributed.machine`: its
+    host name and boot id, so that machines of one host name sharing a temporary folder differ)."""
+    from coordinator.distributed import machine  # (it imports the fleets)
+
+    return machine()
 
 
 def sweep_idle_scratch(root: str | Path | None = None) -> list[Path]:
     """Remove the `idle_scratch` folders under `root` (default: the temporary folder) whose
-    process, on this host and of this user, no longer runs; the folders removed. A folder of
-    another host or user, without its stamp, or whose process still runs is left alone."""
+    process, on this machine and of this user, no longer runs; the folders removed. A folder of
+    another machine or user, without its stamp, or whose process still runs is left alone."""
     if os.name != "posix":  # os.kill(pid, 0) is how a process is found, POSIX only
         return []
-    host, gone = socket.gethostname(), []
+    here, gone = _machine(), []
     for folder in sorted(Path(root or tempfile.gettempdir()).glob(IDLE_PREFIX + "*")):
         try:
-            owner_host, pid = (folder / IDLE_OWNER).read_text().split()
-            if owner_host != host or folder.stat().st_uid != os.getuid() or _runs(int(pid)):
+            owner, pid = (folder / IDLE_OWNER).read_text().rsplit(" ", 1)
+            if owner != here or folder.stat().st_uid != os.getuid() or _runs(int(pid)):
                 continue
         except (OSError, ValueError):
             continue

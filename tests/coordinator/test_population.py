@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from coordinator.cli import app
 from coordinator.config import ConfigError
+from coordinator.distributed import machine
 from coordinator.fleet.local import IDLE_OWNER, IDLE_PREFIX, LocalFleet, sweep_idle_scratch
 from coordinator.server import Coordinator
 from coordinator.simulator import simulate
@@ -243,18 +244,20 @@ def test_the_temporary_folder_of_a_killed_process_is_removed_by_the_next_one(mon
     # Assert: the killed process's folder is gone; the running one's and the new one stay
     assert not killed.exists()
     assert running.is_dir() and ours is not None and ours.is_dir()
-    assert (ours / IDLE_OWNER).read_text() == f"{socket.gethostname()} {os.getpid()}"
+    assert (ours / IDLE_OWNER).read_text() == f"{machine()} {os.getpid()}"
 
 
-def test_only_folders_stamped_by_a_gone_process_of_this_host_are_swept(tmp_path):
+def test_only_folders_stamped_by_a_gone_process_of_this_machine_are_swept(tmp_path):
     # Prepare: the pid of a process that has ended
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait(30)
-    host = socket.gethostname()
+    here = machine()
     stamps = {
-        "gone": f"{host} {ended.pid}",
-        "alive": f"{host} {os.getpid()}",
-        "other-host": f"not-{host} {ended.pid}",
+        "gone": f"{here} {ended.pid}",
+        "alive": f"{here} {os.getpid()}",
+        "other-host": f"not-{here} {ended.pid}",
+        # one host name, another machine (another boot id)
+        "other-boot": f"{socket.gethostname()} another-boot-id {ended.pid}",
         "garbled": "nonsense",
         "unstamped": None,
     }
@@ -263,7 +266,7 @@ def test_only_folders_stamped_by_a_gone_process_of_this_host_are_swept(tmp_path)
         if stamp is not None:
             (tmp_path / (IDLE_PREFIX + name) / IDLE_OWNER).write_text(stamp)
     (tmp_path / "not-ours").mkdir()
-    (tmp_path / "not-ours" / IDLE_OWNER).write_text(f"{host} {ended.pid}")
+    (tmp_path / "not-ours" / IDLE_OWNER).write_text(f"{here} {ended.pid}")
 
     # Execute
     gone = sweep_idle_scratch(tmp_path)
