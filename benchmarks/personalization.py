@@ -249,6 +249,7 @@ _KEEP = (
     "guard_arch",
     "guard_unguarded_acc",
     "guard_mix_weight",
+    "guard_distill_unlabeled",
     "distill_lambda",
     "distill_T",
     "student_init",

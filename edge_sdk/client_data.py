@@ -19,6 +19,7 @@ from torch.utils.data import Dataset as TorchDataset
 __all__ = [
     "ClientData",
     "IdentityCache",
+    "laid_out",
     "mix_draws",
     "mixed",
     "mixed_by",
@@ -157,12 +158,12 @@ def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     base = t._base
     rows = row_range(t, base) if base is not None and t.device != device else None
     if base is None or rows is None:
-        return _layout(t.to(device))
+        return laid_out(t.to(device))
     copies = _ON_DEVICE.get([base])
     if copies is None:
         copies = _ON_DEVICE.put([base], {})
     if device not in copies:
-        copies[device] = _layout(base.to(device))
+        copies[device] = laid_out(base.to(device))
     return copies[device][rows[0] : rows[1]]
 
 
@@ -179,7 +180,8 @@ def row_range(t: torch.Tensor, base: torch.Tensor) -> tuple[int, int] | None:
     return start, start + len(t)
 
 
-def _layout(t: torch.Tensor) -> torch.Tensor:
+def laid_out(t: torch.Tensor) -> torch.Tensor:
+    """`t` laid out as ClientData holds it: images channels_last, anything else as it is."""
     # NHWC ("channels_last") images: convolutions ran 1.3-1.4× faster on CPU in
     # benchmarks/local_update.py, and it is what cuDNN prefers under mixed precision.
     if t.dim() == 4 and t.is_floating_point():
@@ -191,8 +193,8 @@ def shifted(x: torch.Tensor, most: int, generator: torch.Generator) -> torch.Ten
     """Images `x` (n, c, h, w), each moved by its own random whole-pixel offset of up to `most`
     each way (`shift_draws` from `generator`, on its device), the uncovered border repeating the
     image's edge (its background, not a value normalization may have made meaningful); laid
-    out as ClientData holds images (`_layout`)."""
-    return _layout(moved_by(x, most, shift_draws(len(x), most, generator, x.device)))
+    out as ClientData holds images (`laid_out`)."""
+    return laid_out(moved_by(x, most, shift_draws(len(x), most, generator, x.device)))
 
 
 def mixed(
@@ -204,7 +206,7 @@ def mixed(
     if len(y) < 2:
         return x, y
     x, y = mixed_by(x, y, *mix_draws(len(y), generator, x.device))
-    return _layout(x), y
+    return laid_out(x), y
 
 
 def mix_draws(

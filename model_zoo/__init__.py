@@ -9,6 +9,7 @@ from model_zoo.spec import (
     build,
     families,
     input_dtype,
+    is_network,
     register,
 )
 
@@ -21,5 +22,6 @@ __all__ = [
     "example_input",
     "families",
     "input_dtype",
+    "is_network",
     "register",
 ]

@@ -94,6 +94,7 @@ class _Family:
     builder: Callable[..., nn.Module]
     input_dtype: Callable[[ArchSpec], torch.dtype]
     composite: bool = False  # made of other families' models (a mixture), not a client's own
+    data: bool = False  # a set of inputs that travels as a model (`inputs`), not a network
 
 
 _REGISTRY: dict[str, _Family] = {}
@@ -104,14 +105,16 @@ def register(
     *,
     input_dtype: Callable[[ArchSpec], torch.dtype] | None = None,
     composite: bool = False,
+    data: bool = False,
 ) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
-    """Register `builder(input_shape, num_classes, **kwargs) -> nn.Module` under `name`."""
+    """Register `builder(input_shape, num_classes, **kwargs) -> nn.Module` under `name`
+    (`composite`: made of other families' models; `data`: a set of inputs, not a network)."""
 
     def deco(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         if name in _REGISTRY:
             raise ValueError(f"architecture family {name!r} is already registered")
         dtype = input_dtype or (lambda spec: torch.float32)
-        _REGISTRY[name] = _Family(builder, dtype, composite)
+        _REGISTRY[name] = _Family(builder, dtype, composite, data)
         return builder
 
     return deco
@@ -119,9 +122,14 @@ def register(
 
 def families(*, composite: bool = False) -> list[str]:
     """Names of the families a client can run, sorted; with `composite`, also those made of
-    other families' models (`mixture`)."""
+    other families' models (`mixture`). Never a set of inputs (`inputs`)."""
     _load_families()
-    return sorted(n for n, f in _REGISTRY.items() if composite or not f.composite)
+    return sorted(n for n, f in _REGISTRY.items() if not f.data and (composite or not f.composite))
+
+
+def is_network(spec: ArchSpec) -> bool:
+    """Whether `spec` is a network (not a set of inputs travelling as a model, `inputs`)."""
+    return not _family(spec.family).data
 
 
 def _family(name: str) -> _Family:

@@ -48,6 +48,7 @@ from edge_sdk.device import cpu_threads
 from edge_sdk.model_blobs import reference_shapes
 from edge_sdk.node import ClientNode, NodeTask
 from edge_sdk.peers import PeerBoard
+from model_zoo import is_network
 
 __all__ = ["IdleState", "LocalFleet"]
 
@@ -284,7 +285,8 @@ class LocalFleet(Fleet):
         for ids in groups.values():
             node, task = self.nodes[ids[0]], begun[ids[0]]
             first = node.algorithm
-            specs = [node.spec, *(m.spec for m in task.models.values())]
+            # (the networks they train: not the inputs a finalize task may carry)
+            specs = [node.spec, *(m.spec for m in task.models.values() if is_network(m.spec))]
             if (
                 first is not None
                 and len(ids) > 1

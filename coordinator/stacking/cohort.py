@@ -43,7 +43,7 @@ from torch import nn
 
 from coordinator.stacking.kept import KeptStacks
 from coordinator.stacking.modules import stack_modules, stack_rows, unstack_module
-from coordinator.stacking.stacked_data import StackedData
+from coordinator.stacking.stacked_data import Packed, StackedData
 from coordinator.stacking.state import stack_models, stack_state, unstack_state
 from coordinator.stacking.trainer import CohortTrainer
 from edge_sdk.algorithms.base import (
@@ -211,7 +211,9 @@ def run_stacked(
                 a.deployment.final_candidates(rounds, models[i], t)
                 for a, i, t in zip(members, order, tuned, strict=True)
             ]
-            students = _student_rows(members, rounds, cast(list[Final], finals), masked)
+            students = _student_rows(
+                members, rounds, cast(list[Final], finals), [models[i] for i in order], masked
+            )
     scores: list[dict[str, Score] | None] = [None] * len(members)
     if phase == "fit" and all(a.deployment.guarded and a.deployment.guard.active for a in members):
         scores = _guard_scores(stacked)
@@ -239,9 +241,14 @@ def _rewind(members: Sequence[ClientAlgorithm], positions: list[tuple[Any, int]]
 
 
 def _student_rows(
-    members: Sequence[ClientAlgorithm], rounds: int, finals: Sequence[Final], masked: bool | None
+    members: Sequence[ClientAlgorithm],
+    rounds: int,
+    finals: Sequence[Final],
+    models: Sequence[Mapping[str, WireModel]],
+    masked: bool | None,
 ) -> list[list[Candidate]]:
-    """The first students each member's guard asks for among its `finals`
+    """The first students each member's guard asks for among its `finals` (on its training
+    split and the inputs its finalize `models` carry, `Deployment.distillation_set`)
     (`Deployment.first_student`: of a default
     outside the device's budget, or of a model outside it that is clearly better, one from the
     device's model and one afresh), trained at once for the members that ask for the same kind
@@ -267,7 +274,9 @@ def _student_rows(
         group = [members[k] for k in ks]
         positions = _positions(group)
         try:
-            made = _students_at_once(group, rounds, [requests[k] for k in ks], masked)
+            made = _students_at_once(
+                group, rounds, [requests[k] for k in ks], [models[k] for k in ks], masked
+            )
         except CohortUnsupported as exc:
             made = None
             log.info("the guards' students run client by client: %s", exc)
@@ -283,6 +292,7 @@ def _students_at_once(
     group: Sequence[ClientAlgorithm],
     rounds: int,
     requests: Sequence[tuple[Candidate, Candidate | None] | None],
+    models: Sequence[Mapping[str, WireModel]],
     masked: bool | None,
 ) -> list[list[Candidate]] | None:
     """The students `requests` (teacher, start) ask for, of every member of `group` at once,
@@ -295,6 +305,12 @@ def _students_at_once(
         stacked, _cohort_context([a.ctx for a in group], first.ctx.task, masked), first.config
     )
     asked = [cast(tuple[Candidate, Candidate | None], r) for r in requests]
+    # each member's images and labels, as alone (its teacher labels the inputs its task carries)
+    sets = [
+        a.deployment.distillation_set(t, a.deployment.unlabeled(m))
+        for a, (t, _), m in zip(group, asked, models, strict=True)
+    ]
+    inputs = (Packed([x for x, _ in sets]), Packed([y for _, y in sets]))
     teacher = _stacked_candidate([t for t, _ in asked])
     begins = [s for _, s in asked]
     starts: list[Candidate | None] = [None]
@@ -303,7 +319,7 @@ def _students_at_once(
         starts = [begin, None] if first.deployment.guard.active else [begin]
     made: list[list[Candidate]] = [[] for _ in group]
     for start in starts:
-        student = stacked.deployment.distil(rounds, teacher, start)
+        student = stacked.deployment.distil(rounds, teacher, start, cast(Any, inputs))
         if student is None:
             return None
         spec, model = student

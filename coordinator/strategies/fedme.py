@@ -14,6 +14,9 @@ before the first) and an unlabeled set U. Each round:
 4. each client gets back the aggregate of the model it chose (its own, or the exchanged one when
    it adopted it), in its next task, evaluation and finalize tasks.
 
+The finalize task also carries up to `guard_distill_unlabeled` inputs of U (one seeded draw,
+the same for every client), for the students of the device's guard to learn the teacher on.
+
 This ships personalized models to other clients through the coordinator: a privacy cost the other
 algorithms do not have.
 """
@@ -38,6 +41,7 @@ from coordinator.strategies.base import (
     register_strategy,
 )
 from edge_sdk.algorithms import BaseAlgorithmConfig
+from edge_sdk.algorithms.deployment import UNLABELED, unlabeled_model
 from edge_sdk.algorithms.fedme import FedMeConfig
 from edge_sdk.codec import WireModel
 from model_zoo import ArchSpec, build
@@ -229,7 +233,26 @@ class FedMeStrategy(Strategy):
         return {cid: {"personal": m} for cid, m in self.models.items()}
 
     def configure_finalize(self) -> dict[str, dict[str, WireModel]]:
-        return self.configure_evaluate(self.rounds)
+        plan = self.configure_evaluate(self.rounds)
+        extra = self._students_unlabeled()
+        if extra is None:
+            return plan
+        return {cid: {**models, UNLABELED: extra} for cid, models in plan.items()}
+
+    def _students_unlabeled(self) -> WireModel | None:
+        """The inputs of U the finalize tasks carry for the guards' students (one object for
+        every client: the network sends it once): `guard_distill_unlabeled` of them, a draw
+        seeded by the run's seed alone, in U's order; None where the students make none."""
+        cfg = self.config
+        count = min(cfg.guard_distill_unlabeled, len(self.unlabeled))
+        if count == 0 or cfg.guard_distill_epochs == 0:
+            return None
+        u = self.unlabeled
+        if count < len(u):
+            drawn = np.random.default_rng(self.seed).choice(len(u), size=count, replace=False)
+            u = u[torch.from_numpy(np.sort(drawn))]
+        classes = next(iter(self.clients.values())).spec.num_classes
+        return unlabeled_model(u.float().contiguous(), classes)
 
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict() | {

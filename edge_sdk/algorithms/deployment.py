@@ -7,6 +7,9 @@ adds the federation's final model, fine-tuned and mixed, and a student of the de
 architecture distilled from a model outside its budget, and deploys the guard's choice (or, with
 the guard off, the algorithm's final model) within the device's budget. The reply's details say
 what was deployed, its size and why, and how many training samples the client processed.
+
+A finalize task may carry inputs of the coordinator's own (`UNLABELED`, FedMe's unlabeled set):
+the students then learn the teacher on them too, beside the device's training images.
 """
 
 from __future__ import annotations
@@ -24,21 +27,32 @@ from edge_sdk.algorithms.context import FitResult
 from edge_sdk.algorithms.guard import Distil, Guard
 from edge_sdk.algorithms.guard_config import GuardConfig
 from edge_sdk.budget import arch_name, footprint
+from edge_sdk.client_data import laid_out
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import distillation_loss
 from edge_sdk.trainer import Score
 from model_zoo import ArchSpec
+from model_zoo.models.inputs import INPUTS, inputs_spec
 
 if TYPE_CHECKING:
     from edge_sdk.algorithms.base import ClientAlgorithm
 
-__all__ = ["Deployment", "Final"]
+__all__ = ["UNLABELED", "Deployment", "Final", "unlabeled_model"]
+
+# The name, in a finalize task's models, of the inputs the guard's students also learn on
+# (an `inputs` model: model_zoo.models.inputs).
+UNLABELED = "unlabeled"
 
 # What the guard chooses among after the last round, the default first, and the mixture's weight
 # of the personalized model where the default is a weighed mixture (`Deployment.final_candidates`).
 Final = tuple[dict[str, Candidate], float | None]
 
 log = logging.getLogger(__name__)
+
+
+def unlabeled_model(x: torch.Tensor, num_classes: int) -> WireModel:
+    """Inputs `x` (n, *input_shape) as the model a finalize task carries under `UNLABELED`."""
+    return WireModel(inputs_spec(x, num_classes), {"inputs": x})
 
 
 class Deployment:
@@ -84,7 +98,10 @@ class Deployment:
         where a stack of clients trained theirs at once (coordinator.stacking); otherwise they
         are made here."""
         algo = self.algorithm
-        distil = self._distiller(rounds)
+        unlabeled = self.unlabeled(models)
+        distil = self._distiller(rounds, unlabeled)
+        if distil is not None and unlabeled is not None:
+            result.details["guard_distill_unlabeled"] = len(unlabeled)
         if self.guarded:
             candidates, w = final if final is not None else self.final_candidates(rounds, models)
             if w is not None:
@@ -200,19 +217,71 @@ class Deployment:
         )
         return spec, model
 
-    def _distiller(self, rounds: int) -> Distil | None:
+    def _distiller(self, rounds: int, unlabeled: torch.Tensor | None = None) -> Distil | None:
         """What the guard distils a model outside the device's budget with (`distil`, at the
-        last round's rate); None where the config makes no student."""
+        last round's rate, on the training split and the `unlabeled` inputs its finalize task
+        carried: `distillation_set`); None where the config makes no student."""
         cfg = self.algorithm.config
         if not isinstance(cfg, GuardConfig) or cfg.guard_distill_epochs == 0:
             return None
         if self.algorithm.finetune_optim() is None:
             return None
-        return lambda teacher, start: self.distil(rounds, teacher, start)
+        return lambda teacher, start: self.distil(
+            rounds, teacher, start, self.distillation_set(teacher, unlabeled)
+        )
 
-    def distil(self, rounds: int, teacher: Candidate, start: Candidate | None) -> Candidate | None:
+    def unlabeled(self, models: Mapping[str, WireModel]) -> torch.Tensor | None:
+        """The inputs a finalize task carries for the students (`UNLABELED`), on this client's
+        device; None where it carries none, or inputs of another shape or kind than this
+        client's training images (said in the log: the students learn without them)."""
+        wire = models.get(UNLABELED)
+        if wire is None:
+            return None
+        ctx = self.algorithm.ctx
+        x = ctx.data.x_train
+        u = wire.weights.get("inputs")
+        if wire.spec.family != INPUTS or u is None or not x.is_floating_point():
+            log.warning(
+                "%s: the finalize task's %r is not a set of inputs this client's students can "
+                "learn on (%s); they learn on its training split alone",
+                ctx.client_id,
+                UNLABELED,
+                wire.spec,
+            )
+            return None
+        if tuple(u.shape[1:]) != tuple(x.shape[1:]):
+            log.warning(
+                "%s: the finalize task's unlabeled inputs are of shape %s, this client's of %s; "
+                "its students learn on its training split alone",
+                ctx.client_id,
+                tuple(u.shape[1:]),
+                tuple(x.shape[1:]),
+            )
+            return None
+        return laid_out(u.to(x.device, x.dtype))
+
+    def distillation_set(
+        self, teacher: Candidate, unlabeled: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a student of `teacher` learns on: the training split, and after it the
+        `unlabeled` inputs, each labelled with the teacher's class for it (the label term of
+        the student's loss; the KL term reads the teacher's logits as for any image)."""
+        d, trainer = self.algorithm.ctx.data, self.algorithm.ctx.trainer
+        if unlabeled is None or not len(unlabeled):
+            return d.x_train, d.y_train
+        labels = trainer.logits(teacher[1], unlabeled).argmax(1).to(d.y_train.dtype)
+        return torch.cat([d.x_train, unlabeled]), torch.cat([d.y_train, labels])
+
+    def distil(
+        self,
+        rounds: int,
+        teacher: Candidate,
+        start: Candidate | None,
+        inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Candidate | None:
         """A student of this device's own architecture, starting from `start`'s weights (a
-        fresh one without), trained for `guard_distill_epochs` on the training split with
+        fresh one without), trained for `guard_distill_epochs` on `inputs` (images, labels;
+        default: the training split; `distillation_set`) with
         (1 − λ)·CE + λ·T²·KL(teacher ‖ student) and the algorithm's optimizer settings at the
         last round's rate (`finetune_optim`); None where its training diverges. Its samples
         count as processed.
@@ -227,6 +296,7 @@ class Deployment:
         cfg, optim = algo.config, algo.finetune_optim()
         assert isinstance(cfg, GuardConfig) and optim is not None
         trainer, d = algo.ctx.trainer, algo.ctx.data
+        x, y = (d.x_train, d.y_train) if inputs is None else inputs
         student = algo.ctx.build_model(algo.ctx.spec, salt=3)
         if start is not None:
             student.load_state_dict(start[1].state_dict())
@@ -242,8 +312,8 @@ class Deployment:
 
         batches = trainer.distillation_batches(
             teacher[1],
-            d.x_train,
-            d.y_train,
+            x,
+            y,
             optim.batch_size,
             cfg.guard_distill_epochs,
             shift=cfg.guard_distill_shift,

@@ -108,6 +108,16 @@ class FedMeConfig(AlgorithmConfig, PatientGuardConfig):
     # quick size (docs/algorithms.md, "Defaults measured at two sizes"), and again at both
     # sizes with `adopt = "any"`; FML and PersFL lost with it.
     guard_mix_weights: list[float] = Field(default_factory=lambda: [0.5], min_length=1)
+    # [ours] The guard's students (GuardConfig: a student of the device's own architecture,
+    # distilled from a model outside its budget) also learn the teacher on this many of the
+    # coordinator's unlabeled inputs, one seeded draw of them, labelled by the teacher, beside
+    # the device's training split, for `guard_distill_epochs` epochs of both. The finalize task
+    # carries them to every device: the coordinator's inputs leave it (200 Fashion-MNIST images
+    # are 0.6 MB). 0: the training split alone, the default. 200 gained at the long size on
+    # every split (0.8-1.6 points, every seed up; lg-fmnist reaches local + 5) and lost at the
+    # quick size (7 of the 10 splits down, 0.3 on average), so it is not the default:
+    # docs/algorithms.md, "Defaults measured at two sizes".
+    guard_distill_unlabeled: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _schedule(self) -> FedMeConfig:

@@ -2,17 +2,18 @@
 `model_zoo.spec.register`; `example_input` makes a realistic random batch for any spec.
 
 Families: mlr, mlp (`linear`), lenet5 (`lenet`), cnn1, cnn2 (`cnn`), vgg11/13/16/19 (`vgg`),
-lstm in image and char modes (`lstm`), and `mixture` (a weighted mixture of any of them).
+lstm in image and char modes (`lstm`), `mixture` (a weighted mixture of any of them), and
+`inputs` (a set of inputs travelling as a model, not a network).
 """
 
 from __future__ import annotations
 
 import torch
 
-from model_zoo.models import cnn, lenet, linear, lstm, mixture, vgg
+from model_zoo.models import cnn, inputs, lenet, linear, lstm, mixture, vgg
 from model_zoo.spec import ArchSpec, input_dtype
 
-__all__ = ["cnn", "example_input", "lenet", "linear", "lstm", "mixture", "vgg"]
+__all__ = ["cnn", "example_input", "inputs", "lenet", "linear", "lstm", "mixture", "vgg"]
 
 
 def example_input(

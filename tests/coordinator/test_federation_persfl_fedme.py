@@ -84,7 +84,10 @@ def test_fedme_federation_with_mixed_architectures_learns(tmp_path):
                 "persfl.distill_temperatures": [2.0],
             },
         ),
-        ("fedme", {"fedme.unlabeled_size": 100, "fedme.lr": 0.05}),
+        (
+            "fedme",
+            {"fedme.unlabeled_size": 100, "fedme.lr": 0.05, "fedme.guard_distill_unlabeled": 200},
+        ),
     ],
 )
 def test_over_mosquitto_gives_the_in_memory_simulators_results(algorithm, overrides, mosquitto):
@@ -105,3 +108,5 @@ def test_over_mosquitto_gives_the_in_memory_simulators_results(algorithm, overri
     over_mqtt = run(**{"broker.url": mosquitto.url})
     assert over_mqtt == to_rounding(run())  # (in memory, clients train stacked)
     assert all(c["personal_acc"] > 3 * CHANCE for c in over_mqtt[0])
+    if algorithm == "fedme":  # every finalize carried all 100 unlabeled inputs over the broker
+        assert {c["guard_distill_unlabeled"] for c in over_mqtt[0]} == {100}

@@ -23,6 +23,7 @@ from coordinator.strategies.fedme import (
     per_model_average,
     trained_copies,
 )
+from edge_sdk.algorithms.deployment import UNLABELED
 from edge_sdk.algorithms.fedme import FedMeConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.protocol import Capabilities
@@ -453,3 +454,39 @@ def test_simulation_holds_the_unlabeled_set_out_of_every_clients_data():
             assert not held & {tuple(row.tolist()) for row in split.flatten(1)}
     with pytest.raises(ValueError, match=r"lower fedme\.unlabeled_size"):
         prepare_federation(tiny_config(algorithm="fedme", overrides={"fedme.unlabeled_size": 800}))
+
+
+# -- the unlabeled inputs the finalize tasks carry -----------------------------------------------
+def test_the_finalize_tasks_carry_one_seeded_draw_of_the_unlabeled_set_for_the_students():
+    # Prepare: 40 unlabeled inputs, 15 of them for the students
+    s = _strategy([MLR, MLP, MLR], seed=3, guard_distill_unlabeled=15)
+
+    # Execute
+    plan = s.configure_finalize()
+
+    # Assert: every task carries the personalized model and one object of the same 15 inputs
+    # (the network sends it once), rows of U in U's order, drawn from the run's seed alone
+    sent = {id(models[UNLABELED]) for models in plan.values()}
+    assert len(sent) == 1
+    wire = plan["c0"][UNLABELED]
+    assert wire.spec == ArchSpec(
+        family="inputs", num_classes=2, input_shape=(3,), kwargs={"count": 15}
+    )
+    rows = np.sort(np.random.default_rng(3).choice(40, size=15, replace=False))
+    assert torch.equal(wire.weights["inputs"], U[torch.from_numpy(rows)])
+    assert {n for models in plan.values() for n in models} == {"personal", UNLABELED}
+    assert s.configure_finalize()["c1"][UNLABELED].weights["inputs"].equal(wire.weights["inputs"])
+
+
+def test_the_finalize_tasks_carry_all_of_a_smaller_unlabeled_set_and_none_without_students():
+    # all of U where it holds fewer than asked, in its order
+    whole = _strategy([MLR, MLP], guard_distill_unlabeled=100).configure_finalize()
+    assert torch.equal(whole["c1"][UNLABELED].weights["inputs"], U)
+    # none by default, nor where the students take none or the guard makes none
+    for cfg in (
+        {},
+        {"guard_distill_unlabeled": 0},
+        {"guard_distill_unlabeled": 9, "guard_distill_epochs": 0},
+    ):
+        plan = _strategy([MLR, MLP], **cfg).configure_finalize()
+        assert all(set(models) == {"personal"} for models in plan.values()), cfg

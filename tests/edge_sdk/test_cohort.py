@@ -34,7 +34,7 @@ from edge_sdk.algorithms.base import (
     ClientContext,
     FitResult,
 )
-from edge_sdk.algorithms.deployment import Deployment
+from edge_sdk.algorithms.deployment import UNLABELED, Deployment, unlabeled_model
 from edge_sdk.algorithms.members import CohortUnsupported, PerMember
 from edge_sdk.algorithms.persfl import PersFL
 from edge_sdk.algorithms.pfml import PFML, PFMLConfig
@@ -352,15 +352,16 @@ def _image_clients(algorithm, spec, **cfg):
     return sides
 
 
-def _finalized_both_ways(alone, stacked, glob, rounds=2):
+def _finalized_both_ways(alone, stacked, glob, rounds=2, extra=None):
     """Each side's fits (a global model of `glob`, another every round), alone and stacked,
-    then its finalize: (the replies alone, the stack's)."""
+    then its finalize (its task carrying `extra` models too): (the replies alone, the
+    stack's)."""
     for round_ in range(1, rounds + 1):
         models = [{"global": _global(glob, seed=11 * round_)}] * 3
         for a, m in zip(alone, models, strict=True):
             a.fit(round_, rounds, m)
         run_stacked(stacked, "fit", round_, rounds, models)
-    final = [{"global": _global(glob, seed=99)}] * 3
+    final = [{"global": _global(glob, seed=99)} | (extra or {})] * 3
     expected = [a.finalize(rounds, rounds, m) for a, m in zip(alone, final, strict=True)]
     return expected, run_stacked(stacked, "finalize", rounds, rounds, final)
 
@@ -460,6 +461,43 @@ def test_the_guards_mixed_students_of_a_stack_train_at_once_as_each_would_alone(
     assert at_once == [(3, [2, 2, 2])]
     assert all(e.details["deployed"] == "distilled (final, mlp)" for e in expected)
     _assert_each_as_alone(expected, got, alone, stacked)
+
+
+def test_the_guards_students_learn_on_the_finalizes_unlabeled_inputs_stacked_as_alone(monkeypatch):
+    # Prepare: the stack of the tests above, twice; one finalize carries 5 unlabeled inputs
+    image = (1, 12, 12)
+    spec = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=image)
+    glob = ArchSpec(family="lenet5", num_classes=CLASSES, input_shape=image)
+    cfg = {"guard_distill_epochs": 2, "guard_mix_weights": [0.5]}
+    u = torch.rand(5, *image, generator=torch.Generator().manual_seed(3))
+    at_once, students = [], cohort._students_at_once
+
+    def spied(group, *args):
+        made = students(group, *args)
+        at_once.append((len(group), None if made is None else [len(m) for m in made]))
+        return made
+
+    monkeypatch.setattr(cohort, "_students_at_once", spied)
+
+    alone, stacked = _image_clients("fml", spec, **cfg)
+
+    # Execute
+    extra = {UNLABELED: unlabeled_model(u, CLASSES)}
+    expected, got = _finalized_both_ways(alone, stacked, glob, extra=extra)
+    without, _ = _finalized_both_ways(*_image_clients("fml", spec, **cfg), glob)
+
+    # Assert: the members' students trained as one stack, each as it would alone; each learnt
+    # on the 5 inputs too: 5 more samples in each of its views of each epoch, for both students
+    assert at_once == [(3, [2, 2, 2]), (3, [2, 2, 2])]
+    views = alone[0].config.guard_distill_views
+    for e, w in zip(expected, without, strict=True):
+        assert e.details["guard_distill_unlabeled"] == 5
+        assert "guard_distill_unlabeled" not in w.details
+        extra = e.details["samples_processed"] - w.details["samples_processed"]
+        assert extra == 2 * cfg["guard_distill_epochs"] * views * 5
+    for e, g in zip(expected, got, strict=True):
+        _assert_close(g.details, e.details, "details")
+        _assert_close(g.metrics, e.metrics, "metrics")
 
 
 def _with_data(algo, **splits):

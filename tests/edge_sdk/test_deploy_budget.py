@@ -12,7 +12,7 @@ from tests_helpers import raises_exactly
 
 from edge_sdk.algorithms import ClientContext, algorithm_class
 from edge_sdk.algorithms.candidates import DISTILLED, PERSONAL
-from edge_sdk.algorithms.deployment import _served
+from edge_sdk.algorithms.deployment import UNLABELED, _served, unlabeled_model
 from edge_sdk.algorithms.fml import FML, FMLConfig
 from edge_sdk.algorithms.guard import _REASON_CHARS, Guard, Pick, _sentence
 from edge_sdk.budget import DeployBudget, arch_name, footprint
@@ -419,9 +419,9 @@ def test_the_finalize_hands_the_guard_students_of_its_last_round(monkeypatch):
     deployment, rounds = client.deployment, []
     distil = deployment.distil
 
-    def recorded(r, teacher, start):
+    def recorded(r, teacher, start, inputs=None):
         rounds.append(r)
-        return distil(r, teacher, start)
+        return distil(r, teacher, start, inputs)
 
     monkeypatch.setattr(deployment, "distil", recorded)
     out = _run(client, rounds=3)
@@ -999,3 +999,52 @@ def test_a_deployment_asks_for_a_first_student_only_where_its_guard_makes_studen
     if asks:  # a student of the default (the fine-tuned MLR here), from its own MLP
         teacher, start = request
         assert teacher is next(iter(final.values())) and start is final[PERSONAL]
+
+
+# -- the unlabeled inputs a finalize task may carry for the students -----------------------------
+def test_a_student_learns_on_the_training_split_then_the_unlabeled_inputs_the_teacher_labels():
+    # Prepare: 7 unlabeled inputs, and a teacher whose classes for them are computed here
+    client = _client(OWN)
+    u = torch.randn(7, FEATURES, generator=torch.Generator().manual_seed(4))
+    teacher = (MLR, build(MLR, seed=7))
+    with torch.no_grad():
+        labels = teacher[1](u).argmax(1)
+    d = client.ctx.data
+
+    # Execute
+    got = client.deployment.unlabeled({UNLABELED: unlabeled_model(u, CLASSES)})
+    x, y = client.deployment.distillation_set(teacher, got)
+
+    # Assert: the training split first, as it is, then the inputs with the teacher's classes
+    assert got is not None and torch.equal(got, u)
+    assert torch.equal(x, torch.cat([d.x_train, u])) and torch.equal(
+        y, torch.cat([d.y_train, labels])
+    )
+    assert len(set(labels.tolist())) > 1  # (labels the teacher tells apart: not a constant)
+    # ... and the training split alone without them
+    alone = client.deployment.distillation_set(teacher, None)
+    assert alone[0] is d.x_train and alone[1] is d.y_train
+
+
+@pytest.mark.parametrize(
+    ("carried", "logged"),
+    [
+        (
+            unlabeled_model(torch.zeros(3, FEATURES + 1), CLASSES),
+            "of shape (13,), this client's of (12,)",
+        ),
+        (WireModel(MLR, build(MLR).state_dict()), "is not a set of inputs"),
+    ],
+    ids=["other-shape", "a-model"],
+)
+def test_unlabeled_inputs_a_client_cannot_learn_on_are_logged_and_left_out(carried, logged, caplog):
+    # Prepare: a client whose finalize carries inputs of another shape, or a model by that name
+    client = _client(OWN)
+
+    # Execute
+    with caplog.at_level("WARNING"):
+        got = client.deployment.unlabeled({UNLABELED: carried})
+
+    # Assert: the students learn on the training split alone, and the log says why
+    assert got is None
+    assert logged in caplog.text and "c0" in caplog.text

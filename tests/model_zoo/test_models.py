@@ -10,6 +10,7 @@ from tests_helpers import spec_id as _ids
 from torch import nn
 
 from model_zoo.models import example_input
+from model_zoo.models.inputs import inputs_spec
 from model_zoo.spec import (
     ArchSpec,
     InvalidInputShape,
@@ -18,6 +19,7 @@ from model_zoo.spec import (
     build,
     families,
     input_dtype,
+    is_network,
     register,
 )
 
@@ -233,3 +235,30 @@ def test_input_dtype_and_example_input():
     assert x1.dtype == torch.float32 and x1.shape == (3, *IMAGE) and torch.equal(x1, x2)
     with pytest.raises(ValueError, match="batch"):
         example_input(image_spec, 0)
+
+
+def test_a_set_of_inputs_travels_as_a_model_but_is_no_architecture_a_client_runs():
+    # Prepare: 3 images as the spec of a set of inputs
+    x = torch.rand(3, 1, 8, 8)
+    spec = inputs_spec(x, num_classes=10)
+
+    # Execute
+    module = build(spec)
+
+    # Assert: one buffer of the inputs' shape, no parameters, no forward pass; not a family a
+    # client can pick (nor a network), unlike a mixture, which `composite` lists
+    assert spec == ArchSpec(
+        family="inputs", num_classes=10, input_shape=(1, 8, 8), kwargs={"count": 3}
+    )
+    assert {k: tuple(v.shape) for k, v in module.state_dict().items()} == {"inputs": (3, 1, 8, 8)}
+    assert _n_params(module) == 0
+    with pytest.raises(NotImplementedError):
+        module(x)
+    assert "inputs" not in families() and "inputs" not in families(composite=True)
+    assert "mixture" in families(composite=True)
+    assert not is_network(spec) and is_network(
+        ArchSpec(family="mlr", num_classes=2, input_shape=(3,))
+    )
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ModelZooError, match="at least one"):
+            build(spec.with_(kwargs={"count": bad}))
