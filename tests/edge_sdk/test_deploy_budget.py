@@ -1026,20 +1026,41 @@ def test_a_student_learns_on_the_training_split_then_the_unlabeled_inputs_the_te
     assert alone[0] is d.x_train and alone[1] is d.y_train
 
 
+_NOT_INPUTS = (
+    "c0: the finalize task's 'unlabeled' is not a set of inputs this client's students can "
+    "learn on ({}); they learn on its training split alone"
+)
+_TOKENS = unlabeled_model(torch.zeros(3, FEATURES), CLASSES)
+_IMPOSTOR = WireModel(MLR, {"inputs": torch.zeros(3, FEATURES)})  # a model's name and spec
+
+
 @pytest.mark.parametrize(
-    ("carried", "logged"),
+    ("carried", "tokens", "logged"),
     [
         (
             unlabeled_model(torch.zeros(3, FEATURES + 1), CLASSES),
-            "of shape (13,), this client's of (12,)",
+            False,
+            "c0: the finalize task's unlabeled inputs are of shape (13,), this client's of "
+            "(12,); its students learn on its training split alone",
         ),
-        (WireModel(MLR, build(MLR).state_dict()), "is not a set of inputs"),
+        (WireModel(MLR, build(MLR).state_dict()), False, _NOT_INPUTS.format(MLR)),
+        (_IMPOSTOR, False, _NOT_INPUTS.format(MLR)),
+        (_TOKENS, True, _NOT_INPUTS.format(_TOKENS.spec)),
     ],
-    ids=["other-shape", "a-model"],
+    ids=["other-shape", "a-model", "a-model-holding-inputs", "token-client"],
 )
-def test_unlabeled_inputs_a_client_cannot_learn_on_are_logged_and_left_out(carried, logged, caplog):
+def test_unlabeled_inputs_a_client_cannot_learn_on_are_logged_and_left_out(
+    carried, tokens, logged, caplog
+):
     # Prepare: a client whose finalize carries inputs of another shape, or a model by that name
-    client = _client(OWN)
+    # (one even holding a tensor named as the inputs are), or float inputs where its own are
+    # integer tokens
+    d = _data()
+    if tokens:
+        d = ClientData(
+            d.x_train.long(), d.y_train, d.x_val, d.y_val, d.x_test, d.y_test, num_classes=CLASSES
+        )
+    client = _client(OWN, data=d)
 
     # Execute
     with caplog.at_level("WARNING"):
@@ -1047,4 +1068,4 @@ def test_unlabeled_inputs_a_client_cannot_learn_on_are_logged_and_left_out(carri
 
     # Assert: the students learn on the training split alone, and the log says why
     assert got is None
-    assert logged in caplog.text and "c0" in caplog.text
+    assert [r.getMessage() for r in caplog.records] == [logged]
