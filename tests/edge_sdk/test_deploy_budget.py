@@ -1011,12 +1011,13 @@ def test_a_student_learns_on_the_training_split_then_the_unlabeled_inputs_the_te
         labels = teacher[1](u).argmax(1)
     d = client.ctx.data
 
-    # Execute
-    got = client.deployment.unlabeled({UNLABELED: unlabeled_model(u, CLASSES)})
+    # Execute: the inputs arrive in double precision, the client's are float32
+    got = client.deployment.unlabeled({UNLABELED: unlabeled_model(u.double(), CLASSES)})
     x, y = client.deployment.distillation_set(teacher, got)
 
-    # Assert: the training split first, as it is, then the inputs with the teacher's classes
-    assert got is not None and torch.equal(got, u)
+    # Assert: the inputs as the client's are (float32), the training split first, as it is,
+    # then the inputs with the teacher's classes
+    assert got is not None and got.dtype == torch.float32 and torch.equal(got, u)
     assert torch.equal(x, torch.cat([d.x_train, u])) and torch.equal(
         y, torch.cat([d.y_train, labels])
     )
