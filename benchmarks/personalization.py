@@ -250,6 +250,7 @@ _KEEP = (
     "guard_unguarded_acc",
     "guard_mix_weight",
     "guard_distill_unlabeled",
+    "guard_distill_unlabeled_kept",
     "distill_lambda",
     "distill_T",
     "student_init",

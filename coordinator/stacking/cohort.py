@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import torch
 from torch import nn
 
 from coordinator.stacking.kept import KeptStacks
@@ -261,12 +262,18 @@ def _student_rows(
     out: list[list[Candidate]] = [[] for _ in members]
     asked: dict[Any, list[int]] = {}
     requests: list[tuple[Candidate, Candidate | None] | None] = []
-    for k, (a, (final, _)) in enumerate(zip(members, finals, strict=True)):
+    sets: list[list[torch.Tensor | None]] = []
+    for k, (a, (final, _), m) in enumerate(zip(members, finals, models, strict=True)):
         request = a.deployment.first_student(rounds, final)
         requests.append(request)
+        sets.append(a.deployment.learns_on(a.deployment.unlabeled(m)) if request else [])
         if request is not None:
             (spec, _), start = request
-            kind = (spec.model_dump_json(), None if start is None else start[0].model_dump_json())
+            kind = (
+                spec.model_dump_json(),
+                None if start is None else start[0].model_dump_json(),
+                tuple(u is None for u in sets[k]),  # one student each, or two to choose from
+            )
             asked.setdefault(kind, []).append(k)
     for ks in asked.values():
         if len(ks) < 2:
@@ -275,7 +282,7 @@ def _student_rows(
         positions = _positions(group)
         try:
             made = _students_at_once(
-                group, rounds, [requests[k] for k in ks], [models[k] for k in ks], masked
+                group, rounds, [requests[k] for k in ks], [sets[k] for k in ks], masked
             )
         except CohortUnsupported as exc:
             made = None
@@ -292,12 +299,15 @@ def _students_at_once(
     group: Sequence[ClientAlgorithm],
     rounds: int,
     requests: Sequence[tuple[Candidate, Candidate | None] | None],
-    models: Sequence[Mapping[str, WireModel]],
+    learns_on: Sequence[Sequence[torch.Tensor | None]],
     masked: bool | None,
 ) -> list[list[Candidate]] | None:
     """The students `requests` (teacher, start) ask for, of every member of `group` at once,
     in the order its guard makes them: from the start (where there is one, and the guard has
-    validation data to choose between two), then afresh; None where one diverged."""
+    validation data to choose between two), then afresh; None where one diverged. Each is
+    trained once per entry of the member's `learns_on` (`Deployment.learns_on`: as many for
+    every member), each time from the same random state, and of two its `Deployment.either`
+    keeps one, as alone."""
     first = group[0]
     cls = type(first)
     stacked = cls.__new__(cls)
@@ -306,11 +316,13 @@ def _students_at_once(
     )
     asked = [cast(tuple[Candidate, Candidate | None], r) for r in requests]
     # each member's images and labels, as alone (its teacher labels the inputs its task carries)
-    sets = [
-        a.deployment.distillation_set(t, a.deployment.unlabeled(m))
-        for a, (t, _), m in zip(group, asked, models, strict=True)
-    ]
-    inputs = (Packed([x for x, _ in sets]), Packed([y for _, y in sets]))
+    inputs = []
+    for j in range(len(learns_on[0])):
+        sets = [
+            a.deployment.distillation_set(t, u[j])
+            for a, (t, _), u in zip(group, asked, learns_on, strict=True)
+        ]
+        inputs.append((Packed([x for x, _ in sets]), Packed([y for _, y in sets])))
     teacher = _stacked_candidate([t for t, _ in asked])
     begins = [s for _, s in asked]
     starts: list[Candidate | None] = [None]
@@ -319,12 +331,23 @@ def _students_at_once(
         starts = [begin, None] if first.deployment.guard.active else [begin]
     made: list[list[Candidate]] = [[] for _ in group]
     for start in starts:
-        student = stacked.deployment.distil(rounds, teacher, start, cast(Any, inputs))
-        if student is None:
-            return None
-        spec, model = student
+        states = [a.ctx.trainer.rng_state() for a in group]
+        students: list[list[Candidate]] = [[] for _ in group]
+        for j, xy in enumerate(inputs):
+            if j:  # every student of this start from the same random state
+                for a, state in zip(group, states, strict=True):
+                    a.ctx.trainer.set_rng_state(state)
+            student = stacked.deployment.distil(rounds, teacher, start, cast(Any, xy))
+            if student is None:
+                return None
+            spec, model = student
+            for k, a in enumerate(group):
+                built = a.ctx.materialize(WireModel(spec, unstack_module(model, k)))
+                students[k].append((spec, built))
         for k, a in enumerate(group):
-            made[k].append((spec, a.ctx.materialize(WireModel(spec, unstack_module(model, k)))))
+            chosen = students[k][0] if len(students[k]) == 1 else a.deployment.either(*students[k])
+            assert chosen is not None  # (neither diverged)
+            made[k].append(chosen)
     return made
 
 

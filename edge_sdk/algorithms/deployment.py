@@ -69,6 +69,7 @@ class Deployment:
         settings = config if isinstance(config, GuardConfig) else GuardConfig()
         self.guard = Guard(ctx.trainer, ctx.data, settings.guard_z, ctx.budget, ctx.spec)
         self._built: tuple[Any, nn.Module] | None = None  # the guard's pick, built once
+        self.unlabeled_kept = 0  # the students that kept the unlabeled inputs (`either`)
 
     @property
     def guarded(self) -> bool:
@@ -116,6 +117,9 @@ class Deployment:
         if self.guard.deployed is not None:
             result.metrics |= algo._scores("personal", self.model()[1])
         result.details |= self.details()
+        if "guard_distill_unlabeled" in result.details:
+            result.details["guard_distill_unlabeled_kept"] = self.unlabeled_kept
+        self.unlabeled_kept = 0
         result.details["samples_processed"] = algo.ctx.trainer.samples
         return result
 
@@ -219,16 +223,60 @@ class Deployment:
 
     def _distiller(self, rounds: int, unlabeled: torch.Tensor | None = None) -> Distil | None:
         """What the guard distils a model outside the device's budget with (`distil`, at the
-        last round's rate, on the training split and the `unlabeled` inputs its finalize task
-        carried: `distillation_set`); None where the config makes no student."""
+        last round's rate); None where the config makes no student. It learns on the training
+        split, and on the `unlabeled` inputs its finalize task carried as `learns_on` says:
+        where the guard chooses on validation, two students from the same random state, one
+        without the inputs and one with them (`distillation_set`), and `either` keeps one."""
         cfg = self.algorithm.config
         if not isinstance(cfg, GuardConfig) or cfg.guard_distill_epochs == 0:
             return None
         if self.algorithm.finetune_optim() is None:
             return None
-        return lambda teacher, start: self.distil(
-            rounds, teacher, start, self.distillation_set(teacher, unlabeled)
-        )
+
+        def on(inputs: torch.Tensor | None) -> Distil:
+            return lambda teacher, start: self.distil(
+                rounds, teacher, start, self.distillation_set(teacher, inputs)
+            )
+
+        sets = self.learns_on(unlabeled)
+        if len(sets) == 1:
+            return on(sets[0])
+        alone, taught = on(None), on(unlabeled)
+        trainer = self.algorithm.ctx.trainer
+
+        def either(teacher: Candidate, start: Candidate | None) -> Candidate | None:
+            state = trainer.rng_state()
+            first = alone(teacher, start)
+            trainer.set_rng_state(state)
+            return self.either(first, taught(teacher, start))
+
+        return either
+
+    def learns_on(self, unlabeled: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """What the guard's students learn on besides the training split, one student each:
+        nothing (None); the `unlabeled` inputs of the finalize task where the guard has no
+        validation to choose by (it is off, or the client holds no validation data); with
+        validation, a student without them and one with them, of which `either` keeps one."""
+        if unlabeled is None:
+            return [None]
+        if not (self.guarded and self.guard.active):
+            return [unlabeled]
+        return [None, unlabeled]
+
+    def either(self, alone: Candidate | None, taught: Candidate | None) -> Candidate | None:
+        """Of two students from the same random state, one learnt on the training split `alone`
+        and one `taught` on the finalize task's unlabeled inputs too: the latter only where it
+        does better on validation (`Guard.better`). Labelled by a teacher that is still weak,
+        the inputs teach its mistakes (at the quick size of benchmarks/personalization.py, 7 of
+        10 splits lost with them on every device); they must earn their place on each device.
+        Where one student diverged (None), the other."""
+        if alone is None or taught is None:
+            chosen = alone if taught is None else taught
+        else:
+            chosen = taught if self.guard.better(taught, alone) else alone
+        if chosen is not None and chosen is taught:
+            self.unlabeled_kept += 1
+        return chosen
 
     def unlabeled(self, models: Mapping[str, WireModel]) -> torch.Tensor | None:
         """The inputs a finalize task carries for the students (`UNLABELED`), on this client's

@@ -149,6 +149,11 @@ class Guard:
         loss = float(F.cross_entropy(z, y))
         return Pick(name, round_, final, hits, loss, source=cand, refusal=self._refusal(cand))
 
+    def better(self, a: Candidate, b: Candidate) -> bool:
+        """Whether `a` does better than `b` on validation: more samples right, on a tie a lower
+        loss (`Pick.beats`, as between the two students `_student` makes)."""
+        return self._score(DISTILLED, a, 0, True).beats(self._score(DISTILLED, b, 0, True))
+
     def observe(
         self,
         round_: int,

@@ -110,3 +110,5 @@ def test_over_mosquitto_gives_the_in_memory_simulators_results(algorithm, overri
     assert all(c["personal_acc"] > 3 * CHANCE for c in over_mqtt[0])
     if algorithm == "fedme":  # every finalize carried all 100 unlabeled inputs over the broker
         assert {c["guard_distill_unlabeled"] for c in over_mqtt[0]} == {100}
+        # ... and each says how many of its students kept them (of at most two)
+        assert all(c["guard_distill_unlabeled_kept"] in (0, 1, 2) for c in over_mqtt[0])

@@ -485,15 +485,17 @@ def test_the_guards_students_learn_on_the_finalizes_unlabeled_inputs_stacked_as_
     expected, got = _finalized_both_ways(alone, stacked, glob, extra=carried)
     without, _ = _finalized_both_ways(*_image_clients("fml", spec, **cfg), glob)
 
-    # Assert: the members' students trained as one stack, each as it would alone; each learnt
-    # on the 5 inputs too: 5 more samples in each of its views of each epoch, for both students
+    # Assert: the members' students trained as one stack, each as it would alone, and kept as
+    # alone. Each student was made twice, from one random state: on the training split, and on
+    # it and the 5 inputs (5 more samples in each of its views of each epoch)
     assert at_once == [(3, [2, 2, 2]), (3, [2, 2, 2])]
-    views = alone[0].config.guard_distill_views
-    for e, w in zip(expected, without, strict=True):
+    epochs, views = cfg["guard_distill_epochs"], alone[0].config.guard_distill_views
+    for a, e, w in zip(alone, expected, without, strict=True):
         assert e.details["guard_distill_unlabeled"] == 5
+        assert e.details["guard_distill_unlabeled_kept"] in (0, 1, 2)
         assert "guard_distill_unlabeled" not in w.details
         more = e.details["samples_processed"] - w.details["samples_processed"]
-        assert more == 2 * cfg["guard_distill_epochs"] * views * 5
+        assert more == 2 * epochs * views * (len(a.ctx.data.x_train) + 5)
     _assert_each_as_alone(expected, got, alone, stacked)
 
 

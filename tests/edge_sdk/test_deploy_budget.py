@@ -8,6 +8,7 @@ scores and sizes computed here.
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tests_helpers import raises_exactly
 
 from edge_sdk.algorithms import ClientContext, algorithm_class
@@ -1070,3 +1071,133 @@ def test_unlabeled_inputs_a_client_cannot_learn_on_are_logged_and_left_out(
     # Assert: the students learn on the training split alone, and the log says why
     assert got is None
     assert [r.getMessage() for r in caplog.records] == [logged]
+
+
+def _right(model, data):
+    """How many of `data`'s validation samples `model` gets right, and its mean validation
+    loss, computed here."""
+    model.eval()
+    with torch.no_grad():
+        z = model(data.x_val)
+    return int((z.argmax(1) == data.y_val).sum()), float(F.cross_entropy(z, data.y_val))
+
+
+def _sharper(model):
+    """`model` with its logits tripled: the same classes, another loss."""
+    out = _copy_of(model)
+    with torch.no_grad():
+        out.layers[-1].weight.mul_(3)
+        out.layers[-1].bias.mul_(3)
+    return out
+
+
+def test_of_two_students_the_one_taught_on_the_inputs_is_kept_only_where_it_does_better():
+    # Prepare: the stuck MLP gets 8 of 32 validation samples right, the knowing one 32, and its
+    # sharper copy 32 at a lower loss
+    client = _client(OWN)
+    d, dep = client.ctx.data, client.deployment
+    stuck, knowing = (MLP, _stuck_mlp()), (MLP, _knowing_mlp())
+    sharp, twin = (MLP, _sharper(knowing[1])), (MLP, _copy_of(knowing[1]))
+    assert [_right(m, d)[0] for _, m in (stuck, knowing, sharp)] == [8, 32, 32]
+    assert _right(sharp[1], d)[1] < _right(knowing[1], d)[1]
+
+    # Execute and assert: the taught student wins with more right, or as many at a lower loss;
+    # the same model keeps the one without the inputs; where one diverged (None), the other.
+    # Every win for the inputs is counted.
+    assert dep.either(stuck, knowing) is knowing and dep.unlabeled_kept == 1
+    assert dep.either(knowing, stuck) is knowing and dep.unlabeled_kept == 1
+    assert dep.either(knowing, sharp) is sharp and dep.unlabeled_kept == 2
+    assert dep.either(sharp, knowing) is sharp and dep.unlabeled_kept == 2
+    assert dep.either(knowing, twin) is knowing and dep.unlabeled_kept == 2
+    assert dep.either(None, stuck) is stuck and dep.unlabeled_kept == 3
+    assert dep.either(stuck, None) is stuck and dep.unlabeled_kept == 3
+    assert dep.either(None, None) is None and dep.unlabeled_kept == 3
+
+
+@pytest.mark.parametrize(
+    ("cfg", "validation", "sets"),
+    [
+        ({}, True, [None, "u"]),  # the guard chooses: a student without the inputs, one with
+        ({"guard": False}, True, ["u"]),  # nothing chooses: the students learn on them
+        ({}, False, ["u"]),  # no validation data to choose by
+    ],
+    ids=["guard", "guard-off", "no-validation"],
+)
+def test_the_students_learn_on_the_inputs_as_the_guard_can_choose(cfg, validation, sets):
+    d = _data()
+    if not validation:
+        d = ClientData(d.x_train, d.y_train, d.x_val[:0], d.y_val[:0], d.x_test, d.y_test, CLASSES)
+    client = _client(OWN, data=d, **cfg)  # (kept: its deployment holds it weakly)
+    dep = client.deployment
+    u = torch.randn(3, FEATURES)
+    assert dep.learns_on(None) == [None]
+    assert [None if s is None else "u" for s in dep.learns_on(u)] == sets
+    assert all(s is None or s is u for s in dep.learns_on(u))
+
+
+def _inputs(kind, d):
+    """A client's data and inputs for its students: the training split cut to 4 images and the
+    test split's inputs, which the teacher labels right ("helps"); or the whole training split
+    and 40 inputs near its images, half of them scaled far from every class centre, where the
+    teacher's classes are arbitrary ("misleads")."""
+    if kind == "helps":
+        few = ClientData(
+            d.x_train[:4], d.y_train[:4], d.x_val, d.y_val, d.x_test, d.y_test, CLASSES
+        )
+        return few, d.x_test
+    g = torch.Generator().manual_seed(6)
+    u = torch.cat([d.x_train[:20] + 0.1 * torch.randn(20, FEATURES, generator=g)] * 2)
+    u[20:] *= 6
+    return d, u
+
+
+@pytest.mark.parametrize("kind", ["helps", "misleads"])
+def test_with_inputs_to_choose_from_both_students_start_from_one_random_state(kind):
+    # Prepare: the stuck client after its rounds, its teacher the trained MLR
+    data, u = _inputs(kind, _data())
+    client = _client(OWN, data=data)
+    for r in (1, 2):
+        client.fit(r, 2, _trained_global())
+    dep, trainer, d = client.deployment, client.ctx.trainer, client.ctx.data
+    teacher = (MLR, _trained_global()["global"].build())
+    state, samples = trainer.rng_state(), trainer.samples
+
+    # Each student made here by hand, from that state
+    alone = dep.distil(2, teacher, None, dep.distillation_set(teacher, None))
+    trainer.set_rng_state(state)
+    taught = dep.distil(2, teacher, None, dep.distillation_set(teacher, u))
+    after, cost = trainer.rng_state(), trainer.samples - samples
+    trainer.set_rng_state(state)
+    trainer.samples = samples
+
+    # Execute
+    chosen = dep._distiller(2, u)(teacher, None)
+
+    # Assert: the one of the two that does better on validation (more right, or a lower loss),
+    # both trained and counted, the random stream where the taught one left it
+    (a, loss_a), (t, loss_t) = _right(alone[1], d), _right(taught[1], d)
+    keep = taught if t > a or (t == a and loss_t < loss_a) else alone
+    assert (keep is taught) == (kind == "helps") and t != a  # (each case as it says)
+    for a, b in zip(chosen[1].state_dict().values(), keep[1].state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert dep.unlabeled_kept == (keep is taught)
+    epochs = client.config.guard_distill_epochs
+    assert trainer.samples - samples == cost == epochs * (2 * len(d.x_train) + len(u))
+    assert torch.equal(trainer.rng_state(), after)
+
+
+def test_a_finalize_done_again_counts_its_own_students_that_kept_the_inputs():
+    # Prepare: the client with 4 training images, whose students do better with the test
+    # split's inputs (the "helps" case above), after its rounds
+    data, u = _inputs("helps", _data())
+    client = _client(OWN, data=data)
+    for r in (1, 2):
+        client.fit(r, 2, _trained_global())
+    models = _trained_global() | {UNLABELED: unlabeled_model(u, CLASSES)}
+
+    # Execute: the finalize twice (a task sent again)
+    first, again = (client.finalize(2, 2, models).details for _ in range(2))
+
+    # Assert: each reply counts its own students, not the first's too
+    assert first["guard_distill_unlabeled"] == again["guard_distill_unlabeled"] == len(u)
+    assert first["guard_distill_unlabeled_kept"] == again["guard_distill_unlabeled_kept"] >= 1
