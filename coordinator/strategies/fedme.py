@@ -15,7 +15,8 @@ before the first) and an unlabeled set U. Each round:
    it adopted it), in its next task, evaluation and finalize tasks.
 
 The finalize task also carries up to `guard_distill_unlabeled` inputs of U (one seeded draw,
-the same for every client), for the students of the device's guard to learn the teacher on.
+the same for every client), for the students of the device's guard to learn the teacher on
+(each keeps them where it does better with them on the device's validation split).
 
 This ships personalized models to other clients through the coordinator: a privacy cost the other
 algorithms do not have.

@@ -113,10 +113,12 @@ class FedMeConfig(AlgorithmConfig, PatientGuardConfig):
     # coordinator's unlabeled inputs, one seeded draw of them, labelled by the teacher, beside
     # the device's training split, for `guard_distill_epochs` epochs of both. The finalize task
     # carries them to every device: the coordinator's inputs leave it (200 Fashion-MNIST images
-    # are 0.6 MB). 0: the training split alone, the default. 200 gained at the long size on
-    # every split (0.8-1.6 points, every seed up; lg-fmnist reaches local + 5) and lost at the
-    # quick size (7 of the 10 splits down, 0.3 on average), so it is not the default:
-    # docs/algorithms.md, "Defaults measured at two sizes".
+    # are 0.6 MB). Where the guard chooses on validation, each student is made twice, without
+    # them and with them, and keeps them only where it does better there (`Deployment.either`).
+    # 0: the training split alone, the default. 200 gained at the long size (1.1 points, 25 of
+    # 26 runs up; lg-fmnist reaches local + 5) and was level at the quick size (+0.13 points,
+    # 17 runs up and 13 down), so it is not the default: docs/algorithms.md, "Defaults measured
+    # at two sizes".
     guard_distill_unlabeled: int = Field(0, ge=0)
 
     @model_validator(mode="after")
