@@ -1201,3 +1201,26 @@ def test_a_finalize_done_again_counts_its_own_students_that_kept_the_inputs():
     # Assert: each reply counts its own students, not the first's too
     assert first["guard_distill_unlabeled"] == again["guard_distill_unlabeled"] == len(u)
     assert first["guard_distill_unlabeled_kept"] == again["guard_distill_unlabeled_kept"] >= 1
+
+
+def test_with_the_guard_off_the_student_learns_on_the_inputs_with_no_choice():
+    # Prepare: the guard off, its final model the meme outside the budget, twice: its finalize
+    # with 20 unlabeled inputs and without
+    u = _data(seed=3).x_test[:20]
+    sides = [_client(OWN, kind=_MemeOnly, guard=False) for _ in range(2)]
+    for client in sides:
+        for r in (1, 2):
+            client.fit(r, 2, _trained_global())
+
+    # Execute
+    carried = _trained_global() | {UNLABELED: unlabeled_model(u, CLASSES)}
+    taught, alone = (
+        c.finalize(2, 2, m).details
+        for c, m in zip(sides, [carried, _trained_global()], strict=True)
+    )
+
+    # Assert: one student, on the training split and the inputs: their epochs' passes alone more
+    epochs = sides[0].config.guard_distill_epochs
+    assert taught["deployed"] == alone["deployed"] == f"{DISTILLED} (final, mlp)"
+    assert taught["guard_distill_unlabeled"] == 20 and taught["guard_distill_unlabeled_kept"] == 0
+    assert taught["samples_processed"] - alone["samples_processed"] == epochs * len(u)
