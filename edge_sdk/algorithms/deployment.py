@@ -267,9 +267,9 @@ class Deployment:
         """Of two students from the same random state, one learnt on the training split `alone`
         and one `taught` on the finalize task's unlabeled inputs too: the latter only where it
         does better on validation (`Guard.better`). Labelled by a teacher that is still weak,
-        the inputs teach its mistakes (at the quick size of benchmarks/personalization.py, 7 of
-        10 splits lost with them on every device); they must earn their place on each device.
-        Where one student diverged (None), the other."""
+        the inputs teach its mistakes (at the quick size of benchmarks/personalization.py,
+        students that always learnt on them lost on 7 of the 10 splits); they must earn their
+        place on each device. Where one student diverged (None), the other."""
         if alone is None or taught is None:
             chosen = alone if taught is None else taught
         else:
