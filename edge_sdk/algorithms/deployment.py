@@ -101,8 +101,8 @@ class Deployment:
         algo = self.algorithm
         unlabeled = self.unlabeled(models)
         distil = self._distiller(rounds, unlabeled)
-        if distil is not None and unlabeled is not None:
-            result.details["guard_distill_unlabeled"] = len(unlabeled)
+        # (how many inputs its students learn on: None where they learn on none)
+        carried = len(unlabeled) if distil is not None and unlabeled is not None else None
         if self.guarded:
             candidates, w = final if final is not None else self.final_candidates(rounds, models)
             if w is not None:
@@ -117,7 +117,8 @@ class Deployment:
         if self.guard.deployed is not None:
             result.metrics |= algo._scores("personal", self.model()[1])
         result.details |= self.details()
-        if "guard_distill_unlabeled" in result.details:
+        if carried is not None:
+            result.details["guard_distill_unlabeled"] = carried
             result.details["guard_distill_unlabeled_kept"] = self.unlabeled_kept
         self.unlabeled_kept = 0
         result.details["samples_processed"] = algo.ctx.trainer.samples
