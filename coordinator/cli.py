@@ -36,6 +36,8 @@ from coordinator.cli_settings import (
 from coordinator.cli_summary import print_summary, round_rules
 
 if TYPE_CHECKING:  # the CLI imports the library lazily: `edgefl --help` stays fast
+    from collections.abc import Callable
+
     from coordinator.results_model import Results
 
 __all__ = ["app", "command_paths", "main", "tune_malloc"]
@@ -211,18 +213,45 @@ def simulate(
         results = guard(lambda: distributed.run_rank(cfg, progress=not opts.quiet))
         if results is None:  # rank 0 reports
             return
-    elif workers > 1:
-        results = guard(
-            lambda: distributed.launch(
-                cfg, workers, level=opts.level, fmt=opts.log_format, progress=not opts.quiet
-            )
-        )
     else:
-        results = guard(lambda: run_simulation(cfg, progress=not opts.quiet))
+        results = _until_interrupted(
+            cfg,
+            lambda: (
+                distributed.launch(
+                    cfg, workers, level=opts.level, fmt=opts.log_format, progress=not opts.quiet
+                )
+                if workers > 1
+                else run_simulation(cfg, progress=not opts.quiet)
+            ),
+        )
     print_summary(results, cfg.out)
     if onnx_int8:
         _export_after_run(Path(cfg.out) / "state", cfg, onnx_int8, out=Path(cfg.out) / "onnx")
     _close(results)
+
+
+def _until_interrupted(cfg: Any, call: Callable[[], Results]) -> Results:
+    """`call`'s results; SIGTERM (a scheduler's stop) or Ctrl-C stop it as one: what it holds is
+    released on the way out, one line says whether its checkpoint resumes it, and the exit
+    status is 130."""
+    from coordinator.demo_deploy import interruptible
+
+    try:
+        with interruptible():
+            return guard(call)
+    except KeyboardInterrupt:
+        if cfg.checkpoint:
+            line = (
+                f"interrupted: {Path(cfg.out) / 'checkpoint'} holds every round that finished; "
+                "the same command resumes from there"
+            )
+        else:
+            line = (
+                "interrupted: nothing of this run was kept (with --set checkpoint=true a "
+                "simulation stopped resumes where it stopped)"
+            )
+        typer.echo(line, err=True)
+        raise typer.Exit(code=130) from None
 
 
 def _close(results: Results) -> None:

@@ -261,6 +261,7 @@ def launch(
 ) -> Results:
     """Run `cfg` on `workers` local ranks started by torch's elastic launcher; rank 0's results.
     A rank that fails stops the run: RankFailed names it."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -282,6 +283,8 @@ def launch(
         results = elastic_launch(config, _entry)(settings, level, fmt, progress)
     except ChildFailedError as exc:
         raise RankFailed(_failure(exc)) from None
+    except SignalException:  # SIGTERM or SIGINT here: the launcher has stopped every rank
+        raise KeyboardInterrupt from None
     return results[0]
 
 

@@ -109,12 +109,13 @@ class _Stopped(RuntimeError):
     pass
 
 
-@pytest.mark.parametrize("idle", ["memory", "disk"])
+@pytest.mark.parametrize(("idle", "stop"), [("memory", "crash"), ("disk", "SIGTERM")])
 def test_a_checkpointed_simulation_stopped_mid_run_resumes_and_ends_the_same(
-    live, idle, monkeypatch, tmp_path
+    live, idle, stop, monkeypatch, tmp_path
 ):
-    # Prepare: the first start stops (as a killed process would) after the main run's round-1
-    # checkpoint, so FedMe resumes at round 2 and every baseline runs in the second start.
+    # Prepare: the first start stops after the main run's round-1 checkpoint, so FedMe resumes
+    # at round 2 and every baseline runs in the second start. It stops as a process that
+    # crashed would, or on SIGTERM (a scheduler's stop), which says how to resume.
     out = tmp_path / "out"
     extra = ("--set", "checkpoint=true", "--set", f"idle_state={idle}")
     save = Coordinator._save_checkpoint
@@ -122,11 +123,20 @@ def test_a_checkpointed_simulation_stopped_mid_run_resumes_and_ends_the_same(
     def stop_after_round_1(self):
         save(self)
         if self.algorithm == "fedme" and len(self.records) == 1:
-            raise _Stopped("stopped")
+            if stop == "crash":
+                raise _Stopped("stopped")
+            # (SIGTERM's default action would end this test's process)
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+            os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(Coordinator, "_save_checkpoint", stop_after_round_1)
     first = CliRunner().invoke(app, ["simulate", *ARGS, *extra, "--out", str(out)])
-    assert isinstance(first.exception, _Stopped), first.output
+    if stop == "crash":
+        assert isinstance(first.exception, _Stopped), first.output
+    else:
+        assert first.exit_code == 130, first.output
+        said = f"interrupted: {out / 'checkpoint'} holds every round that finished; the same"
+        assert said in first.stderr
     assert not (out / "results.json").exists()
     monkeypatch.setattr(Coordinator, "_save_checkpoint", save)
 

@@ -213,7 +213,8 @@ def test_more_workers_than_clients_and_the_network_fleet_are_refused_before_any_
     assert "over several ranks runs the local fleet: drop --fleet network" in res.output
 
 
-def test_a_rank_that_dies_stops_the_run_and_is_named(tmp_path):
+@pytest.mark.parametrize("stop", ["rank 1 dies", "SIGTERM"])
+def test_a_rank_that_dies_or_a_sigterm_stops_the_run_and_says_so(stop, tmp_path):
     # Prepare: a long run over two ranks, each naming its pid as it starts
     args = ["--dataset", "digits", "--set", "data.options.size=8", "--max-samples", "400"]
     args += ["--clients", "4", "--rounds", "500", "--algorithm", "fedavg", "--models", "mlr"]
@@ -233,15 +234,26 @@ def test_a_rank_that_dies_stops_the_run_and_is_named(tmp_path):
         if found:
             break
     assert found, "".join(seen)
+    rank_1 = int(found.group(1))
 
-    # Execute: rank 1 dies
-    os.kill(int(found.group(1)), signal.SIGKILL)
+    # Execute: rank 1 dies, or the launcher is told to stop (as a scheduler does)
+    if stop == "SIGTERM":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.kill(rank_1, signal.SIGKILL)
     rest = proc.communicate(timeout=60)[0]
 
-    # Assert: the run stopped (well before its 500 rounds), naming the rank and how it died
-    assert proc.returncode == 2
-    assert "error: rank 1 stopped (killed by signal SIGKILL)" in rest, rest
+    # Assert: the run stopped (well before its 500 rounds), saying why; no rank is left
+    if stop == "SIGTERM":
+        assert proc.returncode == 130
+        assert "interrupted: nothing of this run was kept (with --set checkpoint=true" in rest
+        assert "Traceback" not in rest, rest
+    else:
+        assert proc.returncode == 2
+        assert "error: rank 1 stopped (killed by signal SIGKILL)" in rest, rest
     assert not (tmp_path / "results.json").exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(rank_1, 0)
 
 
 # -- shards and what crosses ranks (in this process) ----------------------------------------------
