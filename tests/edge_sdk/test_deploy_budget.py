@@ -1160,18 +1160,19 @@ def test_with_inputs_to_choose_from_both_students_start_from_one_random_state(ki
         client.fit(r, 2, _trained_global())
     dep, trainer, d = client.deployment, client.ctx.trainer, client.ctx.data
     teacher = (MLR, _trained_global()["global"].build())
+    start = (MLP, client.personal)  # both students start from the device's model
     state, samples = trainer.rng_state(), trainer.samples
 
     # Each student made here by hand, from that state
-    alone = dep.distil(2, teacher, None, dep.distillation_set(teacher, None))
+    alone = dep.distil(2, teacher, start, dep.distillation_set(teacher, None))
     trainer.set_rng_state(state)
-    taught = dep.distil(2, teacher, None, dep.distillation_set(teacher, u))
+    taught = dep.distil(2, teacher, start, dep.distillation_set(teacher, u))
     after, cost = trainer.rng_state(), trainer.samples - samples
     trainer.set_rng_state(state)
     trainer.samples = samples
 
     # Execute
-    chosen = dep._distiller(2, u)(teacher, None)
+    chosen = dep._distiller(2, u)(teacher, start)
 
     # Assert: the one of the two that does better on validation (more right, or a lower loss),
     # both trained and counted, the random stream where the taught one left it
