@@ -38,16 +38,30 @@ PROCESS_MODULES = {
 }
 
 
+# Modules whose tests share a costly module-scoped fixture (a RabbitMQ node, a reference
+# federation): each is one unit of work, so that one worker makes the fixture once. Split across
+# the two workers, each made it (seen: two RabbitMQ nodes, 11 s each). (test_docs' build is left
+# split: its module comes last, where the two workers would otherwise wait on one.)
+SHARED_FIXTURE_MODULES = {
+    "test_export_cli.py",
+    "test_population.py",
+    "test_rabbitmq.py",
+}
+
+
 @pytest.hookimpl(optionalhook=True)  # (a GPU machine may have no xdist)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """One unit of work for all of PROCESS_MODULES, one per test for the rest. (xdist's own
-    `--dist loadgroup` marks do not take under pytest 9: it renames node ids pytest no longer
-    reads.)"""
+    """One unit of work for all of PROCESS_MODULES, one for each of SHARED_FIXTURE_MODULES, one
+    per test for the rest. (xdist's own `--dist loadgroup` marks do not take under pytest 9: it
+    renames node ids pytest no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class ProcessesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "processes" if Path(nodeid.split("::")[0]).name in PROCESS_MODULES else nodeid
+            module = nodeid.split("::")[0]
+            if Path(module).name in PROCESS_MODULES:
+                return "processes"
+            return module if Path(module).name in SHARED_FIXTURE_MODULES else nodeid
 
     return ProcessesTogether(config, log)
 
