@@ -260,7 +260,8 @@ def launch(
     progress: bool = True,
 ) -> Results:
     """Run `cfg` on `workers` local ranks started by torch's elastic launcher; rank 0's results.
-    A rank that fails stops the run: RankFailed names it."""
+    A rank that fails stops the run: RankFailed names it. SIGTERM or SIGINT to this process
+    stops every rank, then raises KeyboardInterrupt."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
