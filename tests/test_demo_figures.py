@@ -3,19 +3,14 @@ results.json."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from tests_helpers import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location(
-    "check_demo_figures", ROOT / "tools" / "check_demo_figures.py"
-)
-assert _spec is not None and _spec.loader is not None
-checker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(checker)
+checker = load_tool("check_demo_figures")
 
 # Two clients: (id, arch, personalized, local, FedAvg, FedAvg+FT, deployed arch, ONNX bytes)
 CLIENTS = [

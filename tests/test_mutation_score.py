@@ -3,16 +3,9 @@ every mutant or for those some name patterns match (`make mutation MUTANTS=...`)
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from tests_helpers import load_tool
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location(
-    "mutation_score", ROOT / "tools" / "mutation_score.py"
-)
-assert _spec is not None and _spec.loader is not None
-scorer = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(scorer)
+scorer = load_tool("mutation_score")
 
 # A run of mutmut over two modules: the guard's mutants all killed or listed, the other
 # module's with a survivor nobody listed and a listed one that is now killed

@@ -235,9 +235,18 @@ def simulated_federico() -> Any:
 
 def load_benchmark(name: str, as_module: str) -> Any:
     """benchmarks/NAME.py imported as module `as_module` (benchmarks/ is not a package)."""
+    return _load_script("benchmarks", name, as_module)
+
+
+def load_tool(name: str) -> Any:
+    """tools/NAME.py imported as module NAME (tools/ is not a package)."""
+    return _load_script("tools", name, name)
+
+
+def _load_script(folder: str, name: str, as_module: str) -> Any:
     import importlib.util
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    script = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(as_module, script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
