@@ -235,14 +235,16 @@ def _until_interrupted(cfg: Any, call: Callable[[], Results]) -> Results:
     released on the way out, one line says whether its checkpoint resumes it, and the exit
     status is 130."""
     from coordinator.demo_deploy import interruptible
+    from coordinator.simulator import checkpoint_dir
 
     try:
         with interruptible():
             return guard(call)
     except KeyboardInterrupt:
-        if cfg.checkpoint:
+        kept = checkpoint_dir(cfg)  # (the run's start checked that it has an OUT)
+        if kept is not None:
             line = (
-                f"interrupted: {Path(cfg.out) / 'checkpoint'} holds every round that finished; "
+                f"interrupted: {kept} holds every round that finished; "
                 "the same command resumes from there"
             )
         else:
