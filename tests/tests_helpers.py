@@ -18,7 +18,7 @@ from coordinator.config import load_config
 from coordinator.federation import build_coordinator, build_node, prepare_federation
 from coordinator.fleet import NetworkFleet
 from edge_sdk import topics
-from edge_sdk.algorithms import algorithm_class
+from edge_sdk.algorithms import algorithm_class, algorithm_names
 from edge_sdk.auth import Keyring, issue_keys
 from edge_sdk.client import EdgeClient
 from edge_sdk.transport import InMemoryBroker
@@ -36,6 +36,48 @@ def needs_cuda(test: Callable[..., Any]) -> Callable[..., Any]:
     for mark in CUDA_MARKS:
         test = mark(test)
     return test
+
+
+# Small enough for a test, with every algorithm's own machinery running: two architectures where
+# an algorithm allows them, fit steps (FedeRiCo), PersFL's stage 2, FedMe's exchange.
+EVERY_ALGORITHM = {
+    "persfl": {
+        "persfl.distill_epochs": 1,
+        "persfl.distill_lambdas": [0.0, 0.5],
+        "persfl.distill_temperatures": [2.0],
+        # PersFL's default, not tiny_config's one view: with one, client 1's student ends two
+        # validation samples apart, stacked or one by one (its teacher differs by float
+        # rounding); with four, it has learnt what it can and the two agree.
+        "persfl.guard_distill_views": 4,
+    },
+    "fedme": {"fedme.unlabeled_size": 60},
+    "federico": {"federico.neighbours": 2, "federico.lr": 0.05},
+    "pfml": {"pfml.local_iterations": 3, "pfml.lam": 1.0},
+}
+
+
+def every_algorithm_args(**flags: object) -> list[str]:
+    """`edgefl simulate` arguments that run every algorithm at once: FedMe (which needs its
+    held-out set) and the eight others as its baselines, on 8×8 digits, mlr and mlp clients,
+    with EVERY_ALGORITHM's settings and, as tiny_config's, one view of each image an epoch for
+    the guards' students (where EVERY_ALGORITHM says no other). `flags`: more options, such as
+    clients=4 for `--clients 4`."""
+    names = algorithm_names()
+    args = [
+        "--dataset", "digits", "--set", "data.options.size=8", "--models", "mlr,mlp",
+        "--global-model", "mlr", "--algorithm", "fedme",
+        "--baselines", ",".join(a for a in names if a != "fedme"),
+        "--device", "cpu", "--lr", "0.05", "--quiet",
+    ]  # fmt: skip
+    for algorithm in names:
+        settings = dict(EVERY_ALGORITHM.get(algorithm, {}))
+        if "guard_distill_views" in algorithm_class(algorithm).config_cls.model_fields:
+            settings.setdefault(f"{algorithm}.guard_distill_views", 1)
+        for key, value in settings.items():
+            args += ["--set", f"{key}={json.dumps(value, separators=(',', ':'))}"]
+    for flag, value in flags.items():
+        args += [f"--{flag.replace('_', '-')}", str(value)]
+    return args
 
 
 def tiny_config(**flags: Any) -> Any:

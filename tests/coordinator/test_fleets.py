@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
-from tests_helpers import needs_cuda, tiny_config, to_rounding
+from tests_helpers import EVERY_ALGORITHM, needs_cuda, tiny_config, to_rounding
 
 from coordinator.federation import build_coordinator, build_node, prepare_federation
 from coordinator.fleet import (
@@ -27,23 +27,6 @@ from edge_sdk.peers import PeerBoard
 from edge_sdk.protocol import Capabilities
 from model_zoo import ArchSpec, build
 
-# Small enough for a test, with every algorithm's own machinery running: two architectures where
-# an algorithm allows them, fit steps (FedeRiCo), PersFL's stage 2, FedMe's exchange.
-SETTINGS = {
-    "persfl": {
-        "persfl.distill_epochs": 1,
-        "persfl.distill_lambdas": [0.0, 0.5],
-        "persfl.distill_temperatures": [2.0],
-        # PersFL's default, not tiny_config's one view: with one, client 1's student ends two
-        # validation samples apart, stacked or one by one (its teacher differs by float
-        # rounding); with four, it has learnt what it can and the two agree.
-        "persfl.guard_distill_views": 4,
-    },
-    "fedme": {"fedme.unlabeled_size": 60},
-    "federico": {"federico.neighbours": 2, "federico.lr": 0.05},
-    "pfml": {"pfml.local_iterations": 3, "pfml.lam": 1.0},
-}
-
 
 def _run(algorithm: str, fleet: str):
     one_arch = algorithm in {"fedavg", "fedprox", "fedavg_ft"}
@@ -55,7 +38,7 @@ def _run(algorithm: str, fleet: str):
         global_model="mlr",
         fleet=fleet,
         lr=0.05,
-        overrides=SETTINGS.get(algorithm, {}),
+        overrides=EVERY_ALGORITHM.get(algorithm, {}),
     )
     cfg = tiny_config(**flags)
     return run_federation(cfg, prepare_federation(cfg), algorithm)
@@ -438,7 +421,7 @@ def test_clients_training_at_once_on_cuda_all_finish(algorithm):
         global_model="mlr",
         device="cuda",
         parallel=6,
-        overrides=SETTINGS.get(algorithm, {}),
+        overrides=EVERY_ALGORITHM.get(algorithm, {}),
     )
 
     # Execute
@@ -456,7 +439,7 @@ def test_a_client_waiting_for_its_peers_lets_them_take_their_turn_on_the_gpu(mon
     import edge_sdk.device
 
     monkeypatch.setattr(edge_sdk.device, "_takes_turns", lambda device: True)
-    overrides = SETTINGS["federico"] | {"federico.peer_timeout_s": 10.0}
+    overrides = EVERY_ALGORITHM["federico"] | {"federico.peer_timeout_s": 10.0}
     cfg = tiny_config(
         algorithm="federico",
         clients=3,

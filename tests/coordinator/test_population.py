@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from tests_helpers import per_client_results, tiny_config
+from tests_helpers import every_algorithm_args, per_client_results, tiny_config
 from typer.testing import CliRunner
 
 from coordinator.cli import app
@@ -26,18 +26,9 @@ from coordinator.simulator import simulate
 from edge_sdk.algorithms import algorithm_names
 from edge_sdk.node import ClientNode
 
-OTHERS = [a for a in algorithm_names() if a != "fedme"]
 # Every algorithm's own machinery (FedMe as the run, the eight others as its baselines), 6
 # clients of two architectures, 2 trained a round, every round evaluated.
-ARGS = [
-    "--dataset", "digits", "--set", "data.options.size=8", "--max-samples", "500",
-    "--clients", "6", "--clients-per-round", "2", "--rounds", "2", "--models", "mlr,mlp",
-    "--global-model", "mlr", "--algorithm", "fedme", "--baselines", ",".join(OTHERS),
-    "--device", "cpu", "--lr", "0.05", "--set", "fedme.unlabeled_size=60",
-    "--set", "federico.neighbours=2", "--set", "persfl.distill_epochs=1",
-    "--set", "persfl.distill_lambdas=[0.0,0.5]", "--set", "persfl.distill_temperatures=[2.0]",
-    "--set", "pfml.local_iterations=3", "--set", "pfml.lam=1.0", "--quiet",
-]  # fmt: skip
+ARGS = every_algorithm_args(max_samples=500, clients=6, clients_per_round=2, rounds=2)
 
 
 def _simulate(out: Path, *extra: str) -> dict[str, object]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests_helpers import needs_cuda, per_client_results
+from tests_helpers import every_algorithm_args, needs_cuda, per_client_results
 from typer.testing import CliRunner
 
 from coordinator.broker import free_port
@@ -45,17 +45,9 @@ from edge_sdk.device import DeviceChoice
 from model_zoo import ArchSpec
 
 ROOT = Path(__file__).resolve().parents[2]
-OTHERS = [a for a in algorithm_names() if a != "fedme"]
-# Small enough for a test, with every algorithm's own machinery running (as in test_fleets).
-ARGS = [
-    "--dataset", "digits", "--set", "data.options.size=8", "--max-samples", "400",
-    "--clients", "4", "--rounds", "2", "--models", "mlr,mlp", "--global-model", "mlr",
-    "--algorithm", "fedme", "--baselines", ",".join(OTHERS), "--device", "cpu", "--lr", "0.05",
-    "--set", "fedme.unlabeled_size=60", "--set", "federico.neighbours=2",
-    "--set", "persfl.distill_epochs=1", "--set", "persfl.distill_lambdas=[0.0,0.5]",
-    "--set", "persfl.distill_temperatures=[2.0]",
-    "--set", "pfml.local_iterations=3", "--set", "pfml.lam=1.0", "--quiet",
-]  # fmt: skip
+# Every algorithm's own machinery (FedMe as the run, the eight others as its baselines), 4
+# clients of two architectures.
+ARGS = every_algorithm_args(max_samples=400, clients=4, rounds=2)
 
 
 def _edgefl(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
