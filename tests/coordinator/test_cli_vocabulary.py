@@ -1,16 +1,12 @@
 """One CLI vocabulary: what a user sees in --help, and the options every command shares.
 
-Every test runs the command as a user would (typer's runner, or a real process) and checks what
-the user sees.
+Every test runs the command as a user would (typer's runner) and checks what the user sees.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -18,7 +14,6 @@ from typer.testing import CliRunner
 from coordinator.cli import app
 
 runner = CliRunner()
-ROOT = Path(__file__).resolve().parents[2]
 
 # Every command, as a user types it.
 COMMANDS = [
@@ -240,13 +235,9 @@ def test_quiet_hides_the_progress_bars(tmp_path):
         "--set",
         "data.max_samples=200",
     ]
-    loud = subprocess.run(
-        [sys.executable, "-m", "coordinator", *args], capture_output=True, text=True, cwd=ROOT
-    )
-    quiet = subprocess.run(
-        [sys.executable, "-m", "coordinator", *args, "-q"], capture_output=True, text=True, cwd=ROOT
-    )
-    assert loud.returncode == quiet.returncode == 0, loud.stderr + quiet.stderr
+    loud = runner.invoke(app, args)
+    quiet = runner.invoke(app, [*args, "-q"])
+    assert loud.exit_code == quiet.exit_code == 0, loud.output + quiet.output
     assert "round/s" in loud.stderr or "1/1" in loud.stderr  # tqdm's bar
     assert quiet.stderr == ""
 
