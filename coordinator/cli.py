@@ -266,14 +266,20 @@ def _close(results: Results) -> None:
 
 
 def _export_after_run(states: Path, cfg: Any, kind: str, *, out: Path | None = None) -> None:
-    """`--onnx-int8`: the int8 model of every client whose state is at `states`."""
+    """`--onnx-int8`: the int8 model of every client whose state is at `states`, made from
+    the fp32 file the run wrote as it ended (exported again only where it is not there)."""
     from coordinator.cli_tools import print_export
     from coordinator.export import export_clients
 
     typer.echo(f"\nint8 ({kind}) ONNX, checked against PyTorch on each client's test split:")
     guard(
         lambda: export_clients(
-            states, [f"int8-{kind}"], out=out, config=cfg, on_client=print_export
+            states,
+            [f"int8-{kind}"],
+            out=out,
+            config=cfg,
+            on_client=print_export,
+            keep_fp32=True,
         )
     )
 

@@ -154,13 +154,15 @@ def export_clients(
     overrides: Mapping[str, Any] | None = None,
     calibration_samples: int = CALIBRATION_SAMPLES,
     on_client: Callable[[ClientExport], None] | None = None,
+    keep_fp32: bool = False,
 ) -> list[ClientExport]:
     """Export the personalized model of every client state under `source` (or of `clients`)
     in `formats`, each checked against PyTorch on the client's own test split. Files go to
     `out/<id>.onnx` (and `<id>.<format>.onnx`), by default next to each state file. A format a
     client's model cannot take is skipped for that client, with the reason in `skipped`.
     Without `config`, each client's run config is the one its run wrote nearest to its state,
-    with `overrides` (dotted keys, as `--set` gives them) set."""
+    with `overrides` (dotted keys, as `--set` gives them) set. `keep_fp32`: an fp32 file of the
+    client's model already there (the run's own, just written) is kept (`export_variants`)."""
     states = find_states(source)
     if clients:
         missing = [c for c in clients if c not in states]
@@ -199,6 +201,7 @@ def export_clients(
             class_names=fed.dataset.classes,
             normalization=fed.dataset.normalization,
             exporter=cfg.onnx_exporter,
+            keep_fp32=keep_fp32,
         )
         result = ClientExport(cid, spec.family, reports, skipped)
         if on_client is not None:

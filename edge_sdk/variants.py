@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_sdk.export import Exporter, cpu_session, export_onnx
+from edge_sdk.export import Exporter, cpu_session, export_onnx, verify_onnx
 from edge_sdk.onnx_format import INPUT_NAME, OUTPUT_NAME
 from edge_sdk.quantization import convert_fp16, quantize_dynamic_int8, quantize_static_int8
 from model_zoo.spec import ArchSpec, input_dtype
@@ -102,6 +102,7 @@ def export_variants(
     class_names: Sequence[str] | None = None,
     normalization: Mapping[str, Sequence[float]] | None = None,
     exporter: Exporter = "auto",
+    keep_fp32: bool = False,
 ) -> list[VariantReport]:
     """Write `model` to `path` (fp32) and in every other format of `formats`; compare each
     file with PyTorch on `eval_inputs` (model inputs, preprocessed as in training).
@@ -110,7 +111,10 @@ def export_variants(
     always written and reported first: the others are made from it. An unknown format, or one
     the model cannot take (`unsupported`: static int8 for an LSTM, which onnxruntime has no
     kernel for; `int8-dynamic` quantizes LSTMs), raises `ValueError` before anything is written.
-    `exporter`: the torch exporter of the fp32 file (`export_onnx`'s).
+    `exporter`: the torch exporter of the fp32 file (`export_onnx`'s). `keep_fp32`: an fp32 file
+    already at `path` is kept, not exported again, where onnxruntime runs it to `model`'s
+    logits within `export_onnx`'s tolerance (the file a run wrote of this model as it ended:
+    an export costs seconds); any other file there is replaced.
     """
     wanted = ["fp32", *[f for f in FORMATS[1:] if f in formats]]
     unknown = [f for f in formats if f not in FORMATS]
@@ -131,15 +135,17 @@ def export_variants(
         expected = _logits(lambda b: reference(b).numpy(), x)
     labels = None if eval_labels is None else torch.as_tensor(eval_labels).cpu().numpy()
 
-    fp32 = export_onnx(
-        model,
-        spec,
-        path,
-        class_names=class_names,
-        normalization=normalization,
-        exporter=exporter,
-        sample_inputs=x[:8],
-    )
+    fp32 = Path(path)
+    if not (keep_fp32 and _holds(fp32, model, spec, x[:8])):
+        fp32 = export_onnx(
+            model,
+            spec,
+            path,
+            class_names=class_names,
+            normalization=normalization,
+            exporter=exporter,
+            sample_inputs=x[:8],
+        )
     reports = []
     for fmt in wanted:
         target = variant_path(fp32, fmt)
@@ -167,6 +173,20 @@ def export_variants(
         )
         log.info("%s: %s", target, reports[-1])
     return reports
+
+
+def _holds(path: Path, model: nn.Module, spec: ArchSpec, inputs: torch.Tensor) -> bool:
+    """Whether `path` is an ONNX file of `model`: onnxruntime reproduces its logits on `inputs`
+    within `export_onnx`'s tolerance."""
+    if not path.is_file():
+        return False
+    try:
+        verify_onnx(path, model, spec, sample_inputs=inputs)
+    except Exception as exc:  # another model's file, or no ONNX at all: written again
+        log.info("%s is not this model's ONNX file (%s): exporting it again", path, exc)
+        return False
+    log.info("%s already holds this model (onnxruntime reproduces it): kept", path)
+    return True
 
 
 def format_variant_table(reports: Sequence[VariantReport]) -> str:

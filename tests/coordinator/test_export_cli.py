@@ -64,8 +64,27 @@ def _client_data(out: Path) -> tuple[dict, list]:
 
 @pytest.fixture(scope="module")
 def simulated(tmp_path_factory):
+    """The run's output folder and console, and how many ONNX files it exported."""
+    import edge_sdk.export
+
     out = tmp_path_factory.mktemp("run")
-    res = runner.invoke(
+    exports: list[Path] = []
+    export = edge_sdk.export.export_onnx
+
+    def counted(model, spec, path, **kw):
+        exports.append(Path(path))
+        return export(model, spec, path, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        for module in ("edge_sdk.export", "edge_sdk.variants"):
+            mp.setattr(f"{module}.export_onnx", counted)
+        res = _simulate(out)
+    assert res.exit_code == 0, res.output
+    return out, res.output, exports
+
+
+def _simulate(out: Path):
+    return runner.invoke(
         app,
         [
             "simulate",
@@ -104,15 +123,16 @@ def simulated(tmp_path_factory):
             "fml.guard=false",
         ],
     )
-    assert res.exit_code == 0, res.output
-    return out, res.output
 
 
 def test_simulate_onnx_int8_writes_and_checks_every_client(simulated):
-    out, output = simulated
+    out, output, exports = simulated
     results, data = _client_data(out)
     tables = _tables(output)
     assert sorted(tables) == ["c0", "c1", "c2"]
+    # Each client's fp32 file was exported once, as the run ended; the int8 files were made
+    # from it.
+    assert sorted(exports) == [out / "onnx" / f"c{i}.onnx" for i in range(3)]
     # The LSTM (c2) cannot be static int8 in onnxruntime: skipped, with the reason.
     assert sorted(tables["c2"]) == ["fp32"]
     assert "int8-static skipped: onnxruntime has no static int8 LSTM kernel" in output
@@ -129,7 +149,7 @@ def test_simulate_onnx_int8_writes_and_checks_every_client(simulated):
 
 
 def test_export_writes_fp16_and_dynamic_int8_from_a_runs_output(simulated, tmp_path):
-    out, _ = simulated
+    out, _, _ = simulated
     res = runner.invoke(
         app,
         [
@@ -191,6 +211,65 @@ def test_static_int8_is_refused_for_an_lstm_before_anything_is_written(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_fp32_file_of_the_model_is_kept_only_where_asked_and_onnxruntime_reproduces_it(
+    monkeypatch, tmp_path
+):
+    import torch
+
+    import edge_sdk.variants
+    from edge_sdk.export import export_onnx
+    from edge_sdk.variants import export_variants
+    from model_zoo import ArchSpec, build
+
+    # Prepare: a model, its file as a run writes it, and exports counted (TorchScript's
+    # exporter throughout: fast)
+    spec = ArchSpec(family="mlp", num_classes=3, input_shape=(1, 8, 8))
+    model, other = build(spec, seed=0), build(spec, seed=1)
+    x = torch.randn(16, 1, 8, 8)
+    path = tmp_path / "m.onnx"
+    exported: list[Path] = []
+
+    def counted(model, spec, path, **kw):
+        exported.append(path)
+        return export_onnx(model, spec, path, **kw)
+
+    monkeypatch.setattr(edge_sdk.variants, "export_onnx", counted)
+
+    def variants(keep_fp32):
+        exported.clear()
+        reports = export_variants(
+            model,
+            spec,
+            path,
+            ["int8-dynamic"],
+            eval_inputs=x,
+            exporter="legacy",
+            keep_fp32=keep_fp32,
+        )
+        assert [r.format for r in reports] == ["fp32", "int8-dynamic"]
+        assert reports[0].agreement == 1.0 and reports[0].max_abs_diff < 1e-4
+        return exported
+
+    export_onnx(model, spec, path, exporter="legacy")
+    written = path.read_bytes()
+
+    # Execute / Assert: kept, and the int8 file made from it
+    assert variants(keep_fp32=True) == []
+    assert path.read_bytes() == written
+    # ... not where not asked (`edgefl export`)
+    assert variants(keep_fp32=False) == [path]
+    # ... nor where the file there is another model's, or no ONNX at all
+    for stranger in (
+        lambda: export_onnx(other, spec, path, exporter="legacy"),
+        lambda: path.write_text("not ONNX"),
+    ):
+        stranger()
+        assert variants(keep_fp32=True) == [path]
+    # ... nor where there is none
+    path.unlink()
+    assert variants(keep_fp32=True) == [path]
+
+
 def test_a_rerun_into_the_same_output_starts_from_scratch(tmp_path):
     # The clients' states kept in OUT/state for `edgefl export` must not become the starting
     # point of the next run written to the same OUT: the rerun gives the same results.
@@ -215,7 +294,7 @@ def test_onnx_exporter_chooses_the_torch_exporter_of_every_file_a_run_writes(sim
     from model_zoo import ArchSpec
 
     # The simulated run's files: torch.export's (auto, the default).
-    out, _ = simulated
+    out, _, _ = simulated
     assert read_metadata(out / "onnx" / "c0.onnx").exporter == "dynamo"
     # `edgefl export` with the setting, set on the config the run wrote (no --config), by --set
     # or by the environment as for every command: TorchScript's. A value it cannot take is
