@@ -4,6 +4,7 @@ made from it."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -51,3 +52,17 @@ def emit(
     ended(out)
     print(save(out, json_out))
     print(table(out))
+
+
+def labelled_folders(
+    parser: argparse.ArgumentParser, flag: str, given: list[str]
+) -> dict[str, Path]:
+    """The LABEL=DIR values of a repeatable `flag` (the sides a start-up benchmark measures side
+    by side), each DIR an existing folder, resolved; otherwise the parser's usage error."""
+    folders = {}
+    for value in given:
+        label, _, folder = value.partition("=")
+        if not (label and folder and Path(folder).is_dir()):
+            parser.error(f"{flag} takes LABEL=DIR with DIR an existing folder, got {value!r}")
+        folders[label] = Path(folder).resolve()
+    return folders

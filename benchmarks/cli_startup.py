@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit, machine
+from _report import emit, labelled_folders, machine
 
 HEAVY = ("torch", "paho")
 
@@ -115,10 +115,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs of each help per source")
     parser.add_argument("--json-out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
-    root = Path(__file__).resolve().parents[1]
-    sources = dict(s.split("=", 1) for s in args.source) or {"this": str(root)}
+    sources = labelled_folders(parser, "--source", args.source)
     emit(
-        measure({k: Path(v).resolve() for k, v in sources.items()}, args.repeat),
+        measure(sources or {"this": Path(__file__).resolve().parents[1]}, args.repeat),
         args.json_out,
         table,
     )

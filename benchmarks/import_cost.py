@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit, machine
+from _report import emit, labelled_folders, machine
 
 ROOT = Path(__file__).resolve().parents[1]
 # numpy's number types, onnx (which imports ml_dtypes), torch, what a client that exports
@@ -98,11 +98,7 @@ def main() -> None:
     parser.add_argument("--json-out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
     aheads: dict[str, str | None] = {"this environment": None}
-    for given in args.ahead:
-        label, _, folder = given.partition("=")
-        if not folder or not Path(folder).is_dir():
-            parser.error(f"--ahead takes LABEL=DIR with DIR a folder of packages, got {given!r}")
-        aheads[label] = str(Path(folder).resolve())
+    aheads |= {k: str(v) for k, v in labelled_folders(parser, "--ahead", args.ahead).items()}
     emit(measure(aheads, args.repeat), args.json_out, table)
 
 
