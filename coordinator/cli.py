@@ -364,6 +364,12 @@ def coordinator(
             f"round {rec.round}/{cfg.rounds} {state}: {rec.n_replied}/{rec.n_trained} "
             f"replied, mean personalized accuracy {acc}, {rec.seconds:.1f} s"
         )
+        if rec.round == cfg.rounds:  # the finalize phase can outlast the rounds
+            wait = cfg.round.finalize_deadline_s or cfg.round.deadline_s
+            typer.echo(
+                f"coordinator {cfg.run_id}: the clients finalize (each chooses, distils and "
+                f"exports the model it deploys), up to {wait:.0f} s"
+            )
 
     def resumed(done: int) -> None:
         typer.echo(f"coordinator {cfg.run_id}: resuming after round {done} (its checkpoint)")

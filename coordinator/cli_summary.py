@@ -78,7 +78,12 @@ def print_summary(results: Results, out: str | None) -> None:
         )
     if results.summary.metrics:
         m = results.summary.metrics
-        shown_metrics = {k: m[k] for k in ("PUI", "PUD", "API", "APD", "JI") if k in m}
+        shown_metrics = {
+            k: round(v, 3) if isinstance(v, float) else v
+            for k in ("PUI", "PUD", "API", "APD", "JI")
+            if k in m
+            for v in [m[k]]
+        }
         typer.echo("metrics: " + json.dumps(shown_metrics))
     if results.device is not None:
         typer.echo(f"device: {results.device.describe()}")

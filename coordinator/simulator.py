@@ -81,6 +81,9 @@ def transport_factory(cfg: RunConfig, run_id: str) -> Callable[[str], Transport]
 
 
 _TRIM_EVERY_S = 1.0
+# The progress bar after the last round, while every client finalizes: its guard
+# fine-tunes, distils its students and chooses what it deploys, and it exports the model.
+FINALIZING = "finalizing each client's model"
 
 
 def _lean_heap(threads: int) -> Callable[[object], None] | None:
@@ -411,15 +414,22 @@ def simulate(
             continue
         bar = tqdm(total=cfg.rounds, desc=name, unit="round", disable=not progress, leave=True)
 
-        def tick(rec: RoundRecord, bar: Any = bar) -> None:
+        shown: dict[str, str] = {}  # the bar's postfix
+
+        def tick(rec: RoundRecord, bar: Any = bar, shown: dict[str, str] = shown) -> None:
             bar.update(1)
             if rec.mean_personal_acc is not None:
-                bar.set_postfix(personal=f"{rec.mean_personal_acc:.3f}")
+                shown["personal"] = f"{rec.mean_personal_acc:.3f}"
+            if rec.round == cfg.rounds:  # what follows the last round can outlast the rounds
+                shown["now"] = FINALIZING
+            bar.set_postfix(shown)
 
         models, export_dir = _run_args(cfg, name)
         runs[name] = run_federation(
             cfg, fed, name, models=models, export_dir=export_dir, on_round=tick
         )
+        if shown.pop("now", None) is not None:
+            bar.set_postfix(shown)
         bar.close()
         if (path := _finished_path(cfg, name)) is not None:
             write_atomic(path, json.dumps(runs[name].to_dict()))

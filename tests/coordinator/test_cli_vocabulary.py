@@ -213,10 +213,12 @@ def test_simulate_without_out_keeps_its_results_and_says_where(tmp_path, monkeyp
     assert f"results: {match.group(1)}/results.json" in res.output
 
 
-def test_quiet_hides_the_progress_bars(tmp_path):
+def test_quiet_hides_the_progress_bars_which_say_when_the_clients_finalize(tmp_path):
     args = [
         "simulate",
         "--algorithm",
+        "fml",
+        "--baselines",
         "local",
         "--dataset",
         "digits",
@@ -238,8 +240,19 @@ def test_quiet_hides_the_progress_bars(tmp_path):
     loud = runner.invoke(app, args)
     quiet = runner.invoke(app, [*args, "-q"])
     assert loud.exit_code == quiet.exit_code == 0, loud.output + quiet.output
-    assert "round/s" in loud.stderr or "1/1" in loud.stderr  # tqdm's bar
     assert quiet.stderr == ""
+    # tqdm's bar: after the last round it says the clients are finalizing, and once they
+    # have, its last state no longer does.
+    states = [s.strip() for s in loud.stderr.replace("\r", "\n").splitlines() if s.strip()]
+    fml = [s for s in states if s.startswith("fml:")]
+    assert "1/1" in fml[-1] and any("finalizing each client's model" in s for s in fml)
+    assert "finalizing" not in fml[-1]
+    # The summary's metrics, to 3 decimals: those of results.json.
+    kept = json.loads((tmp_path / "results.json").read_text())["summary"]["metrics"]
+    line = next(s for s in loud.stdout.splitlines() if s.startswith("metrics: "))
+    shown = json.loads(line.removeprefix("metrics: "))
+    expected = {k: kept[k] and round(kept[k], 3) for k in ("PUI", "PUD", "API", "APD", "JI")}
+    assert shown == expected and shown["API"] not in (None, kept["API"])
 
 
 def test_the_demo_hands_its_log_options_and_plugins_to_every_process():
