@@ -57,11 +57,13 @@ from coordinator.run_config import RunConfig
 from coordinator.strategies import strategy_class
 from edge_sdk import topics
 from edge_sdk.algorithms.federico import FedeRiCoConfig
+from edge_sdk.algorithms.guard_config import GuardConfig
 from edge_sdk.auth import Keyring
 from edge_sdk.client import EdgeClient
 from edge_sdk.device import choose_device, cpu_threads
 from edge_sdk.malloc import M_ARENA_MAX, glibc
 from edge_sdk.node import ClientNode
+from edge_sdk.trainer import Trainer
 from edge_sdk.transport import InMemoryBroker, Transport
 from edge_sdk.transport.mqtt import MqttTransport
 from model_zoo.files import write_atomic
@@ -383,6 +385,43 @@ def _batch_budget(cfg: RunConfig, fed: Federation) -> None:
         )
 
 
+# The most samples one of the guard's students learns on before the simulator says so
+# (`_student_budget`); the benchmarks' devices, of 24 to 147 images, stay below 56,000.
+_STUDENT_SAMPLES_SAID = 100_000
+
+
+def _student_budget(cfg: RunConfig, fed: Federation) -> None:
+    """Warn where the guard's students of the largest client (up to two a client, after the
+    last round) would learn on more than `_STUDENT_SAMPLES_SAID` samples each: their epochs and
+    views were measured on devices of a few dozen to a few hundred images, and on thousands the
+    finalize takes many times the rounds. Names `guard_distill_samples`, which bounds them."""
+    own = cfg.algorithm_config(cfg.algorithm)
+    if not isinstance(own, GuardConfig) or not own.guard_distill_epochs:
+        return
+    largest = max(fed.client_data, key=lambda d: d.n_train, default=None)
+    if largest is None or own.guard_distill_samples:
+        return
+    views = Trainer(torch.device("cpu")).views_per_epoch(
+        largest.x_train, own.guard_distill_shift, own.guard_distill_views, own.guard_distill_mix
+    )
+    samples = own.guard_distill_epochs * views * largest.n_train
+    if samples <= _STUDENT_SAMPLES_SAID:
+        return
+    log.warning(
+        "%s: each of the guard's students on the largest client learns on %d samples (%d epochs "
+        "of %d views of %d), up to two a client after the last round: the finalize can take "
+        "many times the rounds. --set %s.guard_distill_samples=64000 bounds each student (on "
+        "clients of about 1,000 images, a finalize 2.3-3.0 times faster for 0.2-0.8 points of "
+        "accuracy: docs/algorithms.md)",
+        cfg.algorithm,
+        samples,
+        own.guard_distill_epochs,
+        views,
+        largest.n_train,
+        cfg.algorithm,
+    )
+
+
 def simulate(
     cfg: RunConfig,
     *,
@@ -403,6 +442,7 @@ def simulate(
     )
     _federico_budget(cfg, fed)
     _batch_budget(cfg, fed)
+    _student_budget(cfg, fed)
     finished = _finished_runs(cfg)
     ranks = distributed.current()
     if ranks is not None:  # the other ranks skip what is finished too

@@ -208,12 +208,21 @@ class Trainer:
         `mix` each image mixed with another of its batch (`mixed`), and labelled by the teacher
         as it is then (`_moved`). Otherwise the images as they are, and the teacher's logits
         computed once (it is fixed)."""
-        if (shift <= 0 and not mix) or not self._images(x):
+        if not self._moves(x, shift, mix):
             return self.epochs(x, y, batch_size, epochs, self.logits(teacher, x))
         return (
             self._moved(batch, shift, teacher, mix)
             for batch in self.epochs(x, y, batch_size, epochs * views)
         )
+
+    def views_per_epoch(self, x: torch.Tensor, shift: int, views: int, mix: bool) -> int:
+        """How many passes over `x` an epoch of `distillation_batches` makes: `views` where it
+        moves the images (a shift or mixing, and images), else 1."""
+        return views if self._moves(x, shift, mix) else 1
+
+    def _moves(self, x: torch.Tensor, shift: int, mix: bool) -> bool:
+        """Whether a distillation moves `x`'s samples: images, shifted or mixed."""
+        return (shift > 0 or mix) and self._images(x)
 
     def _images(self, x: torch.Tensor) -> bool:
         """Whether `x` holds images (n, c, h, w), which a distillation may shift."""

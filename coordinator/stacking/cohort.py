@@ -253,7 +253,8 @@ def _student_rows(
     (`Deployment.first_student`: of a default
     outside the device's budget, or of a model outside it that is clearly better, one from the
     device's model and one afresh), trained at once for the members that ask for the same kind
-    (the teacher's architecture, the start's), each member's batches and shifts from its own
+    (the teacher's architecture, the start's, the students' epochs: `Deployment.distil_epochs`),
+    each member's batches and shifts from its own
     generator, as alone. [] for a member that asks for none, or whose stack does not train:
     its guard then trains its own, from the same random state.
 
@@ -269,10 +270,15 @@ def _student_rows(
         sets.append(a.deployment.learns_on(a.deployment.unlabeled(m)) if request else [])
         if request is not None:
             (spec, _), start = request
+            n = len(a.ctx.data.y_train)
             kind = (
                 spec.model_dump_json(),
                 None if start is None else start[0].model_dump_json(),
-                tuple(u is None for u in sets[k]),  # one student each, or two to choose from
+                # one student each, or two to choose from, and their epochs
+                tuple(
+                    a.deployment.distil_epochs(n + (0 if u is None else len(u))) for u in sets[k]
+                ),
+                tuple(u is None for u in sets[k]),
             )
             asked.setdefault(kind, []).append(k)
     for ks in asked.values():
@@ -316,13 +322,14 @@ def _students_at_once(
     )
     asked = [cast(tuple[Candidate, Candidate | None], r) for r in requests]
     # each member's images and labels, as alone (its teacher labels the inputs its task carries)
-    inputs = []
+    inputs, epochs = [], []
     for j in range(len(learns_on[0])):
         sets = [
             a.deployment.distillation_set(t, u[j])
             for a, (t, _), u in zip(group, asked, learns_on, strict=True)
         ]
         inputs.append((Packed([x for x, _ in sets]), Packed([y for _, y in sets])))
+        epochs.append(first.deployment.distil_epochs(len(sets[0][1])))  # every member's
     teacher = _stacked_candidate([t for t, _ in asked])
     begins = [s for _, s in asked]
     starts: list[Candidate | None] = [None]
@@ -337,7 +344,7 @@ def _students_at_once(
             if j:  # every student of this start from the same random state
                 for a, state in zip(group, states, strict=True):
                     a.ctx.trainer.set_rng_state(state)
-            student = stacked.deployment.distil(rounds, teacher, start, cast(Any, xy))
+            student = stacked.deployment.distil(rounds, teacher, start, cast(Any, xy), epochs[j])
             if student is None:
                 return None
             spec, model = student

@@ -327,10 +327,11 @@ class Deployment:
         teacher: Candidate,
         start: Candidate | None,
         inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+        epochs: int | None = None,
     ) -> Candidate | None:
         """A student of this device's own architecture, starting from `start`'s weights (a
-        fresh one without), trained for `guard_distill_epochs` on `inputs` (images, labels;
-        default: the training split; `distillation_set`) with
+        fresh one without), trained for `epochs` (default: `distil_epochs` of them) on `inputs`
+        (images, labels; default: the training split; `distillation_set`) with
         (1 − λ)·CE + λ·T²·KL(teacher ‖ student) and the algorithm's optimizer settings at the
         last round's rate (`finetune_optim`); None where its training diverges. Its samples
         count as processed.
@@ -346,6 +347,7 @@ class Deployment:
         assert isinstance(cfg, GuardConfig) and optim is not None
         trainer, d = algo.ctx.trainer, algo.ctx.data
         x, y = (d.x_train, d.y_train) if inputs is None else inputs
+        epochs = self.distil_epochs(len(y)) if epochs is None else epochs
         student = algo.ctx.build_model(algo.ctx.spec, salt=3)
         if start is not None:
             student.load_state_dict(start[1].state_dict())
@@ -364,7 +366,7 @@ class Deployment:
             x,
             y,
             optim.batch_size,
-            cfg.guard_distill_epochs,
+            epochs,
             shift=cfg.guard_distill_shift,
             views=cfg.guard_distill_views,
             mix=cfg.guard_distill_mix,
@@ -375,6 +377,25 @@ class Deployment:
             log.warning("%s: the guard's distillation diverged (%s)", algo.ctx.client_id, exc)
             return None
         return algo.ctx.spec, student
+
+    def distil_epochs(self, n: int) -> int:
+        """The epochs of a student that learns on `n` samples (the training split's, and the
+        inputs it learns on besides): `guard_distill_epochs`, fewer (at least one) where their
+        passes, `guard_distill_views` an epoch for images it moves, would exceed
+        `guard_distill_samples` samples."""
+        algo = self.algorithm
+        cfg = algo.config
+        assert isinstance(cfg, GuardConfig)
+        views = algo.ctx.trainer.views_per_epoch(
+            algo.ctx.data.x_train,
+            cfg.guard_distill_shift,
+            cfg.guard_distill_views,
+            cfg.guard_distill_mix,
+        )
+        cap, epochs = cfg.guard_distill_samples, cfg.guard_distill_epochs
+        if cap == 0 or epochs * views * n <= cap:
+            return epochs
+        return max(1, cap // (views * n))
 
 
 def _served(made: Sequence[Candidate], distil: Distil | None) -> Distil | None:

@@ -86,6 +86,16 @@ class GuardConfig(BaseModel):
     # MixingGuardConfig; it lost for FedMe and gained little for FML and PersFL:
     # docs/algorithms.md).
     guard_distill_mix: bool = False
+    # [ours] The most samples one student learns on: its epochs × views × the images (and
+    # inputs) it learns on; a student of a device with more trains fewer epochs, at least one.
+    # 0: no bound, the default. The epochs and views above were measured on devices of 24 to
+    # 147 images, where a student learns on at most 55,520 samples; a device of 4,300 images
+    # (Fashion-MNIST shared by 10) learns on 688,000 a student, two students, and its finalize
+    # takes many times its rounds. 64,000 on devices of about 1,000 images made the finalize
+    # 2.3-3.0 times faster and cost FML 0.2 and PFML 0.8 points (benchmarks/student_bound.py),
+    # so it is not the default: the simulator warns where students grow that large and names
+    # this setting.
+    guard_distill_samples: int = Field(0, ge=0)
 
     @model_validator(mode="before")
     @classmethod

@@ -148,3 +148,30 @@ def test_batches_as_large_as_most_clients_data_are_named_with_a_batch_size_that_
     assert f"one step for {len(sizes)} of {len(sizes)} clients" in said[0]
     suggested = int(said[0].split("--batch-size ")[1].split()[0])
     assert median / suggested >= 5 and suggested >= 1
+
+
+def test_students_learning_on_many_samples_are_named_with_the_setting_that_bounds_them(caplog):
+    # Prepare: FML on 8×8 digit images, its students 300 epochs of 4 views (over 100,000 samples
+    # on the largest client), unbounded and bounded; and at the default epochs.
+    from coordinator.simulator import _student_budget
+
+    long = {"fml.guard_distill_epochs": 300, "fml.guard_distill_views": 4}
+    unbounded = tiny_config(algorithm="fml", overrides=long)
+    bounded = tiny_config(algorithm="fml", overrides=long | {"fml.guard_distill_samples": 64000})
+    default = tiny_config(algorithm="fml")
+    fed = prepare_federation(unbounded)
+    largest = max(len(d.y_train) for d in fed.client_data)
+
+    # Execute
+    with caplog.at_level("WARNING", logger="coordinator.simulator"):
+        for cfg in (unbounded, bounded, default):
+            _student_budget(cfg, fed)
+
+    # Assert: one warning, for the unbounded students, with their samples and the setting
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert said[0].startswith(
+        f"fml: each of the guard's students on the largest client learns on {300 * 4 * largest} "
+        f"samples (300 epochs of 4 views of {largest})"
+    )
+    assert "--set fml.guard_distill_samples=64000 bounds each student" in said[0]

@@ -499,6 +499,38 @@ def test_the_guards_students_learn_on_the_finalizes_unlabeled_inputs_stacked_as_
     _assert_each_as_alone(expected, got, alone, stacked)
 
 
+def test_a_student_of_more_samples_than_the_bound_trains_fewer_epochs_stacked_as_alone(
+    monkeypatch,
+):
+    # Prepare: the stack of the tests above (30, 41 and 5 training images; 4 views an epoch),
+    # its students bounded to 2 epochs of the 30 images' views: the 41 images' take one
+    image = (1, 12, 12)
+    spec = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=image)
+    glob = ArchSpec(family="lenet5", num_classes=CLASSES, input_shape=image)
+    cfg = {"guard_distill_epochs": 2, "guard_mix_weights": [0.5]}
+    views = 4
+    bound = 2 * views * SIZES[0]
+    unbounded, _ = _finalized_both_ways(*_image_clients("fml", spec, **cfg), glob)
+    at_once = _spy_students(monkeypatch)
+    alone, stacked = _image_clients("fml", spec, **cfg, guard_distill_samples=bound)
+    assert alone[0].config.guard_distill_views == views
+
+    # Execute
+    expected, got = _finalized_both_ways(alone, stacked, glob)
+
+    # Assert: the members whose students take 2 epochs trained theirs as one stack, the other
+    # alone (one epoch: 164 samples a student, within the bound); each of its two students
+    # processed one epoch of views fewer, and every member as alone
+    assert at_once == [(2, [2, 2])]
+    fewer = [
+        u.details["samples_processed"] - e.details["samples_processed"]
+        for u, e in zip(unbounded, expected, strict=True)
+    ]
+    assert fewer == [0, 2 * views * SIZES[1], 0]
+    assert all(e.details["deployed"] == "distilled (final, mlp)" for e in expected)
+    _assert_each_as_alone(expected, got, alone, stacked)
+
+
 def _with_data(algo, **splits):
     """`algo`'s data with the given splits replaced."""
     d = algo.ctx.data

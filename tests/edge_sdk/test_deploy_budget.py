@@ -228,6 +228,25 @@ def test_a_better_model_outside_the_budget_is_distilled_into_its_own_architectur
     assert out.details["samples_processed"] == trained + 2 * cfg.guard_distill_epochs * 64
 
 
+def test_a_student_trains_the_epochs_its_samples_bound_allows():
+    # Prepare: the same client, its 64 training samples (features: one view an epoch) bounded
+    # to 5 epochs and most of a sixth
+    client = _client(OWN, guard_default="personal", guard_distill_samples=6 * 64 - 1)
+    assert client.config.guard_distill_epochs > 6
+
+    # Execute
+    out = _run(client)
+
+    # Assert: both students trained 5 epochs, as many as the bound holds
+    cfg = client.config
+    trained = 2 * cfg.local_epochs * 64 + cfg.guard_ft_epochs * 64
+    assert out.details["samples_processed"] == trained + 2 * 5 * 64
+    assert out.details["deployed_arch"] == "mlp"
+    # 0: no bound, however many samples
+    unbounded = _client(OWN, guard_distill_samples=0)
+    assert unbounded.deployment.distil_epochs(10**9) == unbounded.config.guard_distill_epochs
+
+
 def test_a_default_outside_the_budget_is_the_default_as_a_student():
     # Prepare: the stuck client with the default mixture: weighed on validation, the default is
     # the fine-tuned MLR alone (w = 0), which the budget refuses.
