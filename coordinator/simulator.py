@@ -408,13 +408,13 @@ def _student_budget(cfg: RunConfig, fed: Federation) -> None:
     if samples <= _STUDENT_SAMPLES_SAID:
         return
     log.warning(
-        "%s: each of the guard's students on the largest client learns on %d samples (%d epochs "
+        "%s: each of the guard's students on the largest client learns on %s samples (%d epochs "
         "of %d views of %d), up to two a client after the last round: the finalize can take "
         "many times the rounds. --set %s.guard_distill_samples=64000 bounds each student (on "
         "clients of about 1,000 images, a finalize 2.3-3.0 times faster for 0.2-0.8 points of "
         "accuracy: docs/algorithms.md)",
         cfg.algorithm,
-        samples,
+        f"{samples:,}",
         own.guard_distill_epochs,
         views,
         largest.n_train,

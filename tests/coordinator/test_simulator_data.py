@@ -171,7 +171,7 @@ def test_students_learning_on_many_samples_are_named_with_the_setting_that_bound
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1, said
     assert said[0].startswith(
-        f"fml: each of the guard's students on the largest client learns on {300 * 4 * largest} "
+        f"fml: each of the guard's students on the largest client learns on {300 * 4 * largest:,} "
         f"samples (300 epochs of 4 views of {largest})"
     )
     assert "--set fml.guard_distill_samples=64000 bounds each student" in said[0]
