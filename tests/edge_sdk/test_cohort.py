@@ -531,6 +531,18 @@ def test_a_student_of_more_samples_than_the_bound_trains_fewer_epochs_stacked_as
     _assert_each_as_alone(expected, got, alone, stacked)
 
 
+@pytest.mark.parametrize(("mix", "shift", "views"), [(True, 0, 4), (False, 1, 4), (False, 0, 1)])
+def test_the_bound_counts_the_views_a_student_sees_of_images_it_moves(mix, shift, views):
+    # 4 views an epoch where the images are mixed or shifted, one where they are as they are
+    spec = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=(1, 12, 12))
+    bound = 3 * 4 * 41
+    (a, *_), _ = _image_clients(
+        "fml", spec, guard_distill_mix=mix, guard_distill_shift=shift, guard_distill_samples=bound
+    )
+    assert a.config.guard_distill_views == 4
+    assert a.deployment.distil_epochs(41) == bound // (views * 41)
+
+
 def _with_data(algo, **splits):
     """`algo`'s data with the given splits replaced."""
     d = algo.ctx.data
