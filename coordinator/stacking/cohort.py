@@ -276,9 +276,9 @@ def _student_rows(
                 None if start is None else start[0].model_dump_json(),
                 # one student each, or two to choose from, and their epochs
                 tuple(
-                    a.deployment.distil_epochs(n + (0 if u is None else len(u))) for u in sets[k]
+                    (u is None, a.deployment.distil_epochs(n + (0 if u is None else len(u))))
+                    for u in sets[k]
                 ),
-                tuple(u is None for u in sets[k]),
             )
             asked.setdefault(kind, []).append(k)
     for ks in asked.values():
