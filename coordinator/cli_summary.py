@@ -4,15 +4,24 @@ what a round waits for, in words."""
 from __future__ import annotations
 
 import json
+import statistics
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 
 if TYPE_CHECKING:
-    from coordinator.results_model import Results
+    from coordinator.results_model import ClientEntry, Results
 
-__all__ = ["print_summary", "round_rules"]
+__all__ = ["ROWS_MAX", "print_summary", "round_rules"]
+
+# Above this many clients the console gives a row per architecture, not per client (report.md
+# and results.json keep every client's); and it names at most ROWS_WORSE clients that ended
+# below their best baseline, the farthest first.
+ROWS_MAX = 40
+ROWS_WORSE = 10
 
 
 def print_summary(results: Results, out: str | None) -> None:
@@ -33,15 +42,20 @@ def print_summary(results: Results, out: str | None) -> None:
     from coordinator.report.comparison import deployed as deployed_cell
 
     deployed = {c.id: deployed_cell(c) for c in clients}
-    wide = max(10, *(len(d) + 2 for d in deployed.values()))
-    header = f"{'client':<8}{'arch':<10}{'deployed':<{wide}}"
-    header += "".join(f"{h:>{max(10, len(h) + 2)}}" for h, _ in shown)
-    typer.echo(f"\n{results.algorithm}: per-client accuracy on each client's own test split (%)")
-    typer.echo(header + ("  device" if mixed else ""))
-    for c in clients:
-        cells = "".join(f"{pct(getattr(c, k)):>{max(10, len(h) + 2)}}" for h, k in shown)
-        row = f"{c.id:<8}{c.arch or '—':<10}{deployed[c.id]:<{wide}}{cells}"
-        typer.echo(row + (f"  {c.device}" if mixed else ""))
+    if len(clients) > ROWS_MAX:
+        _per_architecture(results.algorithm, clients, shown, deployed, out)
+    else:
+        wide = max(10, *(len(d) + 2 for d in deployed.values()))
+        header = f"{'client':<8}{'arch':<10}{'deployed':<{wide}}"
+        header += "".join(f"{h:>{max(10, len(h) + 2)}}" for h, _ in shown)
+        typer.echo(
+            f"\n{results.algorithm}: per-client accuracy on each client's own test split (%)"
+        )
+        typer.echo(header + ("  device" if mixed else ""))
+        for c in clients:
+            cells = "".join(f"{pct(getattr(c, k)):>{max(10, len(h) + 2)}}" for h, k in shown)
+            row = f"{c.id:<8}{c.arch or '—':<10}{deployed[c.id]:<{wide}}{cells}"
+            typer.echo(row + (f"  {c.device}" if mixed else ""))
     told = results.deployed()
     if told["devices"]:
         typer.echo(
@@ -69,8 +83,10 @@ def print_summary(results: Results, out: str | None) -> None:
     if against:
         lost = sorted((d, cid, name) for cid, d, name in against if d < 0)
         worse = "; worse on " + ", ".join(
-            f"{cid} ({100 * d:+.2f} vs {name})" for d, cid, name in lost
+            f"{cid} ({100 * d:+.2f} vs {name})" for d, cid, name in lost[:ROWS_WORSE]
         )
+        if len(lost) > ROWS_WORSE:
+            worse += f" and {len(lost) - ROWS_WORSE} more (report.md has every client)"
         won = sum(d > 0 for _, d, _ in against)
         typer.echo(
             f"against each client's best baseline: better on {won} of {len(against)}"
@@ -91,6 +107,49 @@ def print_summary(results: Results, out: str | None) -> None:
         typer.echo(f"wall time: {results.summary.wall_seconds:.1f} s")
     if out:
         typer.echo(f"results: {Path(out) / 'results.json'}  report: {Path(out) / 'report.md'}")
+
+
+def _per_architecture(
+    algorithm: str,
+    clients: Sequence[ClientEntry],
+    shown: Sequence[tuple[str, str]],
+    deployed: Mapping[str, str],
+    out: str | None,
+) -> None:
+    """One row per architecture: its clients, what they deployed (architecture and size, how
+    many of each) and each accuracy's mean over them with its lowest and highest."""
+    by_arch: dict[str, list[ClientEntry]] = {}
+    for c in clients:
+        by_arch.setdefault(c.arch or "—", []).append(c)
+    cells: dict[str, list[str]] = {}
+    for arch, group in by_arch.items():
+        kinds = Counter(deployed[c.id] for c in group).most_common()
+        told = ", ".join(f"{d} ×{n}" for d, n in kinds[:2])
+        told += f", {sum(n for _, n in kinds[2:])} other" if len(kinds) > 2 else ""
+        row = [arch, str(len(group)), told]
+        for _, key in shown:
+            values = [v for c in group if (v := getattr(c, key)) is not None]
+            row.append(
+                f"{100 * statistics.mean(values):.2f} [{100 * min(values):.1f}-"
+                f"{100 * max(values):.1f}]"
+                if values
+                else "—"
+            )
+        cells[arch] = row
+    header = ["arch", "clients", "deployed", *(h for h, _ in shown)]
+    wide = [max(len(r[i]) for r in [header, *cells.values()]) for i in range(len(header))]
+    where = f"{Path(out) / 'report.md'}" if out else "results.json"
+    typer.echo(
+        f"\n{algorithm}: {len(clients)} clients, each one's accuracy on its own test split (%), "
+        f"mean [lowest-highest] over the clients of each architecture; every client's row: {where}"
+    )
+    for row in [header, *cells.values()]:
+        typer.echo(
+            "  ".join(
+                f"{v:<{w}}" if i < 3 else f"{v:>{w}}"
+                for i, (v, w) in enumerate(zip(row, wide, strict=True))
+            )
+        )
 
 
 def round_rules(cfg: Any) -> str:
