@@ -25,6 +25,7 @@ as the plain weighted mean did: honest runs keep their results.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ __all__ = [
     "RobustConfig",
     "cap_weights",
     "combine",
+    "flagged_before",
     "moved_by",
     "rolled_back",
     "standing_out",
@@ -191,6 +193,16 @@ def _aggregate(
 
 def _flag(flags: dict[str, str], cid: str, why: str) -> None:
     flags[cid] = f"{flags[cid]}; {why}" if cid in flags else why
+
+
+def flagged_before(seen: dict[tuple[str, str], int], r: int, cid: str, why: str) -> int | None:
+    """The round `cid` was first flagged in for every reason of `why` (its words, the numbers
+    aside: "sample weight # capped at #"), or None where one of them is new in round `r`;
+    records the new ones in `seen`. An honest client much larger than the others has its weight
+    capped every round of a natural split: the log warns of it once."""
+    kinds = [re.sub(r"[-+]?[0-9][0-9.e+-]*", "#", part) for part in why.split("; ")]
+    first = [seen.setdefault((cid, k), r) for k in kinds]
+    return None if r in first else min(first)
 
 
 def rolled_back(

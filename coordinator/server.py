@@ -40,6 +40,7 @@ from coordinator.robust import (
     MOVED_MIN,
     Contribution,
     RobustConfig,
+    flagged_before,
     moved_by,
     rolled_back,
     standing_out,
@@ -147,12 +148,31 @@ class Coordinator(Checkpointing):
         # evaluation shows most clients much worse than this (coordinator.robust).
         self._scores: dict[str, float] = {}
         self._scored_after: int | None = None
+        # The first round each client was flagged for each kind of reason (`_say_flagged`).
+        self._flagged_first: dict[tuple[str, str], int] = {}
         self.records: list[RoundRecord] = []
         self._detailed = True  # the records keep their per-client parts (`_keep`)
         self._restored = False
         # Bytes moved by earlier incarnations of this run (from the checkpoint): the run's
         # totals are these plus this fleet's.
         self._bytes_before = (0, 0)
+
+    def _say_flagged(self, r: int, cid: str, why: str) -> None:
+        """A flagged client in the log: at WARNING the first time it is flagged for a kind of
+        reason, at INFO when it is again (`flagged_before`). Each round's flags stay in its
+        record (results.json) either way."""
+        first = flagged_before(self._flagged_first, r, cid, why)
+        if first is None:
+            log.warning("round %d: %s flagged: %s", r, cid, why)
+        else:
+            log.info(
+                "round %d: %s flagged again: %s (first in round %d; at INFO from now on, every "
+                "round's in results.json)",
+                r,
+                cid,
+                why,
+                first,
+            )
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> Coordinator:
@@ -312,7 +332,7 @@ class Coordinator(Checkpointing):
                 break
         flagged = dict(strategy.flags)
         for cid, why in sorted(flagged.items()):
-            log.warning("round %d: %s flagged: %s", r, cid, why)
+            self._say_flagged(r, cid, why)
         personal = glob = None
         per_client: dict[str, tuple[float | None, float | None]] = {}
         blamed: list[str] = []

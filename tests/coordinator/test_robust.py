@@ -16,6 +16,7 @@ from coordinator.robust import (
     RobustConfig,
     cap_weights,
     combine,
+    flagged_before,
     moved_by,
     rolled_back,
     standing_out,
@@ -445,6 +446,33 @@ def test_a_drop_while_the_suspects_were_bounded_is_kept_not_undone_again_and_aga
     assert all(first[c] - second[c] >= 0.1 for c in first)
     assert "round 2 left 3 of 3 clients much worse" in caplog.text
     assert "its suspects' updates (c0) were bounded" in caplog.text
+
+
+def test_a_client_flagged_every_round_is_warned_of_once_and_recorded_each_round(caplog):
+    # c0 scales its update ×1000 every round: clipped, and so flagged, in each of 3 rounds
+    fed = small_federation(client_cls=_attack("scaled"), rounds=3, config=LEARN)
+    with caplog.at_level(logging.INFO, logger="coordinator.server"):
+        _, _, result = _run(fed)
+    assert all("c0" in r.flagged for r in result.rounds)  # every round's record keeps it
+    said = [(rec.levelno, rec.getMessage()) for rec in caplog.records]
+    said = [(level, msg) for level, msg in said if ": c0 flagged" in msg]
+    assert [level for level, _ in said] == [logging.WARNING, logging.INFO, logging.INFO]
+    assert said[0][1].startswith("round 1: c0 flagged: update norm ")
+    assert said[2][1].startswith("round 3: c0 flagged again: update norm ")
+    assert "(first in round 1;" in said[2][1]
+
+
+def test_a_client_is_flagged_before_when_every_reason_of_its_flag_was_seen():
+    seen: dict[tuple[str, str], int] = {}
+    weight = "sample weight 6739 capped at 6462"
+    clipped = "update norm 9.1e+03 clipped by 0.0004"
+    assert flagged_before(seen, 1, "c4", weight) is None
+    assert flagged_before(seen, 2, "c4", "sample weight 6801 capped at 6470") == 1
+    assert flagged_before(seen, 3, "c4", f"{weight}; {clipped}") is None  # a new reason
+    assert flagged_before(seen, 4, "c4", "update norm 12.5 clipped by 0.3; " + weight) == 1
+    assert flagged_before(seen, 4, "c5", weight) is None  # another client
+    assert flagged_before(seen, 5, "c4", "not chosen by krum") is None
+    assert flagged_before(seen, 6, "c4", "not chosen by krum") == 5
 
 
 def test_an_aggregator_that_cannot_combine_a_group_names_it():
