@@ -19,7 +19,9 @@ bound what their peers send them on the device):
   update explains (training itself, a learning rate too large for the data) would only repeat
   if undone, and stands.
 With the defaults, a round in which no update is clipped and no weight capped aggregates exactly
-as the plain weighted mean did: honest runs keep their results.
+as the plain weighted mean did. Honest clients are not always spared: on unequal splits the
+weight cap binds on the largest ones every round, and clipping on a large honest update (their
+cost, measured: docs/benchmarks/attacks.md).
 """
 
 from __future__ import annotations
