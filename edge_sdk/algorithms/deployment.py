@@ -70,6 +70,9 @@ class Deployment:
         self.guard = Guard(ctx.trainer, ctx.data, settings.guard_z, ctx.budget, ctx.spec)
         self._built: tuple[Any, nn.Module] | None = None  # the guard's pick, built once
         self.unlabeled_kept = 0  # the students that kept the unlabeled inputs (`either`)
+        # The finalize task's inputs as `unlabeled` took them in, for the wire model they came
+        # as: a stack's students ask before the member's own finalize (read, and said, once)
+        self._taken: tuple[WireModel, torch.Tensor | None] | None = None
 
     @property
     def guarded(self) -> bool:
@@ -120,7 +123,7 @@ class Deployment:
         if carried is not None:
             result.details["guard_distill_unlabeled"] = carried
             result.details["guard_distill_unlabeled_kept"] = self.unlabeled_kept
-        self.unlabeled_kept = 0
+        self.unlabeled_kept, self._taken = 0, None
         result.details["samples_processed"] = algo.ctx.trainer.samples
         return result
 
@@ -282,10 +285,17 @@ class Deployment:
     def unlabeled(self, models: Mapping[str, WireModel]) -> torch.Tensor | None:
         """The inputs a finalize task carries for the students (`UNLABELED`), on this client's
         device; None where it carries none, or inputs of another shape or kind than this
-        client's training images (said in the log: the students learn without them)."""
+        client's training images (said in the log: the students learn without them). Asked
+        again for the same inputs in one finalize, it answers as it did, without a word."""
         wire = models.get(UNLABELED)
         if wire is None:
             return None
+        if self._taken is not None and self._taken[0] is wire:
+            return self._taken[1]
+        self._taken = (wire, self._take(wire))
+        return self._taken[1]
+
+    def _take(self, wire: WireModel) -> torch.Tensor | None:
         ctx = self.algorithm.ctx
         x = ctx.data.x_train
         u = wire.weights.get("inputs")
