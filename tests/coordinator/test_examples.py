@@ -160,3 +160,25 @@ def test_the_tutorials_proximal_algorithm_runs_as_a_plugin(tmp_path):
     assert results["summary"]["outcome"] == "complete"
     assert results["config"]["proximal"]["mu"] == 0.5
     assert results["summary"]["mean_personal_acc"] > 0.3  # well above chance (0.1)
+
+
+def test_the_fml_example_bounds_its_students_on_clients_of_thousands_of_images(caplog):
+    # Its clients hold about 4,000 training images: unbounded, the guard's students learned on
+    # 650,000+ samples each and the finalize ran many times the rounds, a warning at start
+    from coordinator.simulator import _student_budget, prepare_federation
+    from model_zoo.data import DatasetNotFound
+
+    cfg = load_config(EXAMPLES / "fml_fashion_mnist.toml")
+    try:
+        fed = prepare_federation(cfg)
+    except DatasetNotFound:
+        pytest.skip("needs Fashion-MNIST (Debian package dataset-fashion-mnist)")
+    unbounded = load_config(
+        EXAMPLES / "fml_fashion_mnist.toml", {"fml.guard_distill_samples": 0}, environ=False
+    )
+    with caplog.at_level("WARNING", logger="coordinator.simulator"):
+        _student_budget(cfg, fed)
+        assert not caplog.records
+        _student_budget(unbounded, fed)  # (the check this example passes, seen saying so)
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith("fml: each of the guard's students on the largest client learns on")
