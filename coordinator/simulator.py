@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -123,15 +124,18 @@ def run_federation(
     export_dir: Path | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
     client_cls: Mapping[str, type[EdgeClient]] | None = None,
+    on_clients: Callable[[int], None] | None = None,
 ) -> RunResult:
     """Run one algorithm on the federation: its clients in this process (`LocalFleet`, the
     default), or as EdgeClients over the in-memory transport (`fleet = "network"`) or over the
     broker `cfg.broker` names, the code path a deployment takes. `client_cls`: per client id,
     the EdgeClient class that serves it over the network (a benchmark's attacker).
+    `on_clients`: told how many clients' tasks ended, as each of a phase's jobs ends, in this
+    process's LocalFleet (not over ranks or a network).
 
     In a simulation over ranks (`coordinator.distributed`), rank 0 runs this; the other ranks
     serve their shards of it (`serve_runs`)."""
-    result = _run(cfg, fed, algorithm, models, export_dir, on_round, client_cls)
+    result = _run(cfg, fed, algorithm, models, export_dir, on_round, client_cls, on_clients)
     assert result is not None  # rank 0, or one process
     return result
 
@@ -144,6 +148,7 @@ def _run(
     export_dir: Path | None,
     on_round: Callable[[RoundRecord], None] | None,
     client_cls: Mapping[str, type[EdgeClient]] | None,
+    on_clients: Callable[[int], None] | None = None,
 ) -> RunResult | None:
     families = models or cfg.models
     run_id = f"{cfg.run_id}-{algorithm}"
@@ -189,7 +194,9 @@ def _run(
             on_round(rec)
 
     if cfg.fleet == "local" and cfg.broker.url is None and not client_cls:
-        fleet = LocalFleet(nodes, parallel=parallel, threads=threads, **_local_options(cfg))
+        fleet = LocalFleet(
+            nodes, parallel=parallel, threads=threads, finished=on_clients, **_local_options(cfg)
+        )
         coordinator = build_coordinator(
             cfg,
             fleet,
@@ -452,24 +459,21 @@ def simulate(
         if name in runs:
             log.info("%s: finished before (%s); not run again", name, _finished_path(cfg, name))
             continue
-        bar = tqdm(total=cfg.rounds, desc=name, unit="round", disable=not progress, leave=True)
-
-        shown: dict[str, str] = {}  # the bar's postfix
-
-        def tick(rec: RoundRecord, bar: Any = bar, shown: dict[str, str] = shown) -> None:
-            bar.update(1)
-            if rec.mean_personal_acc is not None:
-                shown["personal"] = f"{rec.mean_personal_acc:.3f}"
-            if rec.round == cfg.rounds:  # what follows the last round can outlast the rounds
-                shown["now"] = FINALIZING
-            bar.set_postfix(shown)
-
+        bar = RunBar(
+            tqdm(total=cfg.rounds, desc=name, unit="round", disable=not progress, leave=True),
+            cfg.rounds,
+            len(fed.client_ids),
+        )
         models, export_dir = _run_args(cfg, name)
         runs[name] = run_federation(
-            cfg, fed, name, models=models, export_dir=export_dir, on_round=tick
+            cfg,
+            fed,
+            name,
+            models=models,
+            export_dir=export_dir,
+            on_round=bar.round_done,
+            on_clients=bar.clients_done,
         )
-        if shown.pop("now", None) is not None:
-            bar.set_postfix(shown)
         bar.close()
         if (path := _finished_path(cfg, name)) is not None:
             write_atomic(path, json.dumps(runs[name].to_dict()))
@@ -480,6 +484,41 @@ def simulate(
         write_results(results, out)
         write_split(fed, out)
     return results
+
+
+class RunBar:
+    """A run's progress bar: a step per round, the last mean personalized accuracy and, after
+    the last round, the finalize (what follows it can outlast the rounds) with how many of the
+    clients have finalized, where the fleet says so (`on_clients` of `run_federation`)."""
+
+    def __init__(self, bar: Any, rounds: int, clients: int) -> None:
+        self.bar, self.rounds, self.clients = bar, rounds, clients
+        self.shown: dict[str, str] = {}  # the bar's postfix
+        self.finalized: int | None = None  # None: the rounds go on
+        self._lock = threading.Lock()  # (jobs end on the fleet's worker threads)
+
+    def round_done(self, rec: RoundRecord) -> None:
+        with self._lock:
+            self.bar.update(1)
+            if rec.mean_personal_acc is not None:
+                self.shown["personal"] = f"{rec.mean_personal_acc:.3f}"
+            if rec.round == self.rounds:
+                self.shown["now"] = FINALIZING
+                self.finalized = 0
+            self.bar.set_postfix(self.shown)
+
+    def clients_done(self, n: int) -> None:
+        with self._lock:
+            if self.finalized is None:
+                return
+            self.finalized += n
+            self.shown["now"] = f"{FINALIZING}, {self.finalized} of {self.clients}"
+            self.bar.set_postfix(self.shown)
+
+    def close(self) -> None:
+        if self.shown.pop("now", None) is not None:
+            self.bar.set_postfix(self.shown)
+        self.bar.close()
 
 
 def _run_args(cfg: RunConfig, name: str) -> tuple[list[str] | None, Path | None]:

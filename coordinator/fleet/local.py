@@ -141,9 +141,13 @@ class LocalFleet(Fleet):
         idle: IdleState = "memory",
         idle_dir: str | Path | None = None,
         chunk: int | None = None,
+        finished: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__()
         self.nodes = {n.client_id: n for n in nodes}
+        # Told, as each job of a phase ends (a client, or a stack of them), how many clients'
+        # tasks it ended: the simulator's progress through a long phase (the finalize)
+        self.finished = finished
         if len(self.nodes) != len(nodes):
             raise ValueError("two nodes share a client id")
         self.threads = max(1, threads or cpu_threads())
@@ -301,9 +305,12 @@ class LocalFleet(Fleet):
         )
 
         def run(ids: list[str]) -> list[FitResult | Exception]:
-            return self.stacking.execute_together(
+            outs = self.stacking.execute_together(
                 [self.nodes[c] for c in ids], [begun[c] for c in ids]
             )
+            if self.finished is not None:
+                self.finished(len(ids))
+            return outs
 
         work = [ids for ids, _ in jobs]
         if self.parallel == 1 or len(work) == 1:

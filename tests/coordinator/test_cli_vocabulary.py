@@ -241,11 +241,15 @@ def test_quiet_hides_the_progress_bars_which_say_when_the_clients_finalize(tmp_p
     quiet = runner.invoke(app, [*args, "-q"])
     assert loud.exit_code == quiet.exit_code == 0, loud.output + quiet.output
     assert quiet.stderr == ""
-    # tqdm's bar: after the last round it says the clients are finalizing, and once they
-    # have, its last state no longer does.
+    # tqdm's bar: after the last round it says the clients are finalizing, and how many have
+    # (the clients' jobs of the rounds not counted), and once they have, its last state no
+    # longer says so.
     states = [s.strip() for s in loud.stderr.replace("\r", "\n").splitlines() if s.strip()]
     fml = [s for s in states if s.startswith("fml:")]
     assert "1/1" in fml[-1] and any("finalizing each client's model" in s for s in fml)
+    counted = [re.search(r"finalizing each client's model, (\d+) of 2", s) for s in fml]
+    said = [int(m[1]) for m in counted if m]  # (two jobs, or one stack of both)
+    assert said in ([1, 2], [2])
     assert "finalizing" not in fml[-1]
     # The summary's metrics, to 3 decimals: those of results.json.
     kept = json.loads((tmp_path / "results.json").read_text())["summary"]["metrics"]
