@@ -459,7 +459,7 @@ def simulate(
         if name in runs:
             log.info("%s: finished before (%s); not run again", name, _finished_path(cfg, name))
             continue
-        bar = RunBar(
+        bar = _RunBar(
             tqdm(total=cfg.rounds, desc=name, unit="round", disable=not progress, leave=True),
             cfg.rounds,
             len(fed.client_ids),
@@ -486,7 +486,7 @@ def simulate(
     return results
 
 
-class RunBar:
+class _RunBar:
     """A run's progress bar: a step per round, the last mean personalized accuracy and, after
     the last round, the finalize (what follows it can outlast the rounds) with how many of the
     clients have finalized, where the fleet says so (`on_clients` of `run_federation`)."""
