@@ -357,6 +357,8 @@ def coordinator(
     # Keys first: a coordinator without them says how to issue them before anything else.
     guard(lambda: Keyring.load(cfg.auth, topics.COORDINATOR))
 
+    finalized: list[int] = []  # after the last round: how many clients have finalized
+
     def show(rec: Any) -> None:
         acc = "—" if rec.mean_personal_acc is None else f"{100 * rec.mean_personal_acc:.2f}%"
         state = "FAILED" if rec.failed else "ok"
@@ -370,6 +372,18 @@ def coordinator(
                 f"coordinator {cfg.run_id}: the clients finalize (each chooses, distils and "
                 f"exports the model it deploys), up to {wait:.0f} s"
             )
+            finalized.append(0)
+
+    def answered(n: int) -> None:
+        # Said at each tenth of the clients (every one of a fleet of ten or fewer)
+        if finalized:
+            before = finalized[0]
+            finalized[0] += n
+            tenth = max(1, cfg.clients // 10)
+            if finalized[0] // tenth > before // tenth or finalized[0] == cfg.clients:
+                typer.echo(
+                    f"coordinator {cfg.run_id}: {finalized[0]} of {cfg.clients} clients finalized"
+                )
 
     def resumed(done: int) -> None:
         typer.echo(f"coordinator {cfg.run_id}: resuming after round {done} (its checkpoint)")
@@ -383,7 +397,11 @@ def coordinator(
     )
     typer.echo(round_rules(cfg))
     try:
-        results = guard(lambda: run_coordinator(cfg, fresh=fresh, on_round=show, on_resume=resumed))
+        results = guard(
+            lambda: run_coordinator(
+                cfg, fresh=fresh, on_round=show, on_resume=resumed, on_clients=answered
+            )
+        )
     except Interrupted as exc:
         typer.echo(f"coordinator {cfg.run_id}: {exc}; run the same command to resume")
         raise typer.Exit(code=0) from exc

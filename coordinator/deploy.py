@@ -201,8 +201,10 @@ def run_coordinator(
     fresh: bool = False,
     on_round: Callable[[RoundRecord], None] | None = None,
     on_resume: Callable[[int], None] | None = None,
+    on_clients: Callable[[int], None] | None = None,
 ) -> Results:
     """The coordinator daemon: run `cfg.algorithm` with the clients that come over the broker.
+    `on_clients`: told as clients answer a phase's tasks (`Fleet.finished`).
 
     After every round the whole state goes to `checkpoint_path(cfg)`; a daemon that finds it
     resumes at the next round (`fresh` deletes it and starts over). SIGTERM/SIGINT abandon the
@@ -231,6 +233,7 @@ def run_coordinator(
 
     transport = MqttTransport(cfg.broker, f"edgefl-{cfg.run_id}-{topics.COORDINATOR}")
     fleet = NetworkFleet(transport, share_models=cfg.broadcast, keyring=keyring)
+    fleet.finished = on_clients
     coordinator = build_coordinator(cfg, fleet, on_round=record, checkpoint_path=ckpt)
     # The checkpoint is the truth: rounds.jsonl lists its rounds, each exactly once.
     resumed = coordinator.restore()

@@ -130,8 +130,8 @@ def run_federation(
     default), or as EdgeClients over the in-memory transport (`fleet = "network"`) or over the
     broker `cfg.broker` names, the code path a deployment takes. `client_cls`: per client id,
     the EdgeClient class that serves it over the network (a benchmark's attacker).
-    `on_clients`: told how many clients' tasks ended, as each of a phase's jobs ends, in this
-    process's LocalFleet (not over ranks or a network).
+    `on_clients`: told how many clients' tasks ended, as a phase's tasks end (`Fleet.finished`;
+    over ranks, not told).
 
     In a simulation over ranks (`coordinator.distributed`), rank 0 runs this; the other ranks
     serve their shards of it (`serve_runs`)."""
@@ -220,7 +220,9 @@ def _run(
             "and no broker, or idle_state = memory"
         )
     classes = client_cls or {}
-    return _over_network(cfg, fed, algorithm, nodes, run_id, threads, parallel, round_done, classes)
+    return _over_network(
+        cfg, fed, algorithm, nodes, run_id, threads, parallel, round_done, classes, on_clients
+    )
 
 
 def _local_options(cfg: RunConfig) -> dict[str, Any]:
@@ -292,6 +294,7 @@ def _over_network(
     parallel: int,
     on_round: Callable[[RoundRecord], None],
     client_cls: Mapping[str, type[EdgeClient]],
+    on_clients: Callable[[int], None] | None = None,
 ) -> RunResult:
     """Every node an EdgeClient on its own thread and transport, the coordinator on another;
     `threads`: the CPU threads of the run, shared by the `parallel` clients training at once."""
@@ -302,6 +305,7 @@ def _over_network(
     fleet = NetworkFleet(
         transports[0], share_models=cfg.broadcast, keyring=keys[topics.COORDINATOR]
     )
+    fleet.finished = on_clients
     coordinator = build_coordinator(
         cfg, fleet, algorithm=algorithm, fed=fed, run_id=run_id, on_round=on_round
     )

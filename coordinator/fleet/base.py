@@ -118,6 +118,10 @@ class Fleet(ABC):
         self.rejected: Counter[str] = Counter()  # messages or replies dropped, by reason
         self._stop = threading.Event()
         self._run: RunInfo | None = None
+        # Told, as a phase's tasks end (a reply taken in, a task that failed; in this process,
+        # a job of one client or a stack), how many clients' tasks just ended: progress through
+        # a long phase, the finalize after the last round. None: nobody asks.
+        self.finished: Callable[[int], None] | None = None
 
     @property
     def run(self) -> RunInfo:

@@ -145,8 +145,6 @@ class LocalFleet(Fleet):
     ) -> None:
         super().__init__()
         self.nodes = {n.client_id: n for n in nodes}
-        # Told, as each job of a phase ends (a client, or a stack of them), how many clients'
-        # tasks it ended: the simulator's progress through a long phase (the finalize)
         self.finished = finished
         if len(self.nodes) != len(nodes):
             raise ValueError("two nodes share a client id")

@@ -298,14 +298,14 @@ class NetworkFleet(RunStatus):
                     log.error("%s failed its %s task: %s", to, phase, msg.error)
                     if (msg.error or "").startswith(f"{RetainedNotDelivered.__name__}:"):
                         unfit[to] = msg.error or ""
-                    del self._tasks[to]
+                    self._ended(to)
                     continue
                 reply = self._accept(to, request, msg, env, validate)
                 # Unsigned (open mode), an invalid reply may be anyone's: the task stays open
                 # for the genuine one. Signed by the registered process, it is that answer.
                 if reply is not None or self.keyring is not None:
                     results[to] = reply
-                    del self._tasks[to]
+                    self._ended(to)
             gone = sorted(set(self._tasks) - self.members.online)
             if gone:
                 log.warning("round %d %s: no reply from %s: offline", r, phase, gone)
@@ -318,6 +318,12 @@ class NetworkFleet(RunStatus):
         finally:
             self._tasks, self._shared, self._due = {}, {}, set()
         return results
+
+    def _ended(self, cid: str) -> None:
+        """`cid`'s task of the phase is answered: no longer waited for, and counted."""
+        del self._tasks[cid]
+        if self.finished is not None:
+            self.finished(1)
 
     def _waiting(self) -> bool:
         """Whether a task is still open for a client that is present (the first one found

@@ -52,6 +52,10 @@ def test_coordinator_and_three_client_processes_run_fml_over_mosquitto(mosquitto
     assert "round 2/2 ok" in logs[0]
     # After the last round it says what the clients are doing (it can take longer).
     assert logs[0].index("round 2/2 ok") < logs[0].index(": the clients finalize (each chooses")
+    # ... and how many have (each of a fleet of ten or fewer), the rounds' replies not counted
+    said = [line.split(": ", 1)[1] for line in logs[0].splitlines() if "clients finalized" in line]
+    assert said == [f"{n} of 3 clients finalized" for n in (1, 2, 3)]
+    assert logs[0].index(": the clients finalize (each") < logs[0].index("1 of 3 clients finalized")
     # results.json and the report describe what the clients registered, never those settings.
     assert [(c.dataset, c.device, c.precision) for c in results.clients] == [
         ("digits", "cpu", "float32")

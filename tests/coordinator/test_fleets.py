@@ -65,6 +65,21 @@ def test_local_and_network_fleets_give_the_same_per_client_results(algorithm):
     assert local.extra.keys() == network.extra.keys()
 
 
+@pytest.mark.parametrize("fleet", ["local", "network"])
+def test_both_fleets_count_every_task_that_ends(fleet):
+    # FedAvg, 4 clients: an evaluation before the first round (what a rollback compares
+    # with), 2 rounds of a fit and an evaluation, then the finalize: 6 phases, 24 tasks. The
+    # local fleet tells as each job ends (stacks of clients), the network one as each reply.
+    cfg = tiny_config(rounds=2, fleet=fleet)
+    told: list[int] = []
+    run_federation(cfg, prepare_federation(cfg), "fedavg", on_clients=told.append)
+    assert sum(told) == 6 * 4
+    if fleet == "network":
+        assert told == [1] * 24
+    else:
+        assert all(1 <= n <= 4 for n in told) and len(told) >= 6
+
+
 def _nodes(n=3, algorithm="fedavg"):
     cfg = tiny_config(algorithm=algorithm, clients=n, rounds=1)
     fed = prepare_federation(cfg)
