@@ -194,9 +194,8 @@ def _run(
             on_round(rec)
 
     if cfg.fleet == "local" and cfg.broker.url is None and not client_cls:
-        fleet = LocalFleet(
-            nodes, parallel=parallel, threads=threads, finished=on_clients, **_local_options(cfg)
-        )
+        fleet = LocalFleet(nodes, parallel=parallel, threads=threads, **_local_options(cfg))
+        fleet.finished = on_clients
         coordinator = build_coordinator(
             cfg,
             fleet,

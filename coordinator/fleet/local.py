@@ -141,11 +141,9 @@ class LocalFleet(Fleet):
         idle: IdleState = "memory",
         idle_dir: str | Path | None = None,
         chunk: int | None = None,
-        finished: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__()
         self.nodes = {n.client_id: n for n in nodes}
-        self.finished = finished
         if len(self.nodes) != len(nodes):
             raise ValueError("two nodes share a client id")
         self.threads = max(1, threads or cpu_threads())
