@@ -251,6 +251,7 @@ _KEEP = (
     "guard_mix_weight",
     "guard_distill_unlabeled",
     "guard_distill_unlabeled_kept",
+    "guard_peers",
     "distill_lambda",
     "distill_T",
     "student_init",

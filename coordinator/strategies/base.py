@@ -19,6 +19,7 @@ from coordinator.config_sections import RoundConfig
 from coordinator.robust import Contribution, RobustConfig, cap_weights, combine
 from coordinator.server_data import ServerData
 from edge_sdk.algorithms import BaseAlgorithmConfig, Detail, algorithm_class
+from edge_sdk.algorithms.deployment import peer_name
 from edge_sdk.codec import WireModel
 from edge_sdk.protocol import Capabilities
 from model_zoo import ArchSpec, build
@@ -96,6 +97,9 @@ class Strategy(ABC):
     # Its aggregation makes models the clients receive (a round that makes most of them much
     # worse is rolled back, coordinator.robust); False for local training and FedeRiCo.
     aggregates: ClassVar[bool] = True
+    # Its finalize tasks can carry the clients' trained copies of one global model for the
+    # guard's `guard_peers` (GlobalModelStrategy).
+    offers_peers: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -129,6 +133,12 @@ class Strategy(ABC):
         # The most per-client entries a strategy keeps of its own history for results.json
         # (the run's `round.client_history`; the coordinator sets it).
         self.history_limit = RoundConfig().client_history
+        if getattr(config, "guard_peers", 0) and not self.offers_peers:
+            raise StrategyError(
+                f"{self.name}: guard_peers mixes the clients' trained copies of one global "
+                "model, which this algorithm has not (fml, pfml and persfl have): set "
+                f"{self.name}.guard_peers = 0"
+            )
 
     @classmethod
     def unlabeled_holdout(cls, config: BaseAlgorithmConfig) -> int:
@@ -242,6 +252,7 @@ class GlobalModelStrategy(Strategy):
     """A strategy with one global model of `global_spec` (FedAvg and friends, FML, PFML)."""
 
     has_global_model = True
+    offers_peers = True
 
     def setup(self) -> None:
         if self.global_spec is None:
@@ -253,6 +264,8 @@ class GlobalModelStrategy(Strategy):
             k: v.detach().clone()
             for k, v in build(self.global_spec, seed=self.seed).state_dict().items()
         }
+        # The last aggregation's trained copies the finalize tasks offer (`guard_peers`).
+        self.copies: dict[str, dict[str, torch.Tensor]] = {}
 
     @property
     def global_model(self) -> WireModel:
@@ -261,6 +274,19 @@ class GlobalModelStrategy(Strategy):
 
     def eval_models(self) -> dict[str, WireModel]:
         return {"global": self.global_model}
+
+    def finalize_models(self) -> dict[str, WireModel]:
+        """The global model and, with `guard_peers`, the last aggregation's trained copies of it,
+        at most `guard_peers_offered` (a draw seeded by the run's seed alone), named by client
+        (`peer_name`)."""
+        out = self.eval_models()
+        offered = getattr(self.config, "guard_peers_offered", 0)
+        ids = sorted(self.copies)
+        if len(ids) > offered:
+            drawn = np.random.default_rng(self.seed).choice(len(ids), size=offered, replace=False)
+            ids = [ids[i] for i in sorted(drawn)]
+        assert self.global_spec is not None
+        return out | {peer_name(c): WireModel(self.global_spec, self.copies[c]) for c in ids}
 
     def _require_classes(self) -> None:
         assert self.global_spec is not None
@@ -302,14 +328,31 @@ class GlobalModelStrategy(Strategy):
             Contribution(cid, state, self.global_weights, w)
             for (cid, state), w in zip(states.items(), weights, strict=True)
         ]
-        return self._combine({"global": group})["global"]
+        before = dict(self.flags)
+        out = self._combine({"global": group})["global"]
+        if getattr(self.config, "guard_peers", 0):
+            # Kept for the finalize tasks (`finalize_models`): the copies aggregation took as
+            # they came, not those it had to bound (clipped, pulled in, left out by krum).
+            self.copies = {
+                cid: dict(state)
+                for cid, state in states.items()
+                if self.flags.get(cid) == before.get(cid)
+            }
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        return super().state_dict() | {"global": dict(self.global_weights)}
+        out = super().state_dict() | {"global": dict(self.global_weights)}
+        if self.copies:
+            out["copies"] = {cid: dict(state) for cid, state in self.copies.items()}
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.global_weights = {k: v.clone() for k, v in state["global"].items()}
+        self.copies = {
+            cid: {k: v.clone() for k, v in copy.items()}
+            for cid, copy in state.get("copies", {}).items()
+        }
 
 
 _REGISTRY: dict[str, type[Strategy]] = {}

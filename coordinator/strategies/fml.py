@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from coordinator.strategies.base import (
     FitReply,
     GlobalModelStrategy,
+    StrategyError,
     register_strategy,
 )
 from edge_sdk.algorithms.fml import FMLConfig, shared_keys
@@ -21,6 +22,12 @@ class FMLStrategy(GlobalModelStrategy):
     def setup(self) -> None:
         super().setup()
         prefixes = self.config.shared_prefixes
+        if prefixes and self.config.guard_peers:
+            raise StrategyError(
+                "fml: guard_peers mixes whole trained copies of the global model, and with "
+                f"shared_prefixes {prefixes} the clients send only those tensors: set "
+                "fml.guard_peers = 0 or shared_prefixes = []"
+            )
         if prefixes:
             # Only the backbone is global; each client's head fits its own classes.
             self.global_weights = shared_keys(self.global_weights, prefixes)

@@ -1,6 +1,6 @@
 """What the guard may deploy: a candidate (an architecture and its model), the names of the
 candidates the guard itself makes or looks for, and the mixture of two candidates as one model
-(`blend`)."""
+(`blend`) or of several, equally (`mixed`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 from model_zoo import ArchSpec
 from model_zoo.models.mixture import Mixture, mixture_spec
 
-__all__ = ["BLEND", "DISTILLED", "FINETUNED", "PERSONAL", "Candidate", "blend"]
+__all__ = ["BLEND", "DISTILLED", "FINETUNED", "PEERS", "PERSONAL", "Candidate", "blend", "mixed"]
 
 # What the guard may deploy: a name ("personal", "meme"...) → (architecture, model).
 Candidate = tuple[ArchSpec, nn.Module]
@@ -21,6 +21,9 @@ FINETUNED = "finetuned"
 BLEND = f"{PERSONAL}+{FINETUNED}"
 # A student of the device's own architecture distilled from a candidate its budget refuses.
 DISTILLED = "distilled"
+# The mixture of the clients' trained copies of the global model that do best on this client's
+# validation split, its own or its peers' (`guard_peers`: edge_sdk.algorithms.deployment).
+PEERS = "peers"
 
 
 def blend(a: Candidate, b: Candidate, weight: float = 0.5) -> Candidate:
@@ -46,3 +49,14 @@ def blend(a: Candidate, b: Candidate, weight: float = 0.5) -> Candidate:
     mixture = Mixture([m for _, m, _ in members], weights)
     device = next(a[1].parameters()).device
     return spec, mixture.to(device)
+
+
+def mixed(cands: list[Candidate]) -> Candidate:
+    """The equal mixture of `cands`' predicted probabilities as one `mixture` model (one
+    candidate alone is itself)."""
+    if len(cands) == 1:
+        return cands[0]
+    weights = [1.0 / len(cands)] * len(cands)
+    spec = mixture_spec([s for s, _ in cands], weights)
+    device = next(cands[0][1].parameters()).device
+    return spec, Mixture([m for _, m in cands], weights).to(device)

@@ -9,20 +9,24 @@ the guard off, the algorithm's final model) within the device's budget. The repl
 what was deployed, its size and why, and how many training samples the client processed.
 
 A finalize task may carry inputs of the coordinator's own (`UNLABELED`, FedMe's unlabeled set):
-the students then learn the teacher on them too, beside the device's training images.
+the students then learn the teacher on them too, beside the device's training images. It may
+carry the last round's trained copies of the global model (`peer_name`, with `guard_peers`):
+those that do best on the device's validation split, mixed, are one more candidate (`PEERS`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from edge_sdk.algorithms.candidates import FINETUNED, PERSONAL, Candidate
+from edge_sdk.algorithms.candidates import FINETUNED, PEERS, PERSONAL, Candidate, blend, mixed
 from edge_sdk.algorithms.context import FitResult
 from edge_sdk.algorithms.guard import Distil, Guard
 from edge_sdk.algorithms.guard_config import GuardConfig
@@ -37,17 +41,25 @@ from model_zoo.models.inputs import INPUTS, inputs_spec
 if TYPE_CHECKING:
     from edge_sdk.algorithms.base import ClientAlgorithm
 
-__all__ = ["UNLABELED", "Deployment", "Final", "unlabeled_model"]
+__all__ = ["PEER_PREFIX", "UNLABELED", "Deployment", "Final", "peer_name", "unlabeled_model"]
 
 # The name, in a finalize task's models, of the inputs the guard's students also learn on
 # (an `inputs` model: model_zoo.models.inputs).
 UNLABELED = "unlabeled"
+# Client `c`'s trained copy of the global model in a finalize task's models: PEER_PREFIX + c.
+PEER_PREFIX = "peer@"
 
 # What the guard chooses among after the last round, the default first, and the mixture's weight
 # of the personalized model where the default is a weighed mixture (`Deployment.final_candidates`).
 Final = tuple[dict[str, Candidate], float | None]
 
 log = logging.getLogger(__name__)
+
+
+def peer_name(client_id: str) -> str:
+    """The name under which a finalize task carries client `client_id`'s trained copy of the
+    global model (`guard_peers`)."""
+    return f"{PEER_PREFIX}{client_id}"
 
 
 def unlabeled_model(x: torch.Tensor, num_classes: int) -> WireModel:
@@ -73,6 +85,7 @@ class Deployment:
         # The finalize task's inputs as `unlabeled` took them in, for the wire model they came
         # as: a stack's students ask before the member's own finalize (read, and said, once)
         self._taken: tuple[WireModel, torch.Tensor | None] | None = None
+        self._peers: list[str] = []  # the clients whose copies `peers` mixed, for the reply
 
     @property
     def guarded(self) -> bool:
@@ -123,7 +136,9 @@ class Deployment:
         if carried is not None:
             result.details["guard_distill_unlabeled"] = carried
             result.details["guard_distill_unlabeled_kept"] = self.unlabeled_kept
-        self.unlabeled_kept, self._taken = 0, None
+        if self._peers:
+            result.details["guard_peers"] = ", ".join(self._peers)
+        self.unlabeled_kept, self._taken, self._peers = 0, None, []
         result.details["samples_processed"] = algo.ctx.trainer.samples
         return result
 
@@ -131,14 +146,18 @@ class Deployment:
         self, rounds: int, models: Mapping[str, WireModel], tuned: Candidate | None = None
     ) -> Final:
         """What the guard chooses among after the last round, the default first: the
-        algorithm's candidates, the final global model, the fine-tuned one (trained here
-        unless given: `tuned`) and, with the mixture default, the personalized and the
-        fine-tuned model mixed at the weight `Guard.weigh` chooses (returned, else None)."""
+        algorithm's candidates, the final global model, the mixture of the trained copies of it
+        the task carries (`peers`), the fine-tuned one (trained here unless given: `tuned`)
+        and, with the mixture default, the personalized and the fine-tuned model mixed at the
+        weight `Guard.weigh` chooses (returned, else None)."""
         algo = self.algorithm
         final = algo.guard_candidates()
         glob = algo._full_global(models)
         if glob is not None:
             final.setdefault("global", (glob.spec, algo.ctx.materialize(glob)))
+        peers = self.peers(models)
+        if peers is not None:
+            final[PEERS] = peers
         if tuned is None and self.finetunes:
             try:
                 tuned = self.finetune(rounds, models)
@@ -154,8 +173,49 @@ class Deployment:
         weights = cfg.guard_mix_weights
         if cfg.guard_mix_weights_other_arch is not None and final[PERSONAL][0] != tuned[0]:
             weights = cfg.guard_mix_weights_other_arch
-        w, name, mixed = self.guard.weigh(final[PERSONAL], tuned, weights)
-        return {name: mixed, **final}, w  # first: the default
+        w, name, default = self.guard.weigh(final[PERSONAL], tuned, weights)
+        if peers is not None:
+            # The best trained copies join the default, half of it: under label skew they hold
+            # what the device's labels have in common across the federation.
+            name, default = f"{name}+{PEERS}", blend(default, peers, 0.5)
+        return {name: default, **final}, w  # first: the default
+
+    def peers(self, models: Mapping[str, WireModel]) -> Candidate | None:
+        """The equal mixture of the `guard_peers` trained copies of the global model in
+        `models` (`peer_name`) with the lowest loss on this client's validation split (on equal
+        losses, the first by name); None where the config takes none, the task carries none or
+        the client has no validation data. A copy this client cannot build, or whose loss is
+        not finite, is left out (said in the log): one bad peer costs the device nothing."""
+        algo = self.algorithm
+        cfg = algo.config
+        if not isinstance(cfg, GuardConfig) or cfg.guard_peers == 0 or not self.guard.active:
+            return None
+        x, y = algo.ctx.data.x_val, algo.ctx.data.y_val
+        scored: list[tuple[float, str, Candidate]] = []
+        for name in sorted(n for n in models if n.startswith(PEER_PREFIX)):
+            wire = models[name]
+            try:
+                model = algo.ctx.materialize(wire)
+                loss = float(F.cross_entropy(algo.ctx.trainer.logits(model, x), y))
+            except (RuntimeError, ValueError, KeyError, IndexError) as exc:
+                log.warning(
+                    "%s: the finalize task's %r is left out (%s)", algo.ctx.client_id, name, exc
+                )
+                continue
+            if not math.isfinite(loss):
+                log.warning(
+                    "%s: the finalize task's %r is left out (its validation loss is %s)",
+                    algo.ctx.client_id,
+                    name,
+                    loss,
+                )
+                continue
+            scored.append((loss, name, (wire.spec, model)))
+        best = sorted(scored, key=lambda t: (t[0], t[1]))[: cfg.guard_peers]
+        if not best:
+            return None
+        self._peers = [name.removeprefix(PEER_PREFIX) for _, name, _ in best]
+        return mixed([cand for _, _, cand in best])
 
     def first_student(
         self, rounds: int, final: Mapping[str, Candidate]

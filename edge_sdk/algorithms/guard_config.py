@@ -96,6 +96,18 @@ class GuardConfig(BaseModel):
     # so it is not the default: the simulator warns where students grow that large and names
     # this setting.
     guard_distill_samples: int = Field(0, ge=0)
+    # [ours] FML, PFML and PersFL: the finalize task also carries the last round's trained
+    # copies of the global model (each client's meme, local model or stage-1 model, as it
+    # replied; at most `guard_peers_offered` of them, none that aggregation had to bound), and
+    # the guard mixes the `guard_peers` of them with the lowest loss on the device's validation
+    # split into one more candidate: under label skew, the copies of the clients that hold the
+    # device's labels. Under an own-architecture budget it is a teacher for the guard's
+    # students, as the fine-tuned global model is. 0: none (the finalize carries no copies).
+    # The devices then receive other clients' trained models, which the coordinator alone
+    # sees otherwise (docs/reference/security.md).
+    guard_peers: int = Field(0, ge=0)
+    # The most trained copies one finalize task carries (a draw seeded by the run's seed).
+    guard_peers_offered: int = Field(20, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -104,6 +116,15 @@ class GuardConfig(BaseModel):
         if isinstance(data, Mapping) and data.get("preset") == "paper":
             return {**cls.PAPER, **cls.paper, **data}
         return data
+
+    @model_validator(mode="after")
+    def _peers_need_the_guard(self) -> GuardConfig:
+        if self.guard_peers and not self.guard:
+            raise ValueError(
+                "guard_peers gives the guard one more candidate, and the guard is off: set "
+                "guard = true (the preset 'paper' turns it off) or guard_peers = 0"
+            )
+        return self
 
     @field_validator("guard_mix_weights", "guard_mix_weights_other_arch")
     @classmethod

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from edge_sdk.algorithms.candidates import BLEND, DISTILLED, FINETUNED, PERSONAL, Candidate
+from edge_sdk.algorithms.candidates import BLEND, DISTILLED, FINETUNED, PEERS, PERSONAL, Candidate
 from edge_sdk.budget import arch_name
 from edge_sdk.codec import WireModel
 from model_zoo import ArchSpec
@@ -30,6 +30,10 @@ _PROSE = {
     PERSONAL: "its personalized model",
     FINETUNED: "the final model fine-tuned here",
     BLEND: "its personalized and the fine-tuned model mixed",
+    PEERS: "the trained copies of the global model that do best here, mixed",
+    f"{PERSONAL}+{PEERS}": "its personalized model and the best trained copies mixed",
+    f"{FINETUNED}+{PEERS}": "the final model fine-tuned here and the best trained copies mixed",
+    f"{BLEND}+{PEERS}": "its personalized, the fine-tuned model and the best trained copies mixed",
     "global": "the final global model",
     "meme": "its meme",
     "local": "its local model",

@@ -34,7 +34,7 @@ from edge_sdk.algorithms.base import (
     ClientContext,
     FitResult,
 )
-from edge_sdk.algorithms.deployment import UNLABELED, Deployment, unlabeled_model
+from edge_sdk.algorithms.deployment import UNLABELED, Deployment, peer_name, unlabeled_model
 from edge_sdk.algorithms.members import CohortUnsupported, PerMember
 from edge_sdk.algorithms.persfl import PersFL
 from edge_sdk.algorithms.pfml import PFML, PFMLConfig
@@ -496,6 +496,30 @@ def test_the_guards_students_learn_on_the_finalizes_unlabeled_inputs_stacked_as_
         assert "guard_distill_unlabeled" not in w.details
         more = e.details["samples_processed"] - w.details["samples_processed"]
         assert more == 2 * epochs * views * (len(a.ctx.data.x_train) + 5)
+    _assert_each_as_alone(expected, got, alone, stacked)
+
+
+def test_the_guards_students_of_the_best_trained_copies_train_stacked_as_alone(monkeypatch):
+    # Prepare: the stack of the tests above, twice; the finalize carries three trained copies of
+    # the global model, of which each member's guard mixes the two that do best on its own
+    # validation split into its default
+    image = (1, 12, 12)
+    spec = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=image)
+    glob = ArchSpec(family="lenet5", num_classes=CLASSES, input_shape=image)
+    cfg = {"guard_distill_epochs": 2, "guard_mix_weights": [0.5], "guard_peers": 2}
+    copies = {peer_name(f"p{i}"): _global(glob, seed=40 + i) for i in range(3)}
+    at_once = _spy_students(monkeypatch)
+    alone, stacked = _image_clients("fml", spec, **cfg)
+
+    # Execute
+    expected, got = _finalized_both_ways(alone, stacked, glob, extra=copies)
+
+    # Assert: the members' students, of the default with the copies in it, trained as one
+    # stack, each member's as alone, and each names the two copies it mixed
+    assert at_once == [(3, [2, 2, 2])]
+    for e in expected:
+        assert e.details["deployed"] == "distilled (final, mlp)"
+        assert len(e.details["guard_peers"].split(", ")) == 2
     _assert_each_as_alone(expected, got, alone, stacked)
 
 
