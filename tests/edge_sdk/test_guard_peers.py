@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
+from test_deploy_budget import CLASSES, FEATURES, MLP, MLR, _data
 
 from edge_sdk.algorithms import ClientContext
 from edge_sdk.algorithms.candidates import PEERS
@@ -19,23 +20,6 @@ from edge_sdk.client_data import ClientData
 from edge_sdk.codec import WireModel
 from edge_sdk.trainer import Trainer
 from model_zoo import ArchSpec, build
-
-FEATURES, CLASSES = 12, 4
-MLP = ArchSpec(family="mlp", num_classes=CLASSES, input_shape=(FEATURES,), kwargs={"hidden": [16]})
-MLR = ArchSpec(family="mlr", num_classes=CLASSES, input_shape=(FEATURES,))
-
-
-def _data(seed=0) -> ClientData:
-    """Four classes around four random centres."""
-    g = torch.Generator().manual_seed(seed)
-    centres = torch.randn(CLASSES, FEATURES, generator=g) * 2
-
-    def draw(n):
-        y = torch.arange(n) % CLASSES
-        return centres[y] + torch.randn(n, FEATURES, generator=g), y
-
-    (xt, yt), (xv, yv), (xs, ys) = draw(64), draw(32), draw(40)
-    return ClientData(xt, yt, xv, yv, xs, ys, num_classes=CLASSES)
 
 
 def _client(data=None, **cfg) -> FML:
