@@ -37,7 +37,7 @@ def _moved(by: float) -> dict[str, torch.Tensor]:
 
 
 def _replies(name: str, moves: dict[str, float]) -> dict[str, FitReply]:
-    key = {"fml": "meme", "pfml": "local", "persfl": "model"}[name]
+    key = {"fml": "meme", "pfml": "local", "persfl": "model", "fedavg": "model"}[name]
     return {
         cid: FitReply(cid, {key: WireModel(MLR, _moved(by))}, n_samples=10)
         for cid, by in moves.items()
@@ -71,14 +71,33 @@ def test_finalize_carries_the_last_aggregations_copies_but_not_a_bounded_one(nam
         assert all(torch.equal(sent.weights[k], v) for k, v in _moved(second[c]).items())
 
 
-def test_a_finalize_carries_at_most_the_offered_copies_a_draw_seeded_by_the_run():
+@pytest.mark.parametrize("offered", [3, 5])
+def test_a_finalize_carries_at_most_the_offered_copies_a_draw_seeded_by_the_run(offered):
     picks = []
     for _ in range(2):
-        s = _strategy("fml", n=6, guard_peers=1, guard_peers_offered=3)
+        s = _strategy("fml", n=6, guard_peers=1, guard_peers_offered=offered)
         _round(s, 1, _replies("fml", {f"c{i}": 0.1 * (i + 1) for i in range(6)}))
         picks.append(sorted(m for m in s.finalize_models() if m != "global"))
-    assert len(picks[0]) == 3 and picks[0] == picks[1]
-    assert picks[0] != [peer_name(c) for c in ("c0", "c1", "c2")]  # drawn, not the first three
+    assert len(picks[0]) == offered and picks[0] == picks[1]  # (distinct: drawn without return)
+    first = [peer_name(f"c{i}") for i in range(offered)]
+    assert picks[0] != first  # drawn, not the first ones
+
+
+def test_a_copy_whose_sample_weight_was_capped_is_carried_as_it_came():
+    # Prepare: PersFL weighs by samples; c3 claims a thousand times the others' samples
+    s = _strategy("persfl", guard_peers=2)
+    replies = _replies("persfl", {"c0": 0.1, "c1": 0.2, "c2": 0.3, "c3": 0.4})
+    replies["c3"] = FitReply("c3", replies["c3"].models, n_samples=10_000)
+
+    # Execute
+    _round(s, 1, replies)
+    models = s.finalize_models()
+
+    # Assert: its weight was capped before aggregation combined the copies, and its copy,
+    # which aggregation did not bound, is carried
+    assert "capped" in s.flags["c3"]
+    assert peer_name("c3") in models
+    assert all(torch.equal(models[peer_name("c3")].weights[k], v) for k, v in _moved(0.4).items())
 
 
 def test_the_copies_survive_a_checkpoint():
@@ -91,10 +110,12 @@ def test_the_copies_survive_a_checkpoint():
     assert all(torch.equal(back[m].weights[k], v) for m in sent for k, v in sent[m].weights.items())
 
 
-def test_without_guard_peers_nothing_is_kept_or_carried():
-    s = _strategy("fml")
-    _round(s, 1, _replies("fml", {"c0": 0.1, "c1": 0.2, "c2": 0.3, "c3": 0.4}))
+@pytest.mark.parametrize("name", ["fml", "fedavg"])  # (FedAvg's config has no guard_peers)
+def test_without_guard_peers_nothing_is_kept_or_carried(name):
+    s = _strategy(name)
+    _round(s, 1, _replies(name, {"c0": 0.1, "c1": 0.2, "c2": 0.3, "c3": 0.4}))
     assert list(s.finalize_models()) == ["global"] and "copies" not in s.state_dict()
+    assert s.copies == {}
 
 
 @pytest.mark.parametrize("name", ["fedme", "federico"])

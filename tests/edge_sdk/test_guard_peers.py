@@ -111,19 +111,34 @@ def test_a_copy_the_device_cannot_use_is_left_out_and_said(caplog):
     assert len(said) == 3
     assert said[0].startswith("c0: the finalize task's 'peer@a-wide' is left out (")
     assert said[1].startswith("c0: the finalize task's 'peer@b-fewer' is left out (")
+    assert all("(None)" not in line and not line.endswith("()") for line in said)  # why, too
     assert (
         said[2] == "c0: the finalize task's 'peer@b-nan' is left out (its validation loss is nan)"
     )
 
 
-def test_without_guard_peers_or_validation_the_copies_are_not_looked_at():
-    assert _client().deployment.peers(_copies()) is None  # guard_peers = 0, the default
+def test_on_equal_losses_the_first_copy_by_name_is_chosen():
+    same = _copy(30, seed=3)
+    copies = {peer_name("b"): same, peer_name("a"): same, peer_name("c"): _copy(0, seed=4)}
+    client = _client(guard_peers=1)
+    assert client.deployment.peers(copies) is not None
+    assert client.deployment._peers == ["a"]
+
+
+def test_without_guard_peers_or_validation_the_copies_are_not_looked_at(caplog):
+    # (a copy that answers NaN would be said, were the copies scored)
+    nan = _copy(0, 5)
+    nan.weights["linear.weight"][0, 0] = float("nan")
+    copies = _copies() | {peer_name("nan"): nan}
     d = _data()
     none = torch.empty(0, dtype=torch.int64)
     blind = ClientData(
         d.x_train, d.y_train, d.x_train[:0], none, d.x_test, d.y_test, num_classes=CLASSES
     )
-    assert _client(blind, guard_peers=2).deployment.peers(_copies()) is None
+    with caplog.at_level(logging.WARNING, logger="edge_sdk.algorithms.deployment"):
+        assert _client().deployment.peers(copies) is None  # guard_peers = 0, the default
+        assert _client(blind, guard_peers=2).deployment.peers(copies) is None
+    assert not caplog.records
 
 
 def test_the_default_takes_the_best_copies_in_for_half_and_the_device_keeps_its_architecture():
