@@ -39,7 +39,8 @@ of one batch per round by design, for every client alike, so it gets as many rou
 training takes steps on the largest client: ⌈rounds · local_epochs · max n_train / batch_size⌉
 (no client makes fewer passes over its data than alone; the smaller ones make more, counted).
 FedMe clusters its models on unlabeled inputs drawn from samples no client holds, so every
-algorithm runs on the same split.
+algorithm runs on the same split; the guard's students learn on the same inputs where
+`guard_distill_unlabeled` is set.
 """
 
 from __future__ import annotations
@@ -283,7 +284,8 @@ def federico_rounds(size: Size, n_train: Sequence[int], batch_size: int) -> int:
 
 
 def _unlabeled(split: Split, seed: int, count: int, out: Path) -> Path:
-    """FedMe's unlabeled inputs: `count` samples that no client of this split holds."""
+    """The coordinator's unlabeled inputs (FedMe's set; the guard's students' with
+    `guard_distill_unlabeled`): `count` samples that no client of this split holds."""
     path = out / "unlabeled" / f"{split.name}-{seed}.npy"
     if path.is_file():
         return path
@@ -361,8 +363,11 @@ def run_one(
         "round.deadline_s": 3600,
         **_budget(size, algorithm),
     }
-    if algorithm == "fedme":
-        flags["fedme.unlabeled_path"] = str(_unlabeled(split, seed, size.unlabeled, out))
+    # FedMe's unlabeled set, and the other guards' students' inputs where they learn on some:
+    # samples no client holds, so that the clients' data is the same as without them.
+    chosen = load_config(None, {"algorithm": algorithm}, overrides, environ=False)
+    if algorithm == "fedme" or getattr(chosen.algorithm_config(), "guard_distill_unlabeled", 0):
+        flags[f"{algorithm}.unlabeled_path"] = str(_unlabeled(split, seed, size.unlabeled, out))
     if algorithm == "federico":
         local = run_one(split, seed, "local", size, out, OWN, reuse_other_code=reuse_other_code)
         own = load_config(None, {"algorithm": "federico"}, overrides, environ=False)

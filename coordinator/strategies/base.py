@@ -17,9 +17,9 @@ import torch
 
 from coordinator.config_sections import RoundConfig
 from coordinator.robust import Contribution, RobustConfig, cap_weights, combine
-from coordinator.server_data import ServerData
+from coordinator.server_data import ServerData, load_unlabeled
 from edge_sdk.algorithms import BaseAlgorithmConfig, Detail, algorithm_class
-from edge_sdk.algorithms.deployment import peer_name
+from edge_sdk.algorithms.deployment import UNLABELED, peer_name, unlabeled_model
 from edge_sdk.codec import WireModel
 from edge_sdk.protocol import Capabilities
 from model_zoo import ArchSpec, build
@@ -100,6 +100,9 @@ class Strategy(ABC):
     # Its finalize tasks can carry the clients' trained copies of one global model for the
     # guard's `guard_peers` (GlobalModelStrategy).
     offers_peers: ClassVar[bool] = False
+    # Its finalize tasks can carry unlabeled inputs of the coordinator's for the guard's
+    # students (`guard_distill_unlabeled`; GlobalModelStrategy, FedMe).
+    carries_unlabeled: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -139,15 +142,54 @@ class Strategy(ABC):
                 "model, which this algorithm has not (fml, pfml and persfl have): set "
                 f"{self.name}.guard_peers = 0"
             )
+        if getattr(config, "guard_distill_unlabeled", 0) and not self.carries_unlabeled:
+            raise StrategyError(
+                f"{self.name}: guard_distill_unlabeled sends the coordinator's unlabeled inputs "
+                "with the finalize tasks, which this algorithm's coordinator does not send (fml, "
+                f"pfml, persfl and fedme do): set {self.name}.guard_distill_unlabeled = 0"
+            )
 
     @classmethod
     def unlabeled_holdout(cls, config: BaseAlgorithmConfig) -> int:
-        """How many samples a simulation holds out of the dataset as this strategy's unlabeled set.
+        """How many samples a simulation holds out of the dataset as this strategy's unlabeled set:
+        the inputs the guard's students learn on (`guard_distill_unlabeled`), unless the config
+        names a file of them (`unlabeled_path`).
 
         The simulator removes them before partitioning (so every run on that split, baselines
         included, trains on the same data) and passes them in as `server_data.unlabeled`.
         """
-        return 0
+        if not cls.carries_unlabeled or getattr(config, "unlabeled_path", None):
+            return 0
+        return int(getattr(config, "guard_distill_unlabeled", 0))
+
+    def unlabeled_set(self, input_shape: tuple[int, ...], needs: str) -> torch.Tensor:
+        """The coordinator's unlabeled inputs: the file `unlabeled_path` names, else those a
+        simulation held out (`server_data`); `needs` says what for where there are none."""
+        path = getattr(self.config, "unlabeled_path", None)
+        u = load_unlabeled(path) if path else self.server_data.unlabeled
+        if u is None:
+            raise StrategyError(
+                f"{needs} an unlabeled set the coordinator holds: name a .npy or .safetensors "
+                f"file of inputs in {self.name}.unlabeled_path"
+            )
+        if tuple(u.shape[1:]) != input_shape:
+            raise StrategyError(
+                f"the unlabeled inputs have shape {tuple(u.shape[1:])} but the clients' models "
+                f"take {input_shape}"
+            )
+        return u
+
+    def students_unlabeled(self, u: torch.Tensor | None, classes: int) -> WireModel | None:
+        """The inputs of `u` the finalize tasks carry for the guards' students (one object for
+        every client: the network sends it once): `guard_distill_unlabeled` of them, a draw
+        seeded by the run's seed alone, in `u`'s order; None where the students make none."""
+        count = min(getattr(self.config, "guard_distill_unlabeled", 0), 0 if u is None else len(u))
+        if u is None or count == 0 or getattr(self.config, "guard_distill_epochs", 0) == 0:
+            return None
+        if count < len(u):
+            drawn = np.random.default_rng(self.seed).choice(len(u), size=count, replace=False)
+            u = u[torch.from_numpy(np.sort(drawn))]
+        return unlabeled_model(u.float().contiguous(), classes)
 
     def _combine(
         self, groups: Mapping[str, list[Contribution]]
@@ -253,6 +295,7 @@ class GlobalModelStrategy(Strategy):
 
     has_global_model = True
     offers_peers = True
+    carries_unlabeled = True
 
     def setup(self) -> None:
         if self.global_spec is None:
@@ -266,6 +309,14 @@ class GlobalModelStrategy(Strategy):
         }
         # The last aggregation's trained copies the finalize tasks offer (`guard_peers`).
         self.copies: dict[str, dict[str, torch.Tensor]] = {}
+        # The inputs the finalize tasks carry for the guard's students (`guard_distill_unlabeled`).
+        self.student_inputs: WireModel | None = None
+        if getattr(self.config, "guard_distill_unlabeled", 0):
+            u = self.unlabeled_set(
+                tuple(self.global_spec.input_shape),
+                f"{self.name}'s guard_distill_unlabeled sends its students inputs of",
+            )
+            self.student_inputs = self.students_unlabeled(u, self.global_spec.num_classes)
 
     @property
     def global_model(self) -> WireModel:
@@ -278,8 +329,11 @@ class GlobalModelStrategy(Strategy):
     def finalize_models(self) -> dict[str, WireModel]:
         """The global model and, with `guard_peers`, the last aggregation's trained copies of it,
         at most `guard_peers_offered` (a draw seeded by the run's seed alone), named by client
-        (`peer_name`)."""
+        (`peer_name`); with `guard_distill_unlabeled`, the inputs the guard's students learn on
+        (`UNLABELED`)."""
         out = self.eval_models()
+        if self.student_inputs is not None:
+            out[UNLABELED] = self.student_inputs
         offered = getattr(self.config, "guard_peers_offered", 0)
         ids = sorted(self.copies)
         if len(ids) > offered:

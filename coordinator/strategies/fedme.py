@@ -33,7 +33,6 @@ import torch
 from torch.func import functional_call
 
 from coordinator.robust import Contribution, RobustConfig, combine
-from coordinator.server_data import load_unlabeled
 from coordinator.strategies.base import (
     FitReply,
     IncompatibleClients,
@@ -42,7 +41,7 @@ from coordinator.strategies.base import (
     register_strategy,
 )
 from edge_sdk.algorithms import BaseAlgorithmConfig
-from edge_sdk.algorithms.deployment import UNLABELED, unlabeled_model
+from edge_sdk.algorithms.deployment import UNLABELED
 from edge_sdk.algorithms.fedme import FedMeConfig
 from edge_sdk.codec import WireModel
 from model_zoo import ArchSpec, build
@@ -151,6 +150,7 @@ def per_model_average(
 class FedMeStrategy(Strategy):
     name = "fedme"
     config: FedMeConfig
+    carries_unlabeled = True
 
     @classmethod
     def unlabeled_holdout(cls, config: BaseAlgorithmConfig) -> int:
@@ -174,28 +174,15 @@ class FedMeStrategy(Strategy):
             raise IncompatibleClients(
                 f"fedme exchanges whole models, so every client needs the same classes: {classes}"
             )
-        self.unlabeled = self._unlabeled(tuple(infos[0].spec.input_shape))
+        self.unlabeled = self.unlabeled_set(
+            tuple(infos[0].spec.input_shape), "fedme clusters models on"
+        )
         # Each client's personalized model starts as its own architecture, freshly initialised.
         self.models: dict[str, WireModel] = {
             c.id: WireModel(c.spec, build(c.spec, seed=self.seed * 1009 + i).state_dict())
             for i, c in enumerate(infos)
         }
         self.exchange: dict[str, str] = {}
-
-    def _unlabeled(self, input_shape: tuple[int, ...]) -> torch.Tensor:
-        path = self.config.unlabeled_path
-        u = load_unlabeled(path) if path else self.server_data.unlabeled
-        if u is None:
-            raise StrategyError(
-                "fedme clusters models on an unlabeled set the coordinator holds: name a .npy or "
-                ".safetensors file of inputs in fedme.unlabeled_path"
-            )
-        if tuple(u.shape[1:]) != input_shape:
-            raise StrategyError(
-                f"the unlabeled inputs have shape {tuple(u.shape[1:])} but the clients' models "
-                f"take {input_shape}"
-            )
-        return u
 
     def configure_fit(self, round_: int) -> dict[str, dict[str, WireModel]]:
         ids = self.sample(round_)
@@ -235,25 +222,11 @@ class FedMeStrategy(Strategy):
 
     def configure_finalize(self) -> dict[str, dict[str, WireModel]]:
         plan = self.configure_evaluate(self.rounds)
-        extra = self._students_unlabeled()
+        classes = next(iter(self.clients.values())).spec.num_classes
+        extra = self.students_unlabeled(self.unlabeled, classes)
         if extra is None:
             return plan
         return {cid: {**models, UNLABELED: extra} for cid, models in plan.items()}
-
-    def _students_unlabeled(self) -> WireModel | None:
-        """The inputs of U the finalize tasks carry for the guards' students (one object for
-        every client: the network sends it once): `guard_distill_unlabeled` of them, a draw
-        seeded by the run's seed alone, in U's order; None where the students make none."""
-        cfg = self.config
-        count = min(cfg.guard_distill_unlabeled, len(self.unlabeled))
-        if count == 0 or cfg.guard_distill_epochs == 0:
-            return None
-        u = self.unlabeled
-        if count < len(u):
-            drawn = np.random.default_rng(self.seed).choice(len(u), size=count, replace=False)
-            u = u[torch.from_numpy(np.sort(drawn))]
-        classes = next(iter(self.clients.values())).spec.num_classes
-        return unlabeled_model(u.float().contiguous(), classes)
 
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict() | {

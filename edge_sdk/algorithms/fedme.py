@@ -88,9 +88,8 @@ class FedMeConfig(AlgorithmConfig, PatientGuardConfig):
     cluster_starts: list[float] = Field(default_factory=lambda: [0.0, 0.5, 0.75, 0.9], min_length=1)
     # Coordinator: the unlabeled set the models are clustered on. A simulation holds
     # `unlabeled_size` samples out of the dataset [code: 1000]; a deployment names a .npy or
-    # .safetensors file of inputs in `unlabeled_path`.
+    # .safetensors file of inputs in `unlabeled_path` (GuardConfig).
     unlabeled_size: int = Field(1000, ge=1)
-    unlabeled_path: str | None = None
     # [ours] The guard's fine-tuning of the aggregate it returns (GuardConfig): 20 epochs, not
     # every other algorithm's 5. That aggregate averages copies trained on other clients' data
     # and can arrive far from this client's (on 3 of 10 long digit runs, 17-30 points below
@@ -108,18 +107,6 @@ class FedMeConfig(AlgorithmConfig, PatientGuardConfig):
     # quick size (docs/algorithms.md, "Defaults measured at two sizes"), and again at both
     # sizes with `adopt = "any"`; FML and PersFL lost with it.
     guard_mix_weights: list[float] = Field(default_factory=lambda: [0.5], min_length=1)
-    # [ours] The guard's students (GuardConfig: a student of the device's own architecture,
-    # distilled from a model outside its budget) also learn the teacher on this many of the
-    # coordinator's unlabeled inputs, one seeded draw of them, labelled by the teacher, beside
-    # the device's training split, for `guard_distill_epochs` epochs of both. The finalize task
-    # carries them to every device: the coordinator's inputs leave it (200 Fashion-MNIST images
-    # are 0.6 MB). Where the guard chooses on validation, each student is made twice, without
-    # them and with them, and keeps them only where it does better there (`Deployment.either`).
-    # 0: the training split alone, the default. 200 gained at the long size (1.1 points, 25 of
-    # 26 runs up; lg-fmnist reaches local + 5) and was level at the quick size (+0.13 points,
-    # 17 runs up and 13 down), so it is not the default: docs/algorithms.md, "Defaults measured
-    # at two sizes".
-    guard_distill_unlabeled: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _schedule(self) -> FedMeConfig:

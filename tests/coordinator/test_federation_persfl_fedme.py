@@ -1,5 +1,6 @@
 """PersFL (both losses) and FedMe end to end: a coordinator and EdgeClients with mixed
-architectures over the in-memory transport, with their per-client outputs in results.json."""
+architectures over the in-memory transport, with their per-client outputs in results.json; and
+over a broker, with FML's guard students learning on the coordinator's unlabeled inputs."""
 
 import json
 
@@ -88,6 +89,8 @@ def test_fedme_federation_with_mixed_architectures_learns(tmp_path):
             "fedme",
             {"fedme.unlabeled_size": 100, "fedme.lr": 0.05, "fedme.guard_distill_unlabeled": 200},
         ),
+        # (the coordinator's inputs for the guard's students, held out for FML alone)
+        ("fml", {"fml.guard_distill_unlabeled": 100, "fml.guard_distill_epochs": 3}),
     ],
 )
 def test_over_mosquitto_gives_the_in_memory_simulators_results(algorithm, overrides, mosquitto):
@@ -108,7 +111,7 @@ def test_over_mosquitto_gives_the_in_memory_simulators_results(algorithm, overri
     over_mqtt = run(**{"broker.url": mosquitto.url})
     assert over_mqtt == to_rounding(run())  # (in memory, clients train stacked)
     assert all(c["personal_acc"] > 3 * CHANCE for c in over_mqtt[0])
-    if algorithm == "fedme":  # every finalize carried all 100 unlabeled inputs over the broker
+    if algorithm != "persfl":  # every finalize carried all 100 unlabeled inputs over the broker
         assert {c["guard_distill_unlabeled"] for c in over_mqtt[0]} == {100}
         # ... and each says how many of its students kept them (of at most two)
         assert all(c["guard_distill_unlabeled_kept"] in (0, 1, 2) for c in over_mqtt[0])

@@ -1,0 +1,126 @@
+"""The coordinator's unlabeled inputs for the guard's students (`guard_distill_unlabeled`) in FML,
+PFML and PersFL, as FedMe has them: one seeded draw carried by every finalize task, held out of
+a simulation's dataset unless a file names them, and refused where the coordinator sends none.
+(FedMe's own are tests/coordinator/test_fedme_strategy.py's.)"""
+
+import numpy as np
+import pytest
+import torch
+from tests_helpers import raises_exactly, tiny_config
+
+from coordinator.federation import prepare_federation
+from coordinator.server_data import ServerData
+from coordinator.strategies import ClientInfo, StrategyError, strategy_class
+from edge_sdk.algorithms import algorithm_class
+from edge_sdk.algorithms.deployment import UNLABELED
+from edge_sdk.protocol import Capabilities
+from model_zoo import ArchSpec
+
+MLR = ArchSpec(family="mlr", num_classes=2, input_shape=(3,))
+U = torch.randn(40, 3, generator=torch.Generator().manual_seed(0))
+
+
+def _strategy(name, unlabeled=U, seed=0, **cfg):
+    clients = {
+        f"c{i}": ClientInfo(f"c{i}", MLR, Capabilities(n_train=10, num_classes=2)) for i in range(3)
+    }
+    s = strategy_class(name)(
+        algorithm_class(name).config_cls(**cfg),
+        clients=clients,
+        global_spec=MLR,
+        rounds=3,
+        seed=seed,
+        server_data=ServerData(unlabeled=unlabeled),
+    )
+    s.setup()
+    return s
+
+
+@pytest.mark.parametrize("name", ["fml", "pfml", "persfl"])
+def test_the_finalize_carries_one_seeded_draw_of_the_inputs_beside_the_global_model(name):
+    # Prepare: 40 inputs held, 15 of them for the students
+    s = _strategy(name, seed=3, guard_distill_unlabeled=15)
+
+    # Execute
+    plan = s.configure_finalize()
+
+    # Assert: one object of the same 15 rows of U, in U's order, drawn from the run's seed
+    assert {id(models[UNLABELED]) for models in plan.values()} == {id(plan["c0"][UNLABELED])}
+    wire = plan["c0"][UNLABELED]
+    assert wire.spec == ArchSpec(
+        family="inputs", num_classes=2, input_shape=(3,), kwargs={"count": 15}
+    )
+    rows = np.sort(np.random.default_rng(3).choice(40, size=15, replace=False))
+    assert torch.equal(wire.weights["inputs"], U[torch.from_numpy(rows)])
+    assert set(plan["c1"]) == {"global", UNLABELED}
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [{}, {"guard_distill_unlabeled": 9, "guard_distill_epochs": 0}],
+    ids=["off", "no-students"],
+)
+def test_none_are_carried_by_default_or_where_the_guard_makes_no_students(cfg):
+    plan = _strategy("fml", **cfg).configure_finalize()
+    assert all(set(models) == {"global"} for models in plan.values())
+
+
+def test_all_of_a_smaller_set_is_carried():
+    plan = _strategy("pfml", guard_distill_unlabeled=100).configure_finalize()
+    assert torch.equal(plan["c2"][UNLABELED].weights["inputs"], U)
+
+
+def test_the_inputs_come_from_the_file_the_config_names(tmp_path):
+    np.save(tmp_path / "u.npy", (U + 1).numpy())
+    s = _strategy(
+        "fml", unlabeled=U, guard_distill_unlabeled=40, unlabeled_path=str(tmp_path / "u.npy")
+    )
+    assert torch.equal(s.configure_finalize()["c0"][UNLABELED].weights["inputs"], U + 1)
+
+
+def test_without_inputs_or_with_inputs_of_another_shape_the_run_does_not_start():
+    with raises_exactly(
+        StrategyError,
+        "persfl's guard_distill_unlabeled sends its students inputs of an unlabeled set the "
+        "coordinator holds: name a .npy or .safetensors file of inputs in persfl.unlabeled_path",
+    ):
+        _strategy("persfl", unlabeled=None, guard_distill_unlabeled=5)
+    with pytest.raises(StrategyError, match=r"shape \(4,\) but the clients' models take \(3,\)"):
+        _strategy("fml", unlabeled=torch.zeros(5, 4), guard_distill_unlabeled=5)
+
+
+def test_where_the_coordinator_sends_no_inputs_it_is_refused():
+    info = {"c0": ClientInfo("c0", MLR, Capabilities(n_train=10, num_classes=2))}
+    config = algorithm_class("federico").config_cls(guard_distill_unlabeled=5)
+    with raises_exactly(
+        StrategyError,
+        "federico: guard_distill_unlabeled sends the coordinator's unlabeled inputs with the "
+        "finalize tasks, which this algorithm's coordinator does not send (fml, pfml, persfl and "
+        "fedme do): set federico.guard_distill_unlabeled = 0",
+    ):
+        strategy_class("federico")(config, clients=info, global_spec=None, rounds=3, seed=0)
+
+
+def test_a_simulation_holds_the_inputs_out_of_every_clients_data_unless_a_file_names_them():
+    fml = strategy_class("fml")
+    config = algorithm_class("fml").config_cls
+    assert fml.unlabeled_holdout(config(guard_distill_unlabeled=60)) == 60
+    assert fml.unlabeled_holdout(config(guard_distill_unlabeled=60, unlabeled_path="u.npy")) == 0
+    assert fml.unlabeled_holdout(config()) == 0
+    assert (
+        strategy_class("federico").unlabeled_holdout(
+            algorithm_class("federico").config_cls(guard_distill_unlabeled=60)
+        )
+        == 0
+    )
+
+    plain = prepare_federation(tiny_config(algorithm="pfml"))
+    fed = prepare_federation(
+        tiny_config(algorithm="pfml", overrides={"pfml.guard_distill_unlabeled": 60})
+    )
+    assert fed.server_data.unlabeled is not None and len(fed.server_data.unlabeled) == 60
+    assert len(fed.dataset) == len(plain.dataset) - 60
+    held = {tuple(row.tolist()) for row in fed.server_data.unlabeled.flatten(1)}
+    for data in fed.client_data:
+        for split in (data.x_train, data.x_val, data.x_test):
+            assert not held & {tuple(row.tolist()) for row in split.flatten(1)}
