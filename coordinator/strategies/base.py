@@ -20,6 +20,7 @@ from coordinator.robust import Contribution, RobustConfig, cap_weights, combine
 from coordinator.server_data import ServerData, load_unlabeled
 from edge_sdk.algorithms import BaseAlgorithmConfig, Detail, algorithm_class
 from edge_sdk.algorithms.deployment import UNLABELED, peer_name, unlabeled_model
+from edge_sdk.algorithms.guard_config import GuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.protocol import Capabilities
 from model_zoo import ArchSpec, build
@@ -117,6 +118,8 @@ class Strategy(ABC):
         robust: RobustConfig | None = None,
     ) -> None:
         self.config = config
+        # The guard's settings, where the algorithm has a guard (none for the baselines).
+        self.guard_config = config if isinstance(config, GuardConfig) else None
         self.server_data = server_data or ServerData()
         # How aggregation bounds each client (coordinator.robust), and the clients it flagged
         # in the round being aggregated (clipped, capped), with why; the coordinator clears it.
@@ -136,13 +139,14 @@ class Strategy(ABC):
         # The most per-client entries a strategy keeps of its own history for results.json
         # (the run's `round.client_history`; the coordinator sets it).
         self.history_limit = RoundConfig().client_history
-        if getattr(config, "guard_peers", 0) and not self.offers_peers:
+        guard = self.guard_config
+        if guard is not None and guard.guard_peers and not self.offers_peers:
             raise StrategyError(
                 f"{self.name}: guard_peers mixes the clients' trained copies of one global "
                 "model, which this algorithm has not (fml, pfml and persfl have): set "
                 f"{self.name}.guard_peers = 0"
             )
-        if getattr(config, "guard_distill_unlabeled", 0) and not self.carries_unlabeled:
+        if guard is not None and guard.guard_distill_unlabeled and not self.carries_unlabeled:
             raise StrategyError(
                 f"{self.name}: guard_distill_unlabeled sends the coordinator's unlabeled inputs "
                 "with the finalize tasks, which this algorithm's coordinator does not send (fml, "
@@ -158,14 +162,19 @@ class Strategy(ABC):
         The simulator removes them before partitioning (so every run on that split, baselines
         included, trains on the same data) and passes them in as `server_data.unlabeled`.
         """
-        if not cls.carries_unlabeled or getattr(config, "unlabeled_path", None):
+        if (
+            not cls.carries_unlabeled
+            or not isinstance(config, GuardConfig)
+            or config.unlabeled_path
+        ):
             return 0
-        return int(getattr(config, "guard_distill_unlabeled", 0))
+        return config.guard_distill_unlabeled
 
     def unlabeled_set(self, input_shape: tuple[int, ...], needs: str) -> torch.Tensor:
         """The coordinator's unlabeled inputs: the file `unlabeled_path` names, else those a
         simulation held out (`server_data`); `needs` says what for where there are none."""
-        path = getattr(self.config, "unlabeled_path", None)
+        assert self.guard_config is not None
+        path = self.guard_config.unlabeled_path
         u = load_unlabeled(path) if path else self.server_data.unlabeled
         if u is None:
             raise StrategyError(
@@ -179,12 +188,14 @@ class Strategy(ABC):
             )
         return u
 
-    def students_unlabeled(self, u: torch.Tensor | None, classes: int) -> WireModel | None:
+    def students_unlabeled(self, u: torch.Tensor, classes: int) -> WireModel | None:
         """The inputs of `u` the finalize tasks carry for the guards' students (one object for
         every client: the network sends it once): `guard_distill_unlabeled` of them, a draw
         seeded by the run's seed alone, in `u`'s order; None where the students make none."""
-        count = min(getattr(self.config, "guard_distill_unlabeled", 0), 0 if u is None else len(u))
-        if u is None or count == 0 or getattr(self.config, "guard_distill_epochs", 0) == 0:
+        cfg = self.guard_config
+        assert cfg is not None
+        count = min(cfg.guard_distill_unlabeled, len(u))
+        if count == 0 or cfg.guard_distill_epochs == 0:
             return None
         if count < len(u):
             drawn = np.random.default_rng(self.seed).choice(len(u), size=count, replace=False)
@@ -311,7 +322,7 @@ class GlobalModelStrategy(Strategy):
         self.copies: dict[str, dict[str, torch.Tensor]] = {}
         # The inputs the finalize tasks carry for the guard's students (`guard_distill_unlabeled`).
         self.student_inputs: WireModel | None = None
-        if getattr(self.config, "guard_distill_unlabeled", 0):
+        if self.guard_config is not None and self.guard_config.guard_distill_unlabeled:
             u = self.unlabeled_set(
                 tuple(self.global_spec.input_shape),
                 f"{self.name}'s guard_distill_unlabeled sends its students inputs of",
@@ -334,7 +345,7 @@ class GlobalModelStrategy(Strategy):
         out = self.eval_models()
         if self.student_inputs is not None:
             out[UNLABELED] = self.student_inputs
-        offered = getattr(self.config, "guard_peers_offered", 0)
+        offered = self.guard_config.guard_peers_offered if self.guard_config else 0
         ids = sorted(self.copies)
         if len(ids) > offered:
             drawn = np.random.default_rng(self.seed).choice(len(ids), size=offered, replace=False)
@@ -384,7 +395,7 @@ class GlobalModelStrategy(Strategy):
         ]
         before = dict(self.flags)
         out = self._combine({"global": group})["global"]
-        if getattr(self.config, "guard_peers", 0):
+        if self.guard_config is not None and self.guard_config.guard_peers:
             # Kept for the finalize tasks (`finalize_models`): the copies aggregation took as
             # they came, not those it had to bound (clipped, pulled in, left out by krum).
             self.copies = {

@@ -124,3 +124,10 @@ def test_a_simulation_holds_the_inputs_out_of_every_clients_data_unless_a_file_n
     for data in fed.client_data:
         for split in (data.x_train, data.x_val, data.x_test):
             assert not held & {tuple(row.tolist()) for row in split.flatten(1)}
+
+
+@pytest.mark.parametrize("name", ["local", "fedavg"])
+def test_a_baseline_without_a_guard_holds_nothing_out_and_its_finalize_carries_no_inputs(name):
+    assert strategy_class(name).unlabeled_holdout(algorithm_class(name).config_cls()) == 0
+    s = _strategy(name)
+    assert all(UNLABELED not in models for models in s.configure_finalize().values())
