@@ -442,16 +442,8 @@ def test_load_unlabeled_reads_npy_and_safetensors_and_refuses_the_rest(tmp_path)
             load_unlabeled(tmp_path / name)
 
 
-def test_simulation_holds_the_unlabeled_set_out_of_every_clients_data():
-    cfg = tiny_config(algorithm="fedme", overrides={"fedme.unlabeled_size": 100})
-    plain = prepare_federation(tiny_config(algorithm="fedavg"))
-    fed = prepare_federation(cfg)
-    assert fed.server_data.unlabeled is not None and len(fed.server_data.unlabeled) == 100
-    assert len(fed.dataset) == len(plain.dataset) - 100
-    held = {tuple(row.tolist()) for row in fed.server_data.unlabeled.flatten(1)}
-    for data in fed.client_data:
-        for split in (data.x_train, data.x_val, data.x_test):
-            assert not held & {tuple(row.tolist()) for row in split.flatten(1)}
+def test_a_simulation_refuses_an_unlabeled_set_larger_than_its_dataset():
+    # (the set held out of every client's data: tests/coordinator/test_students_unlabeled.py)
     with pytest.raises(ValueError, match=r"lower fedme\.unlabeled_size"):
         prepare_federation(tiny_config(algorithm="fedme", overrides={"fedme.unlabeled_size": 800}))
 

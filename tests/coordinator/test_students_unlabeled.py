@@ -101,7 +101,7 @@ def test_where_the_coordinator_sends_no_inputs_it_is_refused():
         strategy_class("federico")(config, clients=info, global_spec=None, rounds=3, seed=0)
 
 
-def test_a_simulation_holds_the_inputs_out_of_every_clients_data_unless_a_file_names_them():
+def test_the_inputs_are_held_out_unless_a_file_names_them():
     fml = strategy_class("fml")
     config = algorithm_class("fml").config_cls
     assert fml.unlabeled_holdout(config(guard_distill_unlabeled=60)) == 60
@@ -114,12 +114,16 @@ def test_a_simulation_holds_the_inputs_out_of_every_clients_data_unless_a_file_n
         == 0
     )
 
-    plain = prepare_federation(tiny_config(algorithm="pfml"))
-    fed = prepare_federation(
-        tiny_config(algorithm="pfml", overrides={"pfml.guard_distill_unlabeled": 60})
-    )
-    assert fed.server_data.unlabeled is not None and len(fed.server_data.unlabeled) == 60
-    assert len(fed.dataset) == len(plain.dataset) - 60
+
+@pytest.mark.parametrize(
+    ("algorithm", "setting", "n"),
+    [("pfml", "pfml.guard_distill_unlabeled", 60), ("fedme", "fedme.unlabeled_size", 100)],
+)
+def test_a_simulation_holds_the_set_out_of_every_clients_data(algorithm, setting, n):
+    plain = prepare_federation(tiny_config(algorithm="fedavg"))
+    fed = prepare_federation(tiny_config(algorithm=algorithm, overrides={setting: n}))
+    assert fed.server_data.unlabeled is not None and len(fed.server_data.unlabeled) == n
+    assert len(fed.dataset) == len(plain.dataset) - n
     held = {tuple(row.tolist()) for row in fed.server_data.unlabeled.flatten(1)}
     for data in fed.client_data:
         for split in (data.x_train, data.x_val, data.x_test):
