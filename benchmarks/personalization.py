@@ -363,14 +363,14 @@ def run_one(
         "round.deadline_s": 3600,
         **_budget(size, algorithm),
     }
+    # The algorithm's settings as the overrides give them (read below).
+    own = load_config(None, {"algorithm": algorithm}, overrides, environ=False)
     # FedMe's unlabeled set, and the other guards' students' inputs where they learn on some:
     # samples no client holds, so that the clients' data is the same as without them.
-    chosen = load_config(None, {"algorithm": algorithm}, overrides, environ=False)
-    if algorithm == "fedme" or getattr(chosen.algorithm_config(), "guard_distill_unlabeled", 0):
+    if algorithm == "fedme" or getattr(own.algorithm_config(), "guard_distill_unlabeled", 0):
         flags[f"{algorithm}.unlabeled_path"] = str(_unlabeled(split, seed, size.unlabeled, out))
     if algorithm == "federico":
         local = run_one(split, seed, "local", size, out, OWN, reuse_other_code=reuse_other_code)
-        own = load_config(None, {"algorithm": "federico"}, overrides, environ=False)
         flags["rounds"] = federico_rounds(
             size, [c["n_train"] for c in local.clients], own.federico.batch_size
         )
