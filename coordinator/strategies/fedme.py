@@ -183,6 +183,9 @@ class FedMeStrategy(Strategy):
             for i, c in enumerate(infos)
         }
         self.exchange: dict[str, str] = {}
+        # The inputs the finalize tasks carry for the guard's students, drawn once, as
+        # GlobalModelStrategy's.
+        self.student_inputs = self.students_unlabeled(self.unlabeled, infos[0].spec.num_classes)
 
     def configure_fit(self, round_: int) -> dict[str, dict[str, WireModel]]:
         ids = self.sample(round_)
@@ -222,11 +225,9 @@ class FedMeStrategy(Strategy):
 
     def configure_finalize(self) -> dict[str, dict[str, WireModel]]:
         plan = self.configure_evaluate(self.rounds)
-        classes = next(iter(self.clients.values())).spec.num_classes
-        extra = self.students_unlabeled(self.unlabeled, classes)
-        if extra is None:
+        if self.student_inputs is None:
             return plan
-        return {cid: {**models, UNLABELED: extra} for cid, models in plan.items()}
+        return {cid: {**models, UNLABELED: self.student_inputs} for cid, models in plan.items()}
 
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict() | {
