@@ -213,7 +213,22 @@ def join(cfg: RunConfig) -> tuple[Ranks, RunConfig]:
     torch.set_num_threads(threads)
     devices: list[Any] = [None] * world
     dist.all_gather_object(devices, place(cfg, local_rank), group=group)
-    ranks = Ranks(rank, world, group, devices=tuple(devices), threads=threads)
+    # The clients' count (`Ranks.store`): a connection of this rank's own to the rendezvous's
+    # store, which MASTER_ADDR:MASTER_PORT names however the ranks were started.
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=wait),
+    )
+    ranks = Ranks(
+        rank,
+        world,
+        group,
+        devices=tuple(devices),
+        threads=threads,
+        store=dist.PrefixStore("edgefl", store),
+    )
     _RANKS = ranks
     return ranks, cfg.model_copy(update={"out": prints[0][1]})
 

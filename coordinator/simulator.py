@@ -182,7 +182,9 @@ def _run(
     ]
     if ranks is not None:
         owners = {fed.client_ids[i]: r for r, part in enumerate(shards) for i in part}
-        return _over_ranks(cfg, fed, algorithm, ranks, nodes, owners, run_id, on_round, ckpt)
+        return _over_ranks(
+            cfg, fed, algorithm, ranks, nodes, owners, run_id, on_round, on_clients, ckpt
+        )
     threads = cfg.threads or cpu_threads()  # the CPU threads this run trains with
     parallel = cfg.parallel or threads
     release = _lean_heap(parallel)
@@ -254,6 +256,7 @@ def _over_ranks(
     owners: dict[str, int],
     run_id: str,
     on_round: Callable[[RoundRecord], None] | None,
+    on_clients: Callable[[int], None] | None,
     checkpoint_path: Path | None,
 ) -> RunResult | None:
     """This rank's part of a run sharded over ranks: rank 0 coordinates (its result), the
@@ -271,6 +274,7 @@ def _over_ranks(
         serve(shard)
         return None
     fleet = RankFleet(shard, owners)
+    fleet.finished = on_clients  # every rank's clients: rank 0's as they end, others' counted
     coordinator = build_coordinator(
         cfg,
         fleet,

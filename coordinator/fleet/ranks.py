@@ -10,7 +10,11 @@ over a `RankFleet`, whose clients are the union of the shards:
   sends the others what its nodes put on their `PeerBoard` since the last exchange (new
   publications, and messages to another rank's clients; one all-gather), so every node sees
   what it would see in one process before any node executes;
-- ranks other than 0 serve phases (`serve`) until rank 0 says the run is over.
+- ranks other than 0 serve phases (`serve`) until rank 0 says the run is over;
+- progress: each rank adds the clients whose tasks ended to a count in the rendezvous's store
+  (`Ranks.store`, torch's TCPStore) as its jobs end, and rank 0 reads it every
+  `COUNT_EVERY_S` while a phase runs, so a long phase (the finalize) is counted as in one
+  process (`Fleet.finished`), not only when its replies come back.
 
 Replies are not pre-summed on the ranks: the coordinator's aggregation bounds each update
 against the cohort's (coordinator.robust: norm clipping, a robust aggregator), which needs each
@@ -31,9 +35,10 @@ import contextlib
 import io
 import logging
 import pickle
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -67,6 +72,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+DONE = "clients-done"  # the key of the count in `Ranks.store`
+COUNT_EVERY_S = 0.5  # how often rank 0 reads it while a phase runs
+
 
 class RankLost(RuntimeError):
     """A rank stopped answering (its process died, or its connection broke)."""
@@ -83,6 +91,8 @@ class Ranks:
     # its intra-op threads: its share of its machine's cores, among the ranks there
     # (coordinator.distributed.rank_threads, set once at the rendezvous)
     threads: int = 1
+    # where the ranks count the clients whose tasks ended (a TCPStore; None: not counted)
+    store: Any = field(default=None, compare=False, repr=False)
 
 
 # -- shards ------------------------------------------------------------------------------------
@@ -240,6 +250,15 @@ class ShardFleet(LocalFleet):
         self.ranks = ranks
         self.peer_bytes = 0
         self._known: dict[tuple[str, str], object] = {}  # the publications already exchanged
+        if ranks.rank and ranks.store is not None:
+            self.finished = self._count
+
+    def _count(self, n: int) -> None:
+        """Add `n` clients whose tasks ended to the count rank 0 reads (`RankFleet`)."""
+        try:
+            self.ranks.store.add(DONE, n)
+        except RuntimeError as exc:  # the store is rank 0's: the phase's gather will say why
+            log.debug("rank %d: the clients' count was not kept: %s", self.ranks.rank, exc)
 
     def _begun(self) -> None:
         board = self.board
@@ -301,6 +320,11 @@ class RankFleet(Fleet):
         self.owners = dict(owners)
         self._out = self._in = 0
         self._broken = False  # an exchange with the other ranks broke off
+        shard.finished = self._told  # rank 0's own clients, as they end
+
+    def _told(self, n: int) -> None:
+        if self.finished is not None:
+            self.finished(n)
 
     @property
     def bytes_out(self) -> int:
@@ -313,6 +337,48 @@ class RankFleet(Fleet):
     @property
     def peer_bytes(self) -> int:
         return self.shard.peer_bytes
+
+    @contextlib.contextmanager
+    def _counting(self) -> Iterator[None]:
+        """While a phase runs, tell `finished` of the other ranks' clients whose tasks ended:
+        the rise of their count in the store, read every COUNT_EVERY_S and once more when
+        their replies are in (each rank counts a job before it replies). A store that does
+        not answer leaves the phase uncounted, not stopped."""
+        store = self.ranks.store
+        if self.finished is None or store is None or self.ranks.world == 1:
+            yield
+            return
+        seen: list[int] = []  # the count at the last read
+
+        def read() -> bool:
+            """Tell the rise since the last read; False where the store did not answer."""
+            try:
+                now = int(store.add(DONE, 0))
+            except RuntimeError as exc:  # a rank or the store lost: the exchange says so
+                log.debug("the other ranks' count could not be read: %s", exc)
+                return False
+            if seen and now > seen[0] and self.finished is not None:
+                self.finished(now - seen[0])
+            seen[:] = [now]
+            return True
+
+        if not read():  # the count before the phase is sent (no rank counts before then)
+            yield
+            return
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.wait(COUNT_EVERY_S) and read():
+                pass
+
+        reader = threading.Thread(target=poll, name="rank-count", daemon=True)
+        reader.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            reader.join()
+        read()
 
     @contextlib.contextmanager
     def _exchange(self) -> Iterator[None]:
@@ -380,11 +446,13 @@ class RankFleet(Fleet):
             )
             for part in parts
         ]
-        self._send([("phase", sub) for sub in subs], what)
-        with self._exchange():  # the peer exchange with the other ranks
-            mine = self.shard.serve_phase(subs[0])
+        with self._counting():
+            self._send([("phase", sub) for sub in subs], what)
+            with self._exchange():  # the peer exchange with the other ranks
+                mine = self.shard.serve_phase(subs[0])
+            answers = self._collect(mine, what)
         replies: dict[str, FitReply | None] = {cid: None for cid in request.plan}
-        for got, dropped in self._collect(mine, what):
+        for got, dropped in answers:
             replies.update(got)
             self.rejected.update(dropped)
         for cid, reply in replies.items():

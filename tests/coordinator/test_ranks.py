@@ -19,10 +19,12 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from tests_helpers import every_algorithm_args, needs_cuda, per_client_results
 from typer.testing import CliRunner
 
@@ -37,7 +39,16 @@ from coordinator.distributed import (
     rank_threads,
     source_digest,
 )
-from coordinator.fleet.ranks import balance, client_cost, dumps, loads
+from coordinator.fleet.ranks import (
+    DONE,
+    RankFleet,
+    Ranks,
+    ShardFleet,
+    balance,
+    client_cost,
+    dumps,
+    loads,
+)
 from coordinator.results import device_record
 from coordinator.run_config import RunConfig
 from edge_sdk.algorithms import algorithm_names
@@ -84,8 +95,10 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 
 def test_two_workers_give_one_process_per_client_results_for_every_algorithm(one_process, tmp_path):
-    # Execute: `edgefl simulate --workers 2`, two ranks started by torch's elastic launcher
-    proc = _edgefl("simulate", *ARGS, "--workers", "2", "--out", str(tmp_path))
+    # Execute: `edgefl simulate --workers 2`, two ranks started by torch's elastic launcher,
+    # with rank 0's progress bars
+    loud = [a for a in ARGS if a != "--quiet"]
+    proc = _edgefl("simulate", *loud, "--workers", "2", "--out", str(tmp_path))
 
     # Assert: every algorithm, every client, the same accuracies (rank 0 wrote the results)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -100,6 +113,42 @@ def test_two_workers_give_one_process_per_client_results_for_every_algorithm(one
         doc["summary"]["coordinator_bytes_out"] > 0 and doc["summary"]["coordinator_bytes_in"] > 0
     )
     assert doc["device"]["used"] == "cpu ×2 (2 ranks)"
+    # The bar counts both ranks' clients as they finalize (rank 1's from the store)
+    states = proc.stderr.replace("\r", "\n").splitlines()
+    counts = [m[1] for s in states if (m := re.search(r"^fedme:.*finalizing.*, (\d+) of 4", s))]
+    assert counts and counts[-1] == "4", counts
+
+
+def test_rank_0_counts_the_other_ranks_clients_as_their_tasks_end():
+    # Prepare: the rendezvous's store (a TCPStore on a free port), rank 0's fleet and rank 1's
+    # shard, each with its own connection to it, as `distributed.join` makes them
+    port = free_port()
+    wait = timedelta(seconds=10)
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=wait)
+
+    def ranks(rank: int) -> Ranks:
+        conn = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=wait)
+        return Ranks(rank, 2, store=dist.PrefixStore("edgefl", conn))
+
+    fleet, other = RankFleet(ShardFleet([], ranks(0)), {}), ShardFleet([], ranks(1))
+    told: list[int] = []
+    fleet.finished = told.append
+
+    # Execute: a phase in which rank 1's jobs end (3 clients, then 2) and rank 0's own (1)
+    with fleet._counting():
+        assert other.finished is not None and fleet.shard.finished is not None
+        other.finished(3)
+        deadline = time.monotonic() + 10
+        while not told and time.monotonic() < deadline:
+            time.sleep(0.01)
+        during = list(told)
+        fleet.shard.finished(1)
+        other.finished(2)
+
+    # Assert: rank 1's clients told while the phase ran, not only at its end; every one told
+    assert during == [3]
+    assert told[:2] == [3, 1] and sum(told) == 6
+    assert server.add("edgefl/" + DONE, 0) == 5  # (rank 0's own are not in the store)
 
 
 def test_two_nodes_meet_at_one_rendezvous_and_give_the_same_results(one_process, tmp_path):
