@@ -295,17 +295,29 @@ def launch(
         max_restarts=0,
         start_method="spawn",
     )
+    # The launcher logs a failed rank's whole traceback at ERROR; RankFailed says which rank
+    # failed and its error's last line, so the traceback is logged from -v on (as ours are).
+    told = logging.getLogger(_LAUNCHER_LOG)
+    was = told.level
+    if level > logging.INFO:
+        told.setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, _entry)(settings, level, fmt, progress)
     except ChildFailedError as exc:
-        raise RankFailed(_failure(exc)) from None
+        raise RankFailed(_failure(exc, shown=level <= logging.INFO)) from None
     except SignalException:  # SIGTERM or SIGINT here: the launcher has stopped every rank
         raise KeyboardInterrupt from None
+    finally:
+        told.setLevel(was)
     return results[0]
 
 
-def _failure(exc: Any) -> str:
-    """The first rank that failed, in words: its exit status and its error's last line."""
+_LAUNCHER_LOG = "torch.distributed.elastic.multiprocessing.api"
+
+
+def _failure(exc: Any, *, shown: bool = True) -> str:
+    """The first rank that failed, in words: its exit status and its error's last line (and,
+    where the launcher's log of its traceback was not `shown`, how to see it)."""
     rank, failure = exc.get_first_failure()
     code = failure.exitcode
     how = f"exit code {code}" if code >= 0 else f"killed by signal {failure.signal_name()}"
@@ -314,4 +326,5 @@ def _failure(exc: Any) -> str:
         message = message.get("message", "")
     last = str(message).strip().splitlines()[-1:] if message else []
     said = f": {last[0]}" if last and "<N/A>" not in last[0] else ""
-    return f"rank {rank} stopped ({how}){said}; the run stopped with it"
+    more = "" if shown or not said else " (-v shows the rank's traceback)"
+    return f"rank {rank} stopped ({how}){said}; the run stopped with it{more}"

@@ -254,6 +254,25 @@ def test_more_workers_than_clients_and_the_network_fleet_are_refused_before_any_
     assert "over several ranks runs the local fleet: drop --fleet network" in res.output
 
 
+def test_an_error_in_the_ranks_reads_as_in_one_process_without_the_launchers_traceback(tmp_path):
+    # Execute: a split the ranks find impossible (digits' 1,797 images for 200 clients of 10)
+    args = ["simulate", "--dataset", "digits", "--clients", "200", "--models", "mlr"]
+    args += ["--rounds", "1", "--baselines", "", "--out", str(tmp_path)]
+    proc = _edgefl(*args, "--workers", "2")
+
+    # Assert: the exit code and message of one process, naming the rank, and no traceback
+    # (-v shows it)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, said
+    assert re.search(
+        r"error: rank \d stopped \(exit code 1\): PartitionError: dirichlet: 1797 samples cannot "
+        r"give 200 clients 10 each; lower min_size or num_clients; the run stopped with it "
+        r"\(-v shows the rank's traceback\)",
+        said,
+    ), said
+    assert "Traceback" not in said, said
+
+
 @pytest.mark.parametrize("stop", ["rank 1 dies", "SIGTERM"])
 def test_a_rank_that_dies_or_a_sigterm_stops_the_run_and_says_so(stop, tmp_path):
     # Prepare: a long run over two ranks, each naming its pid as it starts
