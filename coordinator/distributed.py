@@ -295,12 +295,13 @@ def launch(
         max_restarts=0,
         start_method="spawn",
     )
-    # The launcher logs a failed rank's whole traceback at ERROR; RankFailed says which rank
-    # failed and its error's last line, so the traceback is logged from -v on (as ours are).
-    told = logging.getLogger(_LAUNCHER_LOG)
-    was = told.level
-    if level > logging.INFO:
-        told.setLevel(logging.CRITICAL)
+    # The launcher logs a failed rank's whole traceback at ERROR, and the stopping of the
+    # others; RankFailed says which rank failed and its error's last line, so the launcher's
+    # lines are logged from -v on (as ours are).
+    told = [logging.getLogger(name) for name in _LAUNCHER_LOGS]
+    were = [t.level for t in told]
+    for t in told if level > logging.INFO else []:
+        t.setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, _entry)(settings, level, fmt, progress)
     except ChildFailedError as exc:
@@ -308,11 +309,12 @@ def launch(
     except SignalException:  # SIGTERM or SIGINT here: the launcher has stopped every rank
         raise KeyboardInterrupt from None
     finally:
-        told.setLevel(was)
+        for t, was in zip(told, were, strict=True):
+            t.setLevel(was)
     return results[0]
 
 
-_LAUNCHER_LOG = "torch.distributed.elastic.multiprocessing.api"
+_LAUNCHER_LOGS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
 
 
 def _failure(exc: Any, *, shown: bool = True) -> str:
