@@ -257,7 +257,7 @@ class ShardFleet(LocalFleet):
         """Add `n` clients whose tasks ended to the count rank 0 reads (`RankFleet`)."""
         try:
             self.ranks.store.add(DONE, n)
-        except RuntimeError as exc:  # the store is rank 0's: the phase's gather will say why
+        except RuntimeError as exc:  # the store gone with its launcher: the exchange says why
             log.debug("rank %d: the clients' count was not kept: %s", self.ranks.rank, exc)
 
     def _begun(self) -> None:
