@@ -56,6 +56,8 @@ def print_summary(results: Results, out: str | None) -> None:
             cells = "".join(f"{pct(getattr(c, k)):>{max(10, len(h) + 2)}}" for h, k in shown)
             row = f"{c.id:<8}{c.arch or '—':<10}{deployed[c.id]:<{wide}}{cells}"
             typer.echo(row + (f"  {c.device}" if mixed else ""))
+    if (line := results.sample_line()) is not None:
+        typer.echo(line)
     told = results.deployed()
     if told["devices"]:
         typer.echo(

@@ -49,8 +49,14 @@ class RoundConfig(BaseModel):
         description="seconds the coordinator waits for its clients to register (clients started "
         "by hand, or slow to import torch, take minutes)",
     )
-    eval_every: int = Field(
-        1, ge=1, description="evaluate on every client every N rounds (and after the last)"
+    eval_every: int = Field(1, ge=1, description="evaluate every N rounds (and after the last)")
+    eval_clients: int | None = Field(
+        None,
+        ge=1,
+        description="evaluate this many clients, a sample drawn once from the seed with every "
+        "architecture in proportion (the same each round and in each baseline); a simulation "
+        "finalizes only them too, and its results are theirs, while a deployment finalizes "
+        "every device; none: every client",
     )
     min_clients: int | None = Field(
         None,

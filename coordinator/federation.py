@@ -221,7 +221,9 @@ def build_coordinator(
     the config's `models`, so a strategy with a global model takes `global_family` (the first of
     them unless `global_model` names one) and the coordinator keeps the samples the strategy
     holds out (`fed.server_data`). Without it (the daemon), the global model is `global_model`,
-    or the clients' one architecture when they all register the same.
+    or the clients' one architecture when they all register the same. A simulation's
+    `round.eval_clients` sample is drawn by the config's `models` (every baseline evaluates the
+    same clients, whatever architecture it trains) and only it is finalized.
     """
     name = algorithm or cfg.algorithm
     has_global = strategy_class(name).has_global_model
@@ -245,7 +247,14 @@ def build_coordinator(
         checkpoint_path=checkpoint_path,
         server_data=fed.server_data if fed is not None else None,
         incarnation=incarnation,
+        eval_families=None if fed is None else config_families(cfg, fed),
+        finalize_sample=fed is not None,
     )
+
+
+def config_families(cfg: RunConfig, fed: Federation) -> dict[str, str]:
+    """Each client's architecture as the config assigns it (`models`, round-robin)."""
+    return {cid: cfg.models[i % len(cfg.models)] for i, cid in enumerate(fed.client_ids)}
 
 
 def build_node(

@@ -130,6 +130,9 @@ class RunResult:
     bytes_out: int = 0  # payload bytes the coordinator sent and received over the whole run
     bytes_in: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # the strategy's own results fields
+    # The registered clients, when `clients` holds only the sample finalized (a simulation's
+    # `round.eval_clients`); None: it holds every one.
+    population: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -223,6 +226,7 @@ def build_results(
             "budget": {name: training_budget(cfg, name) for name in runs},
             "rounds": [_round_entry(r) for r in main.rounds],
             "clients": clients,
+            "population": main.population,
             "summary": summary,
             "device": device or _registered_devices(main.clients),
             "baselines": {

@@ -315,6 +315,7 @@ class Results(_Doc):
         "onnx",
         "onnx_note",
         "setup",
+        "population",
     )
 
     config: dict[str, Any] = {}  # the resolved run config (the daemon: without data, models)
@@ -322,6 +323,9 @@ class Results(_Doc):
     budget: dict[str, dict[str, Any]] = {}
     rounds: list[RoundEntry] = []
     clients: list[ClientEntry] = []
+    # The clients the run had, when `clients` (and every mean) covers only the sample it
+    # evaluated and finalized (a simulation's `round.eval_clients`); absent: every client.
+    population: int | None = Field(None, ge=1)
     summary: Summary = Summary()
     device: DeviceRecord | None = None
     # FedeRiCo: each client's weights over every client's model (rows in this order)
@@ -381,6 +385,16 @@ class Results(_Doc):
     def deployed(self) -> dict[str, Any]:
         """What the devices deployed (`deployment_summary`)."""
         return deployment_summary(self.clients)
+
+    def sample_line(self) -> str | None:
+        """Whose accuracies the run reports, when only a sample was evaluated (None: all)."""
+        if self.population is None:
+            return None
+        return (
+            f"evaluated and finalized: {len(self.clients):,} of the {self.population:,} clients, "
+            "a sample drawn per architecture (round.eval_clients); every accuracy and "
+            "deployment reported is theirs"
+        )
 
     @property
     def exit_code(self) -> int:

@@ -6,9 +6,11 @@ validated (schema, model names, architectures, shapes, finite values, counts), o
 enough valid replies arrived (quorum) the strategy aggregates, else the round runs again or is
 recorded as failed with the state left as it was, the clients' included (their next task says
 which round was kept last, and a client that trained in a later one goes back to the state before
-it) → evaluation on every client → checkpoint.
-After the last round a finalize task goes to every client (fine-tuning, ONNX export) and the
-final per-client scores come back with it. The coordinator knows no topics, blobs or chunks:
+it) → evaluation on every client (or on `round.eval_clients` of them, a sample fixed for the
+run) → checkpoint.
+After the last round a finalize task goes to every client (fine-tuning, ONNX export; in a
+simulation with `round.eval_clients`, to the sample alone) and the final per-client scores come
+back with it. The coordinator knows no topics, blobs or chunks:
 registration, presence and the wire are the fleet's.
 """
 
@@ -18,10 +20,13 @@ import logging
 import math
 import secrets
 import time
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from coordinator.checkpoint import Checkpointing
 from coordinator.config_sections import RoundConfig
@@ -66,6 +71,7 @@ __all__ = [
     "CoordinatorStats",
     "Interrupted",
     "RoundConfig",
+    "eval_sample",
 ]
 
 log = logging.getLogger(__name__)
@@ -102,10 +108,17 @@ class Coordinator(Checkpointing):
         on_round: Callable[[RoundRecord], None] | None = None,
         checkpoint_path: str | Path | None = None,
         server_data: ServerData | None = None,
+        eval_families: Mapping[str, str] | None = None,
+        finalize_sample: bool = False,
     ) -> None:
         """`fleet`: where the clients are (`NetworkFleet(transport)`, `LocalFleet(nodes)`).
         `checkpoint_path`: after every round the whole state is written there (atomically);
-        a coordinator that finds it resumes at the next round (see `restore`)."""
+        a coordinator that finds it resumes at the next round (see `restore`).
+
+        With `round.eval_clients`, `eval_families` is the architecture each client counts
+        under in the sample (a simulation: its config's, so that every baseline evaluates the
+        same clients; none: the one it registered), and `finalize_sample` finalizes the sample
+        alone (a simulation; a deployment finalizes every device, whose model it is)."""
         if rounds < 1 or expected_clients < 1:
             raise ValueError(
                 f"need rounds >= 1 and expected_clients >= 1, got {rounds}, {expected_clients}"
@@ -126,6 +139,9 @@ class Coordinator(Checkpointing):
         self.on_round = on_round
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.server_data = server_data
+        self.eval_families = dict(eval_families) if eval_families is not None else None
+        self.finalize_sample = finalize_sample
+        self._evaluated: frozenset[str] | None = None  # the sample, once drawn (`_eval_plan`)
         self.info = RunInfo(
             run_id=topics.check_id(run_id, "run id"),
             algorithm=algorithm,
@@ -217,6 +233,7 @@ class Coordinator(Checkpointing):
                 bytes_out=self._bytes_before[0] + self.fleet.bytes_out,
                 bytes_in=self._bytes_before[1] + self.fleet.bytes_in,
                 extra=strategy.results(),
+                population=len(self.clients) if len(finals) < len(self.clients) else None,
             )
         except BrokerUnfit as exc:  # no coordinator coming back would fix it: tell them why
             self.fleet.finish(f"run stopped: {exc}")
@@ -338,7 +355,7 @@ class Coordinator(Checkpointing):
         blamed: list[str] = []
         back = False
         if evaluate:
-            scores = self._run_phase(r, "evaluate", strategy.configure_evaluate(r))
+            scores = self._run_phase(r, "evaluate", self._eval_plan(strategy.configure_evaluate(r)))
             personal, glob, per_client = accuracies(scores)
             now = {cid: client_score(per_client.get(cid)) for cid in scores}
             worse = rolled_back(self._scores, now, self.robust) if undo is not None else None
@@ -422,17 +439,43 @@ class Coordinator(Checkpointing):
         strategy = self._strategy()
         if not (self.robust.rollback and strategy.aggregates and self.rc.eval_every == 1):
             return
-        scores = self._run_phase(0, "evaluate", strategy.configure_evaluate(0))
+        scores = self._run_phase(0, "evaluate", self._eval_plan(strategy.configure_evaluate(0)))
         _, _, per_client = accuracies(scores)
         now = {cid: client_score(per_client.get(cid)) for cid in scores}
         self._scores = {cid: v for cid, v in now.items() if v is not None}
         self._scored_after = 0
 
+    def _eval_plan(
+        self, plan: Mapping[str, Mapping[str, WireModel]]
+    ) -> Mapping[str, Mapping[str, WireModel]]:
+        """`plan` for the clients `round.eval_clients` samples (all of them without it). The
+        sample is drawn once, from the clients registered then (or restored), by `eval_sample`."""
+        k = self.rc.eval_clients
+        if k is None or k >= len(self.clients):
+            return plan
+        if self._evaluated is None:
+            families = self.eval_families or {}
+            self._evaluated = eval_sample(
+                {cid: families.get(cid, c.spec.family) for cid, c in self.clients.items()},
+                k,
+                self.seed,
+            )
+        return {cid: models for cid, models in plan.items() if cid in self._evaluated}
+
+    def _unsampled(self, cid: str) -> bool:
+        """Whether the finalize leaves `cid` out: a simulation's client outside the sample."""
+        return self.finalize_sample and self._evaluated is not None and cid not in self._evaluated
+
     def _finalize(self) -> list[ClientResult]:
-        scores = self._run_phase(self.rounds, "finalize", self._strategy().configure_finalize())
+        plan: Mapping[str, Mapping[str, WireModel]] = self._strategy().configure_finalize()
+        if self.finalize_sample:
+            plan = self._eval_plan(plan)
+        scores = self._run_phase(self.rounds, "finalize", plan)
         _, _, per_client = accuracies(scores)
         out = []
         for cid, info in sorted(self.clients.items()):
+            if self._unsampled(cid):
+                continue
             p, g = per_client.get(cid, (None, None))
             reply = scores.get(cid)
             out.append(
@@ -488,6 +531,30 @@ class Coordinator(Checkpointing):
             check_reply(reply, self.clients[cid].capabilities, expected)
 
         return validate
+
+
+def eval_sample(families: Mapping[str, str], k: int, seed: int) -> frozenset[str]:
+    """`k` of the clients (`families`: client id -> the architecture it counts under), drawn
+    with `seed` alone, so that runs with the same clients draw the same: each architecture gets
+    seats in proportion to its clients (at least one each, when `k` allows), seat by seat to
+    the architecture furthest below its share, and its seats go to clients drawn uniformly."""
+    groups: defaultdict[str, list[str]] = defaultdict(list)
+    for cid in sorted(families):
+        groups[families[cid]].append(cid)
+    if k >= len(families):
+        return frozenset(families)
+    names = sorted(groups)
+    seats = dict.fromkeys(names, 0)
+    if k >= len(names):
+        seats = dict.fromkeys(names, 1)
+    for _ in range(k - sum(seats.values())):
+        room = [f for f in names if seats[f] < len(groups[f])]
+        f = max(room, key=lambda f: k * len(groups[f]) / len(families) - seats[f])
+        seats[f] += 1
+    rng = np.random.default_rng([seed, 0x65766C])  # its own stream: training's stays the same
+    return frozenset(
+        cid for f in names for cid in rng.choice(groups[f], size=seats[f], replace=False).tolist()
+    )
 
 
 def new_incarnation() -> int:

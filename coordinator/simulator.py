@@ -469,7 +469,7 @@ def simulate(
         bar = _RunBar(
             tqdm(total=cfg.rounds, desc=name, unit="round", disable=not progress, leave=True),
             cfg.rounds,
-            len(fed.client_ids),
+            min(len(fed.client_ids), cfg.round.eval_clients or len(fed.client_ids)),
         )
         models, export_dir = _run_args(cfg, name)
         runs[name] = run_federation(

@@ -93,12 +93,15 @@ def overview_section(results: Results) -> list[str]:
     clients = results.clients
     lines = ["## At a glance", ""]
     what = (
-        f"**{results.algorithm}** trained {len(clients)} clients for {len(results.rounds)} rounds"
+        f"**{results.algorithm}** trained {results.population or len(clients)} clients for "
+        f"{len(results.rounds)} rounds"
     )
     name, part = dataset_name(results), partition_name(results)
     if name:
         what += f" on {name}" + (f" ({part} split)" if part else "")
-    lines += [what + ".", "", *_device_words(results)]
+    sample = results.sample_line()
+    lines += [what + ".", "", *([sample[0].upper() + sample[1:] + ".", ""] if sample else [])]
+    lines += _device_words(results)
     algorithm = results.algorithm
     means = [
         (f"personalized models ({algorithm}, final)", results.client_mean("personal_acc")),

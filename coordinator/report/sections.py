@@ -151,7 +151,7 @@ def config_section(results: Results) -> list[str]:
         ["Dataset", plain(dataset_name(results))],
         ["Partition", plain(partition_name(results))],
         ["Models", ", ".join(archs) if archs else plain(config.get("models"))],
-        ["Clients", plain(len(results.clients) or config.get("clients"))],
+        ["Clients", plain(results.population or len(results.clients) or config.get("clients"))],
         ["Rounds", plain(config.get("rounds", len(results.rounds) or None))],
         ["Seed", plain(config.get("seed"))],
     ]

@@ -8,9 +8,15 @@ import pytest
 import torch
 from tests_helpers import small_federation, tiny_config
 
-from coordinator.federation import prepare_federation
-from coordinator.fleet import NetworkFleet
-from coordinator.server import Coordinator, CoordinatorError, Interrupted, RoundConfig
+from coordinator.federation import build_coordinator, build_node, prepare_federation
+from coordinator.fleet import LocalFleet, NetworkFleet
+from coordinator.server import (
+    Coordinator,
+    CoordinatorError,
+    Interrupted,
+    RoundConfig,
+    eval_sample,
+)
 from coordinator.simulator import run_federation, simulate
 from edge_sdk.algorithms import algorithm_class
 from edge_sdk.client import EdgeClient
@@ -471,6 +477,41 @@ def test_eval_every_does_not_change_results(algorithm):
 
     assert finals(every_round) == finals(last_only)
     assert [r.global_acc for r in last_only.rounds][:2] == [None, None]
+
+
+def test_the_evaluation_sample_gives_each_architecture_its_share_and_depends_on_the_seed_alone():
+    # Prepare: 90 mlr, 9 mlp, 1 lstm clients
+    fams = {f"c{i:03d}": "mlr" if i < 90 else "mlp" if i < 99 else "lstm" for i in range(100)}
+
+    def counts(sample):
+        return {f: sum(fams[c] == f for c in sample) for f in ("mlr", "mlp", "lstm")}
+
+    # Execute / Assert: a seat each, then seat by seat to the one furthest below its share (of
+    # 10: 9, 0.9, 0.1; of 20: 18, 1.8, 0.2; of 40: 36, 3.6, 0.4); the lone lstm is never left out
+    # while there are seats enough, and too few seats go to the largest
+    assert counts(eval_sample(fams, 10, seed=0)) == {"mlr": 8, "mlp": 1, "lstm": 1}
+    assert counts(eval_sample(fams, 20, seed=0)) == {"mlr": 18, "mlp": 1, "lstm": 1}
+    assert counts(eval_sample(fams, 40, seed=0)) == {"mlr": 36, "mlp": 3, "lstm": 1}
+    assert counts(eval_sample(fams, 2, seed=0)) == {"mlr": 2, "mlp": 0, "lstm": 0}
+    assert eval_sample(fams, 100, seed=0) == eval_sample(fams, 500, seed=3) == frozenset(fams)
+    # the same clients and seed draw the same; another seed draws others
+    assert eval_sample(dict(reversed(fams.items())), 10, seed=0) == eval_sample(fams, 10, seed=0)
+    assert eval_sample(fams, 10, seed=1) != eval_sample(fams, 10, seed=0)
+
+
+def test_a_deployment_evaluates_the_sample_each_round_and_finalizes_every_device():
+    # Prepare: the daemon's coordinator (no federation at hand) over 4 clients, 2 evaluated
+    cfg = tiny_config(algorithm="fedavg", rounds=2, **{"round.eval_clients": 2})
+    fed = prepare_federation(cfg)
+    fleet = LocalFleet([build_node(cfg, fed, i) for i in range(4)])
+
+    # Execute
+    result = build_coordinator(cfg, fleet).run()
+
+    # Assert: rounds judge the sample; every device still gets its model and its accuracy
+    assert [len(r.client_acc) for r in result.rounds] == [2, 2]
+    assert [c.id for c in result.clients] == ["c0", "c1", "c2", "c3"]
+    assert all(c.personal_acc is not None for c in result.clients) and result.population is None
 
 
 def test_fedavg_ft_reports_the_fine_tuned_models_it_deploys_as_its_best():

@@ -57,6 +57,31 @@ def test_parked_clients_end_exactly_as_live_ones_for_every_algorithm(live, where
     assert files == ([f"c{i}.state" for i in range(6)] if where == "disk" else [])
 
 
+def test_a_sample_evaluated_ends_as_in_a_run_that_evaluates_everyone(live, tmp_path):
+    # Execute: the same run, 3 of its 6 clients (mlr and mlp, round-robin) evaluated and
+    # finalized; parked on disk, as a population would be.
+    out = tmp_path / "out"
+    sampled = _simulate(out, "--set", "round.eval_clients=3", "--set", "idle_state=disk")
+
+    # Assert: every run (FedMe and its eight baselines, of one architecture or two) evaluated the
+    # same clients, of both architectures, and each ended exactly as when everyone was evaluated.
+    doc = json.loads((out / "results.json").read_text())
+    ids = [c["id"] for c in doc["clients"]]
+    assert len(ids) == 3 and doc["population"] == 6
+    assert {c["arch"] for c in doc["clients"]} == {"mlr", "mlp"}
+    assert sorted(sampled) == sorted([*algorithm_names(), "rounds"])
+    for name, clients in live.items():
+        if name == "rounds":
+            continue
+        assert [c[0] for c in sampled[name]] == ids, name
+        assert sampled[name] == [c for c in clients if c[0] in ids], name
+    assert sampled["rounds"] == [
+        (r, failed, {cid: acc for cid, acc in accs.items() if cid in ids})
+        for r, failed, accs in live["rounds"]
+    ]
+    assert "Evaluated and finalized: 3 of the 6 clients" in (out / "report.md").read_text()
+
+
 @pytest.mark.parametrize(("where", "most"), [("memory", 6), ("host", 2), ("disk", 2)])
 def test_a_phase_holds_at_most_a_cohort_of_live_clients(where, most, monkeypatch, tmp_path):
     # Prepare: watch every node: how many hold a live algorithm whenever one executes.
