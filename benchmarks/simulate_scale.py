@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -333,22 +334,26 @@ def run_population(
     cohort: int,
     root: str,
     device: str = "cpu",
+    evaluated: list[int] | None = None,
 ) -> list[dict[str, Any]]:
     """FML on all of Fashion-MNIST (iid) cut into `sizes` clients, `cohort` trained a round,
-    evaluated once (the last round: every client), finalized (every client), once per way of
-    keeping idle clients (`idle_state`), on `device`."""
+    evaluated once (the last round), finalized, once per way of keeping idle clients
+    (`idle_state`) and per number of clients evaluated and finalized (`evaluated`: 0 is every
+    client, else `round.eval_clients`), on `device`."""
     rows = []
     for family in families:
         for n in sizes:
-            for idle in idles:
+            for idle, k in itertools.product(idles, evaluated or [0]):
                 overrides = _scale_overrides(family, n, rounds, "local", root, device) | {
                     "clients_per_round": cohort,
                     "data.max_samples": None,
                     "round.eval_every": rounds,
+                    "round.eval_clients": k or None,
                     "idle_state": idle,
                 }
                 res = in_child(overrides)
                 res |= {"family": family, "clients": n, "cohort": cohort, "idle_state": idle}
+                res["evaluated"] = min(k, n) if k else n
                 # At its peak (the last phases, every client evaluated and finalized), what the
                 # run held beyond the data, per client: live, every client's state at once.
                 res["peak_kib_per_client"] = round(
@@ -361,13 +366,14 @@ def run_population(
 
 def _population_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        f"{'model':>7}{'clients':>9}{'idle':>8}{'after data':>12}{'peak':>8}"
+        f"{'model':>7}{'clients':>9}{'evaluated':>11}{'idle':>8}{'after data':>12}{'peak':>8}"
         f"{'peak KiB/client':>17}{'GPU peak':>10}{'wall s':>8}{'finalize s':>12}{'acc':>8}"
     ]
     for r in rows:
         acc = r["mean_personal_acc"]
         lines.append(
-            f"{r['family']:>7}{r['clients']:>9}{r['idle_state']:>8}{r['rss_after_data_mb']:>12}"
+            f"{r['family']:>7}{r['clients']:>9}{r.get('evaluated', r['clients']):>11}"
+            f"{r['idle_state']:>8}{r['rss_after_data_mb']:>12}"
             f"{r['peak_rss_mb']:>8}{r['peak_kib_per_client']:>17}"
             f"{r.get('gpu_peak_allocated_mb', '-'):>10}"
             f"{r['wall_s']:>8.0f}{r.get('finalize_s', '-'):>12}"
@@ -449,6 +455,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--population-sizes", nargs="+", type=int, default=[1000, 10000])
     ap.add_argument("--idle", nargs="+", default=["memory", "disk"], help="idle_state values")
     ap.add_argument("--cohort", type=int, default=100, help="population: clients_per_round")
+    ap.add_argument(
+        "--eval-clients",
+        nargs="+",
+        type=int,
+        default=[0],
+        help="population: round.eval_clients values (0: every client evaluated and finalized)",
+    )
     ap.add_argument("--device", default="cpu", help="population: where the clients train")
     ap.add_argument("--data-root", default=FMNIST, help="Fashion-MNIST's files")
     ap.add_argument("--json-out", type=Path)
@@ -473,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             a.cohort,
             a.data_root,
             a.device,
+            a.eval_clients,
         )
     emit(out, a.json_out, tables)
     return 0
