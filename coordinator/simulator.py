@@ -399,6 +399,34 @@ def _batch_budget(cfg: RunConfig, fed: Federation) -> None:
         )
 
 
+# A population this large, and this many times a round's cohort, is evaluated whole only on
+# request (`_population_budget`).
+_POPULATION_SAID = 1_000
+_POPULATION_COHORTS_SAID = 10
+
+
+def _population_budget(cfg: RunConfig, fed: Federation) -> None:
+    """Warn where every evaluation and the finalize reach a population far larger than a round's
+    cohort: with 10,000 clients and 100 a round, evaluating and personalizing everyone is most
+    of the run's work. Names the settings that evaluate a sample, or less often."""
+    n, per_round = len(fed.client_ids), cfg.clients_per_round
+    if cfg.round.eval_clients is not None or per_round is None:
+        return
+    if n < _POPULATION_SAID or n < _POPULATION_COHORTS_SAID * per_round:
+        return
+    log.warning(
+        "%d clients, %d trained a round: every evaluating round evaluates all %d and the "
+        "finalize personalizes all %d, most of the run's work; --set round.eval_clients=%d "
+        "evaluates and finalizes a sample (every architecture in proportion, the same in each "
+        "round and baseline), --set round.eval_every=N evaluates every N rounds",
+        n,
+        per_round,
+        n,
+        n,
+        min(n, 2 * per_round),
+    )
+
+
 # The most samples one of the guard's students learns on before the simulator says so
 # (`_student_budget`); the benchmarks' devices, of 24 to 147 images, stay below 56,000.
 _STUDENT_SAMPLES_SAID = 100_000
@@ -457,6 +485,7 @@ def simulate(
     _federico_budget(cfg, fed)
     _batch_budget(cfg, fed)
     _student_budget(cfg, fed)
+    _population_budget(cfg, fed)
     finished = _finished_runs(cfg)
     ranks = distributed.current()
     if ranks is not None:  # the other ranks skip what is finished too

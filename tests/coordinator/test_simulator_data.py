@@ -175,3 +175,28 @@ def test_students_learning_on_many_samples_are_named_with_the_setting_that_bound
         f"samples (300 epochs of 4 views of {largest})"
     )
     assert "--set fml.guard_distill_samples=64000 bounds each student" in said[0]
+
+
+def test_a_population_evaluated_whole_is_named_with_the_settings_that_sample_it(caplog):
+    # Prepare: 1,000 clients (only their ids are read), 100 or 200 trained a round, with and
+    # without an evaluation sample
+    from types import SimpleNamespace
+
+    from coordinator.simulator import _population_budget
+
+    fed = SimpleNamespace(client_ids=[f"c{i}" for i in range(1000)])
+    whole = tiny_config(clients=1000, clients_per_round=100)
+    sampled = tiny_config(clients=1000, clients_per_round=100, **{"round.eval_clients": 200})
+    big_cohorts = tiny_config(clients=1000, clients_per_round=200)
+    everyone = tiny_config(clients=1000)
+
+    # Execute
+    with caplog.at_level("WARNING", logger="coordinator.simulator"):
+        for cfg in (whole, sampled, big_cohorts, everyone):
+            _population_budget(cfg, fed)
+
+    # Assert: one warning, for the population 10 cohorts large evaluated whole, naming a sample
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert said[0].startswith("1000 clients, 100 trained a round: every evaluating round")
+    assert "--set round.eval_clients=200 evaluates and finalizes a sample" in said[0]
