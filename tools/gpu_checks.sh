@@ -14,6 +14,8 @@
 #               (mlp lenet5), idle on the GPU or the host: four runs side by side    T_POP=420
 #               (benchmarks/simulate_scale.py; memory, not time). Each round's memory is
 #               logged as it ends, so a run its limit cuts short still has its rounds'.
+#               POP_EVAL (default 0: every client) is round.eval_clients: 200 evaluates and
+#               finalizes a sample, so that a run of 10,000 clients ends within its limit.
 #   round       stacked against client by client (benchmarks/gpu_round.py), the parts
 #               ROUND_PARTS (default fml20 pfml fml100: all seven do not fit)          T_ROUND=120
 #   papers      paper rows at their full size (benchmarks/reproduce.py run ROW --device cuda
@@ -68,8 +70,9 @@ population() {
       for idle in memory host; do
         timeout "${T_POP:-420}" python3 benchmarks/simulate_scale.py --parts population \
           --device cuda --data-root "$D" --population-families $fam --population-sizes $n \
-          --idle $idle --scale-rounds 1 --threads 1 --json-out "$W/pop_${fam}_${n}_${idle}.json" \
-          > "$W/pop_${fam}_${n}_${idle}.txt" 2>&1 &
+          --idle $idle --scale-rounds 1 --threads 1 --eval-clients "${POP_EVAL:-0}" \
+          --json-out "$W/pop_${fam}_${n}_${idle}_${POP_EVAL:-0}.json" \
+          > "$W/pop_${fam}_${n}_${idle}_${POP_EVAL:-0}.txt" 2>&1 &
         pids+=($!)
       done
     done
