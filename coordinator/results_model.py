@@ -387,13 +387,26 @@ class Results(_Doc):
         return deployment_summary(self.clients)
 
     def sample_line(self) -> str | None:
-        """Whose accuracies the run reports, when only a sample was evaluated (None: all)."""
+        """Whose accuracies the run reports, when only a sample was evaluated (None: all), and
+        how closely their mean personalized accuracy estimates the population's: one standard
+        error, with the correction for a sample drawn without replacement."""
         if self.population is None:
             return None
-        return (
+        line = (
             f"evaluated and finalized: {len(self.clients):,} of the {self.population:,} clients, "
             "a sample drawn per architecture (round.eval_clients); every accuracy and "
             "deployment reported is theirs"
+        )
+        accs = [c.personal_acc for c in self.clients if c.personal_acc is not None]
+        k, n = len(accs), self.population
+        if k < 2 or n < 2:
+            return line
+        mean = sum(accs) / k
+        sd = math.sqrt(sum((a - mean) ** 2 for a in accs) / (k - 1))
+        se = sd / math.sqrt(k) * math.sqrt(max(0, n - k) / (n - 1))
+        return (
+            f"{line}, and their mean personalized accuracy estimates the population's to "
+            f"±{100 * se:.2f} points (one standard error)"
         )
 
     @property

@@ -79,7 +79,14 @@ def test_a_sample_evaluated_ends_as_in_a_run_that_evaluates_everyone(live, tmp_p
         (r, failed, {cid: acc for cid, acc in accs.items() if cid in ids})
         for r, failed, accs in live["rounds"]
     ]
-    assert "Evaluated and finalized: 3 of the 6 clients" in (out / "report.md").read_text()
+    # ... and the report says whose they are, and how closely the sample's mean estimates the
+    # population's: one standard error, corrected for drawing 3 of 6 without replacement
+    accs = [c["personal_acc"] for c in doc["clients"]]
+    mean = sum(accs) / 3
+    se = (sum((a - mean) ** 2 for a in accs) / 2 / 3 * (6 - 3) / (6 - 1)) ** 0.5
+    report = (out / "report.md").read_text()
+    assert "Evaluated and finalized: 3 of the 6 clients" in report
+    assert f"estimates the population's to ±{100 * se:.2f} points" in report
 
 
 @pytest.mark.parametrize(("where", "most"), [("memory", 6), ("host", 2), ("disk", 2)])
