@@ -94,7 +94,7 @@ def write_report(results: Results, out_dir: Path) -> Path:
     lines += sections.metrics_section(results.summary)
     lines += ["## Accuracy per round", "", f"![Accuracy per round]({ROUND_PLOT_NAME})", ""]
     if SPLIT_PLOT_NAME in figures:
-        lines += sections.split_section(results.split, arch)
+        lines += sections.split_section(results.split, arch, results.population is not None)
         lines += [f"![Training samples per class, per client]({SPLIT_PLOT_NAME})", ""]
     lines += sections.onnx_section(results.onnx, results.onnx_note)
     if COLLABORATION_PLOT_NAME in figures:

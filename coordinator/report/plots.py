@@ -18,6 +18,7 @@ from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from coordinator.results_model import Baseline, ClientEntry, Results, RoundEntry, Split
+from model_zoo.data import PLOT_CLIENTS_MAX
 from model_zoo.files import atomic_open
 
 __all__ = [
@@ -169,25 +170,27 @@ def _sorted_clients_figure(clients: Sequence[ClientEntry]) -> Figure:
 
 
 def split_figure(split: Split, arch: Mapping[str, str]) -> Figure:
-    """Stacked horizontal bars: each client's training samples per class."""
+    """Stacked horizontal bars: each client's training samples per class; of a population, at
+    most `PLOT_CLIENTS_MAX` clients, those with results (`arch`) first."""
     classes = split.classes
-    counts = np.array([c.counts for c in split.clients], dtype=np.int64).reshape(
-        len(split.clients), -1
-    )
-    figure = Figure(
-        figsize=(9, min(max(2.5, 0.35 * len(split.clients) + 1.5), 30.0)), layout="constrained"
-    )
+    first = sorted(range(len(split.clients)), key=lambda i: split.clients[i].id not in arch)
+    shown = [split.clients[i] for i in sorted(first[:PLOT_CLIENTS_MAX])]  # in the split's order
+    counts = np.array([c.counts for c in shown], dtype=np.int64).reshape(len(shown), -1)
+    figure = Figure(figsize=(9, min(max(2.5, 0.35 * len(shown) + 1.5), 30.0)), layout="constrained")
     axes = figure.add_subplot()
-    axes.set_title("Training samples per class, per client")
+    title = "Training samples per class, per client"
+    if len(shown) < len(split.clients):
+        title += f" ({len(shown)} of {len(split.clients):,}; split.txt has every one)"
+    axes.set_title(title)
     palette = colormaps["tab20" if counts.shape[1] > 10 else "tab10"]
-    left = np.zeros(len(split.clients))
-    positions = np.arange(len(split.clients))
+    left = np.zeros(len(shown))
+    positions = np.arange(len(shown))
     for k in range(counts.shape[1]):
         if counts[:, k].any():
             name = classes[k] if k < len(classes) else str(k)
             axes.barh(positions, counts[:, k], left=left, color=palette(k % palette.N), label=name)
         left += counts[:, k]
-    names = [c.id for c in split.clients]
+    names = [c.id for c in shown]
     axes.set_yticks(positions, [f"{n} ({arch[n]})" if n in arch else n for n in names])
     axes.invert_yaxis()
     axes.set_xlabel("training samples")

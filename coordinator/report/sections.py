@@ -58,13 +58,16 @@ def setup_section(setup: Mapping[str, str] | None) -> list[str]:
     return ["## How this ran", "", *table(["What", "How"], rows), ""]
 
 
-def split_section(split: Split | None, arch: Mapping[str, str]) -> list[str]:
-    """Each client's share of the data: sizes and the classes it sees."""
+def split_section(split: Split | None, arch: Mapping[str, str], sampled: bool = False) -> list[str]:
+    """Each client's share of the data: sizes and the classes it sees; `sampled`: only of the
+    clients with results (`arch`), a sample of the population (split.txt has every one)."""
     if split is None or not split.clients:
         return []
     classes = split.classes
     rows = []
     for r in split.clients:
+        if sampled and r.id not in arch:
+            continue
         seen = [
             f"{classes[k] if k < len(classes) else k} ({n})" for k, n in enumerate(r.counts) if n
         ]
@@ -80,6 +83,9 @@ def split_section(split: Split | None, arch: Mapping[str, str]) -> list[str]:
     lines = ["## Data per client", ""]
     if split.description:
         lines += [split.description, ""]
+    if sampled:
+        lines += [f"The {len(rows):,} clients evaluated; split.txt has all {len(split.clients):,}."]
+        lines += [""]
     lines += [
         *table(["Client", "Arch", "train / val / test", "Classes", "Training samples"], rows),
         "",

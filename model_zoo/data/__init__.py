@@ -20,10 +20,11 @@ from .partition import (
 )
 from .registry import dataset_names, default_root, load_dataset, register_dataset
 from .schemes import register_scheme
-from .summary import format_split_table, plot_label_distribution, split_summary
+from .summary import PLOT_CLIENTS_MAX, format_split_table, plot_label_distribution, split_summary
 
 __all__ = [
     "FEMNIST_CLASSES",
+    "PLOT_CLIENTS_MAX",
     "SHAKESPEARE_VOCAB",
     "ClientSplit",
     "Dataset",

@@ -13,9 +13,13 @@ import torch
 from ..files import atomic_open
 from .partition import Partition
 
-__all__ = ["format_split_table", "plot_label_distribution", "split_summary"]
+__all__ = ["PLOT_CLIENTS_MAX", "format_split_table", "plot_label_distribution", "split_summary"]
 
 logger = logging.getLogger(__name__)
+
+# A plot of clients draws at most this many, one bar each: a population's 10,000 bars took
+# minutes to draw and could not be read. The table (split.txt) keeps every client.
+PLOT_CLIENTS_MAX = 100
 
 _COLUMNS = ("client", "n_train", "n_val", "n_test", "n_total", "n_classes", "top_classes")
 
@@ -81,9 +85,9 @@ def plot_label_distribution(
     path: str | Path,
     class_names: Sequence[str] | None = None,
 ) -> Path:
-    """Stacked horizontal bars, one per client, one colour per class (all of the client's
-    samples). Written atomically (`model_zoo.files`), so a reader never sees a half-written PNG.
-    Returns the path."""
+    """Stacked horizontal bars, one per client (the first `PLOT_CLIENTS_MAX`), one colour per
+    class (all of the client's samples). Written atomically (`model_zoo.files`), so a reader
+    never sees a half-written PNG. Returns the path."""
     # The object-oriented API with the Agg canvas: no pyplot state, no GUI backend.
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -92,27 +96,31 @@ def plot_label_distribution(
     path = Path(path)
     y = _labels(labels)
     num_classes = int(y.max()) + 1 if len(y) else 0
-    counts = np.zeros((len(partition), num_classes), dtype=np.int64)
-    for i, c in enumerate(partition.clients):
+    shown = partition.clients[:PLOT_CLIENTS_MAX]
+    counts = np.zeros((len(shown), num_classes), dtype=np.int64)
+    for i, c in enumerate(shown):
         counts[i] = np.bincount(y[c.indices], minlength=num_classes)
-    height = min(max(2.5, 0.28 * len(partition) + 1.5), 40.0)
+    height = min(max(2.5, 0.28 * len(shown) + 1.5), 40.0)
     fig = Figure(figsize=(9, height))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     palette = colormaps["tab20" if num_classes > 10 else "tab10"]
-    left = np.zeros(len(partition))
-    rows = np.arange(len(partition))
+    left = np.zeros(len(shown))
+    rows = np.arange(len(shown))
     for k in range(num_classes):
         if counts[:, k].any():
             name = class_names[k] if class_names else str(k)
             ax.barh(rows, counts[:, k], left=left, color=palette(k % palette.N), label=name)
         left += counts[:, k]
     ax.set_yticks(rows)
-    ax.set_yticklabels([str(i) for i in rows], fontsize=7 if len(partition) > 30 else 9)
+    ax.set_yticklabels([str(i) for i in rows], fontsize=7 if len(shown) > 30 else 9)
     ax.invert_yaxis()
     ax.set_xlabel("samples")
     ax.set_ylabel("client")
-    ax.set_title(f"label distribution per client ({partition.scheme})")
+    title = f"label distribution per client ({partition.scheme})"
+    if len(shown) < len(partition):
+        title += f": the first {len(shown)} of {len(partition):,}"
+    ax.set_title(title)
     if 0 < num_classes <= 20:
         ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, title="class")
     fig.tight_layout()

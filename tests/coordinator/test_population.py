@@ -87,6 +87,11 @@ def test_a_sample_evaluated_ends_as_in_a_run_that_evaluates_everyone(live, tmp_p
     report = (out / "report.md").read_text()
     assert "Evaluated and finalized: 3 of the 6 clients" in report
     assert f"estimates the population's to ±{100 * se:.2f} points" in report
+    # its data per client: the sample's rows (split.txt has everyone's)
+    data = report.split("## Data per client")[1].split("\n## ")[0]
+    assert "The 3 clients evaluated; split.txt has all 6." in data
+    rows = [line.split(" | ")[0].removeprefix("| ") for line in data.splitlines()]
+    assert sorted(r for r in rows if r.startswith("c")) == ids
 
 
 @pytest.mark.parametrize(("where", "most"), [("memory", 6), ("host", 2), ("disk", 2)])

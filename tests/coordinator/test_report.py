@@ -342,3 +342,28 @@ def test_each_clients_row_says_what_it_deployed_and_how_big(tmp_path: Path) -> N
     assert "| c0 | lenet5 | lenet5, 241 KiB | 812 | 93.00% |" in text
     assert "| c1 | mlp | mixture of mlp+lenet5, 552 KiB | 640 | 71.00% |" in text
     assert "| c2 | cnn1 | — | 455 | 80.00% |" in text  # it said nothing
+
+
+def test_the_split_plot_of_a_population_draws_the_clients_with_results_first():
+    # Prepare: 150 clients, the last 30 with results (a sample evaluated), more than a plot draws
+    from coordinator.report.plots import split_figure
+    from coordinator.results_model import Split
+
+    ids = [f"c{i:03d}" for i in range(150)]
+    split = Split.model_validate(
+        {
+            "classes": ["a", "b"],
+            "clients": [
+                {"id": c, "n_train": 3, "n_val": 1, "n_test": 1, "counts": [1, 2]} for c in ids
+            ],
+        }
+    )
+    arch = {c: "mlp" for c in ids[120:]}
+
+    # Execute
+    (axes,) = split_figure(split, arch).axes
+
+    # Assert: 100 bars, the 30 with results and the first 70 others, in the split's order
+    shown = [t.get_text() for t in axes.get_yticklabels()]
+    assert shown == ids[:70] + [f"{c} (mlp)" for c in ids[120:]]
+    assert axes.get_title().endswith("(100 of 150; split.txt has every one)")

@@ -315,6 +315,28 @@ def test_plot_label_distribution_writes_a_png(labels, tmp_path):
     assert [f.name for f in path.parent.iterdir()] == ["labels.png"]  # no temp file left
 
 
+def test_the_label_plot_of_a_population_draws_its_first_clients_and_says_so(
+    labels, tmp_path, monkeypatch
+):
+    # Prepare: 150 clients, more than a plot draws; catch the figure as it is saved
+    from matplotlib.figure import Figure
+
+    p = _make(labels, "iid", num_clients=150)
+    saved: list[Figure] = []
+    save = Figure.savefig
+    monkeypatch.setattr(
+        Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), save(fig, *a, **k))
+    )
+
+    # Execute
+    plot_label_distribution(p, labels, tmp_path / "labels.png")
+
+    # Assert: a bar for each of the first 100 clients, and the title says which
+    (axes,) = saved[0].axes
+    assert [t.get_text() for t in axes.get_yticklabels()] == [str(i) for i in range(100)]
+    assert axes.get_title() == "label distribution per client (iid): the first 100 of 150"
+
+
 def test_shards_with_fewer_shards_than_classes_leaves_classes_unused():
     labels = np.repeat(np.arange(10), 30)
     part = partition(labels, "shards", 3, seed=0, classes_per_client=2)  # 6 shards, 10 classes
