@@ -218,7 +218,12 @@ def simulate(
             cfg,
             lambda: (
                 distributed.launch(
-                    cfg, workers, level=opts.level, fmt=opts.log_format, progress=not opts.quiet
+                    cfg,
+                    workers,
+                    level=opts.level,
+                    libraries=opts.library_level,
+                    fmt=opts.log_format,
+                    progress=not opts.quiet,
                 )
                 if workers > 1
                 else run_simulation(cfg, progress=not opts.quiet)

@@ -4,7 +4,7 @@ turning of library errors into clean CLI errors.
 Common options, with one meaning wherever they appear (added by the `common` decorator, so no
 command spells them differently):
 
-    -v / --verbose      more log output: -v INFO, -vv DEBUG
+    -v / --verbose      more log output: -v INFO, -vv DEBUG (other libraries INFO), -vvv all DEBUG
     -q / --quiet        errors only, and no progress bars
     --log-level LEVEL   DEBUG, INFO, WARNING, ERROR (wins over -v/-q)
     --log-format FMT    text, or json (one object per line)
@@ -113,9 +113,22 @@ class CommonOptions:
             return logging.ERROR
         return {0: logging.WARNING, 1: logging.INFO}.get(self.verbose, logging.DEBUG)
 
+    @property
+    def library_level(self) -> int:
+        """Other libraries' level (outside edge_sdk.logs.OWN_PACKAGES): INFO at -vv, where their
+        DEBUG is hundreds of lines (matplotlib's fonts, markdown-it's rules) around edgefl's few
+        dozen; -vvv and --log-level DEBUG show it."""
+        if self.log_level is None and not self.quiet and self.verbose == 2:
+            return logging.INFO
+        return self.level
+
     def child_args(self) -> list[str]:
         """The same options for a child process (`edgefl demo`'s coordinator and devices)."""
-        args = ["--log-level", logging.getLevelName(self.level), "--log-format", self.log_format]
+        if self.log_level is None and not self.quiet and self.verbose:
+            args = ["-" + "v" * self.verbose]
+        else:
+            args = ["--log-level", logging.getLevelName(self.level)]
+        args += ["--log-format", self.log_format]
         for p in self.plugins:
             args += ["--plugin", p]
         return args
@@ -156,7 +169,12 @@ _LOGGING_PARAMS: dict[str, tuple[Any, Any]] = {
     "verbose": (
         Annotated[
             int,
-            typer.Option("--verbose", "-v", count=True, help="more log output: -v INFO, -vv DEBUG"),
+            typer.Option(
+                "--verbose",
+                "-v",
+                count=True,
+                help="more log output: -v INFO, -vv DEBUG (other libraries INFO), -vvv all DEBUG",
+            ),
         ],
         0,
     ),
@@ -242,7 +260,12 @@ def _setup(opts: CommonOptions, *, plugins: bool) -> None:
     from edge_sdk.logs import configure_logging
 
     try:
-        configure_logging(opts.level, fmt=opts.log_format, file=opts.log_file)  # type: ignore[arg-type]
+        configure_logging(
+            opts.level,
+            fmt=opts.log_format,  # type: ignore[arg-type]
+            file=opts.log_file,
+            libraries=opts.library_level,
+        )
     except OSError as exc:
         raise fail(f"cannot write the log file {opts.log_file}: {exc}") from exc
     if plugins:

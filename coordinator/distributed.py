@@ -257,11 +257,14 @@ def run_rank(cfg: RunConfig, *, progress: bool = True) -> Results | None:
 
 
 # -- `--workers N`: local ranks through torch's elastic launcher --------------------------------
-def _entry(settings: dict[str, Any], level: int, fmt: str, progress: bool) -> Results | None:
-    """A launched rank: the config as its launcher validated it, logging as the launcher's."""
+def _entry(
+    settings: dict[str, Any], levels: tuple[int, int], fmt: str, progress: bool
+) -> Results | None:
+    """A launched rank: the config as its launcher validated it, logging as the launcher's
+    (`levels`: edgefl's and other libraries')."""
     from edge_sdk.logs import configure_logging
 
-    configure_logging(level, fmt=fmt)  # type: ignore[arg-type]
+    configure_logging(levels[0], fmt=fmt, libraries=levels[1])  # type: ignore[arg-type]
     cfg = run_config_model().model_validate(settings)
     return run_rank(cfg, progress=progress)
 
@@ -273,6 +276,7 @@ def launch(
     level: int = logging.WARNING,
     fmt: str = "text",
     progress: bool = True,
+    libraries: int | None = None,
 ) -> Results:
     """Run `cfg` on `workers` local ranks started by torch's elastic launcher; rank 0's results.
     A rank that fails stops the run: RankFailed names it. SIGTERM or SIGINT to this process
@@ -303,7 +307,8 @@ def launch(
     for t in told if level > logging.INFO else []:
         t.setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(config, _entry)(settings, level, fmt, progress)
+        levels = (level, level if libraries is None else libraries)
+        results = elastic_launch(config, _entry)(settings, levels, fmt, progress)
     except ChildFailedError as exc:
         raise RankFailed(_failure(exc, shown=level <= logging.INFO)) from None
     except SignalException:  # SIGTERM or SIGINT here: the launcher has stopped every rank

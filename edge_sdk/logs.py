@@ -28,6 +28,7 @@ from typing import Any, Final, Literal
 __all__ = [
     "LOG_FORMATS",
     "LOG_LEVELS",
+    "OWN_PACKAGES",
     "JsonFormatter",
     "LogFormat",
     "RateLimit",
@@ -38,6 +39,8 @@ LogFormat = Literal["text", "json"]
 LOG_FORMATS: Final[tuple[str, ...]] = ("text", "json")
 LOG_LEVELS: Final[tuple[str, ...]] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 TEXT_FORMAT: Final[str] = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# edgefl's own packages: `configure_logging(libraries=...)` logs the others' at another level.
+OWN_PACKAGES: Final[tuple[str, ...]] = ("coordinator", "edge_sdk", "model_zoo")
 _OURS: Final[str] = "_edgefl_handler"
 
 # The attributes every LogRecord has; whatever else a record carries came from `extra=`.
@@ -162,11 +165,14 @@ def configure_logging(
     fmt: LogFormat = "text",
     file: str | Path | None = None,
     rate_limit: RateLimit | None = None,
+    libraries: int | None = None,
 ) -> logging.Handler:
     """Give the root logger one handler (replacing the one an earlier call installed; handlers
     installed by others stay): stderr, or `file` (appended to, its folder created). `fmt` is `text`
     or `json` (one object per line). Warnings and above pass through `rate_limit` (default: 3 per
-    message template per minute). Returns the handler.
+    message template per minute). `libraries`: a higher level for every logger outside edgefl's
+    packages (`OWN_PACKAGES`), whose DEBUG can be hundreds of lines (matplotlib's font manager);
+    None: `level` for all. Returns the handler.
     """
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {fmt!r}")
@@ -192,5 +198,9 @@ def configure_logging(
             root.removeHandler(old)
             old.close()
     root.addHandler(handler)
-    root.setLevel(level)
+    ours = int(level)
+    others = ours if libraries is None else max(ours, libraries)
+    root.setLevel(others)
+    for name in OWN_PACKAGES:  # NOTSET: the root's, as before any call
+        logging.getLogger(name).setLevel(ours if others > ours else logging.NOTSET)
     return handler

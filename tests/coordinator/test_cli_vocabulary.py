@@ -6,6 +6,7 @@ Every test runs the command as a user would (typer's runner) and checks what the
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import pytest
@@ -262,11 +263,36 @@ def test_quiet_hides_the_progress_bars_which_say_when_the_clients_finalize(tmp_p
 def test_the_demo_hands_its_log_options_and_plugins_to_every_process():
     from coordinator.cli_common import CommonOptions
 
-    opts = CommonOptions(verbose=1, log_format="json", plugins=["mine.py"])
-    assert opts.child_args() == [
-        "--log-level", "INFO", "--log-format", "json", "--plugin", "mine.py",
-    ]  # fmt: skip
+    opts = CommonOptions(verbose=2, log_format="json", plugins=["mine.py"])
+    assert opts.child_args() == ["-vv", "--log-format", "json", "--plugin", "mine.py"]
     assert CommonOptions(quiet=True, log_level="debug").child_args()[:2] == ["--log-level", "DEBUG"]
+    assert CommonOptions(quiet=True).child_args()[:2] == ["--log-level", "ERROR"]
+
+
+@pytest.mark.parametrize(("flag", "theirs"), [("-vv", False), ("-vvv", True)])
+def test_vv_logs_edgefls_debug_and_other_libraries_info_and_vvv_everyones_debug(
+    flag, theirs, tmp_path
+):
+    # Prepare: a plugin that logs at DEBUG as edgefl's packages and as another library would
+    plugin = tmp_path / "chatty_plugin_vv.py"
+    plugin.write_text(
+        "import logging\n"
+        "logging.getLogger('model_zoo.chatty').debug('ours at debug')\n"
+        "logging.getLogger('somelib.fonts').debug('theirs at debug')\n"
+        "logging.getLogger('somelib.fonts').info('theirs at info')\n"
+    )
+
+    # Execute
+    try:
+        res = CliRunner().invoke(app, ["zoo", flag, "--plugin", str(plugin)])
+    finally:  # the levels the CLI set, for the tests after this one
+        logging.getLogger().setLevel(logging.WARNING)
+        logging.getLogger("model_zoo").setLevel(logging.NOTSET)
+
+    # Assert: edgefl's DEBUG, the other library's INFO, its DEBUG only from -vvv
+    assert res.exit_code == 0, res.output
+    assert "ours at debug" in res.output and "theirs at info" in res.output
+    assert ("theirs at debug" in res.output) is theirs
 
 
 @pytest.mark.parametrize("command", [[], *COMMANDS, ["keys"]], ids=" ".join)
