@@ -171,8 +171,9 @@ def configure_logging(
     installed by others stay): stderr, or `file` (appended to, its folder created). `fmt` is `text`
     or `json` (one object per line). Warnings and above pass through `rate_limit` (default: 3 per
     message template per minute). `libraries`: a higher level for every logger outside edgefl's
-    packages (`OWN_PACKAGES`), whose DEBUG can be hundreds of lines (matplotlib's font manager);
-    None: `level` for all. Returns the handler.
+    packages (`OWN_PACKAGES`), whose DEBUG can be hundreds of lines (matplotlib's font manager),
+    these packages' loggers set at `level`; None: `level` for all, and the packages' loggers as
+    they are. Returns the handler.
     """
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {fmt!r}")
@@ -198,9 +199,10 @@ def configure_logging(
             root.removeHandler(old)
             old.close()
     root.addHandler(handler)
-    ours = int(level)
-    others = ours if libraries is None else max(ours, libraries)
-    root.setLevel(others)
-    for name in OWN_PACKAGES:  # NOTSET: the root's, as before any call
-        logging.getLogger(name).setLevel(ours if others > ours else logging.NOTSET)
+    root.setLevel(level)
+    if libraries is not None:  # (an app's own levels for edgefl's packages stay without it)
+        quieter = libraries > int(level)
+        root.setLevel(max(int(level), libraries))
+        for name in OWN_PACKAGES:  # NOTSET: the root's level, as before any call
+            logging.getLogger(name).setLevel(level if quieter else logging.NOTSET)
     return handler
