@@ -231,7 +231,11 @@ def simulate(
         )
     print_summary(results, cfg.out)
     if onnx_int8:
-        _export_after_run(Path(cfg.out) / "state", cfg, onnx_int8, out=Path(cfg.out) / "onnx")
+        # A sampled run's clients outside the sample were never finalized: no model deployed.
+        sample = [c.id for c in results.clients] if results.population is not None else None
+        _export_after_run(
+            Path(cfg.out) / "state", cfg, onnx_int8, out=Path(cfg.out) / "onnx", clients=sample
+        )
     _close(results)
 
 
@@ -270,9 +274,17 @@ def _close(results: Results) -> None:
         raise typer.Exit(code=results.exit_code)
 
 
-def _export_after_run(states: Path, cfg: Any, kind: str, *, out: Path | None = None) -> None:
-    """`--onnx-int8`: the int8 model of every client whose state is at `states`, made from
-    the fp32 file the run wrote as it ended (exported again only where it is not there)."""
+def _export_after_run(
+    states: Path,
+    cfg: Any,
+    kind: str,
+    *,
+    out: Path | None = None,
+    clients: list[str] | None = None,
+) -> None:
+    """`--onnx-int8`: the int8 model of every client whose state is at `states` (or of
+    `clients`), made from the fp32 file the run wrote as it ended (exported again only where it
+    is not there)."""
     from coordinator.cli_tools import print_export
     from coordinator.export import export_clients
 
@@ -282,6 +294,7 @@ def _export_after_run(states: Path, cfg: Any, kind: str, *, out: Path | None = N
             states,
             [f"int8-{kind}"],
             out=out,
+            clients=clients,
             config=cfg,
             on_client=print_export,
             keep_fp32=True,

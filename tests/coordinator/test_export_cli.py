@@ -345,3 +345,22 @@ def test_onnx_exporter_chooses_the_torch_exporter_of_every_file_a_run_writes(sim
     spec = ArchSpec(family="mlr", num_classes=10, input_shape=(1, 28, 28))
     with pytest.raises(ValueError, match=r"onnx_exporter must be one of auto, dynamo, legacy"):
         ClientNode("c9", spec, data[0], onnx_exporter="fast")  # type: ignore[arg-type]
+
+
+def test_a_sampled_simulation_exports_the_sample_it_finalized_and_no_other_client(tmp_path):
+    # Execute: 4 clients, 2 evaluated and finalized (round.eval_clients)
+    args = ["simulate", "--dataset", "digits", "--set", "data.options.size=8", "--clients", "4"]
+    args += ["--rounds", "1", "--models", "mlr", "--device", "cpu", "--onnx-int8", "dynamic"]
+    args += ["--set", "round.eval_clients=2", "-q", "-o", str(tmp_path)]
+    res = runner.invoke(app, args)
+
+    # Assert: the sample's fp32 and int8 files, printed and written; none of the two clients
+    # whose models were never finalized (their states stay, for `edgefl export`)
+    assert res.exit_code == 0, res.output
+    sample = sorted(c["id"] for c in json.loads((tmp_path / "results.json").read_text())["clients"])
+    assert len(sample) == 2 and sorted(_tables(res.output)) == sample
+    written = sorted(p.name for p in (tmp_path / "onnx").iterdir())
+    assert written == sorted(
+        [f"{c}.onnx" for c in sample] + [f"{c}.int8-dynamic.onnx" for c in sample]
+    )
+    assert len(list((tmp_path / "state").glob("*.state"))) == 4
