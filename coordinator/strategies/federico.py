@@ -91,18 +91,43 @@ class FedeRiCoStrategy(Strategy):
     def aggregate_fit(self, round_: int, replies: Mapping[str, FitReply]) -> None:
         self.aggregate_step(round_, self.steps[-1], replies)
 
-    def _matrix(self, weights: Mapping[str, Mapping[str, float]]) -> list[list[float]]:
-        ids = list(self.clients)
+    def _matrix(
+        self, weights: Mapping[str, Mapping[str, float]], ids: list[str]
+    ) -> list[list[float]]:
         return [[float(weights.get(i, {}).get(j, 0.0)) for j in ids] for i in ids]
 
+    def _weighed(self) -> list[str]:
+        """The clients of the final matrix: every one while clients² fits `history_limit`;
+        beyond (a population), those with a row or a weight of their model, which loses no
+        entry but zeros (1,000 clients of FedeRiCo wrote 11 MB of matrix, 10,000 would 1 GB)."""
+        ids = list(self.clients)
+        if len(ids) ** 2 <= self.history_limit:
+            return ids
+        rows = self.latest.values()
+        weighed = set(self.latest) | {j for row in rows for j, w in row.items() if w}
+        kept = [c for c in ids if c in weighed]
+        log.info(
+            "federico: a %d×%d collaboration matrix exceeds round.client_history (%d): results "
+            "keep the %d clients with a row or a weight (every other entry is 0)",
+            len(ids),
+            len(ids),
+            self.history_limit,
+            len(kept),
+        )
+        return kept
+
     def results(self) -> dict[str, Any]:
+        ids = self._weighed()
+        if not ids:  # no round's weights arrived
+            return {}
         found: dict[str, Any] = {
-            "collaboration_clients": list(self.clients),
-            "collaboration": self._matrix(self.latest),
+            "collaboration_clients": ids,
+            "collaboration": self._matrix(self.latest, ids),
         }
         if self.history is not None:
             found["collaboration_history"] = [
-                {"round": e["round"], "matrix": self._matrix(e["weights"])} for e in self.history
+                {"round": e["round"], "matrix": self._matrix(e["weights"], ids)}
+                for e in self.history
             ]
         return found
 

@@ -167,3 +167,37 @@ def test_federico_needs_two_clients_of_the_same_classes():
     with raises_exactly(StrategyError, msg):
         _strategy(classes=(3, 4))
     assert list(_strategy(classes=(3, 3)).clients) == ["c0", "c1"]
+
+
+def test_federico_beyond_the_client_history_limit_keeps_the_clients_with_weights(caplog):
+    # Prepare: 5 clients (25 entries) against room for 24; c3 never reports, nor is weighed,
+    # c4 is weighed by c0 without a row of its own.
+    s = _strategy(classes=(3,) * 5)
+    s.history_limit = 24
+    s.aggregate_step(1, "update", {"c0": _weights("c0", c0=0.5, c4=0.5, c3=0.0)})
+    s.aggregate_step(2, "update", {"c1": _weights("c1", c1=0.75, c2=0.25)})
+
+    # Execute
+    with caplog.at_level("INFO", logger="coordinator.strategies.federico"):
+        out = s.results()
+
+    # Assert: the square matrix of the four others, in the clients' order; every dropped
+    # entry (c3's row and column) is 0, and the log says how many were kept
+    assert out == {
+        "collaboration_clients": ["c0", "c1", "c2", "c4"],
+        "collaboration": [
+            [0.5, 0.0, 0.0, 0.5],
+            [0.0, 0.75, 0.25, 0.0],
+            [0.0, 0.0, 0.0, 0.0],
+            [0.0, 0.0, 0.0, 0.0],
+        ],
+    }
+    assert caplog.records[-1].getMessage() == (
+        "federico: a 5×5 collaboration matrix exceeds round.client_history (24): results keep "
+        "the 4 clients with a row or a weight (every other entry is 0)"
+    )
+    s.history_limit = 25  # within it: every client, as before
+    assert s.results()["collaboration_clients"] == [f"c{i}" for i in range(5)]
+    empty = _strategy(classes=(3,) * 5)
+    empty.history_limit = 24
+    assert empty.results() == {}  # beyond it, before any weights arrived: no matrix
