@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.strategies import ClientInfo, FitReply
+from coordinator.strategies import ClientInfo, FitReply, by_what
 from edge_sdk.codec import DEFAULT_MAX_BLOB_BYTES, WireModel
 from edge_sdk.model_blobs import reference_shapes
 from edge_sdk.protocol import Capabilities, Phase
@@ -231,7 +231,7 @@ def admit(
     admitted = len(fleet.clients)
     if admitted < expected and (min_clients is None or admitted < min_clients):
         raise CoordinatorError(
-            f"only {admitted} of {expected} clients registered; refused: {refused}"
+            f"only {admitted} of {expected} clients registered; refused: {by_what(refused)}"
         )
     fleet.started = True
 

@@ -33,6 +33,7 @@ __all__ = [
     "ServerData",
     "Strategy",
     "StrategyError",
+    "by_what",
     "register_strategy",
     "strategy_class",
     "strategy_names",
@@ -42,6 +43,20 @@ __all__ = [
 
 class StrategyError(ValueError):
     """A reply or configuration the strategy cannot fold in."""
+
+
+def by_what(said: Mapping[str, object], shown: int = 3) -> str:
+    """Client ids grouped by what is said of each, the largest group first, naming at most
+    `shown` of a group: `mlp(...): c1, c3, c5 and 497 more; lstm(...): c2`. An error about a
+    population stays a line, not 10,000 ids."""
+    groups: dict[str, list[str]] = {}
+    for cid, what in said.items():
+        groups.setdefault(str(what), []).append(cid)
+    parts = []
+    for what, ids in sorted(groups.items(), key=lambda g: -len(g[1])):
+        more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+        parts.append(f"{what}: {', '.join(ids[:shown])}{more}")
+    return "; ".join(parts)
 
 
 class IncompatibleClients(StrategyError):
@@ -363,7 +378,7 @@ class GlobalModelStrategy(Strategy):
         if bad:
             raise IncompatibleClients(
                 f"{self.name}: global model has {self.global_spec.num_classes} classes but "
-                f"clients have {bad}"
+                f"{len(bad)} clients have others ({by_what(bad)})"
             )
 
     def _require_same_arch(self) -> None:
@@ -371,8 +386,8 @@ class GlobalModelStrategy(Strategy):
         if archs:
             raise IncompatibleClients(
                 f"{self.name} averages one architecture; the global model is {self.global_spec} "
-                f"but clients registered {archs}. Use fml, pfml, persfl or fedme for heterogeneous "
-                "models."
+                f"but {len(archs)} clients registered another ({by_what(archs)}). Use fml, pfml, "
+                "persfl or fedme for heterogeneous models."
             )
 
     def _weights(self, replies: Mapping[str, FitReply]) -> list[float]:

@@ -10,6 +10,7 @@ from coordinator.strategies import (
     FitReply,
     IncompatibleClients,
     StrategyError,
+    by_what,
     strategy_class,
     weighted_mean,
 )
@@ -317,9 +318,23 @@ def test_global_model_strategies_name_what_is_missing_or_incompatible():
     ):
         _strategy("fedavg", _clients(MLR, mlp), global_spec=None)
     with pytest.raises(
-        IncompatibleClients, match=re.escape(f"clients registered {{'c1': '{mlp}'}}")
+        IncompatibleClients, match=re.escape(f"but 1 clients registered another ({mlp}: c1)")
     ):
         _strategy("fedavg", _clients(MLR, mlp))
+
+
+def test_a_population_refused_is_named_by_group_in_a_line():
+    # Prepare: 500 clients of one architecture and 2 of another, against the global mlr
+    mlp, lstm = (ArchSpec(family=f, num_classes=2, input_shape=(2,)) for f in ("mlp", "lstm"))
+    said = {f"c{i}": str(mlp) for i in range(500)} | {"x0": str(lstm), "x1": str(lstm)}
+
+    # Execute / Assert: the largest group first, three of each named
+    assert by_what(said) == f"{mlp}: c0, c1, c2 and 497 more; {lstm}: x0, x1"
+    clients = _clients(MLR, *[mlp] * 500, n=[10] * 501)
+    with pytest.raises(IncompatibleClients) as caught:
+        _strategy("fedavg", clients)
+    said = f"500 clients registered another ({mlp}: c1, c10, c100 and 497 more)"
+    assert said in str(caught.value)
 
 
 def test_strategy_registry_refuses_duplicates_and_lists_the_known_ones():
