@@ -59,6 +59,10 @@ def by_what(said: Mapping[str, object], shown: int = 3) -> str:
     return "; ".join(parts)
 
 
+def _clients(ids: Mapping[str, object]) -> str:
+    return f"{len(ids)} client{'' if len(ids) == 1 else 's'}"
+
+
 class IncompatibleClients(StrategyError):
     """The registered clients cannot run this algorithm together (e.g. FedAvg across archs)."""
 
@@ -378,7 +382,7 @@ class GlobalModelStrategy(Strategy):
         if bad:
             raise IncompatibleClients(
                 f"{self.name}: global model has {self.global_spec.num_classes} classes but "
-                f"{len(bad)} clients have others ({by_what(bad)})"
+                f"{_clients(bad)} {'has' if len(bad) == 1 else 'have'} others ({by_what(bad)})"
             )
 
     def _require_same_arch(self) -> None:
@@ -386,7 +390,7 @@ class GlobalModelStrategy(Strategy):
         if archs:
             raise IncompatibleClients(
                 f"{self.name} averages one architecture; the global model is {self.global_spec} "
-                f"but {len(archs)} clients registered another ({by_what(archs)}). Use fml, pfml, "
+                f"but {_clients(archs)} registered another ({by_what(archs)}). Use fml, pfml, "
                 "persfl or fedme for heterogeneous models."
             )
 

@@ -318,7 +318,7 @@ def test_global_model_strategies_name_what_is_missing_or_incompatible():
     ):
         _strategy("fedavg", _clients(MLR, mlp), global_spec=None)
     with pytest.raises(
-        IncompatibleClients, match=re.escape(f"but 1 clients registered another ({mlp}: c1)")
+        IncompatibleClients, match=re.escape(f"but 1 client registered another ({mlp}: c1)")
     ):
         _strategy("fedavg", _clients(MLR, mlp))
 
@@ -335,6 +335,9 @@ def test_a_population_refused_is_named_by_group_in_a_line():
         _strategy("fedavg", clients)
     said = f"500 clients registered another ({mlp}: c1, c10, c100 and 497 more)"
     assert said in str(caught.value)
+    three = ArchSpec(family="mlr", num_classes=3, input_shape=(2,))
+    with pytest.raises(IncompatibleClients, match=re.escape("but 1 client has others (3: c1)")):
+        _strategy("fml", _clients(MLR, three))
 
 
 def test_strategy_registry_refuses_duplicates_and_lists_the_known_ones():
