@@ -44,7 +44,13 @@ import numpy as np
 from coordinator.broker import EmbeddedBroker, MosquittoBroker, start_broker
 from coordinator.config import load_config, write_config
 from coordinator.demo_deploy import DemoError, ProcessGroup, deploy_and_follow, interruptible
-from coordinator.federation import Federation, prepare_federation, split_record, split_table
+from coordinator.federation import (
+    Federation,
+    config_families,
+    prepare_federation,
+    split_record,
+    split_table,
+)
 from coordinator.results import RunResult, build_results, write_results
 from coordinator.results_model import OnnxRow, Results
 from coordinator.run_config import RunConfig
@@ -343,7 +349,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None]) -> Results:
         try:
             with timer.phase("data"):
                 cfg, fed = _federation(opts, echo)
-            arch = {cid: cfg.models[i % len(cfg.models)] for i, cid in enumerate(fed.client_ids)}
+            arch = config_families(cfg, fed)
             echo(f"data: {fed.dataset.name}, {len(fed.dataset)} images in all")
             echo(f"split: {_split_words(cfg, fed)}")
             if len(cfg.models) == 1 and opts.clients > 1:

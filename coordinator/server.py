@@ -538,11 +538,11 @@ def eval_sample(families: Mapping[str, str], k: int, seed: int) -> frozenset[str
     with `seed` alone, so that runs with the same clients draw the same: each architecture gets
     seats in proportion to its clients (at least one each, when `k` allows), seat by seat to
     the architecture furthest below its share, and its seats go to clients drawn uniformly."""
+    if k >= len(families):
+        return frozenset(families)
     groups: defaultdict[str, list[str]] = defaultdict(list)
     for cid in sorted(families):
         groups[families[cid]].append(cid)
-    if k >= len(families):
-        return frozenset(families)
     names = sorted(groups)
     seats = dict.fromkeys(names, 0)
     if k >= len(names):

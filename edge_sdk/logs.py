@@ -199,10 +199,10 @@ def configure_logging(
             root.removeHandler(old)
             old.close()
     root.addHandler(handler)
-    root.setLevel(level)
+    ours = int(level)
+    others = ours if libraries is None else max(ours, libraries)
+    root.setLevel(others)
     if libraries is not None:  # (an app's own levels for edgefl's packages stay without it)
-        quieter = libraries > int(level)
-        root.setLevel(max(int(level), libraries))
         for name in OWN_PACKAGES:  # NOTSET: the root's level, as before any call
-            logging.getLogger(name).setLevel(level if quieter else logging.NOTSET)
+            logging.getLogger(name).setLevel(ours if others > ours else logging.NOTSET)
     return handler
