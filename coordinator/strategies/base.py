@@ -34,6 +34,7 @@ __all__ = [
     "Strategy",
     "StrategyError",
     "by_what",
+    "count_clients",
     "register_strategy",
     "strategy_class",
     "strategy_names",
@@ -59,8 +60,9 @@ def by_what(said: Mapping[str, object], shown: int = 3) -> str:
     return "; ".join(parts)
 
 
-def _clients(ids: Mapping[str, object]) -> str:
-    return f"{len(ids)} client{'' if len(ids) == 1 else 's'}"
+def count_clients(ids: Mapping[str, object]) -> str:
+    """`1 client`, `1,000 clients`: how many `ids` are, in English."""
+    return f"{len(ids):,} client{'' if len(ids) == 1 else 's'}"
 
 
 class IncompatibleClients(StrategyError):
@@ -341,10 +343,14 @@ class GlobalModelStrategy(Strategy):
         self.copies: dict[str, dict[str, torch.Tensor]] = {}
         # The inputs the finalize tasks carry for the guard's students (`guard_distill_unlabeled`).
         self.student_inputs: WireModel | None = None
-        if self.guard_config is not None and self.guard_config.guard_distill_unlabeled:
+        cfg = self.guard_config
+        if cfg is not None and cfg.guard_distill_unlabeled:
+            by = ""
+            if cfg.preset == "trusted":
+                by = f" ({cfg.guard_distill_unlabeled}: the preset 'trusted')"
             u = self.unlabeled_set(
                 tuple(self.global_spec.input_shape),
-                f"{self.name}'s guard_distill_unlabeled sends its students inputs of",
+                f"{self.name}'s guard_distill_unlabeled{by} sends its students inputs of",
             )
             self.student_inputs = self.students_unlabeled(u, self.global_spec.num_classes)
 
@@ -382,7 +388,7 @@ class GlobalModelStrategy(Strategy):
         if bad:
             raise IncompatibleClients(
                 f"{self.name}: global model has {self.global_spec.num_classes} classes but "
-                f"{_clients(bad)} {'has' if len(bad) == 1 else 'have'} others ({by_what(bad)})"
+                f"{count_clients(bad)} {'has' if len(bad) == 1 else 'have'} others ({by_what(bad)})"
             )
 
     def _require_same_arch(self) -> None:
@@ -390,7 +396,7 @@ class GlobalModelStrategy(Strategy):
         if archs:
             raise IncompatibleClients(
                 f"{self.name} averages one architecture; the global model is {self.global_spec} "
-                f"but {_clients(archs)} registered another ({by_what(archs)}). Use fml, pfml, "
+                f"but {count_clients(archs)} registered another ({by_what(archs)}). Use fml, pfml, "
                 "persfl or fedme for heterogeneous models."
             )
 

@@ -43,7 +43,7 @@ from edge_sdk.algorithms.base import (
     register_algorithm,
 )
 from edge_sdk.algorithms.candidates import Candidate
-from edge_sdk.algorithms.guard_config import PatientGuardConfig
+from edge_sdk.algorithms.guard_config import SHARED, PatientGuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import cross_entropy, kl_distill, weighted
 from model_zoo import ArchSpec
@@ -60,6 +60,11 @@ ADOPT_MARGIN = 1e-5
 class FedMeConfig(AlgorithmConfig, PatientGuardConfig):
     # preset = "paper": CE + KL at 1:1 every round, no gate.
     paper: ClassVar[dict[str, Any]] = {"kl_gate": "off"}
+    # preset = "trusted": its students learn on the coordinator's inputs too (FedMe's
+    # finalize carries no clients' copies).
+    trusted: ClassVar[dict[str, Any]] = {
+        "guard_distill_unlabeled": SHARED["guard_distill_unlabeled"]
+    }
 
     local_epochs: int = Field(2, ge=0)  # [paper]
     batch_size: int = Field(40, ge=1)  # [paper] CIFAR-10 (FEMNIST: 20)

@@ -32,7 +32,7 @@ from edge_sdk.algorithms.base import (
     register_algorithm,
 )
 from edge_sdk.algorithms.candidates import PERSONAL, Candidate
-from edge_sdk.algorithms.guard_config import PatientGuardConfig
+from edge_sdk.algorithms.guard_config import SHARED, PatientGuardConfig
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.losses import mutual_losses
 from model_zoo import ArchSpec
@@ -43,6 +43,7 @@ __all__ = ["FML", "FMLConfig", "shared_keys"]
 class FMLConfig(AlgorithmConfig, PatientGuardConfig):
     # preset = "paper": the authors' α gate-free mutual learning, β and step schedule [code].
     paper: ClassVar[dict[str, Any]] = {"alpha_gate": "off", "beta": 0.5, "lr_schedule": "step"}
+    trusted: ClassVar[dict[str, Any]] = SHARED
 
     alpha: float = Field(0.5, ge=0, le=1)  # personalized model: weight of CE vs KL [code]
     # [ours] meme model: weight of CE vs KL. The authors' code has 0.5, the meme learning from

@@ -1,5 +1,6 @@
-"""The guard's settings, fields of every algorithm's config it serves (`GuardConfig`), and the
-`preset` that gives the algorithm exactly as published (its paper's values, the guard off)."""
+"""The guard's settings, fields of every algorithm's config it serves (`GuardConfig`), and its
+`preset`: the algorithm exactly as published (its paper's values, the guard off), or with what
+the federation may share with the devices for their students (`trusted`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-__all__ = ["GuardConfig", "MixingGuardConfig", "PatientGuardConfig"]
+__all__ = ["SHARED", "GuardConfig", "MixingGuardConfig", "PatientGuardConfig"]
+
+# The preset "trusted" of an algorithm whose finalize can carry the clients' trained copies of
+# the global model and the coordinator's unlabeled inputs (FML, PFML, PersFL): the values with
+# which their own-architecture models met local training + 5 on both long label-skew splits
+# (docs/algorithms.md, "The clients' copies and the coordinator's inputs together").
+SHARED: dict[str, Any] = {"guard_peers": 3, "guard_distill_unlabeled": 200}
 
 
 class GuardConfig(BaseModel):
@@ -18,11 +25,19 @@ class GuardConfig(BaseModel):
     # (or its authors' code's), the guard off. A subclass lists its own values in `paper`.
     PAPER: ClassVar[dict[str, Any]] = {"guard": False}
     paper: ClassVar[dict[str, Any]] = {}
+    # What the federation may share with the devices for the guard's students, for a
+    # federation whose clients trust each other and the coordinator that far: those of
+    # `guard_peers` and `guard_distill_unlabeled` the algorithm takes (`SHARED`; FedMe the
+    # inputs alone, FedeRiCo, which sends no models, neither).
+    trusted: ClassVar[dict[str, Any]] = {}
 
     # "paper": the algorithm exactly as published (`paper`'s values and the guard off), for
     # every field not set explicitly; "edgefl": our defaults (docs/algorithms.md says which
-    # differ and why).
-    preset: Literal["edgefl", "paper"] = "edgefl"
+    # differ and why); "trusted": our defaults and `trusted`'s values, for every field not set
+    # explicitly. Off by default, what "trusted" shares leaves the coordinator: the clients'
+    # trained copies go to other devices, its unlabeled inputs to every device (a deployment
+    # names them in `unlabeled_path`).
+    preset: Literal["edgefl", "paper", "trusted"] = "edgefl"
     # Deploy the best model seen on the validation split (see edge_sdk.algorithms.guard);
     # False deploys the algorithm's final personalized model, as the paper describes it (or,
     # where that model is outside the device's budget, a student of it of the device's own
@@ -127,8 +142,12 @@ class GuardConfig(BaseModel):
     @classmethod
     def _preset(cls, data: Any) -> Any:
         # The preset's values under whatever is given explicitly.
-        if isinstance(data, Mapping) and data.get("preset") == "paper":
+        if not isinstance(data, Mapping):
+            return data
+        if data.get("preset") == "paper":
             return {**cls.PAPER, **cls.paper, **data}
+        if data.get("preset") == "trusted":
+            return {**cls.trusted, **data}
         return data
 
     @model_validator(mode="after")

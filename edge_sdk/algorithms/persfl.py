@@ -35,7 +35,7 @@ import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 from pydantic import Field, field_validator
@@ -51,7 +51,7 @@ from edge_sdk.algorithms.base import (
 )
 from edge_sdk.algorithms.candidates import PERSONAL, Candidate
 from edge_sdk.algorithms.fedavg import FedAvgConfig
-from edge_sdk.algorithms.guard_config import PatientGuardConfig
+from edge_sdk.algorithms.guard_config import SHARED, PatientGuardConfig
 from edge_sdk.codec import WireModel, state_of
 from edge_sdk.losses import distillation_loss
 from model_zoo import ArchSpec
@@ -87,6 +87,7 @@ def archive_round(name: str) -> int | None:
 
 
 class PersFLConfig(FedAvgConfig, PatientGuardConfig):
+    trusted: ClassVar[dict[str, Any]] = SHARED
     distill_loss: Literal["kl", "gd"] = "kl"  # "gd": PersFL-GD (soft cross-entropy) [paper]
     # [ours] λ/T grids (the paper's chosen values range over λ 0–0.75, T 1–25): 5 students, each
     # trained on the local budget (distill_epochs). λ = 0 is the undistilled student. The grid

@@ -34,7 +34,7 @@ from edge_sdk.algorithms.base import (
     register_algorithm,
 )
 from edge_sdk.algorithms.candidates import PERSONAL, Candidate
-from edge_sdk.algorithms.guard_config import MixingGuardConfig
+from edge_sdk.algorithms.guard_config import SHARED, MixingGuardConfig
 from edge_sdk.codec import WireModel
 from edge_sdk.losses import DistillTarget, ce_plus_kl, distill_target
 from edge_sdk.optim_config import OptimConfig
@@ -58,6 +58,7 @@ class PFMLConfig(BaseAlgorithmConfig, MixingGuardConfig):
         "lr": 0.01,
         "lam": 20.0,
     }
+    trusted: ClassVar[dict[str, Any]] = SHARED
 
     # E: local *iterations*, each on one fresh batch of batch_size samples [paper: 10]. Used when
     # local_epochs is None (setting local_iterations alone sets it so).

@@ -1,6 +1,7 @@
 import pytest
 
 from coordinator.config import ConfigError, load_config, parse_overrides
+from coordinator.strategies import strategy_class
 
 
 def test_every_algorithm_has_a_section_with_the_documented_defaults():
@@ -169,6 +170,38 @@ def test_the_paper_preset_is_the_published_algorithm(name):
     # exactly the published values, and nothing else moved
     assert {k: section[k] for k in PAPER[name]} == PAPER[name]
     assert changed == {k for k, v in PAPER[name].items() if default[k] != v}
+
+
+# What the preset "trusted" shares, written out from docs/algorithms.md ("The clients' copies
+# and the coordinator's inputs together"): the settings with which each algorithm's
+# own-architecture models met local training + 5 on both long label-skew splits.
+TRUSTED = {
+    "fml": {"guard_peers": 3, "guard_distill_unlabeled": 200},
+    "pfml": {"guard_peers": 3, "guard_distill_unlabeled": 200},
+    "persfl": {"guard_peers": 3, "guard_distill_unlabeled": 200},
+    "fedme": {"guard_distill_unlabeled": 200},
+    "federico": {},
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRUSTED))
+def test_the_trusted_preset_shares_what_the_algorithm_can_and_moves_nothing_else(name):
+    cfg = load_config(None, None, {f"{name}.preset": "trusted"})
+    section = cfg.algorithm_config(name).model_dump()
+    default = cfg.algorithm_config(name).model_validate({}).model_dump()
+    changed = {k for k in section if section[k] != default[k]} - {"preset"}
+    assert changed == set(TRUSTED[name])
+    assert {k: section[k] for k in TRUSTED[name]} == TRUSTED[name]
+    # what the algorithm's coordinator can send: a setting it cannot is refused at its start
+    strategy = strategy_class(name)
+    assert ("guard_peers" in TRUSTED[name]) == strategy.offers_peers
+    assert ("guard_distill_unlabeled" in TRUSTED[name]) == strategy.carries_unlabeled
+
+
+def test_a_setting_given_with_the_trusted_preset_wins_over_it():
+    cfg = load_config(None, None, {"pfml.preset": "trusted", "pfml.guard_distill_unlabeled": 0})
+    assert (cfg.pfml.guard_peers, cfg.pfml.guard_distill_unlabeled) == (3, 0)
+    assert type(cfg.pfml).model_validate(cfg.pfml.model_dump()) == cfg.pfml
 
 
 def test_a_setting_given_with_the_paper_preset_wins_over_it():

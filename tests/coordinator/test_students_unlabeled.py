@@ -85,6 +85,13 @@ def test_without_inputs_or_with_inputs_of_another_shape_the_run_does_not_start()
         "coordinator holds: name a .npy or .safetensors file of inputs in persfl.unlabeled_path",
     ):
         _strategy("persfl", unlabeled=None, guard_distill_unlabeled=5)
+    with raises_exactly(  # a deployment of the preset that sets it, without a file of inputs
+        StrategyError,
+        "fml's guard_distill_unlabeled (200: the preset 'trusted') sends its students inputs of "
+        "an unlabeled set the coordinator holds: name a .npy or .safetensors file of inputs in "
+        "fml.unlabeled_path",
+    ):
+        _strategy("fml", unlabeled=None, preset="trusted")
     with pytest.raises(StrategyError, match=r"shape \(4,\) but the clients' models take \(3,\)"):
         _strategy("fml", unlabeled=torch.zeros(5, 4), guard_distill_unlabeled=5)
 
