@@ -25,6 +25,7 @@ import torch
 from coordinator.config import ConfigError, load_config
 from coordinator.federation import Federation, client_seed, client_spec, prepare_federation
 from coordinator.run_config import RunConfig
+from coordinator.strategies import by_what, count_clients
 from edge_sdk.algorithms import ClientContext, algorithm_class
 from edge_sdk.state import load_state
 from edge_sdk.trainer import Trainer
@@ -173,7 +174,23 @@ def export_clients(
         states = {c: states[c] for c in clients}
     feds: dict[str, Federation] = {}  # one split per distinct config
     done = []
+    unfinalized: dict[str, object] = {}  # found, not named, never finalized: their algorithm
     for cid, path in states.items():
+        saved = load_state(path)
+        if saved.get("client") != cid:
+            raise ConfigError(f"{path} holds the state of {saved.get('client')!r}, not {cid!r}")
+        # False: no finalize task ran there (a run that ended before it, or a simulation that
+        # finalized a sample without it); a state written before the flag has none.
+        if saved.get("finalized") is False:
+            if not clients:
+                unfinalized[cid] = saved.get("algorithm")
+                continue
+            log.warning(
+                "%s was never finalized: its model is %s's as the rounds left it, which no "
+                "guard chose (no finalize task ran there)",
+                cid,
+                saved.get("algorithm"),
+            )
         cfg = config or _config_near(path, source, overrides)
         if cfg is None:
             raise ExportError(
@@ -184,9 +201,6 @@ def export_clients(
         if key not in feds:
             feds[key] = prepare_federation(cfg)
         fed = feds[key]
-        saved = load_state(path)
-        if saved.get("client") != cid:
-            raise ConfigError(f"{path} holds the state of {saved.get('client')!r}, not {cid!r}")
         spec, model, i = _personalized(cfg, fed, cid, saved)
         data = fed.client_data[i]
         skipped = {f: why for f in formats if (why := unsupported(model, f)) is not None}
@@ -207,4 +221,16 @@ def export_clients(
         if on_client is not None:
             on_client(result)
         done.append(result)
+    if unfinalized:
+        said = (
+            f"{count_clients(unfinalized)} under {source} never finalized "
+            f"({by_what(unfinalized)}): "
+            "no finalize task ran there (the run ended before it, or a simulation finalized "
+            "a sample without them: round.eval_clients), so their models are the algorithm's "
+            "as the rounds left them, which no guard chose. Name one with --client to export "
+            "it anyway"
+        )
+        if not done:
+            raise ExportError(f"nothing exported: {said}")
+        log.warning("not exported: %s", said)
     return done

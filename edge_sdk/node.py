@@ -159,6 +159,9 @@ class ClientNode:
         # `_before_fit` holds the algorithm's own tensors, not copies, until a task runs here
         # (`execute` copies them first; a stacked round leaves them as they are).
         self._before_fit_shared = False
+        # A finalize task has run here: its deployed model is the guard's choice (or, without a
+        # guard, the algorithm's final one), not the model as the rounds left it.
+        self.finalized = False
         # Its state between tasks while parked (`park`): the bytes, or the file holding them.
         self._parked: bytes | Path | None = None
 
@@ -265,6 +268,7 @@ class ClientNode:
         return self.run(task)
 
     def _finalized(self) -> None:
+        self.finalized = True
         self._save()
         if self.onnx_path is not None:
             self.exported = self.export_onnx()
@@ -321,6 +325,7 @@ class ClientNode:
             "fit_round": self._fit_round,
             "fit_steps": list(self._fit_steps),
             "before_fit": self._before_fit,
+            "finalized": self.finalized,
             "state": self.algorithm.state_dict(),
         }
 
@@ -334,6 +339,7 @@ class ClientNode:
         self._fit_round, self._before_fit = int(saved["fit_round"]), saved["before_fit"]
         self._before_fit_shared = False  # read back: its own tensors
         self._fit_steps = [str(s) for s in saved.get("fit_steps", [""])]
+        self.finalized = bool(saved.get("finalized", False))
 
     def _save(self) -> None:
         """Write the algorithm's whole state (atomically) before the reply goes out."""

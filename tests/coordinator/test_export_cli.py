@@ -364,3 +364,45 @@ def test_a_sampled_simulation_exports_the_sample_it_finalized_and_no_other_clien
         [f"{c}.onnx" for c in sample] + [f"{c}.int8-dynamic.onnx" for c in sample]
     )
     assert len(list((tmp_path / "state").glob("*.state"))) == 4
+
+
+def test_export_leaves_out_the_clients_a_sampled_run_never_finalized_unless_named(
+    tmp_path, caplog
+):
+    # Arrange: 4 clients, 2 of them evaluated and finalized (round.eval_clients)
+    args = ["simulate", "--dataset", "digits", "--set", "data.options.size=8", "--clients", "4"]
+    args += ["--rounds", "1", "--models", "mlr", "--device", "cpu", "--export-onnx"]
+    args += ["--set", "round.eval_clients=2", "-q", "-o", str(tmp_path / "run")]
+    assert (res := runner.invoke(app, args)).exit_code == 0, res.output
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    sample = sorted(c["id"] for c in results["clients"])
+    others = sorted({"c0", "c1", "c2", "c3"} - set(sample))
+
+    # Act: export everything found, then one never finalized by name, then that one alone
+    export = ["export", "--format", "fp32", "-o"]
+    found = runner.invoke(app, [*export, str(tmp_path / "all"), str(tmp_path / "run")])
+    named = runner.invoke(
+        app, [*export, str(tmp_path / "one"), str(tmp_path / "run"), "--client", others[0]]
+    )
+    alone = runner.invoke(
+        app, [*export, str(tmp_path / "x"), str(tmp_path / "run" / "state" / f"{others[0]}.state")]
+    )
+
+    # Assert: the sample exported and the two others said, not exported; by name it is
+    # exported, with a warning; found alone, nothing is, and the error says how
+    assert found.exit_code == 0, found.output
+    assert sorted(_tables(found.output)) == sample
+    assert sorted(p.name for p in (tmp_path / "all").iterdir()) == [f"{c}.onnx" for c in sample]
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        f"2 clients under {tmp_path / 'run'} never finalized (fml: {others[0]}, {others[1]})"
+        in m and "Name one with --client" in m
+        for m in said
+    ), said
+    assert named.exit_code == 0, named.output
+    assert sorted(_tables(named.output)) == [others[0]]
+    assert any(f"{others[0]} was never finalized" in m for m in said), said
+    assert alone.exit_code != 0
+    assert f"nothing exported: 1 client under {tmp_path / 'run' / 'state' / others[0]}" in (
+        " ".join(alone.output.split())
+    )
