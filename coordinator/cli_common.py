@@ -106,6 +106,11 @@ class CommonOptions:
     plugins: list[str] = field(default_factory=list)
 
     @property
+    def counted(self) -> bool:
+        """The levels come from -v's count: neither --log-level nor --quiet was given."""
+        return self.log_level is None and not self.quiet
+
+    @property
     def level(self) -> int:
         if self.log_level is not None:
             return int(getattr(logging, self.log_level.upper()))
@@ -118,13 +123,13 @@ class CommonOptions:
         """Other libraries' level (outside edge_sdk.logs.OWN_PACKAGES): INFO at -vv, where their
         DEBUG is hundreds of lines (matplotlib's fonts, markdown-it's rules) around edgefl's few
         dozen; -vvv and --log-level DEBUG show it."""
-        if self.log_level is None and not self.quiet and self.verbose == 2:
+        if self.counted and self.verbose == 2:
             return logging.INFO
         return self.level
 
     def child_args(self) -> list[str]:
         """The same options for a child process (`edgefl demo`'s coordinator and devices)."""
-        if self.log_level is None and not self.quiet and self.verbose:
+        if self.counted and self.verbose:
             args = ["-" + "v" * self.verbose]
         else:
             args = ["--log-level", logging.getLevelName(self.level)]
