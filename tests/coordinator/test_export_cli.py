@@ -366,9 +366,7 @@ def test_a_sampled_simulation_exports_the_sample_it_finalized_and_no_other_clien
     assert len(list((tmp_path / "state").glob("*.state"))) == 4
 
 
-def test_export_leaves_out_the_clients_a_sampled_run_never_finalized_unless_named(
-    tmp_path, caplog
-):
+def test_export_leaves_out_the_clients_a_sampled_run_never_finalized_unless_named(tmp_path, caplog):
     # Arrange: 4 clients, 2 of them evaluated and finalized (round.eval_clients)
     args = ["simulate", "--dataset", "digits", "--set", "data.options.size=8", "--clients", "4"]
     args += ["--rounds", "1", "--models", "mlr", "--device", "cpu", "--export-onnx"]
@@ -395,8 +393,8 @@ def test_export_leaves_out_the_clients_a_sampled_run_never_finalized_unless_name
     assert sorted(p.name for p in (tmp_path / "all").iterdir()) == [f"{c}.onnx" for c in sample]
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(
-        f"2 clients under {tmp_path / 'run'} never finalized (fml: {others[0]}, {others[1]})"
-        in m and "Name one with --client" in m
+        f"2 clients under {tmp_path / 'run'} never finalized (fml: {others[0]}, {others[1]})" in m
+        and "Name one with --client" in m
         for m in said
     ), said
     assert named.exit_code == 0, named.output
