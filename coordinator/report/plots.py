@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Final
 
 import numpy as np
-from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from coordinator.results_model import Baseline, ClientEntry, Results, RoundEntry, Split
-from model_zoo.data import PLOT_CLIENTS_MAX
+from model_zoo.data import PLOT_CLIENTS_MAX, class_bars
 from model_zoo.files import atomic_open
 
 __all__ = [
@@ -182,17 +181,8 @@ def split_figure(split: Split, arch: Mapping[str, str]) -> Figure:
     if len(shown) < len(split.clients):
         title += f" ({len(shown)} of {len(split.clients):,}; split.txt has every one)"
     axes.set_title(title)
-    palette = colormaps["tab20" if counts.shape[1] > 10 else "tab10"]
-    left = np.zeros(len(shown))
-    positions = np.arange(len(shown))
-    for k in range(counts.shape[1]):
-        if counts[:, k].any():
-            name = classes[k] if k < len(classes) else str(k)
-            axes.barh(positions, counts[:, k], left=left, color=palette(k % palette.N), label=name)
-        left += counts[:, k]
     names = [c.id for c in shown]
-    axes.set_yticks(positions, [f"{n} ({arch[n]})" if n in arch else n for n in names])
-    axes.invert_yaxis()
+    class_bars(axes, counts, [f"{n} ({arch[n]})" if n in arch else n for n in names], classes)
     axes.set_xlabel("training samples")
     if 0 < counts.shape[1] <= 20:
         figure.legend(loc="outside right upper", fontsize=8, title="class")

@@ -20,7 +20,13 @@ from .partition import (
 )
 from .registry import dataset_names, default_root, load_dataset, register_dataset
 from .schemes import register_scheme
-from .summary import PLOT_CLIENTS_MAX, format_split_table, plot_label_distribution, split_summary
+from .summary import (
+    PLOT_CLIENTS_MAX,
+    class_bars,
+    format_split_table,
+    plot_label_distribution,
+    split_summary,
+)
 
 __all__ = [
     "FEMNIST_CLASSES",
@@ -33,6 +39,7 @@ __all__ = [
     "Partition",
     "PartitionError",
     "UnknownDataset",
+    "class_bars",
     "dataset_names",
     "default_root",
     "format_split_table",

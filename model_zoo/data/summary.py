@@ -13,7 +13,13 @@ import torch
 from ..files import atomic_open
 from .partition import Partition
 
-__all__ = ["PLOT_CLIENTS_MAX", "format_split_table", "plot_label_distribution", "split_summary"]
+__all__ = [
+    "PLOT_CLIENTS_MAX",
+    "class_bars",
+    "format_split_table",
+    "plot_label_distribution",
+    "split_summary",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +85,26 @@ def format_split_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def class_bars(
+    axes: Any, counts: np.ndarray, rows: Sequence[str], class_names: Sequence[str] | None = None
+) -> None:
+    """Stacked horizontal bars on matplotlib `axes`, top to bottom: a bar per row of `counts`
+    (clients × classes) labelled by `rows`, a colour per class, named by `class_names` (else
+    its index) in the legend's handles."""
+    from matplotlib import colormaps
+
+    palette = colormaps["tab20" if counts.shape[1] > 10 else "tab10"]
+    left = np.zeros(len(counts))
+    positions = np.arange(len(counts))
+    for k in range(counts.shape[1]):
+        if counts[:, k].any():
+            name = class_names[k] if class_names and k < len(class_names) else str(k)
+            axes.barh(positions, counts[:, k], left=left, color=palette(k % palette.N), label=name)
+        left += counts[:, k]
+    axes.set_yticks(positions, list(rows))
+    axes.invert_yaxis()
+
+
 def plot_label_distribution(
     partition: Partition,
     labels: np.ndarray | torch.Tensor | Sequence[int],
@@ -89,7 +115,6 @@ def plot_label_distribution(
     class (all of the client's samples). Written atomically (`model_zoo.files`), so a reader
     never sees a half-written PNG. Returns the path."""
     # The object-oriented API with the Agg canvas: no pyplot state, no GUI backend.
-    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -104,17 +129,9 @@ def plot_label_distribution(
     fig = Figure(figsize=(9, height))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    palette = colormaps["tab20" if num_classes > 10 else "tab10"]
-    left = np.zeros(len(shown))
-    rows = np.arange(len(shown))
-    for k in range(num_classes):
-        if counts[:, k].any():
-            name = class_names[k] if class_names else str(k)
-            ax.barh(rows, counts[:, k], left=left, color=palette(k % palette.N), label=name)
-        left += counts[:, k]
-    ax.set_yticks(rows)
-    ax.set_yticklabels([str(i) for i in rows], fontsize=7 if len(shown) > 30 else 9)
-    ax.invert_yaxis()
+    class_bars(ax, counts, [str(i) for i in range(len(shown))], class_names)
+    if len(shown) > 30:
+        ax.tick_params(axis="y", labelsize=7)
     ax.set_xlabel("samples")
     ax.set_ylabel("client")
     title = f"label distribution per client ({partition.scheme})"
