@@ -8,7 +8,7 @@ whole state round-trippable through `state_dict()` / `load_state_dict()` for che
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -370,13 +370,20 @@ class GlobalModelStrategy(Strategy):
         out = self.eval_models()
         if self.student_inputs is not None:
             out[UNLABELED] = self.student_inputs
+        assert self.global_spec is not None
+        return out | {
+            peer_name(c): WireModel(self.global_spec, self.copies[c]) for c in self._offered()
+        }
+
+    def _offered(self, ids: Iterable[str] | None = None) -> list[str]:
+        """Of `ids` (default: the copies kept), those a finalize task carries: every one, or
+        `guard_peers_offered` of them, a draw seeded by the run's seed alone, in id order."""
+        ids = sorted(self.copies if ids is None else ids)
         offered = self.guard_config.guard_peers_offered if self.guard_config else 0
-        ids = sorted(self.copies)
         if len(ids) > offered:
             drawn = np.random.default_rng(self.seed).choice(len(ids), size=offered, replace=False)
             ids = [ids[i] for i in sorted(drawn)]
-        assert self.global_spec is not None
-        return out | {peer_name(c): WireModel(self.global_spec, self.copies[c]) for c in ids}
+        return ids
 
     def _require_classes(self) -> None:
         assert self.global_spec is not None
@@ -422,12 +429,10 @@ class GlobalModelStrategy(Strategy):
         out = self._combine({"global": group})["global"]
         if self.guard_config is not None and self.guard_config.guard_peers:
             # Kept for the finalize tasks (`finalize_models`): the copies aggregation took as
-            # they came, not those it had to bound (clipped, pulled in, left out by krum).
-            self.copies = {
-                cid: dict(state)
-                for cid, state in states.items()
-                if self.flags.get(cid) == before.get(cid)
-            }
+            # they came, not those it had to bound (clipped, pulled in, left out by krum); of a
+            # larger cohort, only those a finalize would carry (held and checkpointed each round).
+            kept = [cid for cid in states if self.flags.get(cid) == before.get(cid)]
+            self.copies = {cid: dict(states[cid]) for cid in self._offered(kept)}
         return out
 
     def state_dict(self) -> dict[str, Any]:

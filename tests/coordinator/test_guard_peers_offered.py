@@ -5,6 +5,7 @@ copy. And a simulation's devices report whose copies they mixed."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from tests_helpers import raises_exactly
@@ -81,6 +82,25 @@ def test_a_finalize_carries_at_most_the_offered_copies_a_draw_seeded_by_the_run(
     assert len(picks[0]) == offered and picks[0] == picks[1]  # (distinct: drawn without return)
     first = [peer_name(f"c{i}") for i in range(offered)]
     assert picks[0] != first  # drawn, not the first ones
+    # only those are held (and checkpointed) between rounds, not the whole cohort's
+    assert sorted(peer_name(c) for c in s.copies) == picks[0]
+    assert sorted(s.state_dict()["copies"]) == sorted(s.copies)
+
+
+def test_the_draw_is_the_one_made_from_every_copy_kept():
+    # Prepare: the copies of a round of 30, drawn from at the finalize as before (all held)
+    s = _strategy("fml", n=30, guard_peers=1, guard_peers_offered=7)
+    replies = _replies("fml", {f"c{i}": 0.01 * (i + 1) for i in range(30)})
+    ids = sorted(replies)
+    drawn = np.random.default_rng(0).choice(30, size=7, replace=False)  # the run's seed: 0
+
+    # Execute
+    _round(s, 1, replies)
+
+    # Assert: the same seven, held as they came
+    assert sorted(s.copies) == sorted(ids[i] for i in drawn)
+    for cid, state in s.copies.items():
+        assert all(torch.equal(state[k], v) for k, v in _moved(0.01 * (int(cid[1:]) + 1)).items())
 
 
 def test_a_copy_whose_sample_weight_was_capped_is_carried_as_it_came():
