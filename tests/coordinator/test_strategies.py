@@ -338,6 +338,10 @@ def test_a_population_refused_is_named_by_group_in_a_line():
     three = ArchSpec(family="mlr", num_classes=3, input_shape=(2,))
     with pytest.raises(IncompatibleClients, match=re.escape("but 1 client has others (3: c1)")):
         _strategy("fml", _clients(MLR, three))
+    with pytest.raises(
+        IncompatibleClients, match=re.escape("but 2 clients have others (3: c1, c2)")
+    ):
+        _strategy("fml", _clients(MLR, three, three, n=[10] * 3))
 
 
 def test_strategy_registry_refuses_duplicates_and_lists_the_known_ones():
