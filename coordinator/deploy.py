@@ -37,6 +37,7 @@ from coordinator.results import (
 from coordinator.results_model import Results
 from coordinator.run_config import RunConfig
 from coordinator.server import Coordinator
+from coordinator.strategies import strategy_class
 from edge_sdk import topics
 from edge_sdk.auth import Keyring
 from edge_sdk.client import EdgeClient, TaskOutcome
@@ -60,6 +61,22 @@ log = logging.getLogger(__name__)
 def _require_broker(cfg: RunConfig) -> None:
     if cfg.broker.url is None:
         raise ConfigError("no broker: pass --broker mqtt://host:port (or set broker.url)")
+
+
+def _require_unlabeled_file(cfg: RunConfig) -> None:
+    """Before any device registers: the unlabeled inputs the algorithm needs (FedMe's, the
+    guard's students' `guard_distill_unlabeled`) come from a file in a deployment, which has no
+    dataset to hold them out of as a simulation does."""
+    algo = cfg.algorithm_config()
+    needed = strategy_class(cfg.algorithm).unlabeled_holdout(algo)
+    if needed:
+        preset = getattr(algo, "preset", None)
+        by = f" (preset {preset!r})" if preset == "trusted" else ""
+        raise ConfigError(
+            f"{cfg.algorithm}{by} needs {needed} unlabeled inputs the coordinator holds, and a "
+            "deployment reads them from a file: name a .npy or .safetensors file of inputs in "
+            f"{cfg.algorithm}.unlabeled_path"
+        )
 
 
 class RoundsLog:
@@ -211,6 +228,7 @@ def run_coordinator(
     round in progress and raise `Interrupted` (every completed round is in the checkpoint).
     """
     _require_broker(cfg)
+    _require_unlabeled_file(cfg)
     keyring = Keyring.load(cfg.auth, topics.COORDINATOR)
     if keyring is None:
         log.warning("auth.open: messages are not signed; anyone on the broker can forge them")

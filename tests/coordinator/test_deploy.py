@@ -12,6 +12,7 @@ from tests_helpers import (
     FAST_EXPORT,
     FEDERICO,
     deploy,
+    raises_exactly,
     simulated_federico,
     tiny_config,
 )
@@ -217,6 +218,32 @@ def test_rounds_log_lists_the_checkpoints_rounds_once_keeping_lines_the_records_
     )
     assert third["acc_spread"]["n"] == 1 and third["acc_spread"]["p50"] == 0.5
     assert len(lines) == 3
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({"algorithm": "fml", "fml.preset": "trusted"}, "fml (preset 'trusted') needs 200"),
+        ({"algorithm": "fedme"}, "fedme needs 1000"),
+    ],
+)
+def test_a_coordinator_without_the_unlabeled_file_it_needs_says_so_before_waiting(
+    settings, said, tmp_path
+):
+    from coordinator.config import ConfigError, load_config
+
+    # a broker nobody listens on: the check comes before anything connects or registers
+    cfg = load_config(
+        None, {**settings, "broker.url": "mqtt://127.0.0.1:1", "out": str(tmp_path)}, None
+    )
+    with raises_exactly(
+        ConfigError,
+        f"{said} unlabeled inputs the coordinator holds, and a deployment reads them from a "
+        f"file: name a .npy or .safetensors file of inputs in {settings['algorithm']}"
+        ".unlabeled_path",
+    ):
+        run_coordinator(cfg)
+    assert not (tmp_path / "rounds.jsonl").exists()
 
 
 def test_a_password_on_the_command_line_is_refused():
