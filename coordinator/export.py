@@ -23,7 +23,13 @@ from typing import Any, Final
 import torch
 
 from coordinator.config import ConfigError, load_config
-from coordinator.federation import Federation, client_seed, client_spec, prepare_federation
+from coordinator.federation import (
+    Federation,
+    client_seed,
+    client_spec,
+    config_family,
+    prepare_federation,
+)
 from coordinator.run_config import RunConfig
 from coordinator.strategies import by_what, count_clients
 from edge_sdk.algorithms import ClientContext, algorithm_class
@@ -126,7 +132,7 @@ def _personalized(
     """(spec, model, index) of the client's personalized model, rebuilt from its state."""
     i = _index(cfg, fed, client_id)
     own = cfg.client.index == i and cfg.client.model is not None
-    family = cfg.client.model if own else cfg.models[i % len(cfg.models)]
+    family = cfg.client.model if own else config_family(cfg, i)
     assert family is not None
     device = torch.device("cpu")
     seed = client_seed(cfg.seed, i)

@@ -50,6 +50,8 @@ __all__ = [
     "build_node",
     "client_seed",
     "client_spec",
+    "config_families",
+    "config_family",
     "prepare_federation",
     "split_record",
     "split_table",
@@ -252,9 +254,14 @@ def build_coordinator(
     )
 
 
+def config_family(cfg: RunConfig, index: int) -> str:
+    """The architecture the config assigns the client at `index` (`models`, round-robin)."""
+    return cfg.models[index % len(cfg.models)]
+
+
 def config_families(cfg: RunConfig, fed: Federation) -> dict[str, str]:
-    """Each client's architecture as the config assigns it (`models`, round-robin)."""
-    return {cid: cfg.models[i % len(cfg.models)] for i, cid in enumerate(fed.client_ids)}
+    """Each client's architecture as the config assigns it (`config_family`)."""
+    return {cid: config_family(cfg, i) for i, cid in enumerate(fed.client_ids)}
 
 
 def build_node(
@@ -272,7 +279,7 @@ def build_node(
     `models` round-robin) and seed, on the config's device."""
     if not 0 <= index < len(fed.client_ids):
         raise ValueError(f"client index {index} is out of range for {len(fed.client_ids)} clients")
-    family = family or cfg.models[index % len(cfg.models)]
+    family = family or config_family(cfg, index)
     cid = client_id or fed.client_ids[index]
     return ClientNode(
         cid,
