@@ -123,7 +123,7 @@ class Strategy(ABC):
     # guard's `guard_peers` (GlobalModelStrategy).
     offers_peers: ClassVar[bool] = False
     # Its finalize tasks can carry unlabeled inputs of the coordinator's for the guard's
-    # students (`guard_distill_unlabeled`; GlobalModelStrategy, FedMe).
+    # students (`guard_distill_unlabeled`; GlobalModelStrategy, FedMe, FedeRiCo).
     carries_unlabeled: ClassVar[bool] = False
 
     def __init__(
@@ -157,6 +157,9 @@ class Strategy(ABC):
         self.rng = np.random.default_rng(seed)
         # The clients the coordinator can reach now (None: all); offline ones are not sampled.
         self.available: set[str] | None = None
+        # The inputs the finalize tasks carry for the guard's students (`guard_distill_unlabeled`;
+        # `take_student_inputs`, from `setup`).
+        self.student_inputs: WireModel | None = None
         # The most per-client entries a strategy keeps of its own history for results.json
         # (the run's `round.client_history`; the coordinator sets it).
         self.history_limit = RoundConfig().client_history
@@ -171,7 +174,7 @@ class Strategy(ABC):
             raise StrategyError(
                 f"{self.name}: guard_distill_unlabeled sends the coordinator's unlabeled inputs "
                 "with the finalize tasks, which this algorithm's coordinator does not send (fml, "
-                f"pfml, persfl and fedme do): set {self.name}.guard_distill_unlabeled = 0"
+                f"pfml, persfl, fedme and federico do): set {self.name}.guard_distill_unlabeled = 0"
             )
 
     @classmethod
@@ -222,6 +225,28 @@ class Strategy(ABC):
             drawn = np.random.default_rng(self.seed).choice(len(u), size=count, replace=False)
             u = u[torch.from_numpy(np.sort(drawn))]
         return unlabeled_model(u.float().contiguous(), classes)
+
+    def take_student_inputs(self, spec: ArchSpec) -> None:
+        """With `guard_distill_unlabeled`, draw the inputs of the coordinator's the finalize
+        tasks carry for the guard's students (`student_inputs`), for models like `spec`; a
+        strategy that `carries_unlabeled` calls it from `setup`."""
+        cfg = self.guard_config
+        if cfg is None or not cfg.guard_distill_unlabeled:
+            return
+        by = ""
+        if cfg.preset == "trusted":
+            by = f" ({cfg.guard_distill_unlabeled}: the preset 'trusted')"
+        u = self.unlabeled_set(
+            tuple(spec.input_shape),
+            f"{self.name}'s guard_distill_unlabeled{by} sends its students inputs of",
+        )
+        self.student_inputs = self.students_unlabeled(u, spec.num_classes)
+
+    def with_student_inputs(self, models: Mapping[str, WireModel]) -> dict[str, WireModel]:
+        """`models` and, where there are any, the students' inputs (`UNLABELED`)."""
+        if self.student_inputs is None:
+            return dict(models)
+        return {**models, UNLABELED: self.student_inputs}
 
     def _combine(
         self, groups: Mapping[str, list[Contribution]]
@@ -300,7 +325,8 @@ class Strategy(ABC):
         return {}
 
     def finalize_models(self) -> dict[str, WireModel]:
-        return self.eval_models()
+        """Models sent with the finalize tasks: `eval_models` and the students' inputs."""
+        return self.with_student_inputs(self.eval_models())
 
     def configure_evaluate(self, round_: int) -> dict[str, dict[str, WireModel]]:
         """Per client, the models its evaluation task carries (default: `eval_models` to all).
@@ -341,18 +367,7 @@ class GlobalModelStrategy(Strategy):
         }
         # The last aggregation's trained copies the finalize tasks offer (`guard_peers`).
         self.copies: dict[str, dict[str, torch.Tensor]] = {}
-        # The inputs the finalize tasks carry for the guard's students (`guard_distill_unlabeled`).
-        self.student_inputs: WireModel | None = None
-        cfg = self.guard_config
-        if cfg is not None and cfg.guard_distill_unlabeled:
-            by = ""
-            if cfg.preset == "trusted":
-                by = f" ({cfg.guard_distill_unlabeled}: the preset 'trusted')"
-            u = self.unlabeled_set(
-                tuple(self.global_spec.input_shape),
-                f"{self.name}'s guard_distill_unlabeled{by} sends its students inputs of",
-            )
-            self.student_inputs = self.students_unlabeled(u, self.global_spec.num_classes)
+        self.take_student_inputs(self.global_spec)
 
     @property
     def global_model(self) -> WireModel:
@@ -367,9 +382,7 @@ class GlobalModelStrategy(Strategy):
         at most `guard_peers_offered` (a draw seeded by the run's seed alone), named by client
         (`peer_name`); with `guard_distill_unlabeled`, the inputs the guard's students learn on
         (`UNLABELED`)."""
-        out = self.eval_models()
-        if self.student_inputs is not None:
-            out[UNLABELED] = self.student_inputs
+        out = self.with_student_inputs(self.eval_models())
         assert self.global_spec is not None
         return out | {
             peer_name(c): WireModel(self.global_spec, self.copies[c]) for c in self._offered()

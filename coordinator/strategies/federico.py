@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 class FedeRiCoStrategy(Strategy):
     name = "federico"
     aggregates = False
+    # No model passes through its coordinator; its finalize tasks can carry inputs of the
+    # coordinator's own for the guard's students (`guard_distill_unlabeled`).
+    carries_unlabeled = True
     config: FedeRiCoConfig
     steps = ("exchange", "update")
 
@@ -41,6 +44,7 @@ class FedeRiCoStrategy(Strategy):
         # `history_limit` entries (clients² a round): a large fleet keeps only the latest.
         self.latest: dict[str, dict[str, float]] = {}
         self.history: list[dict[str, Any]] | None = []
+        self.take_student_inputs(next(iter(self.clients.values())).spec)
 
     def configure_step(self, round_: int, step: str) -> dict[str, dict[str, WireModel]]:
         if step == "exchange":

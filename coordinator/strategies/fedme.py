@@ -41,7 +41,6 @@ from coordinator.strategies.base import (
     register_strategy,
 )
 from edge_sdk.algorithms import BaseAlgorithmConfig
-from edge_sdk.algorithms.deployment import UNLABELED
 from edge_sdk.algorithms.fedme import FedMeConfig
 from edge_sdk.codec import WireModel
 from model_zoo import ArchSpec, build
@@ -227,7 +226,7 @@ class FedMeStrategy(Strategy):
         plan = self.configure_evaluate(self.rounds)
         if self.student_inputs is None:
             return plan
-        return {cid: {**models, UNLABELED: self.student_inputs} for cid, models in plan.items()}
+        return {cid: self.with_student_inputs(models) for cid, models in plan.items()}
 
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict() | {

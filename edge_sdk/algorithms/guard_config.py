@@ -28,7 +28,7 @@ class GuardConfig(BaseModel):
     # What the federation may share with the devices for the guard's students, for a
     # federation whose clients trust each other and the coordinator that far: those of
     # `guard_peers` and `guard_distill_unlabeled` the algorithm takes (`SHARED`; FedMe the
-    # inputs alone, FedeRiCo, which sends no models, neither).
+    # inputs alone; FedeRiCo neither: its defaults met the same targets).
     trusted: ClassVar[dict[str, Any]] = {}
 
     # "paper": the algorithm exactly as published (`paper`'s values and the guard off), for
@@ -123,15 +123,15 @@ class GuardConfig(BaseModel):
     guard_peers: int = Field(0, ge=0)
     # The most trained copies one finalize task carries (a draw seeded by the run's seed).
     guard_peers_offered: int = Field(20, ge=1)
-    # [ours] FedMe, FML, PFML and PersFL: the guard's students also learn the teacher on this
-    # many of the coordinator's unlabeled inputs (`unlabeled_path`), one seeded draw of them,
-    # labelled by the teacher, beside the device's training split, for `guard_distill_epochs`
-    # epochs of both. The finalize task carries them to every device: the coordinator's inputs
-    # leave it (200 Fashion-MNIST images are 0.6 MB). Where the guard chooses on validation,
-    # each student is made twice, without them and with them, and keeps them only where it does
-    # better there (`Deployment.either`). 0: the training split alone, the default for each:
-    # it gained at the long size of benchmarks/personalization.py and was level at the quick
-    # size (docs/algorithms.md, "Defaults measured at two sizes").
+    # [ours] The guard's students also learn the teacher on this many of the coordinator's
+    # unlabeled inputs (`unlabeled_path`), one seeded draw of them, labelled by the teacher,
+    # beside the device's training split, for `guard_distill_epochs` epochs of both. The
+    # finalize task carries them to every device: the coordinator's inputs leave it (200
+    # Fashion-MNIST images are 0.6 MB). Where the guard chooses on validation, each student is
+    # made twice, without them and with them, and keeps them only where it does better there
+    # (`Deployment.either`). 0: the training split alone, the default for each: it gained at
+    # the long size of benchmarks/personalization.py and was level at the quick size
+    # (docs/algorithms.md, "Defaults measured at two sizes").
     guard_distill_unlabeled: int = Field(0, ge=0)
     # Coordinator: a .npy or .safetensors file of the unlabeled inputs it holds (FedMe clusters
     # its models on them; the guard's students learn on `guard_distill_unlabeled` of them). A

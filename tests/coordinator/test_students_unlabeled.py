@@ -1,7 +1,7 @@
 """The coordinator's unlabeled inputs for the guard's students (`guard_distill_unlabeled`) in FML,
-PFML and PersFL, as FedMe has them: one seeded draw carried by every finalize task, held out of
-a simulation's dataset unless a file names them, and refused where the coordinator sends none.
-(FedMe's own are tests/coordinator/test_fedme_strategy.py's.)"""
+PFML, PersFL and FedeRiCo, as FedMe has them: one seeded draw carried by every finalize task,
+held out of a simulation's dataset unless a file names them, and refused where the coordinator
+sends none. (FedMe's own are tests/coordinator/test_fedme_strategy.py's.)"""
 
 import numpy as np
 import pytest
@@ -36,7 +36,7 @@ def _strategy(name, unlabeled=U, seed=0, **cfg):
     return s
 
 
-@pytest.mark.parametrize("name", ["fml", "pfml", "persfl"])
+@pytest.mark.parametrize("name", ["fml", "pfml", "persfl", "federico"])
 def test_the_finalize_carries_one_seeded_draw_of_the_inputs_beside_the_global_model(name):
     # Prepare: 40 inputs held, 15 of them for the students
     s = _strategy(name, seed=3, guard_distill_unlabeled=15)
@@ -52,7 +52,8 @@ def test_the_finalize_carries_one_seeded_draw_of_the_inputs_beside_the_global_mo
     )
     rows = np.sort(np.random.default_rng(3).choice(40, size=15, replace=False))
     assert torch.equal(wire.weights["inputs"], U[torch.from_numpy(rows)])
-    assert set(plan["c1"]) == {"global", UNLABELED}
+    # (FedeRiCo's coordinator has no model to send: the inputs alone)
+    assert set(plan["c1"]) == ({UNLABELED} if name == "federico" else {"global", UNLABELED})
 
 
 @pytest.mark.parametrize(
@@ -97,15 +98,20 @@ def test_without_inputs_or_with_inputs_of_another_shape_the_run_does_not_start()
 
 
 def test_where_the_coordinator_sends_no_inputs_it_is_refused():
+    # a strategy of a plugin's, with a guard, whose finalize tasks carry no inputs
+    class Silent(strategy_class("federico")):  # type: ignore[misc, valid-type]
+        name = "silent"
+        carries_unlabeled = False
+
     info = {"c0": ClientInfo("c0", MLR, Capabilities(n_train=10, num_classes=2))}
     config = algorithm_class("federico").config_cls(guard_distill_unlabeled=5)
     with raises_exactly(
         StrategyError,
-        "federico: guard_distill_unlabeled sends the coordinator's unlabeled inputs with the "
-        "finalize tasks, which this algorithm's coordinator does not send (fml, pfml, persfl and "
-        "fedme do): set federico.guard_distill_unlabeled = 0",
+        "silent: guard_distill_unlabeled sends the coordinator's unlabeled inputs with the "
+        "finalize tasks, which this algorithm's coordinator does not send (fml, pfml, persfl, "
+        "fedme and federico do): set silent.guard_distill_unlabeled = 0",
     ):
-        strategy_class("federico")(config, clients=info, global_spec=None, rounds=3, seed=0)
+        Silent(config, clients=info, global_spec=None, rounds=3, seed=0)
 
 
 def test_the_inputs_are_held_out_unless_a_file_names_them():
@@ -114,12 +120,9 @@ def test_the_inputs_are_held_out_unless_a_file_names_them():
     assert fml.unlabeled_holdout(config(guard_distill_unlabeled=60)) == 60
     assert fml.unlabeled_holdout(config(guard_distill_unlabeled=60, unlabeled_path="u.npy")) == 0
     assert fml.unlabeled_holdout(config()) == 0
-    assert (
-        strategy_class("federico").unlabeled_holdout(
-            algorithm_class("federico").config_cls(guard_distill_unlabeled=60)
-        )
-        == 0
-    )
+    federico = algorithm_class("federico").config_cls(guard_distill_unlabeled=60)
+    assert strategy_class("federico").unlabeled_holdout(federico) == 60
+    assert strategy_class("local").unlabeled_holdout(algorithm_class("local").config_cls()) == 0
 
 
 @pytest.mark.parametrize(
@@ -142,3 +145,19 @@ def test_a_baseline_without_a_guard_holds_nothing_out_and_its_finalize_carries_n
     assert strategy_class(name).unlabeled_holdout(algorithm_class(name).config_cls()) == 0
     s = _strategy(name)
     assert all(UNLABELED not in models for models in s.configure_finalize().values())
+
+
+def test_federicos_devices_receive_the_inputs_and_say_how_many_students_kept_them():
+    # FedeRiCo's coordinator sends no models: its finalize tasks carry the inputs alone
+    from coordinator.simulator import simulate
+
+    cfg = tiny_config(
+        algorithm="federico",
+        models=["mlr", "mlp"],
+        rounds=2,
+        overrides={"federico.guard_distill_unlabeled": 30, "federico.guard_distill_epochs": 2},
+    )
+    res = simulate(cfg, progress=False)
+    assert {c.model_dump()["guard_distill_unlabeled"] for c in res.clients} == {30}
+    assert all(c.model_dump()["guard_distill_unlabeled_kept"] in (0, 1, 2) for c in res.clients)
+    assert all(c.deployed_arch == c.arch for c in res.clients)
