@@ -227,9 +227,9 @@ class Strategy(ABC):
         return unlabeled_model(u.float().contiguous(), classes)
 
     def take_student_inputs(self, spec: ArchSpec) -> None:
-        """With `guard_distill_unlabeled`, draw the inputs of the coordinator's the finalize
-        tasks carry for the guard's students (`student_inputs`), for models like `spec`; a
-        strategy that `carries_unlabeled` calls it from `setup`."""
+        """With `guard_distill_unlabeled`, draw the coordinator's inputs that the finalize tasks
+        carry for the guard's students (`student_inputs`), for models taking `spec`'s inputs;
+        a strategy that `carries_unlabeled` calls it from `setup`."""
         cfg = self.guard_config
         if cfg is None or not cfg.guard_distill_unlabeled:
             return
