@@ -161,12 +161,17 @@ PAPER = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(PAPER))
-def test_the_paper_preset_is_the_published_algorithm(name):
-    cfg = load_config(None, None, {f"{name}.preset": "paper"})
+def _with_preset(name: str, preset: str) -> tuple[dict, dict, set[str]]:
+    """The algorithm's section under `preset`, its defaults, and the fields that differ."""
+    cfg = load_config(None, None, {f"{name}.preset": preset})
     section = cfg.algorithm_config(name).model_dump()
     default = cfg.algorithm_config(name).model_validate({}).model_dump()
-    changed = {k for k in section if section[k] != default[k]} - {"preset"}
+    return section, default, {k for k in section if section[k] != default[k]} - {"preset"}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_the_paper_preset_is_the_published_algorithm(name):
+    section, default, changed = _with_preset(name, "paper")
     # exactly the published values, and nothing else moved
     assert {k: section[k] for k in PAPER[name]} == PAPER[name]
     assert changed == {k for k, v in PAPER[name].items() if default[k] != v}
@@ -186,10 +191,7 @@ TRUSTED = {
 
 @pytest.mark.parametrize("name", sorted(TRUSTED))
 def test_the_trusted_preset_shares_what_the_algorithm_can_and_moves_nothing_else(name):
-    cfg = load_config(None, None, {f"{name}.preset": "trusted"})
-    section = cfg.algorithm_config(name).model_dump()
-    default = cfg.algorithm_config(name).model_validate({}).model_dump()
-    changed = {k for k in section if section[k] != default[k]} - {"preset"}
+    section, _, changed = _with_preset(name, "trusted")
     assert changed == set(TRUSTED[name])
     assert {k: section[k] for k in TRUSTED[name]} == TRUSTED[name]
     # only what the algorithm's coordinator can send: a setting it cannot is refused at its start
