@@ -130,8 +130,7 @@ def plot_label_distribution(
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     class_bars(ax, counts, [str(i) for i in range(len(shown))], class_names)
-    if len(shown) > 30:
-        ax.tick_params(axis="y", labelsize=7)
+    ax.tick_params(axis="y", labelsize=7 if len(shown) > 30 else 9)
     ax.set_xlabel("samples")
     ax.set_ylabel("client")
     title = f"label distribution per client ({partition.scheme})"
